@@ -1,0 +1,16 @@
+"""hicached: a per-host hierarchical KV-cache daemon and its engine-side client."""
+
+from hicached.client import AsyncClient, Client, Hit, Namespace, Reservation
+from hicached.errors import HicachedError
+from hicached.namespace import NamespaceSpec
+
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "HicachedError",
+    "Hit",
+    "Namespace",
+    "NamespaceSpec",
+    "Reservation",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,5 @@
+import sys
+
+from hicached.cli import main
+
+sys.exit(main())

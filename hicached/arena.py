@@ -1,0 +1,90 @@
+"""The shared-memory arena: one tmpfs file mapped by the daemon and every client.
+
+The daemon creates it (mode 0600, prefaulted with MAP_POPULATE) and unlinks it
+at shutdown; clients map the same file by path. Its name is derived from the
+daemon's runtime directory, so a restarted daemon replaces the file of a
+crashed predecessor instead of leaking it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from hicached.errors import DaemonUnavailable, HicachedError
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+
+
+def arena_path(shm_dir: str, runtime_dir: Path) -> Path:
+    tag = xxhash.xxh3_64_hexdigest(str(runtime_dir.resolve()).encode())
+    return Path(shm_dir) / f"hicached-{os.getuid()}-{tag}.pool"
+
+
+class Arena:
+    """A mapping of the pool file; ``array`` is a zero-copy uint8 view."""
+
+    def __init__(self, path: Path, size: int, mapping: mmap.mmap, owner: bool) -> None:
+        self.path = path
+        self.size = size
+        self._mmap = mapping
+        self.owner = owner
+        self.array = np.frombuffer(mapping, dtype=np.uint8, count=size)
+
+    @classmethod
+    def create(cls, path: Path, size: int, populate: bool = True) -> Arena:
+        """Create (replacing any stale file) and map the arena; daemon side."""
+        try:
+            path.unlink(missing_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise HicachedError(f"cannot create the pool file {path}: {exc.strerror}") from None
+        try:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                path.unlink(missing_ok=True)
+                raise HicachedError(
+                    f"cannot reserve {size} bytes for the pool in {path.parent}: {exc.strerror} "
+                    "(lower pool.size_mib or enlarge the tmpfs)"
+                ) from None
+            flags = mmap.MAP_SHARED | (_POPULATE if populate else 0)
+            mapping = mmap.mmap(fd, size, flags=flags)
+        finally:
+            os.close(fd)
+        return cls(path, size, mapping, owner=True)
+
+    @classmethod
+    def attach(cls, path: str, size: int, populate: bool = True) -> Arena:
+        """Map an existing arena; client side."""
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            raise DaemonUnavailable(f"cannot open the pool file {path}: {exc.strerror}") from None
+        try:
+            actual = os.fstat(fd).st_size
+            if actual < size:
+                raise DaemonUnavailable(f"pool file {path} has {actual} bytes, expected {size}")
+            flags = mmap.MAP_SHARED | (_POPULATE if populate else 0)
+            mapping = mmap.mmap(fd, size, flags=flags)
+        finally:
+            os.close(fd)
+        return cls(Path(path), size, mapping, owner=False)
+
+    def rows(self, page_bytes: int) -> np.ndarray:
+        """The arena as rows of ``page_bytes``: slot ``offset`` is row ``offset // page_bytes``."""
+        n = self.size // page_bytes
+        return self.array[: n * page_bytes].reshape(n, page_bytes)
+
+    def close(self) -> None:
+        """Drop the mapping (views must be gone) and, for the owner, the file."""
+        self.array = np.empty(0, dtype=np.uint8)
+        with contextlib.suppress(BufferError):  # a view still exists: it ends with the process
+            self._mmap.close()
+        if self.owner:
+            self.path.unlink(missing_ok=True)

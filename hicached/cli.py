@@ -1,0 +1,120 @@
+"""The ``hicached`` command: serve, status, check-config, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+import msgspec
+
+from hicached.config import load_config
+from hicached.errors import HicachedError
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    logging.basicConfig(
+        level=config.log.level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from hicached.server import serve
+
+    serve(config)
+    return 0
+
+
+def _cmd_check_config(args: argparse.Namespace) -> int:
+    load_config(args.path)
+    print(f"{args.path}: ok")
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from hicached.client import Client
+
+    with Client(args.endpoint, timeout=args.timeout, name="hicached-status") as client:
+        stats = client.stats()
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(stats), indent=2, sort_keys=True))
+        return 0
+    mib = 1 << 20
+    used_pct = 100.0 * stats.pool_used_bytes / stats.pool_bytes if stats.pool_bytes else 0.0
+    lines = [
+        f"hicached at {client.endpoint} (instance {stats.instance:x}, up {stats.uptime_s:.0f}s)",
+        f"pool:       {stats.pool_bytes / mib:.1f} MiB, used {stats.pool_used_bytes / mib:.1f} MiB "
+        f"({used_pct:.1f}%), free {stats.pool_free_bytes / mib:.1f} MiB",
+        f"pages:      {stats.pages} indexed, {stats.pinned_pages} pinned, "
+        f"{stats.reserved_pages} reserved, {stats.evicted_pages} evicted",
+        f"namespaces: {stats.namespaces}   clients: {stats.clients}   leases: {stats.leases} "
+        f"({stats.expired_leases} expired)",
+        "requests:   " + _pairs(stats.requests),
+        "errors:     " + _pairs(stats.errors),
+        "dropped:    " + _pairs(stats.dropped),
+    ]
+    print("\n".join(lines))
+    return 0
+
+
+def _pairs(counts: dict[str, int]) -> str:
+    return " ".join(f"{key}={value}" for key, value in sorted(counts.items())) or "none"
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from hicached.bench import run_bench
+
+    result = run_bench(args.which, args)
+    if args.json:
+        print(json.dumps(result, indent=2, sort_keys=True))
+    else:
+        for name, value in sorted(result["figures"].items()):
+            print(f"{name:24} {value}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hicached", description="Hierarchical KV-cache daemon.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the daemon in the foreground")
+    serve.add_argument("--config", help="TOML config file (default: built-in defaults)")
+    serve.set_defaults(func=_cmd_serve)
+
+    status = sub.add_parser("status", help="show what a running daemon holds")
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.add_argument(
+        "--endpoint", help="daemon endpoint (default: $HICACHED_ENDPOINT or the default ipc socket)"
+    )
+    status.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the daemon")
+    status.set_defaults(func=_cmd_status)
+
+    check = sub.add_parser("check-config", help="validate a config file")
+    check.add_argument("path")
+    check.set_defaults(func=_cmd_check_config)
+
+    bench = sub.add_parser("bench", help="run a benchmark and print its figures")
+    bench.add_argument("which", choices=["control", "data"])
+    bench.add_argument("--json", action="store_true", help="print one JSON object")
+    bench.add_argument("--endpoint", help="use this daemon instead of the default one")
+    bench.add_argument("--requests", type=int, default=2000, help="timed requests per client")
+    bench.add_argument("--pages", type=int, default=256, help="data: pages per copy")
+    bench.add_argument("--page-bytes", type=int, default=65536, help="data: bytes per page")
+    bench.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except HicachedError as exc:
+        print(f"hicached {args.command}: {exc.message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""Typed configuration: one schema, defaults in one place, errors with key paths.
+
+``config/hicached.toml`` lists every key below with its default; a test keeps
+the two in step. Unknown keys, wrong types and impossible values raise
+ConfigError naming the key, e.g. ``pool.size_mib: ... - at `$.pool```.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+import sys
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import msgspec
+
+from hicached.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+MIB = 1 << 20
+
+_Section = {"kw_only": True, "forbid_unknown_fields": True}
+
+
+def check_endpoint(endpoint: str) -> None:
+    """Accept ipc:// with an absolute path, or tcp:// on a loopback address only."""
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://") :]
+        if path.startswith("@"):
+            raise ValueError(
+                f"endpoint {endpoint!r}: abstract ipc sockets accept any local user; "
+                "use a path inside a private directory"
+            )
+        if not path.startswith("/"):
+            raise ValueError(f"endpoint {endpoint!r}: the ipc path must be absolute")
+        return
+    if endpoint.startswith("tcp://"):
+        parts = urlsplit(endpoint)
+        host = parts.hostname or ""
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if port is None or port == 0:
+            raise ValueError(
+                f"endpoint {endpoint!r}: give an explicit port, like tcp://127.0.0.1:5557"
+            )
+        if host != "localhost":
+            try:
+                loopback = ipaddress.ip_address(host).is_loopback
+            except ValueError:
+                loopback = False
+            if not loopback:
+                raise ValueError(
+                    f"endpoint {endpoint!r}: tcp is allowed on loopback only "
+                    "(127.0.0.0/8, ::1 or localhost)"
+                )
+        return
+    raise ValueError(f"endpoint {endpoint!r}: use ipc:///absolute/path or tcp://127.0.0.1:PORT")
+
+
+class ServerConfig(msgspec.Struct, **_Section):
+    """The control socket and the bounds on what one message or client may ask."""
+
+    # "" = ipc://<runtime_dir>/hicached.sock; tcp:// only on loopback.
+    endpoint: str = ""
+    # "" = $XDG_RUNTIME_DIR/hicached, else /tmp/hicached-<uid>; created 0700.
+    runtime_dir: str = ""
+    # Larger messages get a too_large error reply and are counted.
+    max_message_bytes: int = 1 * MIB
+    # Pages one reserve or match may cover; longer sequences are cut there.
+    max_pages_per_request: int = 16384
+    # Distinct client sessions held at once; a hello beyond it is refused.
+    max_clients: int = 1024
+    # A session with no request and no lease for this long is forgotten.
+    session_idle_s: float = 600.0
+    # ZeroMQ high-water mark (messages) for each direction of the socket.
+    hwm: int = 10000
+    # Messages handled per wake-up before yielding to other tasks.
+    drain_batch: int = 256
+
+    def __post_init__(self) -> None:
+        if self.endpoint:
+            check_endpoint(self.endpoint)
+        if self.runtime_dir and not self.runtime_dir.startswith("/"):
+            raise ValueError("runtime_dir must be an absolute path")
+        if self.max_message_bytes < 4096:
+            raise ValueError("max_message_bytes must be at least 4096")
+        _positive(self, "max_pages_per_request", "max_clients", "hwm", "drain_batch")
+        if self.session_idle_s <= 0:
+            raise ValueError("session_idle_s must be positive")
+
+
+class PoolConfig(msgspec.Struct, **_Section):
+    """The shared host-memory (L2) arena."""
+
+    # Total arena size in MiB; the daemon prefaults all of it at start.
+    size_mib: int = 1024
+    # Each page size draws whole slabs of this many MiB from the arena.
+    slab_mib: int = 64
+    # Largest page a namespace may declare, in bytes (at most one slab).
+    max_page_bytes: int = 4 * MIB
+    # Directory (a tmpfs) holding the arena file; the file is mode 0600.
+    shm_dir: str = "/dev/shm"
+    # Prefault the arena (MAP_POPULATE) so first copies run at memcpy speed.
+    populate: bool = True
+    # Namespaces registered at once; one more is refused.
+    max_namespaces: int = 256
+
+    def __post_init__(self) -> None:
+        _positive(self, "size_mib", "slab_mib", "max_page_bytes", "max_namespaces")
+        if self.max_page_bytes > self.slab_mib * MIB:
+            raise ValueError(
+                f"max_page_bytes ({self.max_page_bytes}) is larger than one slab "
+                f"({self.slab_mib} MiB): raise slab_mib or lower max_page_bytes"
+            )
+        if self.size_mib < self.slab_mib:
+            raise ValueError(
+                f"size_mib ({self.size_mib}) is smaller than one slab ({self.slab_mib} MiB), "
+                "so not even one page fits: raise size_mib or lower slab_mib"
+            )
+        if not self.shm_dir.startswith("/"):
+            raise ValueError("shm_dir must be an absolute path")
+
+
+class LeaseConfig(msgspec.Struct, **_Section):
+    """Leases pin slots while a client reads or writes them."""
+
+    # A lease not committed or released within this many seconds expires.
+    ttl_s: float = 30.0
+    # Open leases at once, over all clients; one more is refused.
+    max_leases: int = 65536
+    # How often expired leases are looked for, in seconds.
+    sweep_interval_s: float = 0.25
+
+    def __post_init__(self) -> None:
+        if self.ttl_s <= 0 or self.sweep_interval_s <= 0:
+            raise ValueError("ttl_s and sweep_interval_s must be positive")
+        _positive(self, "max_leases")
+
+
+class StorageConfig(msgspec.Struct, **_Section):
+    """Where the daemon keeps files of its own."""
+
+    # "" = $STATE_DIRECTORY, else $XDG_STATE_HOME/hicached, else ~/.local/state/hicached.
+    data_dir: str = ""
+
+    def __post_init__(self) -> None:
+        if self.data_dir and not self.data_dir.startswith("/"):
+            raise ValueError("data_dir must be an absolute path")
+
+
+class LogConfig(msgspec.Struct, **_Section):
+    """Logging to stderr (the journal under systemd)."""
+
+    # One of debug, info, warning, error.
+    level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.level not in ("debug", "info", "warning", "error"):
+            raise ValueError("level must be one of debug, info, warning, error")
+
+
+class Config(msgspec.Struct, **_Section):
+    """The whole daemon configuration; every section is optional."""
+
+    server: ServerConfig = msgspec.field(default_factory=ServerConfig)
+    pool: PoolConfig = msgspec.field(default_factory=PoolConfig)
+    leases: LeaseConfig = msgspec.field(default_factory=LeaseConfig)
+    storage: StorageConfig = msgspec.field(default_factory=StorageConfig)
+    log: LogConfig = msgspec.field(default_factory=LogConfig)
+
+
+def _positive(section: object, *names: str) -> None:
+    for name in names:
+        if getattr(section, name) <= 0:
+            raise ValueError(f"{name} must be positive, got {getattr(section, name)}")
+
+
+def parse_config(text: str | bytes, source: str = "<config>") -> Config:
+    """Decode TOML text into a Config or raise ConfigError naming the key."""
+    raw = text.encode() if isinstance(text, str) else text
+    try:
+        tomllib.loads(raw.decode())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    try:
+        return msgspec.toml.decode(raw, type=Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"{source}: {_with_dotted_path(str(exc))}") from None
+
+
+def load_config(path: str | os.PathLike[str] | None) -> Config:
+    """Read a TOML file, or return the built-in defaults when ``path`` is None."""
+    if path is None:
+        return Config()
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
+    return parse_config(data, str(path))
+
+
+def _with_dotted_path(message: str) -> str:
+    """Turn msgspec's "... - at `$.pool`" into "pool.size_mib: ..." when it can.
+
+    Checks in ``__post_init__`` start their message with the field name, which
+    is folded into the path; msgspec's own unknown-field message names the key.
+    """
+    text, sep, where = message.rpartition(" - at `")
+    path = where.rstrip("`").removeprefix("$").lstrip(".") if sep else ""
+    if not sep:
+        text = message
+    unknown = re.fullmatch(r"Object contains unknown field `([^`]+)`", text)
+    if unknown:
+        key = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
+        return f"{key}: unknown key (check its spelling and section in config/hicached.toml)"
+    field = re.match(r"([a-z_]+) ", text)
+    if field and path:
+        return f"{path}.{field.group(1)}: {text}"
+    return f"{path}: {text}" if path else text
+
+
+def runtime_dir(config: Config) -> Path:
+    """The private directory for the ipc socket (created by the daemon, mode 0700)."""
+    if config.server.runtime_dir:
+        return Path(config.server.runtime_dir)
+    return default_runtime_dir()
+
+
+def default_runtime_dir() -> Path:
+    base = os.environ.get("RUNTIME_DIRECTORY") or os.environ.get("XDG_RUNTIME_DIR")
+    if base:
+        return Path(base.split(":")[0]) / "hicached"
+    return Path(f"/tmp/hicached-{os.getuid()}")
+
+
+def endpoint(config: Config) -> str:
+    return config.server.endpoint or f"ipc://{runtime_dir(config)}/hicached.sock"
+
+
+def default_endpoint() -> str:
+    """What a client connects to: $HICACHED_ENDPOINT, else the default ipc socket."""
+    return os.environ.get("HICACHED_ENDPOINT") or f"ipc://{default_runtime_dir()}/hicached.sock"
+
+
+def data_dir(config: Config) -> Path:
+    if config.storage.data_dir:
+        return Path(config.storage.data_dir)
+    if os.environ.get("STATE_DIRECTORY"):
+        return Path(os.environ["STATE_DIRECTORY"].split(":")[0])
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "hicached"

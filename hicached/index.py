@@ -1,0 +1,200 @@
+"""The L2 page index: a compressed radix tree over chained page keys.
+
+Synchronous, owned by the event-loop thread, no I/O. One index serves all
+namespaces of one page size (keys are seeded by the namespace digest, so
+namespaces never collide) and orders their pages for eviction.
+
+Invariants:
+- the pages in the tree are prefix-closed: a page is present only if its
+  parent page is, so a match never skips a hole;
+- eviction takes pages from the tail of the least recently used leaf, so it
+  keeps that property; a pinned page stops eviction of its leaf until the pin
+  is dropped (pins are prefix-closed too, as every lease pins a prefix).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Mapping, Sequence
+
+
+class Node:
+    """A run of pages: ``keys[i]`` is stored in slot ``slots[i]``."""
+
+    __slots__ = ("alive", "children", "keys", "parent", "slots", "tick")
+
+    def __init__(self, keys: list[bytes], slots: list[int], parent: Node | None, tick: int) -> None:
+        self.keys = keys
+        self.slots = slots
+        self.parent = parent
+        self.children: dict[bytes, Node] = {}
+        self.tick = tick
+        self.alive = True
+
+    def __repr__(self) -> str:
+        return f"Node(pages={len(self.keys)}, children={len(self.children)}, tick={self.tick})"
+
+
+def _common(run: list[bytes], keys: Sequence[bytes], start: int) -> int:
+    """Length of the common prefix of ``run`` and ``keys[start:]``."""
+    n = len(run)
+    if run == keys[start : start + n]:
+        return n
+    m = 0
+    limit = min(n, len(keys) - start)
+    while m < limit and run[m] == keys[start + m]:
+        m += 1
+    return m
+
+
+class PageIndex:
+    """Which pages are in L2, in which slots, and which to evict first."""
+
+    def __init__(self) -> None:
+        self.root = Node([], [], None, 0)
+        self.pages = 0
+        self.node_of: dict[int, Node] = {}
+        self._tick = 0
+        self._heap: list[tuple[int, int, Node]] = []
+        self._seq = itertools.count()
+
+    # -- queries -------------------------------------------------------------
+
+    def match(self, keys: Sequence[bytes]) -> list[int]:
+        """Slots of the leading pages of ``keys`` that are present; marks them used."""
+        self._tick += 1
+        tick = self._tick
+        node = self.root
+        out: list[int] = []
+        i, n = 0, len(keys)
+        while i < n:
+            child = node.children.get(keys[i])
+            if child is None:
+                break
+            m = _common(child.keys, keys, i)
+            child.tick = tick
+            out.extend(child.slots[:m] if m < len(child.slots) else child.slots)
+            i += m
+            node = child
+            if m < len(child.keys):
+                break
+        if node is not self.root and not node.children:
+            self._push(node)
+        return out
+
+    def __contains__(self, key: bytes) -> bool:  # for tests and checks; O(pages)
+        return any(key in node.keys for node in self.nodes())
+
+    def nodes(self) -> list[Node]:
+        out: list[Node] = []
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
+    # -- updates ---------------------------------------------------------------
+
+    def insert(self, keys: Sequence[bytes], slots: Sequence[int]) -> tuple[int, list[int]]:
+        """Insert pages ``keys`` stored in ``slots``; leading pages may exist already.
+
+        Returns ``(published, unused)``: how many pages are new, and the given
+        slots that were not needed because that page already had another slot.
+        """
+        assert len(keys) == len(slots), "one slot per key"
+        self._tick += 1
+        tick = self._tick
+        node = self.root
+        unused: list[int] = []
+        i, n = 0, len(keys)
+        while i < n:
+            child = node.children.get(keys[i])
+            if child is None:
+                leaf = Node(list(keys[i:]), list(slots[i:]), node, tick)
+                node.children[keys[i]] = leaf
+                for slot in leaf.slots:
+                    self.node_of[slot] = leaf
+                self.pages += n - i
+                self._push(leaf)
+                return n - i, unused
+            m = _common(child.keys, keys, i)
+            child.tick = tick
+            for have, given in zip(child.slots[:m], slots[i : i + m], strict=True):
+                if have != given:
+                    unused.append(given)
+            i += m
+            if m < len(child.keys):
+                if i == n:
+                    node = child
+                    break
+                child = self._split(child, m)
+            node = child
+        if node is not self.root and not node.children:
+            self._push(node)
+        return 0, unused
+
+    def _split(self, node: Node, at: int) -> Node:
+        """Cut ``node`` after ``at`` pages; the new parent holds the head, ``node`` the tail."""
+        parent = node.parent
+        assert parent is not None and 0 < at < len(node.keys), "split inside a run only"
+        head = Node(node.keys[:at], node.slots[:at], parent, node.tick)
+        parent.children[head.keys[0]] = head
+        node.keys = node.keys[at:]
+        node.slots = node.slots[at:]
+        node.parent = head
+        head.children[node.keys[0]] = node
+        for slot in head.slots:
+            self.node_of[slot] = head
+        return head
+
+    def evict(self, count: int, pins: Mapping[int, int]) -> list[int]:
+        """Remove up to ``count`` unpinned pages, least recently used leaf first.
+
+        Returns their slots, in eviction order; the caller frees them.
+        """
+        out: list[int] = []
+        heap = self._heap
+        while len(out) < count and heap:
+            tick, _, node = heapq.heappop(heap)
+            if not node.alive or node.children or node.tick != tick:
+                continue  # stale entry
+            first = node.keys[0]
+            while node.slots and len(out) < count:
+                slot = node.slots[-1]
+                if slot in pins:
+                    break
+                node.slots.pop()
+                node.keys.pop()
+                del self.node_of[slot]
+                out.append(slot)
+            if not node.slots:
+                self._remove(node, first)
+            elif len(out) >= count and node.slots[-1] not in pins:
+                self._push(node)
+            # else: its tail is pinned; unpinned() pushes it again
+        self.pages -= len(out)
+        return out
+
+    def _remove(self, node: Node, first: bytes) -> None:
+        parent = node.parent
+        assert parent is not None, "the root is never removed"
+        del parent.children[first]
+        node.alive = False
+        node.parent = None
+        if parent is not self.root and not parent.children:
+            self._push(parent)
+
+    def unpinned(self, slot: int) -> None:
+        """A slot lost its last pin: its leaf may be evictable again."""
+        node = self.node_of.get(slot)
+        if node is not None and not node.children:
+            self._push(node)
+
+    def _push(self, node: Node) -> None:
+        heap = self._heap
+        heapq.heappush(heap, (node.tick, next(self._seq), node))
+        if len(heap) > 2 * self.pages + 1024:
+            self._heap = [(n.tick, next(self._seq), n) for n in self.nodes() if not n.children]
+            heapq.heapify(self._heap)

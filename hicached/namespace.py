@@ -1,0 +1,110 @@
+"""Namespaces: everything that makes two caches' bytes incompatible.
+
+A namespace names one KV shard of one model build for one tenant. Its
+canonical text (see docs/keys.md) is hashed with xxh3_128 into a 16-byte
+digest that seeds the page-key chain, so two namespaces never share a key.
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+import xxhash
+
+from hicached.errors import InvalidNamespace
+
+# Model ids look like "org/name"; every part must be safe in a path and a metric label.
+_MODEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}(/[A-Za-z0-9][A-Za-z0-9._-]{0,127})?")
+_TOKEN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_LOWER_RE = re.compile(r"[a-z0-9][a-z0-9_]{0,63}")
+
+MAX_PAGE_TOKENS = 1 << 16
+
+
+class NamespaceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a client registers before it stores or matches pages.
+
+    ``replicated`` marks KV that is identical on every TP rank (MLA-style):
+    all TP ranks then share one namespace and the TP coordinates are left out
+    of the digest.
+    """
+
+    model: str
+    revision: str = "main"
+    kv_dtype: str
+    layout: str
+    page_tokens: int
+    page_bytes: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    cp_rank: int = 0
+    cp_size: int = 1
+    pp_stage: int = 0
+    pp_size: int = 1
+    replicated: bool = False
+    tenant: str = "default"
+
+
+def validate_spec(spec: NamespaceSpec, max_page_bytes: int) -> None:
+    """Raise InvalidNamespace with an actionable sentence if ``spec`` is unusable."""
+    if not _MODEL_RE.fullmatch(spec.model) or ".." in spec.model:
+        raise InvalidNamespace(
+            f"model {spec.model!r} is not allowed: use letters, digits, '.', '_', '-' "
+            "and at most one '/' (like 'org/name'), 128 characters a part"
+        )
+    for name in ("revision", "tenant"):
+        value = getattr(spec, name)
+        if not _TOKEN_RE.fullmatch(value) or ".." in value:
+            raise InvalidNamespace(
+                f"{name} {value!r} is not allowed: use 1-64 letters, digits, '.', '_' or '-', "
+                "starting with a letter or digit"
+            )
+    for name in ("kv_dtype", "layout"):
+        value = getattr(spec, name)
+        if not _LOWER_RE.fullmatch(value):
+            raise InvalidNamespace(
+                f"{name} {value!r} is not allowed: use 1-64 lower-case letters, digits or '_'"
+            )
+    if not 1 <= spec.page_tokens <= MAX_PAGE_TOKENS:
+        raise InvalidNamespace(
+            f"page_tokens must be in 1..{MAX_PAGE_TOKENS}, got {spec.page_tokens}"
+        )
+    if not 1 <= spec.page_bytes <= max_page_bytes:
+        raise InvalidNamespace(
+            f"page_bytes must be in 1..{max_page_bytes} (the daemon's pool.max_page_bytes), "
+            f"got {spec.page_bytes}"
+        )
+    for rank_name, size_name in (
+        ("tp_rank", "tp_size"),
+        ("cp_rank", "cp_size"),
+        ("pp_stage", "pp_size"),
+    ):
+        rank, size = getattr(spec, rank_name), getattr(spec, size_name)
+        if not (size >= 1 and 0 <= rank < size):
+            raise InvalidNamespace(
+                f"{rank_name}={rank} must be in 0..{size_name}-1 ({size_name}={size})"
+            )
+
+
+def canonical_text(spec: NamespaceSpec) -> str:
+    """The exact text whose xxh3_128 digest seeds the key chain (docs/keys.md)."""
+    tp = "replicated" if spec.replicated else f"{spec.tp_rank}/{spec.tp_size}"
+    return (
+        "hicached-namespace-v1\n"
+        f"model={spec.model}\n"
+        f"revision={spec.revision}\n"
+        f"kv_dtype={spec.kv_dtype}\n"
+        f"layout={spec.layout}\n"
+        f"page_tokens={spec.page_tokens}\n"
+        f"page_bytes={spec.page_bytes}\n"
+        f"tp={tp}\n"
+        f"cp={spec.cp_rank}/{spec.cp_size}\n"
+        f"pp={spec.pp_stage}/{spec.pp_size}\n"
+        f"tenant={spec.tenant}\n"
+    )
+
+
+def namespace_digest(spec: NamespaceSpec) -> bytes:
+    """16-byte digest of the namespace: the parent of its first page key."""
+    return xxhash.xxh3_128_digest(canonical_text(spec).encode())

@@ -1,0 +1,120 @@
+"""The L2 slot allocator: fixed-size page slots carved from slabs of one arena.
+
+Synchronous and free of I/O; the arena's bytes live elsewhere (arena.py).
+A slot is named by its byte offset in the arena. Each page size is a *class*
+that draws whole slabs from the arena; a slab goes back to the arena as soon
+as all its slots are free again, so page sizes share the arena over time.
+
+Slots are aligned to their page size across the whole arena, so a client can
+view the arena as rows of ``page_bytes`` and copy many pages in one call
+(row = offset // page_bytes). Pins count readers and writers of a slot; a
+pinned slot is never freed (that is an assertion, not a policy).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+
+class _SizeClass:
+    __slots__ = ("page_bytes", "partial", "slots_per_slab", "used")
+
+    def __init__(self, page_bytes: int) -> None:
+        self.page_bytes = page_bytes
+        # slab id -> free slot offsets of that slab, highest first (pop gives the lowest)
+        self.partial: dict[int, list[int]] = {}
+        self.used = 0
+        self.slots_per_slab = 0
+
+
+class SlotPool:
+    """Allocates page slots; knows nothing of keys, leases or the index."""
+
+    def __init__(self, arena_bytes: int, slab_bytes: int) -> None:
+        assert slab_bytes > 0 and arena_bytes >= slab_bytes, "arena must hold at least one slab"
+        self.arena_bytes = arena_bytes
+        self.slab_bytes = slab_bytes
+        self.n_slabs = arena_bytes // slab_bytes
+        self._free_slabs = list(range(self.n_slabs))  # a heap: lowest slab first
+        self._slab_class: list[_SizeClass | None] = [None] * self.n_slabs
+        self._slab_used = [0] * self.n_slabs
+        self._classes: dict[int, _SizeClass] = {}
+        self.pins: dict[int, int] = {}
+
+    # -- allocation ------------------------------------------------------
+
+    def alloc(self, page_bytes: int) -> int | None:
+        """Offset of a free slot of ``page_bytes``, or None when no slab has room."""
+        cls = self._classes.get(page_bytes)
+        if cls is None:
+            cls = self._classes[page_bytes] = _SizeClass(page_bytes)
+        if not cls.partial and not self._carve(cls):
+            return None
+        slab, free = next(iter(cls.partial.items()))
+        offset = free.pop()
+        if not free:
+            del cls.partial[slab]
+        self._slab_used[slab] += 1
+        cls.used += 1
+        return offset
+
+    def free(self, offset: int) -> None:
+        """Return a slot; its slab goes back to the arena when it is empty."""
+        assert offset not in self.pins, f"slot {offset} freed while pinned"
+        slab = offset // self.slab_bytes
+        cls = self._slab_class[slab]
+        assert cls is not None and (offset - slab * self.slab_bytes) >= 0, (
+            f"slot {offset} is not allocated"
+        )
+        self._slab_used[slab] -= 1
+        cls.used -= 1
+        if self._slab_used[slab] == 0:
+            cls.partial.pop(slab, None)
+            self._slab_class[slab] = None
+            heapq.heappush(self._free_slabs, slab)
+        else:
+            cls.partial.setdefault(slab, []).append(offset)
+
+    def _carve(self, cls: _SizeClass) -> bool:
+        if not self._free_slabs:
+            return False
+        slab = heapq.heappop(self._free_slabs)
+        base = slab * self.slab_bytes
+        end = base + self.slab_bytes
+        pb = cls.page_bytes
+        first = -(-base // pb) * pb  # align to the page size across the arena
+        offsets = list(range(first, end - pb + 1, pb))
+        assert offsets, f"slab of {self.slab_bytes} bytes holds no page of {pb} bytes"
+        offsets.reverse()
+        cls.partial[slab] = offsets
+        cls.slots_per_slab = max(cls.slots_per_slab, len(offsets))
+        self._slab_class[slab] = cls
+        return True
+
+    # -- pins ------------------------------------------------------------
+
+    def pin(self, offset: int) -> None:
+        self.pins[offset] = self.pins.get(offset, 0) + 1
+
+    def unpin(self, offset: int) -> bool:
+        """Drop one pin; True when the slot is no longer pinned."""
+        count = self.pins[offset] - 1
+        if count:
+            self.pins[offset] = count
+            return False
+        del self.pins[offset]
+        return True
+
+    # -- figures -----------------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(cls.used * cls.page_bytes for cls in self._classes.values())
+
+    @property
+    def free_slabs(self) -> int:
+        return len(self._free_slabs)
+
+    def used_slots(self, page_bytes: int) -> int:
+        cls = self._classes.get(page_bytes)
+        return cls.used if cls else 0

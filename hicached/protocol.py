@@ -1,0 +1,177 @@
+"""The wire: tagged msgspec Structs over ZeroMQ, one payload frame per message.
+
+A client's DEALER sends ``[payload]``; the daemon's ROUTER sees
+``[routing_id, payload]`` and answers ``[routing_id, payload]``. Payloads are
+msgpack maps whose ``op`` field names the message. Page bytes never travel
+here: only control messages and slot offsets into the shared pool. See
+docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from hicached.errors import HicachedError, error_from_code
+from hicached.namespace import NamespaceSpec
+
+PROTOCOL_MAJOR = 1
+PROTOCOL_MINOR = 0
+
+
+class Request(msgspec.Struct, tag_field="op", kw_only=True, forbid_unknown_fields=True):
+    """Fields every request carries.
+
+    ``id`` is the client's request id, echoed in the reply. ``deadline_ms`` is
+    an absolute wall-clock time (Unix ms) after which the client no longer
+    waits; the daemon drops such requests unanswered. 0 means none.
+    """
+
+    id: int
+    deadline_ms: int = 0
+
+
+class Hello(Request, tag="hello"):
+    major: int
+    minor: int
+    client: str = ""
+    pid: int = 0
+
+
+class RegisterNamespace(Request, tag="register"):
+    spec: NamespaceSpec
+
+
+class Reserve(Request, tag="reserve"):
+    """Ask for slots for the pages of ``tokens`` (packed uint32 LE) not yet in L2."""
+
+    ns: int
+    tokens: bytes
+
+
+class Commit(Request, tag="commit"):
+    """Publish the first ``pages`` reserved slots (-1: all of them); free the rest."""
+
+    lease: int
+    pages: int = -1
+
+
+class Match(Request, tag="match"):
+    """How many leading pages of ``tokens`` are in L2; with ``lease``, pin them."""
+
+    ns: int
+    tokens: bytes
+    lease: bool = True
+
+
+class Release(Request, tag="release"):
+    """End a lease: unpin a match, or abort a reservation (its slots are freed)."""
+
+    lease: int
+
+
+class Stats(Request, tag="stats"):
+    pass
+
+
+AnyRequest = Hello | RegisterNamespace | Reserve | Commit | Match | Release | Stats
+
+
+class Reply(msgspec.Struct, tag_field="op", kw_only=True, forbid_unknown_fields=True):
+    id: int
+
+
+class HelloOk(Reply, tag="hello_ok"):
+    major: int
+    minor: int
+    instance: int
+    session: int
+    pool_path: str
+    pool_bytes: int
+    lease_ttl_s: float
+    max_message_bytes: int
+    max_pages_per_request: int
+
+
+class NamespaceOk(Reply, tag="namespace_ok"):
+    ns: int
+    digest: bytes
+
+
+class ReserveOk(Reply, tag="reserve_ok"):
+    """``present`` leading pages are already in L2 (skip them); ``offsets`` are
+    arena byte offsets for the next ``len(offsets)`` pages. ``pool_full`` says the
+    pool could not give a slot for every missing page."""
+
+    lease: int
+    present: int
+    offsets: list[int]
+    pool_full: bool = False
+
+
+class CommitOk(Reply, tag="commit_ok"):
+    """``published`` pages entered the index; ``duplicates`` were already there."""
+
+    published: int
+    duplicates: int
+
+
+class MatchOk(Reply, tag="match_ok"):
+    hits: int
+    offsets: list[int]
+    lease: int = 0
+
+
+class Ok(Reply, tag="ok"):
+    pass
+
+
+class DaemonStats(msgspec.Struct, kw_only=True):
+    instance: int
+    uptime_s: float
+    pool_bytes: int
+    pool_used_bytes: int
+    pool_free_bytes: int
+    slab_bytes: int
+    pages: int
+    pinned_pages: int
+    reserved_pages: int
+    namespaces: int
+    clients: int
+    leases: int
+    requests: dict[str, int]
+    errors: dict[str, int]
+    dropped: dict[str, int]
+    evicted_pages: int
+    expired_leases: int
+
+
+class StatsOk(Reply, tag="stats_ok"):
+    stats: DaemonStats
+
+
+class Error(Reply, tag="error"):
+    code: str
+    message: str
+    retriable: bool = False
+
+    def to_exception(self) -> HicachedError:
+        return error_from_code(self.code, self.message)
+
+    @classmethod
+    def of(cls, request_id: int, exc: HicachedError) -> Error:
+        return cls(id=request_id, code=exc.code, message=exc.message, retriable=exc.retriable)
+
+
+AnyReply = HelloOk | NamespaceOk | ReserveOk | CommitOk | MatchOk | Ok | StatsOk | Error
+
+
+class Envelope(msgspec.Struct):
+    """Lenient view of a payload: just enough to address an error reply."""
+
+    id: int = 0
+
+
+encode = msgspec.msgpack.Encoder().encode
+request_decoder = msgspec.msgpack.Decoder(AnyRequest)
+reply_decoder = msgspec.msgpack.Decoder(AnyReply)
+envelope_decoder = msgspec.msgpack.Decoder(Envelope)

@@ -1,0 +1,262 @@
+"""The daemon process: serve -> startup -> main loop -> shutdown.
+
+One asyncio loop (uvloop when installed) owns the Cache. The ROUTER socket
+is read by a drain loop: the loop wakes on the socket's file descriptor and
+receives without blocking until the socket is empty, a bounded batch at a
+time. Signals only set a flag; a second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import logging
+import os
+import signal
+import stat
+import time
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from hicached import protocol as p
+from hicached.arena import Arena, arena_path
+from hicached.cache import Cache
+from hicached.config import Config, endpoint, runtime_dir
+from hicached.errors import BadRequest, ConfigError, HicachedError, TooLarge
+from hicached.notify import sd_notify, watchdog_interval
+
+log = logging.getLogger("hicached")
+
+
+def ensure_private_dir(path: Path) -> None:
+    """Create ``path`` mode 0700, or check that an existing one is ours and private."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"{path} must be a directory, not a link or a file")
+    if st.st_uid != os.getuid():
+        raise ConfigError(f"{path} belongs to uid {st.st_uid}, not to this user ({os.getuid()})")
+    if st.st_mode & 0o077:
+        raise ConfigError(
+            f"{path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}): "
+            f"run chmod 700 {path}"
+        )
+
+
+class Server:
+    """One daemon instance; ``await run()`` serves until a signal or ``stop()``."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.endpoint = endpoint(config)
+        self.runtime_dir = runtime_dir(config)
+        self.cache: Cache | None = None
+        self.arena: Arena | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._sock: zmq.Socket[bytes] | None = None
+        self._lock_fd: int | None = None
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._signals = 0
+        self.ready = asyncio.Event()
+
+    # -- lifecycle -------------------------------------------------------------
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
+        try:
+            self.startup()
+            await self._stop.wait()
+        finally:
+            await self.shutdown()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            log.warning("second %s: exiting now", sig.name)
+            os._exit(1)
+        log.info("%s: shutting down", sig.name)
+        self._stop.set()
+
+    def startup(self) -> None:
+        cfg = self.config
+        ensure_private_dir(self.runtime_dir)
+        self._lock_fd = os.open(
+            self.runtime_dir / "hicached.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
+        )
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(
+                f"another hicached daemon runs with runtime directory {self.runtime_dir}"
+            ) from None
+        if self.endpoint.startswith("ipc://"):
+            sock_path = Path(self.endpoint[len("ipc://") :])
+            ensure_private_dir(sock_path.parent)
+            sock_path.unlink(missing_ok=True)
+        size = cfg.pool.size_mib << 20
+        started = time.monotonic()
+        self.arena = Arena.create(
+            arena_path(cfg.pool.shm_dir, self.runtime_dir), size, cfg.pool.populate
+        )
+        log.info(
+            "pool: %d MiB at %s (%.2fs)",
+            cfg.pool.size_mib,
+            self.arena.path,
+            time.monotonic() - started,
+        )
+        self.cache = Cache(cfg, pool_path=str(self.arena.path))
+
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        sock.setsockopt(zmq.SNDHWM, cfg.server.hwm)
+        sock.setsockopt(zmq.RCVHWM, cfg.server.hwm)
+        # Hard guard on memory: libzmq drops the peer beyond this; between
+        # max_message_bytes and this the request gets a too_large reply.
+        sock.setsockopt(zmq.MAXMSGSIZE, 16 * cfg.server.max_message_bytes)
+        try:
+            sock.bind(self.endpoint)
+        except zmq.ZMQError as exc:
+            sock.close()
+            raise ConfigError(f"cannot listen on {self.endpoint}: {exc}") from None
+        self._sock = sock
+        loop = asyncio.get_running_loop()
+        loop.add_reader(sock.fileno(), self._drain)
+        loop.call_soon(self._drain)  # messages may already be queued
+        self._tasks.append(loop.create_task(self._sweep()))
+        interval = watchdog_interval()
+        if interval:
+            self._tasks.append(loop.create_task(self._watchdog(interval)))
+        log.info("listening on %s (instance %x)", self.endpoint, self.cache.instance)
+        sd_notify(f"READY=1\nSTATUS=serving on {self.endpoint}")
+        self.ready.set()
+
+    async def shutdown(self) -> None:
+        sd_notify("STOPPING=1")
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        if self._sock is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._sock.fileno())
+        self._release()
+        log.info("stopped")
+
+    def _release(self) -> None:
+        """Close the socket, the pool and the lock, in that order."""
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        if self.endpoint.startswith("ipc://"):
+            Path(self.endpoint[len("ipc://") :]).unlink(missing_ok=True)
+        if self.arena is not None:
+            self.arena.close()
+            self.arena = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # -- the request path --------------------------------------------------------
+
+    def _drain(self) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        for _ in range(self.config.server.drain_batch):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(frames)
+        asyncio.get_running_loop().call_soon(self._drain)  # more may wait; let others run first
+
+    def _handle(self, frames: list[bytes]) -> None:
+        cache = self.cache
+        assert cache is not None
+        if len(frames) != 2:
+            cache.count_drop("bad_frames")
+            return
+        routing_id, payload = frames
+        if len(payload) > self.config.server.max_message_bytes:
+            self._reject(
+                routing_id,
+                payload,
+                TooLarge(
+                    f"message of {len(payload)} bytes exceeds server.max_message_bytes "
+                    f"({self.config.server.max_message_bytes})"
+                ),
+            )
+            return
+        try:
+            request = p.request_decoder.decode(payload)
+        except msgspec.MsgspecError as exc:
+            self._reject(routing_id, payload, BadRequest(f"malformed request: {exc}"))
+            return
+        if request.deadline_ms and request.deadline_ms < time.time() * 1000:
+            cache.count_drop("past_deadline")
+            return
+        self._send(routing_id, cache.handle(routing_id, request))
+
+    def _reject(self, routing_id: bytes, payload: bytes, exc: HicachedError) -> None:
+        """Answer an unusable message if it names a request id, else drop and count it."""
+        cache = self.cache
+        assert cache is not None
+        try:
+            request_id = p.envelope_decoder.decode(payload).id
+        except msgspec.MsgspecError:
+            cache.count_drop("malformed")
+            return
+        cache.errors[exc.code] = cache.errors.get(exc.code, 0) + 1
+        self._send(routing_id, p.Error.of(request_id, exc))
+
+    def _send(self, routing_id: bytes, reply: p.AnyReply) -> None:
+        assert self._sock is not None and self.cache is not None
+        try:
+            self._sock.send_multipart([routing_id, p.encode(reply)], zmq.NOBLOCK)
+        except zmq.Again:
+            self.cache.count_drop("send_full")
+        except zmq.ZMQError:
+            self.cache.count_drop("unroutable")
+
+    # -- background ---------------------------------------------------------------
+
+    async def _sweep(self) -> None:
+        assert self.cache is not None
+        while True:
+            await asyncio.sleep(self.config.leases.sweep_interval_s)
+            ended = self.cache.expire()
+            if ended:
+                log.info("expired %d leases", ended)
+
+    async def _watchdog(self, interval: float) -> None:
+        while True:
+            sd_notify("WATCHDOG=1")
+            await asyncio.sleep(interval)
+
+
+def serve(config: Config) -> None:
+    """Run a daemon in this process until SIGTERM or SIGINT."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover
+        asyncio.run(Server(config).run())
+    else:
+        uvloop.run(Server(config).run())
