@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from tests.support import Daemon
+
+
+def pytest_asyncio_loop_factories(
+    config: pytest.Config, item: pytest.Item
+) -> dict[str, Callable[[], asyncio.AbstractEventLoop]]:
+    import uvloop
+
+    return {"uvloop": uvloop.new_event_loop}
+
+
+@pytest.fixture
+def daemon_factory() -> Iterator[Callable[..., Daemon]]:
+    made: list[Daemon] = []
+
+    def make(**kwargs: object) -> Daemon:
+        d = Daemon(**kwargs)  # type: ignore[arg-type]
+        made.append(d)
+        return d.start()
+
+    yield make
+    for d in made:
+        d.cleanup()
+
+
+@pytest.fixture
+def daemon(daemon_factory: Callable[..., Daemon]) -> Daemon:
+    return daemon_factory()

@@ -1,0 +1,90 @@
+"""Config: the example file is the defaults, and every bad config names its key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from hicached.config import Config, load_config, parse_config
+from hicached.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "config" / "hicached.toml"
+
+
+def test_example_decodes_to_the_defaults() -> None:
+    assert load_config(EXAMPLE) == Config()
+
+
+def test_example_lists_every_key() -> None:
+    from hicached.config import tomllib
+
+    listed = tomllib.loads(EXAMPLE.read_text())
+    defaults = msgspec.to_builtins(Config())
+    assert set(listed) == set(defaults)
+    for section, keys in defaults.items():
+        assert set(listed[section]) == set(keys), section
+
+
+def test_no_file_means_defaults() -> None:
+    assert load_config(None) == Config()
+    assert parse_config("") == Config()
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "hint"),
+    [
+        ("[pool]\nsize_mb = 3\n", "pool.size_mb", "unknown key"),
+        ("[nosuch]\n", "nosuch", "unknown key"),
+        ("[leases]\nttl_s = 'soon'\n", "leases.ttl_s", "Expected `float`"),
+        ("[pool]\nsize_mib = 0\n", "pool.size_mib", "positive"),
+        ("[pool]\nsize_mib = 32\nslab_mib = 64\n", "pool.size_mib", "not even one page fits"),
+        ("[pool]\nslab_mib = 1\n", "pool.max_page_bytes", "larger than one slab"),
+        ("[server]\nendpoint = 'tcp://10.1.2.3:5555'\n", "server.endpoint", "loopback only"),
+        ("[server]\nendpoint = 'tcp://127.0.0.1'\n", "server.endpoint", "explicit port"),
+        ("[server]\nendpoint = 'ipc://@abstract'\n", "server.endpoint", "private directory"),
+        ("[server]\nendpoint = 'udp://x'\n", "server.endpoint", "ipc:///absolute/path"),
+        ("[server]\nmax_message_bytes = 10\n", "server.max_message_bytes", "at least 4096"),
+        ("[log]\nlevel = 'loud'\n", "log.level", "one of"),
+        ("[storage]\ndata_dir = 'relative'\n", "storage.data_dir", "absolute"),
+    ],
+)
+def test_bad_config_names_its_key(text: str, key: str, hint: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, "x.toml")
+    message = str(info.value)
+    assert message.startswith(f"x.toml: {key}: "), message
+    assert hint in message
+
+
+def test_not_toml_is_a_clear_error() -> None:
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        parse_config("[pool\n")
+
+
+def test_check_config_command(tmp_path: Path) -> None:
+    good = subprocess.run(
+        [sys.executable, "-m", "hicached", "check-config", str(EXAMPLE)],
+        capture_output=True,
+        text=True,
+    )
+    assert good.returncode == 0 and "ok" in good.stdout
+    bad_file = tmp_path / "bad.toml"
+    bad_file.write_text("[pool]\nsize_mib = -1\n")
+    bad = subprocess.run(
+        [sys.executable, "-m", "hicached", "check-config", str(bad_file)],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2
+    assert "pool.size_mib" in bad.stderr
+    missing = subprocess.run(
+        [sys.executable, "-m", "hicached", "check-config", str(tmp_path / "none.toml")],
+        capture_output=True,
+        text=True,
+    )
+    assert missing.returncode == 2 and "cannot read config" in missing.stderr

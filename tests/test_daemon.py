@@ -1,0 +1,283 @@
+"""A real daemon and real clients on real ipc and tcp sockets."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+import hicached
+from hicached.errors import DeadlineExceeded, UnknownLease
+from tests.support import NS, PAGE_BYTES, PAGE_TOKENS, Daemon, page_bytes_for
+
+WRITER = textwrap.dedent(
+    """
+    import sys, numpy as np, hicached
+    from tests.support import NS, page_bytes_for
+    endpoint, start, pages = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    tokens = np.arange(start, start + pages * NS["page_tokens"], dtype=np.uint32)
+    with hicached.Client(endpoint) as c:
+        ns = c.register(**NS)
+        ok = c.store(ns, tokens, page_bytes_for(tokens))
+        print(ok.published)
+    """
+)
+
+
+def run_writer(endpoint: str, start: int, pages: int) -> int:
+    out = subprocess.run(
+        [sys.executable, "-c", WRITER, endpoint, str(start), str(pages)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout)
+
+
+@pytest.mark.parametrize("tcp", [False, True], ids=["ipc", "tcp"])
+def test_two_processes_share_pages(daemon_factory: Callable[..., Daemon], tcp: bool) -> None:
+    d = daemon_factory(tcp=tcp)
+    assert run_writer(d.endpoint, 100, 12) == 12
+    tokens = np.arange(100, 100 + 12 * PAGE_TOKENS + 5, dtype=np.uint32)  # a partial page too
+    with d.client() as c:
+        ns = c.register(**NS)
+        hit = c.match(ns, tokens)
+        assert hit.hits == 12 and hit.lease
+        assert np.array_equal(c.read_pages(ns, hit.offsets), page_bytes_for(tokens))
+        c.release(hit)
+        # a sequence sharing a prefix of 5 pages
+        other = tokens.copy()
+        other[5 * PAGE_TOKENS] += 1
+        assert c.match(ns, other, lease=False).hits == 5
+        stats = c.stats()
+        assert stats.pages == 12 and stats.pinned_pages == 0 and stats.leases == 0
+
+
+def test_zero_copy_views_see_the_same_memory(daemon: Daemon) -> None:
+    with daemon.client() as a, daemon.client() as b:
+        ns_a, ns_b = a.register(**NS), b.register(**NS)
+        tokens = np.arange(0, 2 * PAGE_TOKENS, dtype=np.uint32)
+        res = a.reserve(ns_a, tokens)
+        view = a.page(ns_a, res.offsets[0])
+        view[:] = 7  # write straight into the shared pool
+        a.page(ns_a, res.offsets[1])[:] = 9
+        a.commit(res)
+        hit = b.match(ns_b, tokens)
+        assert (b.page(ns_b, hit.offsets[0]) == 7).all() and (
+            b.page(ns_b, hit.offsets[1]) == 9
+        ).all()
+        torch = pytest.importorskip("torch")
+        t = b.tensor(ns_b)
+        assert t.dtype == torch.uint8 and t.shape[1] == PAGE_BYTES
+        assert int(t[hit.offsets[1] // PAGE_BYTES, 0]) == 9
+        b.release(hit)
+
+
+def test_overlapping_reserves_publish_each_page_once(daemon: Daemon) -> None:
+    tokens_a = np.arange(0, 6 * PAGE_TOKENS, dtype=np.uint32)
+    tokens_b = np.concatenate(
+        [tokens_a[: 4 * PAGE_TOKENS], np.arange(9000, 9000 + 4 * PAGE_TOKENS)]
+    ).astype(np.uint32)
+    with daemon.client() as a, daemon.client() as b:
+        ns_a, ns_b = a.register(**NS), b.register(**NS)
+        ra = a.reserve(ns_a, tokens_a)
+        rb = b.reserve(ns_b, tokens_b)
+        assert ra.present == 0 and rb.present == 0
+        assert not set(ra.offsets) & set(rb.offsets), "a slot was handed out twice"
+        a.write_pages(ns_a, ra.offsets, page_bytes_for(tokens_a))
+        # B writes different bytes for the shared pages: the first commit wins
+        b.write_pages(ns_b, rb.offsets, page_bytes_for(tokens_b, salt=1))
+        assert a.commit(ra).published == 6
+        done = b.commit(rb)
+        assert (done.published, done.duplicates) == (4, 4)
+        hit = a.match(ns_a, tokens_b)
+        got = a.read_pages(ns_a, hit.offsets)
+        assert hit.hits == 8
+        assert np.array_equal(got[:4], page_bytes_for(tokens_a)[:4])
+        assert np.array_equal(got[4:], page_bytes_for(tokens_b, salt=1)[4:])
+        a.release(hit)
+        stats = a.stats()
+        assert stats.pages == 10 and stats.pool_used_bytes == 10 * PAGE_BYTES
+
+
+def test_concurrent_stores_from_threads_stay_consistent(daemon: Daemon) -> None:
+    """Many clients store overlapping sequences at once; every page reads back right."""
+    rng = np.random.default_rng(5)
+    prefixes = [rng.integers(0, 50_000, 4 * PAGE_TOKENS).astype(np.uint32) for _ in range(3)]
+    sequences = [
+        np.concatenate(
+            [prefixes[i % 3], rng.integers(0, 50_000, (1 + i % 4) * PAGE_TOKENS)]
+        ).astype(np.uint32)
+        for i in range(24)
+    ]
+    failures: list[BaseException] = []
+
+    def worker(chunk: list[np.ndarray]) -> None:
+        try:
+            with daemon.client() as c:
+                ns = c.register(**NS)
+                for toks in chunk:
+                    c.store(ns, toks, page_bytes_for(toks))
+        except BaseException as exc:  # pragma: no cover - reported below
+            failures.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(sequences[i::4],)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not failures, failures
+    with daemon.client() as c:
+        ns = c.register(**NS)
+        for toks in sequences:
+            hit = c.match(ns, toks)
+            assert hit.hits == len(toks) // PAGE_TOKENS
+            assert np.array_equal(c.read_pages(ns, hit.offsets), page_bytes_for(toks))
+            c.release(hit)
+        stats = c.stats()
+        distinct = {
+            tuple(int(x) for x in toks[: (i + 1) * PAGE_TOKENS])
+            for toks in sequences
+            for i in range(len(toks) // PAGE_TOKENS)
+        }
+        assert stats.pages == len(distinct)
+        assert stats.pool_used_bytes == len(distinct) * PAGE_BYTES  # no slot leaked
+
+
+HOLDER = textwrap.dedent(
+    """
+    import sys, time, numpy as np, hicached
+    from tests.support import NS
+    with hicached.Client(sys.argv[1]) as c:
+        ns = c.register(**NS)
+        toks = np.arange(0, 4 * NS["page_tokens"], dtype=np.uint32)
+        hit = c.match(ns, toks)                      # pins 4 pages
+        res = c.reserve(ns, np.arange(7, 7 + 3 * NS["page_tokens"], dtype=np.uint32))
+        print(hit.hits, len(res.offsets), flush=True)
+        time.sleep(600)
+    """
+)
+
+
+def test_leases_of_a_killed_client_expire(daemon_factory: Callable[..., Daemon]) -> None:
+    d = daemon_factory(extra="[leases]\nttl_s = 1.0\nsweep_interval_s = 0.1\n")
+    with d.client() as c:
+        ns = c.register(**NS)
+        toks = np.arange(0, 4 * PAGE_TOKENS, dtype=np.uint32)
+        c.store(ns, toks, page_bytes_for(toks))
+        holder = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, d.endpoint], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert holder.stdout is not None
+            assert holder.stdout.readline().split() == ["4", "3"]
+            stats = c.stats()
+            assert (stats.pinned_pages, stats.reserved_pages, stats.leases) == (4, 3, 2)
+            holder.send_signal(signal.SIGKILL)
+            holder.wait(10)
+        finally:
+            if holder.poll() is None:
+                holder.kill()
+                holder.wait(10)
+            if holder.stdout is not None:
+                holder.stdout.close()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            stats = c.stats()
+            if stats.leases == 0:
+                break
+            time.sleep(0.1)
+        assert (stats.pinned_pages, stats.reserved_pages, stats.leases) == (0, 0, 2 - 2)
+        assert stats.expired_leases == 2
+        assert stats.pool_used_bytes == 4 * PAGE_BYTES  # the reserved slots went back
+
+
+def test_pool_full_is_a_clear_result_and_unleased_pages_are_evicted(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    # 1 MiB pool, 1 MiB slab: 256 pages of 4 KiB
+    d = daemon_factory(size_mib=1, slab_mib=1)
+    with d.client() as c:
+        ns = c.register(**NS)
+        old = np.arange(0, 200 * PAGE_TOKENS, dtype=np.uint32)
+        c.store(ns, old, page_bytes_for(old))
+        pinned = np.arange(10**6, 10**6 + 56 * PAGE_TOKENS, dtype=np.uint32)
+        c.store(ns, pinned, page_bytes_for(pinned))
+        hold = c.match(ns, pinned)
+        assert hold.hits == 56
+        # a new sequence needs room: the unpinned old pages are evicted, LRU tail first
+        new = np.arange(5 * 10**6, 5 * 10**6 + 100 * PAGE_TOKENS, dtype=np.uint32)
+        assert c.store(ns, new, page_bytes_for(new)).published == 100
+        assert c.match(ns, old, lease=False).hits == 100
+        # everything else is pinned or reserved: the pool says so, nothing crashes
+        res1 = c.reserve(ns, np.arange(7 * 10**6, 7 * 10**6 + 200 * PAGE_TOKENS, dtype=np.uint32))
+        assert len(res1.offsets) == 200 and not res1.pool_full
+        res2 = c.reserve(ns, np.arange(8 * 10**6, 8 * 10**6 + 10 * PAGE_TOKENS, dtype=np.uint32))
+        assert res2.pool_full and res2.offsets == [] and res2.lease == 0
+        hit = c.match(ns, pinned)
+        assert hit.hits == 56 and np.array_equal(
+            c.read_pages(ns, hit.offsets), page_bytes_for(pinned)
+        )
+        c.release(hit)
+        c.release(hold)
+        c.abort(res1)
+        assert c.stats().evicted_pages == 100 + 200  # then res1 took the rest of old and all of new
+
+
+def test_daemon_restart_and_client_reconnect(daemon: Daemon) -> None:
+    c = daemon.client(timeout=2.0)
+    try:
+        ns = c.register(**NS)
+        toks = np.arange(0, 3 * PAGE_TOKENS, dtype=np.uint32)
+        c.store(ns, toks, page_bytes_for(toks))
+        stale = c.match(ns, toks)
+        first = c.stats().instance
+        assert daemon.stop() == 0
+        with pytest.raises(DeadlineExceeded):
+            c.stats()
+        daemon.start()
+        # the client says hello again, re-registers its namespace and remaps the pool
+        assert c.stats().instance != first
+        assert c.match(ns, toks).hits == 0  # L2 is memory: a restart forgets
+        c.release(stale)  # a lease of the old daemon is gone with it; no error
+        res = c.reserve(ns, toks)
+        with pytest.raises(UnknownLease):
+            c.commit(_old(res))
+        c.abort(res)
+        assert c.store(ns, toks, page_bytes_for(toks)).published == 3
+        hit = c.match(ns, toks)
+        assert np.array_equal(c.read_pages(ns, hit.offsets), page_bytes_for(toks))
+        c.release(hit)
+    finally:
+        c.close()
+
+
+def _old(res: hicached.Reservation) -> hicached.Reservation:
+    """The same reservation as seen from before a restart."""
+    return hicached.Reservation(
+        res.ns, res.lease, res.present, res.offsets, res.pool_full, res.instance ^ 1
+    )
+
+
+async def test_async_client_runs_requests_concurrently(daemon: Daemon) -> None:
+    import asyncio
+
+    async with hicached.AsyncClient(daemon.endpoint) as c:
+        ns = await c.register(**NS)
+        seqs = [
+            np.arange(i * 10_000, i * 10_000 + 3 * PAGE_TOKENS, dtype=np.uint32) for i in range(16)
+        ]
+        await asyncio.gather(*(c.store(ns, s, page_bytes_for(s)) for s in seqs))
+        loaded = await asyncio.gather(*(c.load(ns, s) for s in seqs))
+        for s, got in zip(seqs, loaded, strict=True):
+            assert np.array_equal(got, page_bytes_for(s))
+        stats = await c.stats()
+        assert stats.pages == 48 and stats.leases == 0

@@ -1,0 +1,102 @@
+"""The radix index: exact match, split and eviction orders."""
+
+from __future__ import annotations
+
+from hicached.index import PageIndex
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def keys(*ids: int) -> list[bytes]:
+    return [k(i) for i in ids]
+
+
+def test_insert_then_match_prefix() -> None:
+    ix = PageIndex()
+    assert ix.insert(keys(1, 2, 3, 4), [10, 11, 12, 13]) == (4, [])
+    assert ix.match(keys(1, 2, 3, 4)) == [10, 11, 12, 13]
+    assert ix.match(keys(1, 2, 9)) == [10, 11]
+    assert ix.match(keys(9, 1)) == []
+    assert ix.match(keys(1, 2, 3, 4, 5)) == [10, 11, 12, 13]
+    assert ix.pages == 4
+
+
+def test_split_keeps_both_fragments_and_their_slots() -> None:
+    ix = PageIndex()
+    ix.insert(keys(1, 2, 3, 4), [10, 11, 12, 13])
+    assert ix.insert(keys(1, 2, 5, 6), [10, 11, 20, 21]) == (2, [])
+    (head,) = ix.root.children.values()
+    assert head.keys == keys(1, 2) and head.slots == [10, 11]
+    tails = sorted((n.keys, n.slots) for n in head.children.values())
+    assert tails == [(keys(3, 4), [12, 13]), (keys(5, 6), [20, 21])]
+    assert ix.node_of[10] is head and ix.node_of[12] is not head
+    assert ix.match(keys(1, 2, 5, 6)) == [10, 11, 20, 21]
+    assert ix.match(keys(1, 2, 3, 4)) == [10, 11, 12, 13]
+    assert ix.pages == 6
+
+
+def test_insert_reports_slots_of_pages_already_present() -> None:
+    ix = PageIndex()
+    ix.insert(keys(1, 2), [10, 11])
+    assert ix.insert(keys(1, 2, 3), [30, 31, 32]) == (1, [30, 31])
+    assert ix.insert(keys(1), [40]) == (0, [40])
+    assert ix.match(keys(1, 2, 3)) == [10, 11, 32]
+
+
+def test_insert_ending_inside_a_run_adds_nothing() -> None:
+    ix = PageIndex()
+    ix.insert(keys(1, 2, 3), [10, 11, 12])
+    assert ix.insert(keys(1, 2), [10, 11]) == (0, [])
+    assert len(ix.root.children) == 1 and ix.pages == 3
+
+
+def test_eviction_takes_the_tail_of_the_least_recently_used_leaf() -> None:
+    ix = PageIndex()
+    ix.insert(keys(1, 2, 3), [10, 11, 12])  # leaf A
+    ix.insert(keys(7, 8), [20, 21])  # leaf B
+    ix.match(keys(1, 2, 3))  # A is now more recent than B
+    assert ix.evict(3, {}) == [21, 20, 12]
+    assert ix.match(keys(7)) == []
+    assert ix.match(keys(1, 2, 3)) == [10, 11]
+    assert ix.pages == 2
+
+
+def test_eviction_after_split_goes_leaf_first_then_parent() -> None:
+    ix = PageIndex()
+    ix.insert(keys(1, 2, 3, 4), [10, 11, 12, 13])
+    ix.insert(keys(1, 2, 5, 6), [10, 11, 20, 21])
+    ix.match(keys(1, 2, 3, 4))
+    # [5, 6] is the older leaf; then [3, 4]; only then the shared head [1, 2]
+    assert ix.evict(6, {}) == [21, 20, 13, 12, 11, 10]
+    assert ix.pages == 0 and not ix.root.children
+
+
+def test_pinned_tail_stops_eviction_until_unpinned() -> None:
+    ix = PageIndex()
+    ix.insert(keys(1, 2, 3), [10, 11, 12])
+    ix.insert(keys(5), [50])
+    pins = {12: 1}
+    assert ix.evict(10, pins) == [50]
+    assert ix.evict(10, pins) == []
+    del pins[12]
+    ix.unpinned(12)
+    assert ix.evict(10, pins) == [12, 11, 10]
+
+
+def test_pinned_middle_page_keeps_its_prefix() -> None:
+    ix = PageIndex()
+    ix.insert(keys(1, 2, 3, 4), [10, 11, 12, 13])
+    pins = {11: 1, 10: 1}  # a lease on the first two pages
+    assert ix.evict(10, pins) == [13, 12]
+    assert ix.match(keys(1, 2, 3)) == [10, 11]
+
+
+def test_stale_heap_entries_do_not_grow_without_bound() -> None:
+    ix = PageIndex()
+    ix.insert(keys(1, 2), [10, 11])
+    for _ in range(5000):
+        ix.match(keys(1, 2))
+    assert len(ix._heap) <= 2 * ix.pages + 1025
+    assert ix.evict(1, {}) == [11]

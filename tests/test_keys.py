@@ -1,0 +1,96 @@
+"""Namespaces and page keys: the documented function, isolation, safe names."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import xxhash
+
+from hicached.errors import InvalidNamespace
+from hicached.hashing import pack_tokens, page_keys
+from hicached.namespace import NamespaceSpec, canonical_text, namespace_digest, validate_spec
+
+SPEC = NamespaceSpec(
+    model="org/model", kv_dtype="bfloat16", layout="layer_first", page_tokens=4, page_bytes=64
+)
+
+
+def test_keys_follow_the_documented_chain() -> None:
+    tokens = list(range(10))  # two full pages of 4, two tokens left over
+    seed = namespace_digest(SPEC)
+    assert seed == xxhash.xxh3_128_digest(canonical_text(SPEC).encode())
+    packed = pack_tokens(tokens)
+    assert packed == np.arange(10, dtype="<u4").tobytes()
+    k0 = xxhash.xxh3_128_digest(seed + packed[0:16])
+    k1 = xxhash.xxh3_128_digest(k0 + packed[16:32])
+    assert page_keys(seed, packed, 4) == [k0, k1]
+    assert page_keys(seed, packed, 4, max_pages=1) == [k0]
+
+
+def test_canonical_text_is_stable() -> None:
+    assert canonical_text(SPEC) == (
+        "hicached-namespace-v1\nmodel=org/model\nrevision=main\nkv_dtype=bfloat16\n"
+        "layout=layer_first\npage_tokens=4\npage_bytes=64\ntp=0/1\ncp=0/1\npp=0/1\ntenant=default\n"
+    )
+
+
+def test_every_field_separates_namespaces() -> None:
+    variants = [
+        {"model": "org/other"},
+        {"revision": "v2"},
+        {"kv_dtype": "float16"},
+        {"layout": "page_first"},
+        {"page_tokens": 8},
+        {"page_bytes": 128},
+        {"tp_rank": 1, "tp_size": 2},
+        {"cp_rank": 1, "cp_size": 2},
+        {"pp_stage": 1, "pp_size": 2},
+        {"tenant": "team-b"},
+    ]
+    fields = {f: getattr(SPEC, f) for f in SPEC.__struct_fields__}
+    digests = {namespace_digest(SPEC)}
+    for change in variants:
+        digests.add(namespace_digest(NamespaceSpec(**{**fields, **change})))
+    assert len(digests) == len(variants) + 1
+
+
+def test_replicated_kv_is_shared_by_all_tp_ranks() -> None:
+    fields = {f: getattr(SPEC, f) for f in SPEC.__struct_fields__}
+    a = NamespaceSpec(**{**fields, "tp_rank": 0, "tp_size": 4, "replicated": True})
+    b = NamespaceSpec(**{**fields, "tp_rank": 3, "tp_size": 4, "replicated": True})
+    assert namespace_digest(a) == namespace_digest(b)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model": "../etc/passwd"},
+        {"model": "/abs"},
+        {"model": "a/b/c"},
+        {"model": 'm"}\n'},
+        {"tenant": "a/b"},
+        {"tenant": "x y"},
+        {"tenant": ""},
+        {"revision": ".."},
+        {"kv_dtype": "BF16"},
+        {"page_tokens": 0},
+        {"page_bytes": 0},
+        {"page_bytes": 1 << 30},
+        {"tp_rank": 2, "tp_size": 2},
+        {"pp_size": 0},
+    ],
+)
+def test_unsafe_or_inconsistent_namespaces_are_rejected(change: dict[str, object]) -> None:
+    fields = {f: getattr(SPEC, f) for f in SPEC.__struct_fields__}
+    with pytest.raises(InvalidNamespace):
+        validate_spec(NamespaceSpec(**{**fields, **change}), max_page_bytes=1 << 20)
+
+
+def test_pack_tokens_rejects_out_of_range() -> None:
+    with pytest.raises(ValueError):
+        pack_tokens([-1])
+    with pytest.raises(ValueError):
+        pack_tokens([1 << 32])
+    with pytest.raises(ValueError):
+        pack_tokens(b"abc")
+    assert pack_tokens([]) == b""
