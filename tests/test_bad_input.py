@@ -1,0 +1,188 @@
+"""Bad input gets an error reply or is dropped and counted; the daemon keeps serving."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from hicached import protocol as p
+from hicached.errors import ForeignLease, UnknownLease
+from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
+
+
+class Raw:
+    """A bare DEALER that sends whatever it is given."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def send(self, *frames: bytes) -> None:
+        self.sock.send_multipart(list(frames))
+
+    def call(self, message: object) -> p.AnyReply:
+        self.send(msgspec.msgpack.encode(message))
+        reply = self.recv(2000)
+        assert reply is not None, "no reply"
+        return reply
+
+    def recv(self, timeout_ms: int) -> p.AnyReply | None:
+        if not self.sock.poll(timeout_ms):
+            return None
+        return p.reply_decoder.decode(self.sock.recv())
+
+    def hello(self) -> None:
+        reply = self.call(p.Hello(id=1, major=p.PROTOCOL_MAJOR, minor=0))
+        assert isinstance(reply, p.HelloOk)
+
+    def close(self) -> None:
+        self.sock.close()
+        self.ctx.term()
+
+
+@pytest.fixture
+def small_daemon(daemon_factory: Callable[..., Daemon]) -> Daemon:
+    return daemon_factory(extra="max_message_bytes = 65536\n")
+
+
+@pytest.fixture
+def raw(small_daemon: Daemon) -> Iterator[Raw]:
+    r = Raw(small_daemon.endpoint)
+    yield r
+    r.close()
+
+
+def still_serving(d: Daemon) -> p.DaemonStats:
+    with d.client() as c:
+        ns = c.register(**NS)
+        toks = np.arange(0, 2 * PAGE_TOKENS, dtype=np.uint32)
+        c.store(ns, toks, page_bytes_for(toks))
+        assert np.array_equal(c.load(ns, toks), page_bytes_for(toks))
+        return c.stats()
+
+
+def test_random_bytes_are_dropped_and_counted(small_daemon: Daemon, raw: Raw) -> None:
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        raw.send(rng.integers(0, 256, int(rng.integers(1, 2000)), dtype=np.uint8).tobytes())
+    raw.send(b"\x93\x01\x02\x03")  # valid msgpack, not a request map
+    assert raw.recv(300) is None
+    stats = still_serving(small_daemon)
+    assert stats.dropped.get("malformed", 0) >= 45  # a few random blobs decode to maps
+
+
+def test_wrong_frame_count_is_dropped_and_counted(small_daemon: Daemon, raw: Raw) -> None:
+    raw.send(b"a", b"b")
+    raw.send(b"a", b"b", b"c")
+    assert raw.recv(300) is None
+    assert still_serving(small_daemon).dropped["bad_frames"] == 2
+
+
+def test_wrong_major_version_is_refused(small_daemon: Daemon, raw: Raw) -> None:
+    reply = raw.call(p.Hello(id=3, major=p.PROTOCOL_MAJOR + 1, minor=0))
+    assert isinstance(reply, p.Error) and reply.id == 3 and reply.code == "version_mismatch"
+    assert "protocol 2.0" in reply.message
+    assert still_serving(small_daemon).errors["version_mismatch"] == 1
+
+
+def test_unknown_op_and_bad_fields_get_error_replies(small_daemon: Daemon, raw: Raw) -> None:
+    reply = raw.call({"op": "frobnicate", "id": 5})
+    assert isinstance(reply, p.Error) and reply.id == 5 and reply.code == "bad_request"
+    assert "frobnicate" in reply.message
+    reply = raw.call({"op": "match", "id": 6, "ns": "one", "tokens": b""})
+    assert isinstance(reply, p.Error) and reply.id == 6 and "$.ns" in reply.message
+    reply = raw.call({"op": "stats", "id": 7, "extra": 1})
+    assert isinstance(reply, p.Error) and reply.id == 7 and "extra" in reply.message
+    still_serving(small_daemon)
+
+
+def test_requests_before_hello_are_told_to_hello(small_daemon: Daemon, raw: Raw) -> None:
+    reply = raw.call(p.Stats(id=9))
+    assert isinstance(reply, p.Error) and reply.code == "no_session" and reply.retriable
+
+
+def test_oversized_messages(small_daemon: Daemon, raw: Raw) -> None:
+    raw.hello()
+    big = raw.call({"op": "stats", "id": 11, "pad": b"x" * 100_000})
+    assert isinstance(big, p.Error) and big.id == 11 and big.code == "too_large"
+    # beyond the hard guard (16x) the peer is dropped by the transport
+    raw.send(b"y" * (16 * 65536 + 10))
+    assert raw.recv(300) is None
+    stats = still_serving(small_daemon)
+    assert stats.errors["too_large"] == 1
+
+
+def test_too_many_pages_and_bad_tokens(small_daemon: Daemon, raw: Raw) -> None:
+    raw.hello()
+    reply = raw.call(p.RegisterNamespace(id=2, spec=msgspec.convert(NS, p.NamespaceSpec)))
+    assert isinstance(reply, p.NamespaceOk)
+    odd = raw.call(p.Match(id=3, ns=reply.ns, tokens=b"abc"))
+    assert isinstance(odd, p.Error) and odd.code == "bad_request"
+    unsafe = raw.call(p.RegisterNamespace(id=4, spec=p.NamespaceSpec(**{**NS, "tenant": "../x"})))
+    assert isinstance(unsafe, p.Error) and unsafe.code == "invalid_namespace"
+
+
+def test_unknown_namespace(small_daemon: Daemon, raw: Raw) -> None:
+    raw.hello()
+    reply = raw.call(p.Reserve(id=4, ns=999, tokens=b"\0" * 64))
+    assert isinstance(reply, p.Error) and reply.code == "unknown_namespace"
+    still_serving(small_daemon)
+
+
+def test_double_commit_and_foreign_release(small_daemon: Daemon) -> None:
+    with small_daemon.client() as a, small_daemon.client() as b:
+        ns_a, ns_b = a.register(**NS), b.register(**NS)
+        toks = np.arange(0, 2 * PAGE_TOKENS, dtype=np.uint32)
+        res = a.reserve(ns_a, toks)
+        a.write_pages(ns_a, res.offsets, page_bytes_for(toks))
+        # B cannot end A's lease, not even by guessing its id
+        with pytest.raises(ForeignLease):
+            b.abort(res)
+        assert a.commit(res).published == 2
+        with pytest.raises(UnknownLease):
+            a.commit(res)
+        hit = a.match(ns_a, toks)
+        with pytest.raises(ForeignLease):
+            b.release(hit)
+        a.release(hit)
+        with pytest.raises(UnknownLease):
+            a.release(hit)
+        assert np.array_equal(b.load(ns_b, toks), page_bytes_for(toks))
+        stats = a.stats()
+        assert stats.errors == {"foreign_lease": 2, "unknown_lease": 2}
+        assert stats.leases == 0 and stats.pinned_pages == 0
+
+
+def test_commit_of_a_read_lease_and_overlong_commit(small_daemon: Daemon) -> None:
+    with small_daemon.client() as c:
+        ns = c.register(**NS)
+        toks = np.arange(0, 2 * PAGE_TOKENS, dtype=np.uint32)
+        c.store(ns, toks, page_bytes_for(toks))
+        hit = c.match(ns, toks)
+        from hicached import Reservation
+
+        with pytest.raises(Exception, match="read lease"):
+            c.commit(Reservation(ns, hit.lease, 0, [], False, hit.instance))
+        c.release(hit)
+        res = c.reserve(ns, np.arange(100, 100 + 2 * PAGE_TOKENS, dtype=np.uint32))
+        with pytest.raises(Exception, match="reserved 2"):
+            c.commit(res, pages=3)
+        assert c.stats().reserved_pages == 0  # the lease was aborted, its slots freed
+
+
+def test_garbage_over_tcp_does_not_hurt(daemon_factory: Callable[..., Daemon]) -> None:
+    import socket
+
+    d = daemon_factory(tcp=True)
+    host, port = d.endpoint[len("tcp://") :].rsplit(":", 1)
+    for _ in range(20):
+        with socket.create_connection((host, int(port)), timeout=2) as s:
+            s.sendall(os.urandom(4096))
+    still_serving(d)
