@@ -222,8 +222,7 @@ class Cache:
         while lease_id in self.leases:
             lease_id = secrets.randbits(63) or 1
         lease = Lease(lease_id, session, ns, self.clock() + self.config.leases.ttl_s, pinned)
-        for slot in pinned:
-            self.pool.pin(slot)
+        self.pool.pin(pinned)
         self.leases[lease_id] = lease
         session.leases.add(lease_id)
         return lease
@@ -240,11 +239,9 @@ class Cache:
 
     def _end_lease(self, lease: Lease) -> None:
         """Drop a lease's pins and free its unused fresh slots."""
-        index = lease.ns.index
         pool = self.pool
-        for slot in lease.pinned:
-            if pool.unpin(slot):
-                index.unpinned(slot)
+        if lease.pinned:
+            lease.ns.index.unpinned(pool.unpin(lease.pinned))
         for slot in lease.fresh:
             pool.free(slot)
         lease.pinned = []

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import itertools
 import os
+import sys
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -169,7 +170,6 @@ class _Core:
         ok = yield from self._exchange(
             lambda: p.Reserve(id=0, ns=ns.id, tokens=packed), p.ReserveOk
         )
-        self._check_offsets(ns, ok.offsets)
         return Reservation(ns, ok.lease, ok.present, ok.offsets, ok.pool_full, self._instance)
 
     def _commit(self, res: Reservation, pages: int | None) -> Exchange:
@@ -189,7 +189,6 @@ class _Core:
         ok = yield from self._exchange(
             lambda: p.Match(id=0, ns=ns.id, tokens=packed, lease=lease), p.MatchOk
         )
-        self._check_offsets(ns, ok.offsets)
         return Hit(ns, ok.hits, ok.offsets, ok.lease, self._instance)
 
     def _release(self, lease: int, instance: int) -> Exchange:
@@ -201,17 +200,6 @@ class _Core:
     def _stats(self) -> Exchange:
         ok = yield from self._exchange(lambda: p.Stats(id=0), p.StatsOk)
         return ok.stats
-
-    def _check_offsets(self, ns: Namespace, offsets: list[int]) -> None:
-        """A cache must never lie: refuse offsets outside the pool or off the page grid."""
-        assert self._hello is not None
-        size = self._hello.pool_bytes
-        pb = ns.page_bytes
-        for offset in offsets:
-            if offset % pb or not 0 <= offset <= size - pb:
-                raise HicachedError(
-                    f"daemon sent slot offset {offset}, not a page of {pb} bytes in the pool"
-                )
 
     def _stamp(self, request: p.Request, timeout: float | None) -> tuple[int, bytes, float]:
         budget = self.timeout if timeout is None else timeout
@@ -241,7 +229,7 @@ class _Core:
         if src.shape[1] != ns.page_bytes:
             raise ValueError(f"each page must be {ns.page_bytes} bytes, got {src.shape[1]}")
         rows = self.rows(ns)
-        idx = np.asarray(offsets, dtype=np.int64) // ns.page_bytes
+        idx = self._row_index(ns, offsets, len(rows))
         if len(idx) == 1:
             rows[idx[0]] = src[0]
         elif len(idx) and np.all(np.diff(idx) == 1):
@@ -254,14 +242,34 @@ class _Core:
     ) -> np.ndarray:
         """Copy the slots at ``offsets`` into ``out`` (n, page_bytes), in one call."""
         rows = self.rows(ns)
-        idx = np.asarray(offsets, dtype=np.int64) // ns.page_bytes
+        idx = self._row_index(ns, offsets, len(rows))
         if out is None:
             out = np.empty((len(idx), ns.page_bytes), dtype=np.uint8)
         if len(idx) and np.all(np.diff(idx) == 1):
             out[...] = rows[idx[0] : idx[-1] + 1]
+        elif "torch" in sys.modules and out.flags.c_contiguous:
+            # glibc's memcpy of single pages out of 4 KiB-page shared memory can run
+            # at a fraction of memory speed; torch's copy kernel does not (docs/perf.md)
+            torch = sys.modules["torch"]
+            torch.index_select(
+                torch.from_numpy(rows), 0, torch.from_numpy(idx), out=torch.from_numpy(out)
+            )
         else:
-            np.take(rows, idx, axis=0, out=out)
+            # indices are checked above; "clip" lets numpy gather straight into out
+            np.take(rows, idx, axis=0, out=out, mode="clip")
         return out
+
+    @staticmethod
+    def _row_index(ns: Namespace, offsets: list[int], n_rows: int) -> np.ndarray:
+        """Rows of ``offsets``; a cache must never lie, so every offset is checked."""
+        idx = np.asarray(offsets, dtype=np.int64)
+        if len(idx) and (
+            int(idx.min()) < 0
+            or int(idx.max()) >= n_rows * ns.page_bytes
+            or (idx % ns.page_bytes).any()
+        ):
+            raise ValueError(f"offsets must be slots of {ns.page_bytes} bytes inside the pool")
+        return idx // ns.page_bytes
 
     def tensor(self, ns: Namespace) -> Any:
         """The pool as a (slots, page_bytes) uint8 torch tensor sharing its memory."""
@@ -303,6 +311,7 @@ class Client(_Core):
         self._sock.setsockopt(zmq.RECONNECT_IVL, 50)
         self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
         self._sock.connect(self.endpoint)
+        self._rcvtimeo = -1
 
     def __enter__(self) -> Client:
         self.connect()
@@ -318,18 +327,23 @@ class Client(_Core):
 
     def _roundtrip(self, request: p.Request, timeout: float | None = None) -> p.AnyReply:
         request_id, payload, budget = self._stamp(request, timeout)
-        self._sock.send(payload)
+        sock = self._sock
+        sock.send(payload)
         deadline = time.monotonic() + budget
+        wait_ms = max(1, int(budget * 1000))
+        if wait_ms != self._rcvtimeo:  # a blocking receive: one wake-up, no poll
+            sock.setsockopt(zmq.RCVTIMEO, wait_ms)
+            self._rcvtimeo = wait_ms
         while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not self._sock.poll(int(left * 1000) + 1, zmq.POLLIN):
-                if time.monotonic() < deadline:
-                    continue
+            if time.monotonic() >= deadline:
                 what = "daemon" if self._hello else "daemon (is it running?)"
                 raise DeadlineExceeded(
                     f"no reply from the {what} at {self.endpoint} within {budget:.3g}s"
                 )
-            reply = p.reply_decoder.decode(self._sock.recv())
+            try:
+                reply = p.reply_decoder.decode(sock.recv())
+            except zmq.Again:
+                continue
             if reply.id == request_id:
                 return reply
             # else: the late reply of a request that timed out; drop it

@@ -186,11 +186,13 @@ class PageIndex:
         if parent is not self.root and not parent.children:
             self._push(parent)
 
-    def unpinned(self, slot: int) -> None:
-        """A slot lost its last pin: its leaf may be evictable again."""
-        node = self.node_of.get(slot)
-        if node is not None and not node.children:
-            self._push(node)
+    def unpinned(self, slots: list[int]) -> None:
+        """Slots lost their last pin: a leaf whose tail is among them is evictable again."""
+        node_of = self.node_of
+        for slot in slots:
+            node = node_of.get(slot)
+            if node is not None and not node.children and node.slots[-1] == slot:
+                self._push(node)
 
     def _push(self, node: Node) -> None:
         heap = self._heap

@@ -93,17 +93,23 @@ class SlotPool:
 
     # -- pins ------------------------------------------------------------
 
-    def pin(self, offset: int) -> None:
-        self.pins[offset] = self.pins.get(offset, 0) + 1
+    def pin(self, offsets: list[int]) -> None:
+        pins = self.pins
+        for offset in offsets:
+            pins[offset] = pins.get(offset, 0) + 1
 
-    def unpin(self, offset: int) -> bool:
-        """Drop one pin; True when the slot is no longer pinned."""
-        count = self.pins[offset] - 1
-        if count:
-            self.pins[offset] = count
-            return False
-        del self.pins[offset]
-        return True
+    def unpin(self, offsets: list[int]) -> list[int]:
+        """Drop one pin from each slot; returns the slots no longer pinned."""
+        pins = self.pins
+        freed = []
+        for offset in offsets:
+            count = pins[offset] - 1
+            if count:
+                pins[offset] = count
+            else:
+                del pins[offset]
+                freed.append(offset)
+        return freed
 
     # -- figures -----------------------------------------------------------
 

@@ -81,7 +81,7 @@ def test_pinned_tail_stops_eviction_until_unpinned() -> None:
     assert ix.evict(10, pins) == [50]
     assert ix.evict(10, pins) == []
     del pins[12]
-    ix.unpinned(12)
+    ix.unpinned([12])
     assert ix.evict(10, pins) == [12, 11, 10]
 
 

@@ -56,11 +56,11 @@ def test_pins_count_and_guard_free() -> None:
     pool = SlotPool(MIB, MIB)
     slot = pool.alloc(4096)
     assert slot is not None
-    pool.pin(slot)
-    pool.pin(slot)
-    assert pool.unpin(slot) is False
+    pool.pin([slot])
+    pool.pin([slot])
+    assert pool.unpin([slot]) == []
     with pytest.raises(AssertionError, match="pinned"):
         pool.free(slot)
-    assert pool.unpin(slot) is True
+    assert pool.unpin([slot]) == [slot]
     pool.free(slot)
     assert pool.used_bytes == 0
