@@ -159,13 +159,14 @@ class Server:
 
     def _release(self) -> None:
         """Close the socket, the pool and the lock, in that order."""
+        bound = self._sock is not None
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
-        if self.endpoint.startswith("ipc://"):
+        if bound and self.endpoint.startswith("ipc://"):  # never another daemon's socket
             Path(self.endpoint[len("ipc://") :]).unlink(missing_ok=True)
         if self.arena is not None:
             self.arena.close()

@@ -1,0 +1,150 @@
+"""The hicached command and the daemon's lifecycle, as an operator sees them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from hicached.arena import arena_path
+from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def hicached(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hicached", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_status_human_and_json(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        ns = c.register(**NS)
+        toks = np.arange(0, 3 * PAGE_TOKENS, dtype=np.uint32)
+        c.store(ns, toks, page_bytes_for(toks))
+    out = hicached("status", "--endpoint", daemon.endpoint)
+    assert out.returncode == 0, out.stderr
+    assert "pool:" in out.stdout and "3 indexed" in out.stdout and "namespaces: 1" in out.stdout
+    js = hicached("status", "--json", env={"HICACHED_ENDPOINT": daemon.endpoint})
+    data = json.loads(js.stdout)
+    assert data["pages"] == 3 and data["pool_used_bytes"] == 3 * NS["page_bytes"]  # type: ignore[operator]
+    assert data["requests"]["commit"] == 1 and data["pool_bytes"] == 16 << 20
+
+
+def test_status_without_a_daemon_says_so(tmp_path: Path) -> None:
+    out = hicached("status", "--endpoint", f"ipc://{tmp_path}/none.sock", "--timeout", "0.3")
+    assert out.returncode == 2
+    assert "is it running?" in out.stderr
+
+
+def test_serve_on_defaults_and_stop_cleanly_on_sigterm(tmp_path: Path) -> None:
+    """No config file at all: defaults, a private runtime dir, a clean ordered exit."""
+    runtime_base = Path("/tmp") / f"hc-xdg-{os.getpid()}"
+    runtime_base.mkdir(mode=0o700, exist_ok=True)
+    env = {
+        **os.environ,
+        "XDG_RUNTIME_DIR": str(runtime_base),
+        "XDG_STATE_HOME": str(tmp_path / "state"),
+        "HICACHED_ENDPOINT": f"ipc://{runtime_base}/hicached/hicached.sock",
+    }
+    env.pop("RUNTIME_DIRECTORY", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hicached", "serve"], env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 60
+        status = None
+        while time.monotonic() < deadline:
+            status = subprocess.run(
+                [sys.executable, "-m", "hicached", "status", "--json", "--timeout", "0.5"],
+                env=env,
+                capture_output=True,
+                text=True,
+            )
+            if status.returncode == 0:
+                break
+            time.sleep(0.2)
+        assert status is not None and status.returncode == 0, status.stderr if status else ""
+        assert json.loads(status.stdout)["pool_bytes"] == 1024 << 20
+        runtime = runtime_base / "hicached"
+        assert stat.S_IMODE(runtime.stat().st_mode) == 0o700
+        pool_file = arena_path("/dev/shm", runtime)
+        assert pool_file.exists() and stat.S_IMODE(pool_file.stat().st_mode) == 0o600
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert proc.stderr is not None
+        log = proc.stderr.read()
+        assert "shutting down" in log and "stopped" in log
+        assert not (runtime / "hicached.sock").exists()
+        assert not pool_file.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
+        subprocess.run(["rm", "-rf", str(runtime_base)], check=False)
+
+
+def test_second_daemon_on_the_same_runtime_dir_is_refused(daemon: Daemon) -> None:
+    out = hicached("serve", "--config", str(daemon.config))
+    assert out.returncode == 2
+    assert "another hicached daemon" in out.stderr
+    with daemon.client() as c:  # the first one is untouched
+        assert c.stats().clients >= 1
+
+
+def test_open_runtime_dir_is_refused(tmp_path: Path) -> None:
+    open_dir = Path("/tmp") / f"hc-open-{os.getpid()}"
+    open_dir.mkdir(mode=0o755, exist_ok=True)
+    os.chmod(open_dir, 0o755)
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[server]\nruntime_dir = "{open_dir}"\n[pool]\nsize_mib = 64\n')
+    try:
+        out = hicached("serve", "--config", str(cfg))
+        assert out.returncode == 2
+        assert "open to other users" in out.stderr and "chmod 700" in out.stderr
+    finally:
+        subprocess.run(["rm", "-rf", str(open_dir)], check=False)
+
+
+def test_quickstart_example_passes_against_a_real_daemon(daemon: Daemon) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "quickstart.py")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HICACHED_ENDPOINT": daemon.endpoint},
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "bytes match" in out.stdout
+
+
+def test_bench_commands_print_json_figures(daemon_factory: object) -> None:
+    d = Daemon(size_mib=64, slab_mib=16, max_page_bytes=1 << 20).start()
+    try:
+        data = hicached("bench", "data", "--json", "--endpoint", d.endpoint, "--pages", "32")
+        assert data.returncode == 0, data.stderr
+        figures = json.loads(data.stdout)["figures"]
+        for key in ("slot_write_gbps", "slot_read_gbps", "memcpy_gbps"):
+            assert figures[key] > 0
+        control = hicached("bench", "control", "--json", "--endpoint", d.endpoint, "--requests", "50")
+        assert control.returncode == 0, control.stderr
+        figures = json.loads(control.stdout)["figures"]
+        for key in ("match_p50_us", "match_p99_us", "echo_p50_us", "echo_p99_us", "match_p50_us_4c"):
+            assert figures[key] > 0
+        assert figures["echo_p50_us_4c"] > 0 and figures["match_rps_4c"] > 0
+    finally:
+        d.cleanup()
