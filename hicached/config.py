@@ -70,7 +70,7 @@ class ServerConfig(msgspec.Struct, **_Section):
 
     # "" = ipc://<runtime_dir>/hicached.sock; tcp:// only on loopback.
     endpoint: str = ""
-    # "" = $XDG_RUNTIME_DIR/hicached, else /tmp/hicached-<uid>; created 0700.
+    # "" = $RUNTIME_DIRECTORY, else $XDG_RUNTIME_DIR/hicached, else /tmp/hicached-<uid>; made 0700.
     runtime_dir: str = ""
     # Larger messages get a too_large error reply and are counted.
     max_message_bytes: int = 1 * MIB
@@ -235,9 +235,11 @@ def runtime_dir(config: Config) -> Path:
 
 
 def default_runtime_dir() -> Path:
-    base = os.environ.get("RUNTIME_DIRECTORY") or os.environ.get("XDG_RUNTIME_DIR")
-    if base:
-        return Path(base.split(":")[0]) / "hicached"
+    """$RUNTIME_DIRECTORY (made by systemd for us), else $XDG_RUNTIME_DIR/hicached, else /tmp."""
+    if os.environ.get("RUNTIME_DIRECTORY"):
+        return Path(os.environ["RUNTIME_DIRECTORY"].split(":")[0])
+    if os.environ.get("XDG_RUNTIME_DIR"):
+        return Path(os.environ["XDG_RUNTIME_DIR"]) / "hicached"
     return Path(f"/tmp/hicached-{os.getuid()}")
 
 

@@ -140,10 +140,18 @@ def test_bench_commands_print_json_figures(daemon_factory: object) -> None:
         figures = json.loads(data.stdout)["figures"]
         for key in ("slot_write_gbps", "slot_read_gbps", "memcpy_gbps"):
             assert figures[key] > 0
-        control = hicached("bench", "control", "--json", "--endpoint", d.endpoint, "--requests", "50")
+        control = hicached(
+            "bench", "control", "--json", "--endpoint", d.endpoint, "--requests", "50"
+        )
         assert control.returncode == 0, control.stderr
         figures = json.loads(control.stdout)["figures"]
-        for key in ("match_p50_us", "match_p99_us", "echo_p50_us", "echo_p99_us", "match_p50_us_4c"):
+        for key in (
+            "match_p50_us",
+            "match_p99_us",
+            "echo_p50_us",
+            "echo_p99_us",
+            "match_p50_us_4c",
+        ):
             assert figures[key] > 0
         assert figures["echo_p50_us_4c"] > 0 and figures["match_rps_4c"] > 0
     finally:
