@@ -314,7 +314,11 @@ class Client(_Core):
         self._rcvtimeo = -1
 
     def __enter__(self) -> Client:
-        self.connect()
+        try:
+            self.connect()
+        except BaseException:
+            self.close()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -415,7 +419,11 @@ class AsyncClient(_Core):
         self._lock = asyncio.Lock()  # one handshake at a time
 
     async def __aenter__(self) -> AsyncClient:
-        await self.connect()
+        try:
+            await self.connect()
+        except BaseException:
+            await self.close()
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:

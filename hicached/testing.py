@@ -80,7 +80,13 @@ class DaemonProcess:
         raise RuntimeError(f"daemon did not answer within {timeout}s:\n{self.log.read_text()}")
 
     def client(self, timeout: float = 5.0, name: str = "") -> Client:
-        return Client(self.endpoint, timeout=timeout, name=name).connect()
+        """A connected client; use it in a ``with`` block."""
+        client = Client(self.endpoint, timeout=timeout, name=name)
+        try:
+            return client.connect()
+        except BaseException:
+            client.close()
+            raise
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
         """Signal the daemon and return its exit status."""
