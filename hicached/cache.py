@@ -17,6 +17,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import get_args
 
 from hicached import protocol as p
 from hicached.config import Config
@@ -31,10 +32,15 @@ from hicached.errors import (
     UnknownNamespace,
     VersionMismatch,
 )
-from hicached.hashing import TOKEN_BYTES, page_keys
+from hicached.hashing import TOKEN_BYTES, KeyCache
 from hicached.index import PageIndex
 from hicached.namespace import NamespaceSpec, namespace_digest, validate_spec
 from hicached.pool import SlotPool
+
+_OP_NAMES = {cls: str(cls.__struct_config__.tag) for cls in get_args(p.AnyRequest)}
+
+
+_LEASE_MASK = (1 << 63) - 1
 
 
 @dataclass(slots=True)
@@ -95,17 +101,21 @@ class Cache:
         self.sessions: dict[bytes, Session] = {}  # routing id -> session
         self.leases: dict[int, Lease] = {}  # insertion order == deadline order
         self._next_session = 1
+        # Lease ids count up from a random start: unique, and unlikely to be
+        # valid again after a restart (ownership is checked either way).
+        self._next_lease = secrets.randbits(62)
         self.requests: dict[str, int] = {}
         self.errors: dict[str, int] = {}
         self.dropped: dict[str, int] = {}
         self.evicted_pages = 0
         self.expired_leases = 0
+        self.key_cache = KeyCache(config.server.key_cache_pages)
 
     # -- dispatch --------------------------------------------------------------
 
     def handle(self, routing_id: bytes, request: p.AnyRequest) -> p.AnyReply:
         """Apply one request; never raises for a request's own faults."""
-        op = str(type(request).__struct_config__.tag)
+        op = _OP_NAMES[type(request)]
         self.requests[op] = self.requests.get(op, 0) + 1
         try:
             if isinstance(request, p.Hello):
@@ -208,7 +218,7 @@ class Cache:
             raise TooLarge(
                 f"the sequence covers more than {limit} pages (server.max_pages_per_request)"
             )
-        return page_keys(ns.digest, tokens, ns.spec.page_tokens)
+        return self.key_cache.keys(ns.digest, tokens, ns.spec.page_tokens)
 
     # -- leases ------------------------------------------------------------------
 
@@ -218,9 +228,7 @@ class Cache:
                 f"{len(self.leases)} leases are open, the limit (leases.max_leases): "
                 "release or commit leases sooner"
             )
-        lease_id = secrets.randbits(63) or 1
-        while lease_id in self.leases:
-            lease_id = secrets.randbits(63) or 1
+        lease_id = self._next_lease = (self._next_lease + 1) & _LEASE_MASK or 1
         lease = Lease(lease_id, session, ns, self.clock() + self.config.leases.ttl_s, pinned)
         self.pool.pin(pinned)
         self.leases[lease_id] = lease

@@ -84,6 +84,8 @@ class ServerConfig(msgspec.Struct, **_Section):
     hwm: int = 10000
     # Messages handled per wake-up before yielding to other tasks.
     drain_batch: int = 256
+    # Page keys remembered for recently seen token sequences (0 = off); ~100 bytes each.
+    key_cache_pages: int = 262144
 
     def __post_init__(self) -> None:
         if self.endpoint:
@@ -93,6 +95,8 @@ class ServerConfig(msgspec.Struct, **_Section):
         if self.max_message_bytes < 4096:
             raise ValueError("max_message_bytes must be at least 4096")
         _positive(self, "max_pages_per_request", "max_clients", "hwm", "drain_batch")
+        if self.key_cache_pages < 0:
+            raise ValueError("key_cache_pages must be 0 (off) or positive")
         if self.session_idle_s <= 0:
             raise ValueError("session_idle_s must be positive")
 

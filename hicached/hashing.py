@@ -9,6 +9,7 @@ same token ids with any xxh3 implementation.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 
 import numpy as np
@@ -34,6 +35,41 @@ def pack_tokens(tokens: bytes | Iterable[int] | np.ndarray) -> bytes:
     if int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF:
         raise ValueError("token ids must lie in 0..2**32-1")
     return arr.astype("<u4", copy=False).tobytes()
+
+
+class KeyCache:
+    """Recently computed key chains, by namespace and token-buffer digest.
+
+    Schedulers look up the same waiting request step after step, and a store
+    hashes what its match just hashed. Bounded by the total number of keys
+    held; least recently used chains go first. A 128-bit digest names each
+    buffer, the same strength as the keys themselves.
+    """
+
+    def __init__(self, max_keys: int) -> None:
+        self.max_keys = max_keys
+        self.size = 0
+        self.hits = 0
+        self._chains: OrderedDict[tuple[bytes, int, bytes], list[bytes]] = OrderedDict()
+
+    def keys(self, seed: bytes, tokens: bytes, page_tokens: int) -> list[bytes]:
+        """``page_keys(seed, tokens, page_tokens)``, from the cache when it can; do not mutate."""
+        if self.max_keys <= 0:
+            return page_keys(seed, tokens, page_tokens)
+        tag = (seed, len(tokens), _digest(tokens))
+        chain = self._chains.get(tag)
+        if chain is not None:
+            self._chains.move_to_end(tag)
+            self.hits += 1
+            return chain
+        chain = page_keys(seed, tokens, page_tokens)
+        if len(chain) <= self.max_keys:
+            self._chains[tag] = chain
+            self.size += len(chain)
+            while self.size > self.max_keys:
+                _, old = self._chains.popitem(last=False)
+                self.size -= len(old)
+        return chain
 
 
 def page_keys(

@@ -94,3 +94,28 @@ def test_pack_tokens_rejects_out_of_range() -> None:
     with pytest.raises(ValueError):
         pack_tokens(b"abc")
     assert pack_tokens([]) == b""
+
+
+def test_key_cache_returns_the_same_chains_and_stays_bounded() -> None:
+    from hicached.hashing import KeyCache
+
+    cache = KeyCache(max_keys=10)
+    seed = namespace_digest(SPEC)
+    a = pack_tokens(range(16))  # 4 pages
+    b = pack_tokens(range(100, 124))  # 6 pages
+    assert cache.keys(seed, a, 4) == page_keys(seed, a, 4)
+    assert cache.keys(seed, a, 4) is cache.keys(seed, a, 4)
+    assert cache.hits == 2
+    assert cache.keys(seed, b, 4) == page_keys(seed, b, 4)
+    assert cache.size == 10
+    c = pack_tokens(range(200, 204))  # 1 page: the oldest chain (a) must go
+    cache.keys(seed, c, 4)
+    assert cache.size == 7
+    hits = cache.hits
+    cache.keys(seed, a, 4)
+    assert cache.hits == hits  # recomputed, not served
+    other = namespace_digest(
+        NamespaceSpec(**{**{f: getattr(SPEC, f) for f in SPEC.__struct_fields__}, "tenant": "b"})
+    )
+    assert cache.keys(other, a, 4) == page_keys(other, a, 4) != page_keys(seed, a, 4)
+    assert KeyCache(0).keys(seed, a, 4) == page_keys(seed, a, 4)
