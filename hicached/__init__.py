@@ -1,6 +1,6 @@
 """hicached: a per-host hierarchical KV-cache daemon and its engine-side client."""
 
-from hicached.client import AsyncClient, Client, Hit, Namespace, Reservation
+from hicached.client import AsyncClient, Client, Hit, Namespace, Prefetch, Progress, Reservation
 from hicached.errors import HicachedError
 from hicached.namespace import NamespaceSpec
 
@@ -11,6 +11,8 @@ __all__ = [
     "Hit",
     "Namespace",
     "NamespaceSpec",
+    "Prefetch",
+    "Progress",
     "Reservation",
 ]
 __version__ = "0.1.0"

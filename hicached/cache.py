@@ -7,17 +7,25 @@ reply; a broken invariant is an assertion.
 
 Leases: a *write* lease belongs to a reservation (its fresh slots, plus a pin
 on the pages that were already present so they cannot be evicted before the
-commit); a *read* lease pins the pages a match returned. Leases expire after
-``leases.ttl_s`` so a client that dies cannot hold memory forever.
+commit); a *read* lease pins the pages a match returned; a *prefetch* lease
+is a write lease whose fresh slots are filled from L3 in the background.
+Leases expire after ``leases.ttl_s`` so a client that dies cannot hold
+memory forever.
+
+L3: the cache decides *what* moves (write policy, prefetch plans) and keeps
+track of which keys L3 holds; a Tier (storage.py) does the moving. Pending
+L3 writes are tracked per page key and hold their slot (pinned, or kept
+out of the free list after an eviction) until the backend is done with it,
+so splitting or evicting index nodes never loses or corrupts one.
 """
 
 from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import get_args
+from typing import Protocol, get_args
 
 from hicached import protocol as p
 from hicached.config import Config
@@ -63,6 +71,19 @@ class Session:
 
 
 @dataclass(slots=True)
+class PrefetchState:
+    """Progress of one prefetch; ``keys`` are the pages after the L2 hit."""
+
+    keys: list[bytes]
+    planned: int = -1  # pages being read; -1 until L3 has been asked
+    completed: int = 0  # leading pages read and verified
+    done: bool = False
+    failed: bool = False
+    running: bool = True  # the reader may still write into fresh slots
+    ended: bool = False  # the lease ended; the reader frees what is left
+
+
+@dataclass(slots=True)
 class Lease:
     id: int
     session: Session
@@ -71,10 +92,23 @@ class Lease:
     pinned: list[int]  # slots of indexed pages held against eviction
     keys: list[bytes] = field(default_factory=list)  # write leases: every page's key
     fresh: list[int] = field(default_factory=list)  # write leases: slots to fill
+    prefetch: PrefetchState | None = None
 
     @property
     def writing(self) -> bool:
-        return bool(self.keys)
+        return bool(self.keys) or self.prefetch is not None
+
+
+class Tier(Protocol):
+    """What the cache asks of the L3 tier (storage.py); all calls return at once."""
+
+    def write(self, ns: Namespace, key: bytes, slot: int, done: Callable[[bool], None]) -> bool:
+        """Queue a write of the page in ``slot``; ``done(ok)`` runs when it ends."""
+        ...
+
+    def prefetch(self, lease: Lease) -> None:
+        """Start reading ``lease.prefetch.keys`` into slots the cache will plan."""
+        ...
 
 
 class Cache:
@@ -110,6 +144,11 @@ class Cache:
         self.evicted_pages = 0
         self.expired_leases = 0
         self.key_cache = KeyCache(config.server.key_cache_pages)
+        self.tier: Tier | None = None
+        self.l3: set[bytes] = set()  # keys L3 holds, as far as we know
+        self.writing: set[bytes] = set()  # keys with an L3 write in flight
+        self._hits: dict[bytes, int] = {}  # write_through_selective: matches per key
+        self.l3_counters: dict[str, int] = {}
 
     # -- dispatch --------------------------------------------------------------
 
@@ -130,6 +169,10 @@ class Cache:
                     return self.commit(session, request)
                 case p.Match():
                     return self.match(session, request)
+                case p.Prefetch():
+                    return self.prefetch(session, request)
+                case p.Progress():
+                    return self.progress(session, request)
                 case p.Release():
                     self.release(session, request.lease)
                     return p.Ok(id=request.id)
@@ -246,13 +289,22 @@ class Cache:
         return lease
 
     def _end_lease(self, lease: Lease) -> None:
-        """Drop a lease's pins and free its unused fresh slots."""
+        """Drop a lease's pins and free its unused fresh slots.
+
+        A prefetch reader may still be writing into fresh slots: then they are
+        left to it, and ``prefetch_finished`` frees them.
+        """
         pool = self.pool
         if lease.pinned:
             lease.ns.index.unpinned(pool.unpin(lease.pinned))
+        lease.pinned = []
+        pf = lease.prefetch
+        if pf is not None:
+            pf.ended = True
+            if pf.running:
+                return
         for slot in lease.fresh:
             pool.free(slot)
-        lease.pinned = []
         lease.fresh = []
 
     # -- operations ----------------------------------------------------------------
@@ -294,11 +346,21 @@ class Cache:
                 if not victims:
                     break
                 self.evicted_pages += len(victims)
-                for victim in victims:
-                    pool.free(victim)
+                self._evicted(ns, victims)
                 continue
             out.append(slot)
         return out
+
+    def _evicted(self, ns: Namespace, victims: list[tuple[bytes, int]]) -> None:
+        """Free evicted slots; under write_back, first write pages L3 lacks."""
+        write_back = self.tier is not None and self.config.storage.write_policy == "write_back"
+        hits = self._hits
+        for key, slot in victims:
+            hits.pop(key, None)
+            unwritten = key not in self.l3 and key not in self.writing
+            if write_back and unwritten and self._write(ns, key, slot, evicted=True):
+                continue
+            self.pool.free(slot)
 
     def commit(self, session: Session, msg: p.Commit) -> p.CommitOk:
         lease = self.leases.get(msg.lease)
@@ -306,27 +368,190 @@ class Cache:
             raise BadRequest(f"lease {msg.lease} is a read lease; release it instead")
         lease = self._take_lease(session, msg.lease)
         fresh = lease.fresh
-        count = len(fresh) if msg.pages < 0 else msg.pages
-        if count > len(fresh):
+        pf = lease.prefetch
+        ready = len(fresh) if pf is None else pf.completed
+        count = ready if msg.pages < 0 else msg.pages
+        if count > ready:
             self._end_lease(lease)
-            raise BadRequest(
-                f"commit of {count} pages, but the lease reserved {len(fresh)}; lease aborted"
-            )
-        present = len(lease.keys) - len(fresh)
-        published, unused = lease.ns.index.insert(
-            lease.keys[: present + count], lease.pinned + fresh[:count]
-        )
-        lease.fresh = fresh[count:] + unused
+            what = "reserved" if pf is None else "has read"
+            raise BadRequest(f"commit of {count} pages, but the lease {what} {ready}; lease ended")
+        n = len(lease.pinned) + count
+        keys = lease.keys[:n]
+        slots = lease.pinned + fresh[:count]
+        published, unused = lease.ns.index.insert(keys, slots)
+        lease.fresh = fresh[count:]
+        for slot in unused:
+            self.pool.free(slot)
         self._end_lease(lease)
+        new = n - published
+        if published and self.tier is not None:
+            if pf is not None:
+                self.l3.update(keys[new:])  # these came from L3
+            elif self.config.storage.write_policy == "write_through":
+                self._write_pages(lease.ns, zip(keys[new:], slots[new:], strict=True))
         return p.CommitOk(id=msg.id, published=published, duplicates=count - published)
 
     def match(self, session: Session, msg: p.Match) -> p.MatchOk:
         ns = self._namespace(session, msg.ns)
-        slots = ns.index.match(self._keys(ns, msg.tokens))
+        keys = self._keys(ns, msg.tokens)
+        slots = ns.index.match(keys)
+        hits = len(slots)
         lease_id = 0
         if msg.lease and slots:
             lease_id = self._new_lease(session, ns, slots).id
-        return p.MatchOk(id=msg.id, hits=len(slots), offsets=slots, lease=lease_id)
+        l3_hits = 0
+        if self.l3:
+            l3 = self.l3
+            for key in keys[hits:]:
+                if key not in l3:
+                    break
+                l3_hits += 1
+        if (
+            hits
+            and self.tier is not None
+            and self.config.storage.write_policy == "write_through_selective"
+        ):
+            self._count_hit(ns, keys[:hits], slots)
+        return p.MatchOk(id=msg.id, hits=hits, offsets=slots, lease=lease_id, l3_hits=l3_hits)
+
+    # -- L3 ------------------------------------------------------------------------------
+
+    def _count_hit(self, ns: Namespace, keys: list[bytes], slots: list[int]) -> None:
+        """write_through_selective: a prefix matched often enough goes to L3.
+
+        Only the deepest page of each match is counted: its prefix is matched
+        at least as often, and is written along with it.
+        """
+        last = keys[-1]
+        if last in self.l3:
+            return
+        count = self._hits.get(last, 0) + 1
+        if count < self.config.storage.selective_hits:
+            self._hits[last] = count
+            return
+        self._hits.pop(last, None)
+        self._write_pages(ns, zip(keys, slots, strict=True))
+
+    def _write_pages(self, ns: Namespace, pages: Iterable[tuple[bytes, int]]) -> None:
+        for key, slot in pages:
+            if key not in self.l3 and key not in self.writing:
+                self._write(ns, key, slot, evicted=False)
+
+    def _write(self, ns: Namespace, key: bytes, slot: int, *, evicted: bool) -> bool:
+        """Send one page to L3; its slot is held until the write ends.
+
+        ``evicted``: the page already left the index; its slot is freed after
+        the write instead of unpinned.
+        """
+        assert self.tier is not None
+        if not evicted:
+            self.pool.pin([slot])
+        self.writing.add(key)
+
+        def done(ok: bool) -> None:
+            self.writing.discard(key)
+            self._count_l3("written" if ok else "write_failed")
+            if ok:
+                self.l3.add(key)
+            if evicted:
+                self.pool.free(slot)
+            else:
+                ns.index.unpinned(self.pool.unpin([slot]))
+
+        if self.tier.write(ns, key, slot, done):
+            return True
+        self.writing.discard(key)
+        self._count_l3("write_not_queued")
+        if not evicted:
+            ns.index.unpinned(self.pool.unpin([slot]))
+        return False
+
+    def _count_l3(self, what: str, n: int = 1) -> None:
+        self.l3_counters[what] = self.l3_counters.get(what, 0) + n
+
+    def forget_l3(self, keys: Iterable[bytes]) -> None:
+        """The backend no longer holds these pages."""
+        self.l3.difference_update(keys)
+
+    def flush(self) -> int:
+        """Queue a write of every L2 page L3 lacks (graceful stop); returns how many."""
+        queued = 0
+        for ns in self.namespaces.values():
+            for node in ns.index.nodes():
+                for key, slot in zip(node.keys, node.slots, strict=True):
+                    if key not in self.l3 and key not in self.writing:
+                        queued += self._write(ns, key, slot, evicted=False)
+        return queued
+
+    def prefetch(self, session: Session, msg: p.Prefetch) -> p.PrefetchOk:
+        ns = self._namespace(session, msg.ns)
+        keys = self._keys(ns, msg.tokens)
+        present = ns.index.match(keys)
+        wanted = keys[len(present) :]
+        if msg.max_pages >= 0:
+            wanted = wanted[: msg.max_pages]
+        if self.tier is None or not wanted:
+            return p.PrefetchOk(id=msg.id, lease=0, l2_hits=len(present))
+        lease = self._new_lease(session, ns, present)
+        lease.keys = keys[: len(present)]
+        lease.prefetch = PrefetchState(wanted)
+        self._count_l3("prefetches")
+        self.tier.prefetch(lease)
+        return p.PrefetchOk(id=msg.id, lease=lease.id, l2_hits=len(present))
+
+    def progress(self, session: Session, msg: p.Progress) -> p.ProgressOk:
+        lease = self.leases.get(msg.lease)
+        if lease is None or lease.prefetch is None:
+            raise UnknownLease(
+                f"prefetch {msg.lease} is not open (committed, cancelled or expired)"
+            )
+        if lease.session is not session:
+            raise ForeignLease(f"prefetch {msg.lease} belongs to another client")
+        pf = lease.prefetch
+        return p.ProgressOk(
+            id=msg.id, planned=pf.planned, completed=pf.completed, done=pf.done, failed=pf.failed
+        )
+
+    def prefetch_planned(self, lease: Lease, available: int) -> list[int]:
+        """L3 holds ``available`` leading pages: take slots for as many as fit."""
+        pf = lease.prefetch
+        assert pf is not None
+        if pf.ended:
+            pf.planned = 0
+            return []
+        fresh = self._alloc(lease.ns, min(available, len(pf.keys)))
+        lease.fresh = fresh
+        lease.keys = lease.keys + pf.keys[: len(fresh)]
+        pf.planned = len(fresh)
+        if len(fresh) < min(available, len(pf.keys)):
+            self._count_l3("prefetch_pool_short")
+        return fresh
+
+    def prefetch_progress(self, lease: Lease, results: list[bool]) -> bool:
+        """Record a batch of reads, in order; False when the prefetch should stop."""
+        pf = lease.prefetch
+        assert pf is not None
+        for ok in results:
+            if not ok:  # a gap: nothing after it may ever be committed
+                pf.failed = True
+                self._count_l3("prefetch_truncated")
+                return False
+            self.l3.add(pf.keys[pf.completed])
+            pf.completed += 1
+            self._count_l3("pages_prefetched")
+        return not pf.ended
+
+    def prefetch_finished(self, lease: Lease) -> None:
+        """The reader is done with the lease's slots."""
+        pf = lease.prefetch
+        assert pf is not None
+        pf.running = False
+        pf.done = True
+        pf.planned = max(pf.planned, 0)
+        if pf.ended:  # the lease ended while reading: free what it left
+            for slot in lease.fresh:
+                self.pool.free(slot)
+            lease.fresh = []
 
     def release(self, session: Session, lease_id: int) -> None:
         self._end_lease(self._take_lease(session, lease_id))
@@ -373,4 +598,8 @@ class Cache:
             dropped=dict(self.dropped),
             evicted_pages=self.evicted_pages,
             expired_leases=self.expired_leases,
+            l3_backend=self.config.storage.backend if self.tier is not None else "",
+            l3_state=getattr(self.tier, "state", "") if self.tier is not None else "",
+            l3_pages_known=len(self.l3),
+            l3={**self.l3_counters, **(getattr(self.tier, "counters", None) or {})},
         )

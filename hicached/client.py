@@ -82,13 +82,37 @@ class Reservation:
 
 @dataclass(slots=True)
 class Hit:
-    """The leading ``hits`` pages of a sequence, in ``offsets``, under ``lease``."""
+    """The leading ``hits`` pages of a sequence, in ``offsets``, under ``lease``;
+    ``l3_hits`` more pages are known to be in L3."""
 
     ns: Namespace
     hits: int
     offsets: list[int]
     lease: int
     instance: int
+    l3_hits: int = 0
+
+
+@dataclass(slots=True)
+class Prefetch:
+    """A background load from L3 of the pages after the first ``l2_hits``.
+
+    ``lease`` 0 means there was nothing to load (no L3, or all in L2).
+    """
+
+    ns: Namespace
+    lease: int
+    l2_hits: int
+    instance: int
+
+
+class Progress(msgspec.Struct, frozen=True):
+    """``completed`` leading pages are in L2; see protocol.ProgressOk."""
+
+    planned: int
+    completed: int
+    done: bool
+    failed: bool
 
 
 class _Core:
@@ -172,7 +196,7 @@ class _Core:
         )
         return Reservation(ns, ok.lease, ok.present, ok.offsets, ok.pool_full, self._instance)
 
-    def _commit(self, res: Reservation, pages: int | None) -> Exchange:
+    def _commit(self, res: Reservation | Prefetch, pages: int | None) -> Exchange:
         if not res.lease:
             return p.CommitOk(id=0, published=0, duplicates=0)
         if res.instance != self._instance:
@@ -189,7 +213,22 @@ class _Core:
         ok = yield from self._exchange(
             lambda: p.Match(id=0, ns=ns.id, tokens=packed, lease=lease), p.MatchOk
         )
-        return Hit(ns, ok.hits, ok.offsets, ok.lease, self._instance)
+        return Hit(ns, ok.hits, ok.offsets, ok.lease, self._instance, ok.l3_hits)
+
+    def _prefetch(self, ns: Namespace, tokens: Any, max_pages: int) -> Exchange:
+        packed = pack_tokens(tokens)
+        ok = yield from self._exchange(
+            lambda: p.Prefetch(id=0, ns=ns.id, tokens=packed, max_pages=max_pages), p.PrefetchOk
+        )
+        return Prefetch(ns, ok.lease, ok.l2_hits, self._instance)
+
+    def _progress(self, pf: Prefetch) -> Exchange:
+        if not pf.lease:
+            return Progress(planned=0, completed=0, done=True, failed=False)
+        if pf.instance != self._instance:
+            raise UnknownLease("the daemon restarted since this prefetch; start it again")
+        ok = yield from self._exchange(lambda: p.Progress(id=0, lease=pf.lease), p.ProgressOk)
+        return Progress(ok.planned, ok.completed, ok.done, ok.failed)
 
     def _release(self, lease: int, instance: int) -> Exchange:
         if not lease or instance != self._instance:
@@ -367,8 +406,21 @@ class Client(_Core):
     def reserve(self, ns: Namespace, tokens: Any) -> Reservation:
         return self._do(self._reserve(ns, tokens))
 
-    def commit(self, res: Reservation, pages: int | None = None) -> p.CommitOk:
+    def commit(self, res: Reservation | Prefetch, pages: int | None = None) -> p.CommitOk:
+        """Publish the first ``pages`` pages of a reservation or a prefetch (None: all
+        reserved, or all read so far); the rest is released."""
         return self._do(self._commit(res, pages))
+
+    def prefetch(self, ns: Namespace, tokens: Any, *, max_pages: int = -1) -> Prefetch:
+        """Start loading from L3 the pages of ``tokens`` after its L2 hit."""
+        return self._do(self._prefetch(ns, tokens, max_pages))
+
+    def progress(self, pf: Prefetch) -> Progress:
+        return self._do(self._progress(pf))
+
+    def cancel(self, pf: Prefetch) -> None:
+        """Give up a prefetch; its slots are freed once no read is writing into them."""
+        self._do(self._release(pf.lease, pf.instance))
 
     def abort(self, res: Reservation) -> None:
         self._do(self._release(res.lease, res.instance))
@@ -495,8 +547,17 @@ class AsyncClient(_Core):
     async def reserve(self, ns: Namespace, tokens: Any) -> Reservation:
         return await self._do(self._reserve(ns, tokens))
 
-    async def commit(self, res: Reservation, pages: int | None = None) -> p.CommitOk:
+    async def commit(self, res: Reservation | Prefetch, pages: int | None = None) -> p.CommitOk:
         return await self._do(self._commit(res, pages))
+
+    async def prefetch(self, ns: Namespace, tokens: Any, *, max_pages: int = -1) -> Prefetch:
+        return await self._do(self._prefetch(ns, tokens, max_pages))
+
+    async def progress(self, pf: Prefetch) -> Progress:
+        return await self._do(self._progress(pf))
+
+    async def cancel(self, pf: Prefetch) -> None:
+        await self._do(self._release(pf.lease, pf.instance))
 
     async def abort(self, res: Reservation) -> None:
         await self._do(self._release(res.lease, res.instance))

@@ -12,11 +12,13 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import msgspec
 
 from hicached.errors import ConfigError
+from hicached_backends.options import FileOptions, MemoryOptions, MooncakeOptions, S3Options
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -149,15 +151,59 @@ class LeaseConfig(msgspec.Struct, **_Section):
         _positive(self, "max_leases")
 
 
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+
+
 class StorageConfig(msgspec.Struct, **_Section):
-    """Where the daemon keeps files of its own."""
+    """The L3 tier: which backend, when pages reach it, and the bounds on its work."""
 
     # "" = $STATE_DIRECTORY, else $XDG_STATE_HOME/hicached, else ~/.local/state/hicached.
     data_dir: str = ""
+    # L3 backend by name (memory, file, s3, mooncake, or a plugin's); "" = L2 only.
+    backend: str = ""
+    # write_through (on commit), write_through_selective (after selective_hits
+    # matches), or write_back (on eviction from L2, and at a graceful stop).
+    write_policy: str = "write_through"
+    # Matches a page needs before write_through_selective writes it (and its prefix).
+    selective_hits: int = 2
+    # Seconds a graceful stop may spend writing back pages L3 does not hold yet.
+    flush_deadline_s: float = 30.0
+    # Pages waiting to be written, at most; more are dropped and counted.
+    queue_pages: int = 65536
+    # Pages per backend call.
+    batch_pages: int = 64
+    # Backend calls in flight at once.
+    concurrency: int = 4
+    # Seconds one backend call may take before it counts as failed.
+    op_timeout_s: float = 30.0
+    # Extra attempts for a retriable failure, with exponential backoff from retry_backoff_s.
+    retries: int = 3
+    retry_backoff_s: float = 0.05
+    # Consecutive failures that mark the backend down; it is probed again after the cooldown.
+    breaker_failures: int = 5
+    breaker_cooldown_s: float = 5.0
+    # Pages per read while prefetching.
+    prefetch_batch_pages: int = 64
+    # Learn at start what the store holds (backends that can list it).
+    scan_on_start: bool = True
+    memory: MemoryOptions = msgspec.field(default_factory=MemoryOptions)
+    file: FileOptions = msgspec.field(default_factory=FileOptions)
+    s3: S3Options = msgspec.field(default_factory=S3Options)
+    mooncake: MooncakeOptions = msgspec.field(default_factory=MooncakeOptions)
+    # Options of a third-party backend, decoded by that backend's own schema.
+    extra: dict[str, Any] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.data_dir and not self.data_dir.startswith("/"):
             raise ValueError("data_dir must be an absolute path")
+        if self.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"write_policy must be one of {', '.join(WRITE_POLICIES)}")
+        _positive(self, "selective_hits", "queue_pages", "batch_pages", "concurrency")
+        _positive(
+            self, "op_timeout_s", "breaker_failures", "breaker_cooldown_s", "prefetch_batch_pages"
+        )
+        if self.retries < 0 or self.retry_backoff_s < 0 or self.flush_deadline_s < 0:
+            raise ValueError("retries, retry_backoff_s and flush_deadline_s must not be negative")
 
 
 class LogConfig(msgspec.Struct, **_Section):

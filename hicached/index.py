@@ -149,12 +149,12 @@ class PageIndex:
             self.node_of[slot] = head
         return head
 
-    def evict(self, count: int, pins: Mapping[int, int]) -> list[int]:
+    def evict(self, count: int, pins: Mapping[int, int]) -> list[tuple[bytes, int]]:
         """Remove up to ``count`` unpinned pages, least recently used leaf first.
 
-        Returns their slots, in eviction order; the caller frees them.
+        Returns their (key, slot) pairs in eviction order; the caller frees the slots.
         """
-        out: list[int] = []
+        out: list[tuple[bytes, int]] = []
         heap = self._heap
         while len(out) < count and heap:
             tick, _, node = heapq.heappop(heap)
@@ -166,9 +166,8 @@ class PageIndex:
                 if slot in pins:
                     break
                 node.slots.pop()
-                node.keys.pop()
                 del self.node_of[slot]
-                out.append(slot)
+                out.append((node.keys.pop(), slot))
             if not node.slots:
                 self._remove(node, first)
             elif len(out) >= count and node.slots[-1] not in pins:

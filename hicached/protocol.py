@@ -63,6 +63,23 @@ class Match(Request, tag="match"):
     lease: bool = True
 
 
+class Prefetch(Request, tag="prefetch"):
+    """Load from L3 the pages of ``tokens`` that follow its L2 hit, in the background.
+
+    The reply's ``lease`` names the prefetch: poll it with ``progress``, then
+    ``commit`` the number of pages to keep (at most ``completed``), or
+    ``release`` it to cancel. ``max_pages`` (-1: no limit) caps the pages read.
+    """
+
+    ns: int
+    tokens: bytes
+    max_pages: int = -1
+
+
+class Progress(Request, tag="progress"):
+    lease: int
+
+
 class Release(Request, tag="release"):
     """End a lease: unpin a match, or abort a reservation (its slots are freed)."""
 
@@ -73,7 +90,9 @@ class Stats(Request, tag="stats"):
     pass
 
 
-AnyRequest = Hello | RegisterNamespace | Reserve | Commit | Match | Release | Stats
+AnyRequest = (
+    Hello | RegisterNamespace | Reserve | Commit | Match | Prefetch | Progress | Release | Stats
+)
 
 
 class Reply(msgspec.Struct, tag_field="op", kw_only=True, forbid_unknown_fields=True):
@@ -116,9 +135,31 @@ class CommitOk(Reply, tag="commit_ok"):
 
 
 class MatchOk(Reply, tag="match_ok"):
+    """``hits`` leading pages are in L2 (at ``offsets``); ``l3_hits`` more are
+    known to be in L3, as far as this daemon has learned."""
+
     hits: int
     offsets: list[int]
     lease: int = 0
+    l3_hits: int = 0
+
+
+class PrefetchOk(Reply, tag="prefetch_ok"):
+    """``l2_hits`` leading pages are in L2 already (held until the commit)."""
+
+    lease: int
+    l2_hits: int
+
+
+class ProgressOk(Reply, tag="progress_ok"):
+    """``planned`` pages are being read (-1: not known yet); the first
+    ``completed`` of them are verified in L2. ``done``: nothing more will come;
+    ``failed``: a read failed or a page was corrupt, truncating at that page."""
+
+    planned: int
+    completed: int
+    done: bool
+    failed: bool = False
 
 
 class Ok(Reply, tag="ok"):
@@ -143,6 +184,10 @@ class DaemonStats(msgspec.Struct, kw_only=True):
     dropped: dict[str, int]
     evicted_pages: int
     expired_leases: int
+    l3_backend: str = ""
+    l3_state: str = ""  # up, down (circuit open), or "" without L3
+    l3_pages_known: int = 0
+    l3: dict[str, int] = {}
 
 
 class StatsOk(Reply, tag="stats_ok"):
@@ -162,7 +207,18 @@ class Error(Reply, tag="error"):
         return cls(id=request_id, code=exc.code, message=exc.message, retriable=exc.retriable)
 
 
-AnyReply = HelloOk | NamespaceOk | ReserveOk | CommitOk | MatchOk | Ok | StatsOk | Error
+AnyReply = (
+    HelloOk
+    | NamespaceOk
+    | ReserveOk
+    | CommitOk
+    | MatchOk
+    | PrefetchOk
+    | ProgressOk
+    | Ok
+    | StatsOk
+    | Error
+)
 
 
 class Envelope(msgspec.Struct):

@@ -27,6 +27,7 @@ from hicached.cache import Cache
 from hicached.config import Config, endpoint, runtime_dir
 from hicached.errors import BadRequest, ConfigError, HicachedError, TooLarge
 from hicached.notify import sd_notify, watchdog_interval
+from hicached.storage import Tier, make_backend
 
 log = logging.getLogger("hicached")
 
@@ -54,6 +55,7 @@ class Server:
         self.endpoint = endpoint(config)
         self.runtime_dir = runtime_dir(config)
         self.cache: Cache | None = None
+        self.tier: Tier | None = None
         self.arena: Arena | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sock: zmq.Socket[bytes] | None = None
@@ -70,7 +72,7 @@ class Server:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
-            self.startup()
+            await self.startup()
             await self._stop.wait()
         finally:
             await self.shutdown()
@@ -88,7 +90,21 @@ class Server:
         log.info("%s: shutting down", sig.name)
         self._stop.set()
 
-    def startup(self) -> None:
+    async def startup(self) -> None:
+        cfg = self.config
+        self._prepare()
+        assert self.cache is not None and self.arena is not None
+        if cfg.storage.backend:
+            backend = make_backend(cfg, self.arena.array.data)
+            tier = Tier(self.cache, backend, self.arena)
+            await tier.start()  # opens the store and learns what it holds
+            self.tier = self.cache.tier = tier
+            log.info("L3: %s backend, %s", cfg.storage.backend, cfg.storage.write_policy)
+
+        self._listen()
+
+    def _prepare(self) -> None:
+        """Directories, the single-instance lock, the pool and the state."""
         cfg = self.config
         ensure_private_dir(self.runtime_dir)
         self._lock_fd = os.open(
@@ -117,6 +133,10 @@ class Server:
         )
         self.cache = Cache(cfg, pool_path=str(self.arena.path))
 
+    def _listen(self) -> None:
+        """Bind the socket and start serving; READY goes to systemd last."""
+        cfg = self.config
+        assert self.cache is not None
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -154,6 +174,10 @@ class Server:
         if self._sock is not None:
             with contextlib.suppress(Exception):
                 asyncio.get_running_loop().remove_reader(self._sock.fileno())
+            self._sock.close(linger=0)  # no new requests while L3 settles
+        if self.tier is not None:
+            await self.tier.stop()
+            self.tier = None
         self._release()
         log.info("stopped")
 
@@ -161,7 +185,7 @@ class Server:
         """Close the socket, the pool and the lock, in that order."""
         bound = self._sock is not None
         if self._sock is not None:
-            self._sock.close(linger=0)
+            self._sock.close(linger=0)  # idempotent
             self._sock = None
         if self._ctx is not None:
             self._ctx.term()

@@ -28,7 +28,9 @@ def free_tcp_port() -> int:
 class DaemonProcess:
     """``hicached serve`` as a child process with its own runtime dir and config.
 
-    ``extra`` is TOML appended to the ``[server]`` section (more sections may follow).
+    ``extra`` is TOML appended to the ``[server]`` section (more sections may
+    follow); ``storage`` is TOML inside ``[storage]``, and ``tail`` comes last
+    (for tables such as ``[storage.file]``).
     """
 
     def __init__(
@@ -40,6 +42,8 @@ class DaemonProcess:
         slab_mib: int = 1,
         max_page_bytes: int = 262144,
         populate: bool = True,
+        storage: str = "",
+        tail: str = "",
     ) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="hc-", dir="/tmp"))
         self.runtime = self.dir / "run"
@@ -52,7 +56,7 @@ class DaemonProcess:
             f"[pool]\nsize_mib = {size_mib}\nslab_mib = {slab_mib}\n"
             f"max_page_bytes = {max_page_bytes}\n"
             f"populate = {'true' if populate else 'false'}\n"
-            f'[storage]\ndata_dir = "{self.dir / "data"}"\n'
+            f'[storage]\ndata_dir = "{self.dir / "data"}"\n{storage}\n{tail}\n'
         )
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = self.dir / "daemon.log"

@@ -1,0 +1,263 @@
+"""Runs every L3 operation of one backend, so the event loop never blocks on it.
+
+- Writes wait in a bounded queue (``storage.queue_pages``); a full queue drops
+  and counts. Writers take batches of up to ``batch_pages`` pages of one
+  namespace; ``concurrency`` bounds the backend calls in flight.
+- A retriable failure (or a timeout) is retried with exponential backoff,
+  ``retries`` times; then the call fails.
+- A circuit breaker: ``breaker_failures`` failed calls in a row mark the
+  backend down. While down, calls fail at once (writes are dropped, reads
+  miss), so L2 keeps serving at full speed; after ``breaker_cooldown_s`` one
+  probe (``health``) decides whether it is up again.
+- A call that times out is *not* abandoned: its completion callback runs
+  when the backend finally returns, so the pool slots it reads or writes stay
+  held until then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from hicached.config import StorageConfig
+from hicached_backends.base import Backend, BackendError, PageRef
+
+log = logging.getLogger("hicached.dispatcher")
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class WriteJob:
+    ns: bytes
+    key: bytes
+    buf: memoryview
+    done: Callable[[bool], None]
+
+
+class Unavailable(Exception):
+    """The backend is down (breaker open) or the call ran out of attempts."""
+
+
+class Dispatcher:
+    """Queues, batches, retries and guards the calls to one backend."""
+
+    def __init__(self, backend: Backend, config: StorageConfig, name: str) -> None:
+        self.backend = backend
+        self.config = config
+        self.name = name
+        self._queue: collections.deque[WriteJob] = collections.deque()
+        self._wake = asyncio.Event()
+        self._slots = asyncio.Semaphore(config.concurrency)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._accepting = False
+        self._failures = 0
+        self._down_until = 0.0
+        self.running = 0  # backend calls in progress
+        self.writing = 0  # pages taken from the queue and not finished
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.backend.open()
+        self._accepting = True
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._writer()) for _ in range(self.config.concurrency)]
+
+    async def stop(self, deadline_s: float) -> None:
+        """Finish queued writes within ``deadline_s``, then close the backend."""
+        self._accepting = False
+        end = time.monotonic() + deadline_s
+        while (self._queue or self.writing) and time.monotonic() < end:
+            self._wake.set()
+            await asyncio.sleep(0.01)
+        dropped = len(self._queue)
+        while self._queue:
+            self._queue.popleft().done(False)
+        if dropped:
+            self.counters["write_dropped_stop"] += dropped
+            log.warning("%s: %d queued writes not done by the stop deadline", self.name, dropped)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        await self.backend.close()
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    @property
+    def state(self) -> str:
+        return "down" if time.monotonic() < self._down_until else "up"
+
+    # -- writes ----------------------------------------------------------------------
+
+    def submit_write(self, job: WriteJob) -> bool:
+        """Queue one page write; False (and counted) when it cannot be taken."""
+        if not self._accepting:
+            self.counters["write_refused_stopping"] += 1
+            return False
+        if self.state == "down":
+            self.counters["write_skipped_down"] += 1
+            return False
+        if len(self._queue) >= self.config.queue_pages:
+            self.counters["write_dropped_full"] += 1
+            return False
+        self._queue.append(job)
+        self._wake.set()
+        return True
+
+    async def _writer(self) -> None:
+        while True:
+            while not self._queue:
+                self._wake.clear()
+                await self._wake.wait()
+            batch = self._take_batch()
+            self.writing += len(batch)
+            try:
+                results = await self.call(
+                    self.backend.put, batch[0].ns, [PageRef(j.key, j.buf) for j in batch]
+                )
+            except Unavailable:
+                results = [False] * len(batch)
+            except _Late as late:
+                late.then(functools.partial(self._finish, batch))  # slots stay held till it ends
+                continue
+            self._finish(batch, results)
+
+    def _take_batch(self) -> list[WriteJob]:
+        first = self._queue.popleft()
+        batch = [first]
+        skipped: list[WriteJob] = []
+        while self._queue and len(batch) < self.config.batch_pages:
+            job = self._queue.popleft()
+            (batch if job.ns == first.ns else skipped).append(job)
+        self._queue.extendleft(reversed(skipped))
+        return batch
+
+    def _finish(self, batch: list[WriteJob], results: Sequence[bool] | BaseException) -> None:
+        self.writing -= len(batch)
+        ok_list = results if not isinstance(results, BaseException) else [False] * len(batch)
+        for job, ok in zip(batch, ok_list, strict=True):
+            self.counters["pages_written" if ok else "write_failed"] += 1
+            job.done(bool(ok))
+
+    # -- calls -----------------------------------------------------------------------
+
+    async def call(self, fn: Callable[..., Awaitable[T]], *args: object) -> T:
+        """``fn(*args)`` on the backend with the breaker, retries and the timeout.
+
+        Raises Unavailable when the backend is down or every attempt failed.
+        A timed-out attempt is not retried (it may still own its buffers): it
+        raises _Late, whose task is still running.
+        """
+        if self.state == "down" and not await self._probe():
+            raise Unavailable(f"{self.name} is down")
+        what = getattr(fn, "__name__", "call")
+        attempts = self.config.retries + 1
+        for attempt in range(attempts):
+            async with self._slots:
+                self.running += 1
+                task = asyncio.ensure_future(fn(*args))
+                try:
+                    done, _ = await asyncio.wait({task}, timeout=self.config.op_timeout_s)
+                except asyncio.CancelledError:
+                    # the call may be writing into pool slots: let it end first
+                    await asyncio.wait({task}, timeout=self.config.op_timeout_s)
+                    raise
+                finally:
+                    self.running -= 1
+            if not done:
+                self.counters["timeouts"] += 1
+                self._failed(f"{what} timed out")
+                raise _Late(task)
+            exc = task.exception()
+            if exc is None:
+                self._failures = 0
+                return task.result()
+            self._failed(f"{what}: {exc}")
+            if not isinstance(exc, BackendError):
+                log.error("%s: unexpected error in %s", self.name, what, exc_info=exc)
+            if not (isinstance(exc, BackendError) and exc.retriable) or attempt == attempts - 1:
+                raise Unavailable(str(exc)) from exc
+            self.counters["retries"] += 1
+            await asyncio.sleep(self.config.retry_backoff_s * (2**attempt))
+            if self.state == "down":
+                raise Unavailable(f"{self.name} is down")
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _failed(self, why: str) -> None:
+        self._failures += 1
+        self.counters["failures"] += 1
+        if self._failures >= self.config.breaker_failures and self.state == "up":
+            self._down_until = time.monotonic() + self.config.breaker_cooldown_s
+            self.counters["breaker_opened"] += 1
+            log.warning(
+                "%s marked down after %d failures (last: %s)", self.name, self._failures, why
+            )
+
+    async def _probe(self) -> bool:
+        if time.monotonic() < self._down_until:
+            return False
+        try:
+            await asyncio.wait_for(self.backend.health(), self.config.op_timeout_s)
+        except Exception as exc:  # any failure keeps it down for another cooldown
+            self._down_until = time.monotonic() + self.config.breaker_cooldown_s
+            log.info("%s still down: %s", self.name, exc)
+            return False
+        self._failures = 0
+        self._down_until = 0.0
+        log.info("%s is up again", self.name)
+        return True
+
+    async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int:
+        """Leading keys held by the backend; 0 when it cannot tell now."""
+        try:
+            return await self.call(self.backend.exists, ns, keys)
+        except Unavailable:
+            return 0
+        except _Late:
+            return 0
+
+    async def get(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
+        """Read pages into their slots; all False when the backend fails.
+
+        Returns only once no backend thread can still write into the slots.
+        """
+        try:
+            result = await self.call(self.backend.get, ns, pages)
+        except Unavailable:
+            return [False] * len(pages)
+        except _Late as late:
+            await late.wait()
+            return [False] * len(pages)
+        self.counters["pages_read"] += sum(result)
+        return result
+
+
+class _Late(Exception):
+    """The last attempt timed out; its task is still running and owns its buffers."""
+
+    def __init__(self, task: asyncio.Future[Any]) -> None:
+        super().__init__("timed out")
+        self.task = task
+
+    def then(self, callback: Callable[[Sequence[bool] | BaseException], None]) -> None:
+        def finished(task: asyncio.Future[Any]) -> None:
+            exc = task.exception()
+            callback(exc if exc is not None else task.result())
+
+        self.task.add_done_callback(finished)
+
+    async def wait(self) -> None:
+        await asyncio.wait({self.task})

@@ -1,0 +1,66 @@
+"""In-process dict backend: the reference oracle for the conformance tests.
+
+Stores whole records (header + payload) so reads go through the same
+verification as every other backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+from hicached_backends.base import Backend, BackendEnv, PageRef
+from hicached_backends.options import MemoryOptions
+from hicached_backends.record import HEADER_BYTES, pack_header, verify
+
+
+class MemoryBackend(Backend):
+    options_type = MemoryOptions
+
+    def __init__(self, options: MemoryOptions, env: BackendEnv) -> None:
+        super().__init__(options, env)
+        self.records: dict[tuple[bytes, bytes], bytes] = {}
+
+    async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int:
+        n = 0
+        for key in keys:
+            if (ns, key) not in self.records:
+                break
+            n += 1
+        return n
+
+    async def get(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
+        out = []
+        for key, buf in pages:
+            record = self.records.get((ns, key))
+            ok = (
+                record is not None
+                and len(record) - HEADER_BYTES == len(buf)
+                and verify(record[:HEADER_BYTES], record[HEADER_BYTES:], ns, key)
+            )
+            if ok:
+                assert record is not None
+                buf[:] = record[HEADER_BYTES:]
+            elif record is not None:
+                del self.records[(ns, key)]  # a bad record is dropped
+            out.append(ok)
+        return out
+
+    async def put(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
+        for key, buf in pages:
+            self.records.pop((ns, key), None)
+            self.records[(ns, key)] = pack_header(ns, key, buf) + bytes(buf)
+            limit = self.options.max_pages
+            while limit and len(self.records) > limit:
+                del self.records[next(iter(self.records))]
+        return [True] * len(pages)
+
+    async def delete(self, ns: bytes, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self.records.pop((ns, key), None)
+
+    async def scan(self) -> AsyncIterator[tuple[bytes, bytes]]:
+        for ns, key in list(self.records):
+            yield ns, key
+
+    def stats(self) -> dict[str, int]:
+        return {"pages": len(self.records)}

@@ -1,0 +1,103 @@
+"""Typed option tables of the built-in backends ([storage.<name>] in the TOML).
+
+Kept free of heavy imports so the daemon's config can be validated on a
+host that lacks boto3 or mooncake.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+_Table = {"kw_only": True, "forbid_unknown_fields": True}
+
+
+class MemoryOptions(msgspec.Struct, **_Table):
+    """In-process store, for tests and as the reference oracle."""
+
+    # Most pages held; the oldest go first beyond it (0 = unbounded).
+    max_pages: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_pages < 0:
+            raise ValueError("max_pages must be 0 (unbounded) or positive")
+
+
+class FileOptions(msgspec.Struct, **_Table):
+    """Segment files on a local disk."""
+
+    # Directory of the segment files; "" = <storage.data_dir>/pages.
+    path: str = ""
+    # Total size of the store in MiB, split into segments of segment_mib.
+    capacity_mib: int = 4096
+    # One segment file's size in MiB; the oldest whole segment is recycled when full.
+    segment_mib: int = 256
+    # Threads doing positional reads and writes.
+    io_threads: int = 4
+
+    def __post_init__(self) -> None:
+        if self.segment_mib <= 0 or self.io_threads <= 0:
+            raise ValueError("segment_mib and io_threads must be positive")
+        if self.capacity_mib < 2 * self.segment_mib:
+            raise ValueError("capacity_mib must hold at least two segments (2 x segment_mib)")
+        if self.path and not self.path.startswith("/"):
+            raise ValueError("path must be absolute")
+
+
+class S3Options(msgspec.Struct, **_Table):
+    """An S3-compatible object store through boto3."""
+
+    # Bucket holding the pages (must exist).
+    bucket: str = ""
+    # Key prefix inside the bucket; keys are <prefix>/<2 hex>/<namespace>/<key>.
+    prefix: str = "hicached"
+    # Endpoint URL for non-AWS stores, e.g. http://127.0.0.1:9000; "" = AWS.
+    endpoint_url: str = ""
+    # Region name; "" = from the standard configuration chain.
+    region: str = ""
+    # Credentials; "" = the standard chain (environment, files, instance role).
+    access_key_id: str = ""
+    secret_access_key: str = ""
+    # Threads (and HTTP connections) doing requests.
+    threads: int = 16
+    # Attempts per request in botocore's standard retry mode (1 = no retry).
+    max_attempts: int = 3
+    # Seconds to connect and to wait for a response.
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 10.0
+    # "path" or "virtual" bucket addressing; "" = boto3's default.
+    addressing_style: str = ""
+
+    def __post_init__(self) -> None:
+        if self.threads <= 0 or self.max_attempts <= 0:
+            raise ValueError("threads and max_attempts must be positive")
+        if self.addressing_style not in ("", "path", "virtual"):
+            raise ValueError("addressing_style must be '', 'path' or 'virtual'")
+        if "//" in self.prefix or self.prefix.startswith("/"):
+            raise ValueError("prefix must be relative and have no empty parts")
+
+
+class MooncakeOptions(msgspec.Struct, **_Table):
+    """Mooncake Store: a master plus this host's client segment."""
+
+    # The master's RPC address.
+    master: str = "127.0.0.1:50051"
+    # Metadata server: "http://host:port/metadata" (the master's embedded one), or "P2PHANDSHAKE".
+    metadata_server: str = "http://127.0.0.1:8080/metadata"
+    # This host's name or address as the other Mooncake clients reach it.
+    local_hostname: str = "127.0.0.1"
+    # "tcp", or "rdma" where the hardware has it.
+    protocol: str = "tcp"
+    # RDMA device names, comma-separated ("" for tcp).
+    device: str = ""
+    # Memory this host contributes to the distributed store, in MiB.
+    global_segment_mib: int = 512
+    # The client's local transfer buffer, in MiB.
+    local_buffer_mib: int = 64
+    # Threads issuing blocking store calls.
+    threads: int = 4
+
+    def __post_init__(self) -> None:
+        if self.protocol not in ("tcp", "rdma"):
+            raise ValueError("protocol must be 'tcp' or 'rdma'")
+        if self.global_segment_mib <= 0 or self.local_buffer_mib <= 0 or self.threads <= 0:
+            raise ValueError("global_segment_mib, local_buffer_mib and threads must be positive")
