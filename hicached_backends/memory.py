@@ -32,15 +32,13 @@ class MemoryBackend(Backend):
         out = []
         for key, buf in pages:
             record = self.records.get((ns, key))
-            ok = (
-                record is not None
-                and len(record) - HEADER_BYTES == len(buf)
-                and verify(record[:HEADER_BYTES], record[HEADER_BYTES:], ns, key)
-            )
+            if record is None or len(record) - HEADER_BYTES != len(buf):
+                out.append(False)  # absent, or asked with the wrong page size
+                continue
+            ok = verify(record[:HEADER_BYTES], record[HEADER_BYTES:], ns, key)
             if ok:
-                assert record is not None
                 buf[:] = record[HEADER_BYTES:]
-            elif record is not None:
+            else:
                 del self.records[(ns, key)]  # a bad record is dropped
             out.append(ok)
         return out

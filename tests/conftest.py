@@ -5,6 +5,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from tests.services import S3Server
+from tests.services import s3_server as _s3_server
 from tests.support import Daemon
 
 
@@ -33,3 +35,9 @@ def daemon_factory() -> Iterator[Callable[..., Daemon]]:
 @pytest.fixture
 def daemon(daemon_factory: Callable[..., Daemon]) -> Daemon:
     return daemon_factory()
+
+
+@pytest.fixture(scope="session")
+def s3() -> Iterator[S3Server]:
+    """A real S3 server (moto's server mode) on loopback, for the whole session."""
+    yield from _s3_server()

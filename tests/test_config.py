@@ -23,11 +23,15 @@ def test_example_decodes_to_the_defaults() -> None:
 def test_example_lists_every_key() -> None:
     from hicached.config import tomllib
 
-    listed = tomllib.loads(EXAMPLE.read_text())
-    defaults = msgspec.to_builtins(Config())
-    assert set(listed) == set(defaults)
-    for section, keys in defaults.items():
-        assert set(listed[section]) == set(keys), section
+    def same_keys(listed: dict[str, object], defaults: dict[str, object], where: str) -> None:
+        assert set(listed) == set(defaults), where or "(top level)"
+        for key, value in defaults.items():
+            if isinstance(value, dict) and value:
+                sub = listed[key]
+                assert isinstance(sub, dict)
+                same_keys(sub, value, f"{where}.{key}".lstrip("."))
+
+    same_keys(tomllib.loads(EXAMPLE.read_text()), msgspec.to_builtins(Config()), "")
 
 
 def test_no_file_means_defaults() -> None:
@@ -51,6 +55,14 @@ def test_no_file_means_defaults() -> None:
         ("[server]\nmax_message_bytes = 10\n", "server.max_message_bytes", "at least 4096"),
         ("[log]\nlevel = 'loud'\n", "log.level", "one of"),
         ("[storage]\ndata_dir = 'relative'\n", "storage.data_dir", "absolute"),
+        ("[storage]\nwrite_policy = 'sometimes'\n", "storage.write_policy", "one of"),
+        (
+            "[storage.file]\ncapacity_mib = 100\nsegment_mib = 64\n",
+            "storage.file.capacity_mib",
+            "two segments",
+        ),
+        ("[storage.s3]\nthreds = 2\n", "storage.s3.threds", "unknown key"),
+        ("[storage.mooncake]\nprotocol = 'udp'\n", "storage.mooncake.protocol", "'tcp' or 'rdma'"),
     ],
 )
 def test_bad_config_names_its_key(text: str, key: str, hint: str) -> None:

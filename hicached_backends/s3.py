@@ -1,0 +1,237 @@
+"""S3-compatible object store backend (boto3).
+
+Each page is one object ``<prefix>/<k[:2]>/<namespace hex>/<key hex>`` whose
+body is a full record (record.py): the header's checksum is verified after
+every GET, so a wrong, stale or damaged object is a miss, never bytes. The
+first two hex digits of the key spread objects over prefixes (S3 scales
+request rates per prefix). Pages are written with single-part PUTs, so a
+failure can never leave a multipart upload behind; writing the same key twice
+stores the same bytes (writes are idempotent).
+
+boto3 is blocking: calls run in a bounded thread pool, with botocore's
+*standard* retry mode (throttling and 5xx are retried there, with backoff).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import boto3
+import botocore.config
+import botocore.exceptions
+
+from hicached_backends.base import Backend, BackendEnv, BackendError, PageRef
+from hicached_backends.options import S3Options
+from hicached_backends.record import HEADER_BYTES, pack_header, verify
+
+log = logging.getLogger("hicached.s3")
+
+_MISSING = {"404", "NoSuchKey", "NotFound"}
+
+
+class S3Backend(Backend):
+    options_type = S3Options
+
+    def __init__(self, options: S3Options, env: BackendEnv) -> None:
+        super().__init__(options, env)
+        if not options.bucket:
+            raise BackendError("storage.s3.bucket is empty: name the bucket that holds the pages")
+        self.prefix = options.prefix.strip("/")
+        self._pool: ThreadPoolExecutor | None = None
+        self._client: Any = None
+        self.counters = {"requests": 0, "errors": 0, "bad_objects": 0}
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    async def open(self) -> None:
+        o = self.options
+        config = botocore.config.Config(
+            retries={"mode": "standard", "max_attempts": o.max_attempts},
+            max_pool_connections=o.threads,
+            connect_timeout=o.connect_timeout_s,
+            read_timeout=o.read_timeout_s,
+            s3={"addressing_style": o.addressing_style} if o.addressing_style else None,
+        )
+        session = boto3.session.Session(
+            aws_access_key_id=o.access_key_id or None,
+            aws_secret_access_key=o.secret_access_key or None,
+            region_name=o.region or None,
+        )
+        self._client = session.client("s3", endpoint_url=o.endpoint_url or None, config=config)
+        self._pool = ThreadPoolExecutor(o.threads, thread_name_prefix="hicached-s3")
+        try:
+            await self._run(self._client.head_bucket, Bucket=o.bucket)
+        except BackendError as exc:
+            if not exc.retriable:
+                raise BackendError(f"S3 bucket {o.bucket!r}: {exc.message}") from None
+            # unreachable now: serve from L2, the breaker retries later
+            log.warning("S3 at %s not reachable at start: %s", o.endpoint_url or "AWS", exc.message)
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self._client = None
+
+    async def health(self) -> None:
+        await self._run(self._client.head_bucket, Bucket=self.options.bucket)
+
+    # -- helpers -------------------------------------------------------------------
+
+    def object_name(self, ns: bytes, key: bytes) -> str:
+        k = key.hex()
+        return f"{self.prefix}/{k[:2]}/{ns.hex()}/{k}"
+
+    async def _run(self, fn: Any, **kwargs: Any) -> Any:
+        if self._pool is None:
+            raise BackendError("S3 backend is closed", retriable=True)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, lambda: self._call(fn, kwargs)
+        )
+
+    def _call(self, fn: Any, kwargs: dict[str, Any]) -> Any:
+        self.counters["requests"] += 1
+        try:
+            return fn(**kwargs)
+        except botocore.exceptions.ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code in _MISSING:
+                return None
+            self.counters["errors"] += 1
+            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+            raise BackendError(
+                f"S3 {code or status}: {exc}", retriable=status >= 500 or code == "SlowDown"
+            ) from None
+        except (botocore.exceptions.BotoCoreError, OSError) as exc:
+            self.counters["errors"] += 1
+            raise BackendError(f"S3 unreachable: {exc}", retriable=True) from None
+
+    async def _each(self, fn: Any, items: Sequence[Any]) -> list[Any]:
+        """``fn(item)`` for every item in the pool; exceptions are returned, not raised."""
+        if self._pool is None:
+            raise BackendError("S3 backend is closed", retriable=True)
+        loop = asyncio.get_running_loop()
+        return list(
+            await asyncio.gather(
+                *(loop.run_in_executor(self._pool, fn, item) for item in items),
+                return_exceptions=True,
+            )
+        )
+
+    @staticmethod
+    def _settle(results: list[Any]) -> list[bool]:
+        """Per-page outcomes; if every page failed with an error, raise the first."""
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors and len(errors) == len(results):
+            first = errors[0]
+            raise (
+                first
+                if isinstance(first, BackendError)
+                else BackendError(str(first), retriable=True)
+            )
+        return [r is True for r in results]
+
+    # -- operations ------------------------------------------------------------------
+
+    async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int:
+        found = await self._each(
+            lambda key: (
+                self._call(
+                    self._client.head_object,
+                    {"Bucket": self.options.bucket, "Key": self.object_name(ns, key)},
+                )
+                is not None
+            ),
+            keys,
+        )
+        n = 0
+        for hit in found:
+            if isinstance(hit, BaseException):
+                if n == 0 and all(isinstance(h, BaseException) for h in found):
+                    raise (
+                        hit
+                        if isinstance(hit, BackendError)
+                        else BackendError(str(hit), retriable=True)
+                    )
+                break
+            if not hit:
+                break
+            n += 1
+        return n
+
+    async def put(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
+        def put_one(page: PageRef) -> bool:
+            payload = bytes(page.buf)  # one snapshot: the checksum covers exactly what is sent
+            body = pack_header(ns, page.key, payload) + payload
+            self._call(
+                self._client.put_object,
+                {
+                    "Bucket": self.options.bucket,
+                    "Key": self.object_name(ns, page.key),
+                    "Body": body,
+                },
+            )
+            return True
+
+        return self._settle(await self._each(put_one, pages))
+
+    async def get(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
+        def get_one(page: PageRef) -> bool:
+            resp = self._call(
+                self._client.get_object,
+                {"Bucket": self.options.bucket, "Key": self.object_name(ns, page.key)},
+            )
+            if resp is None:
+                return False
+            try:
+                body = resp["Body"].read()
+            except (botocore.exceptions.BotoCoreError, OSError) as exc:
+                raise BackendError(f"S3 read broke off: {exc}", retriable=True) from None
+            if len(body) != HEADER_BYTES + len(page.buf) or not verify(
+                body[:HEADER_BYTES], memoryview(body)[HEADER_BYTES:], ns, page.key
+            ):
+                self.counters["bad_objects"] += 1
+                return False
+            page.buf[:] = memoryview(body)[HEADER_BYTES:]
+            return True
+
+        return self._settle(await self._each(get_one, pages))
+
+    async def delete(self, ns: bytes, keys: Sequence[bytes]) -> None:
+        for start in range(0, len(keys), 1000):
+            objects = [{"Key": self.object_name(ns, k)} for k in keys[start : start + 1000]]
+            await self._run(
+                self._client.delete_objects,
+                Bucket=self.options.bucket,
+                Delete={"Objects": objects, "Quiet": True},
+            )
+
+    async def scan(self) -> AsyncIterator[tuple[bytes, bytes]]:
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": self.options.bucket, "Prefix": self.prefix + "/"}
+            if token:
+                kwargs["ContinuationToken"] = token
+            try:
+                resp = await self._run(self._client.list_objects_v2, **kwargs)
+            except BackendError as exc:
+                log.warning("S3 scan stopped: %s", exc.message)
+                return
+            for item in (resp or {}).get("Contents", []):
+                parts = item["Key"].split("/")
+                try:
+                    ns, key = bytes.fromhex(parts[-2]), bytes.fromhex(parts[-1])
+                except (ValueError, IndexError):
+                    continue
+                if len(ns) == 16 and len(key) == 16:
+                    yield ns, key
+            if not (resp or {}).get("IsTruncated"):
+                return
+            token = resp.get("NextContinuationToken")
+
+    def stats(self) -> dict[str, int]:
+        return dict(self.counters)

@@ -1,0 +1,163 @@
+"""One stateful conformance suite, run against every backend.
+
+The memory backend is the oracle. Random puts, gets, exists and deletes over
+a small key space (so keys repeat) must give the oracle's answers; a page a
+backend returns must hold exactly the oracle's bytes. Backends here are given
+room for every page, so none may forget anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, rule
+
+from hicached_backends.base import Backend, BackendEnv, PageRef
+from hicached_backends.file import FileBackend
+from hicached_backends.memory import MemoryBackend
+from hicached_backends.options import FileOptions, MemoryOptions, S3Options
+from tests.services import CREDENTIALS, S3Server
+
+PAGE = 512
+NAMESPACES = [bytes([0xA0 + i]) * 16 for i in range(2)]
+KEYS = [bytes([i]) * 16 for i in range(12)]
+_prefixes = itertools.count()
+
+
+def payload(ns: bytes, key: bytes, version: int) -> bytes:
+    rng = np.random.default_rng([ns[0], key[0], version])
+    return rng.integers(0, 256, PAGE, dtype=np.uint8).tobytes()
+
+
+def conformance_machine(make: Callable[[Path], Backend]) -> type[RuleBasedStateMachine]:
+    class Conformance(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.loop = asyncio.new_event_loop()
+            self.tmp = tempfile.TemporaryDirectory(prefix="hc-conf-")
+            self.backend = make(Path(self.tmp.name))
+            self.oracle = MemoryBackend(MemoryOptions(), BackendEnv(Path(self.tmp.name)))
+            self.run(self.backend.open())
+            self.run(self.oracle.open())
+            self.versions: dict[tuple[bytes, bytes], set[bytes]] = {}
+
+        def run(self, coro):  # type: ignore[no-untyped-def]
+            return self.loop.run_until_complete(coro)
+
+        @rule(
+            ns=st.sampled_from(NAMESPACES),
+            keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=6, unique=True),
+            version=st.integers(0, 1),
+        )
+        def put(self, ns: bytes, keys: list[bytes], version: int) -> None:
+            pages = [PageRef(k, memoryview(bytearray(payload(ns, k, version)))) for k in keys]
+            assert self.run(self.backend.put(ns, pages)) == [True] * len(keys)
+            self.run(self.oracle.put(ns, pages))
+            for k in keys:  # a re-put may keep either version: both were stored under k
+                self.versions.setdefault((ns, k), set()).add(payload(ns, k, version))
+
+        @rule(
+            ns=st.sampled_from(NAMESPACES),
+            keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=6),
+        )
+        def get(self, ns: bytes, keys: list[bytes]) -> None:
+            got = [bytearray(PAGE) for _ in keys]
+            want = [bytearray(PAGE) for _ in keys]
+            ok = self.run(
+                self.backend.get(
+                    ns, [PageRef(k, memoryview(b)) for k, b in zip(keys, got, strict=True)]
+                )
+            )
+            ok_oracle = self.run(
+                self.oracle.get(
+                    ns, [PageRef(k, memoryview(b)) for k, b in zip(keys, want, strict=True)]
+                )
+            )
+            assert ok == ok_oracle
+            for k, hit, g in zip(keys, ok, got, strict=True):
+                if hit:
+                    assert bytes(g) in self.versions[(ns, k)], "bytes never stored under that key"
+
+        @rule(
+            ns=st.sampled_from(NAMESPACES),
+            keys=st.lists(st.sampled_from(KEYS), min_size=0, max_size=8),
+        )
+        def exists(self, ns: bytes, keys: list[bytes]) -> None:
+            assert self.run(self.backend.exists(ns, keys)) == self.run(self.oracle.exists(ns, keys))
+
+        @rule(
+            ns=st.sampled_from(NAMESPACES),
+            keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=4),
+        )
+        def delete(self, ns: bytes, keys: list[bytes]) -> None:
+            self.run(self.backend.delete(ns, keys))
+            self.run(self.oracle.delete(ns, keys))
+            for k in keys:
+                self.versions.pop((ns, k), None)
+
+        @rule(ns=st.sampled_from(NAMESPACES), key=st.sampled_from(KEYS))
+        def wrong_size_is_a_miss(self, ns: bytes, key: bytes) -> None:
+            buf = bytearray(PAGE // 2)
+            assert self.run(self.backend.get(ns, [PageRef(key, memoryview(buf))])) == [False]
+
+        def teardown(self) -> None:
+            self.run(self.backend.close())
+            self.run(self.backend.close())  # idempotent
+            self.loop.close()
+            self.tmp.cleanup()
+
+    return Conformance
+
+
+def run_machine(machine: type[RuleBasedStateMachine], examples: int) -> None:
+    from hypothesis.stateful import run_state_machine_as_test
+
+    run_state_machine_as_test(
+        machine, settings=settings(max_examples=examples, stateful_step_count=25, deadline=None)
+    )
+
+
+def test_memory_backend() -> None:
+    run_machine(conformance_machine(lambda d: MemoryBackend(MemoryOptions(), BackendEnv(d))), 60)
+
+
+def test_file_backend() -> None:
+    options = FileOptions(capacity_mib=2, segment_mib=1, io_threads=2)
+    run_machine(conformance_machine(lambda d: FileBackend(options, BackendEnv(d))), 40)
+
+
+def test_s3_backend(s3: S3Server) -> None:
+    from hicached_backends.s3 import S3Backend
+
+    bucket = s3.make_bucket("conformance")
+
+    def make(_: Path) -> Backend:
+        # a fresh prefix per example: every example starts from an empty store
+        options = S3Options(
+            bucket=bucket,
+            prefix=f"run{next(_prefixes)}",
+            endpoint_url=s3.endpoint,
+            threads=4,
+            **CREDENTIALS,
+        )
+        return S3Backend(options, BackendEnv(Path("/nonexistent")))
+
+    run_machine(conformance_machine(make), 15)
+
+
+def test_registry_names_and_errors() -> None:
+    from hicached.errors import ConfigError
+    from hicached_backends import available, load_backend_class
+
+    assert {"memory", "file", "s3", "mooncake"} <= set(available())
+    assert load_backend_class("file") is FileBackend
+    with pytest.raises(ConfigError, match="unknown backend 'nosuch'"):
+        load_backend_class("nosuch")
