@@ -20,6 +20,7 @@ of older generations in it are ignored from then on.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import struct
@@ -93,10 +94,29 @@ class FileBackend(Backend):
         for i in range(self.n_segments):
             path = self.dir / f"segment-{i:05d}.hcs"
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            if os.fstat(fd).st_size < self.segment_bytes:
+                try:
+                    os.posix_fallocate(fd, 0, self.segment_bytes)
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+                    os.close(fd)
+                    path.unlink(missing_ok=True)
+                    if not self.segments:
+                        raise OSError(
+                            exc.errno, f"no room for one segment of {self.options.segment_mib} MiB"
+                        ) from None
+                    log.warning(
+                        "file store %s: disk full after %d of %d segments; running with %d MiB",
+                        self.dir,
+                        i,
+                        self.n_segments,
+                        i * self.options.segment_mib,
+                    )
+                    self.n_segments = i
+                    break
             seg = _Segment(i, path, fd)
             self.segments.append(seg)
-            if os.fstat(fd).st_size < self.segment_bytes:
-                os.posix_fallocate(fd, 0, self.segment_bytes)
             self._load(seg)
             if seg.generation > newest[0] or (seg.generation == newest[0] and seg.keys):
                 newest = (seg.generation, i)
@@ -141,6 +161,9 @@ class FileBackend(Backend):
                 if not verify(
                     os.pread(seg.fd, HEADER_BYTES, off), payload, header.ns, header.key, generation
                 ):
+                    # a record torn by a crash: wipe its header so no later scan meets it
+                    os.pwrite(seg.fd, bytes(HEADER_BYTES), off)
+                    os.fdatasync(seg.fd)
                     self.counters["discarded_on_start"] += 1
                     break
             key = (header.ns, header.key)

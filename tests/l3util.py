@@ -1,0 +1,62 @@
+"""Helpers for tests of the L3 tier through a real daemon."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from hicached import Client, Namespace, Prefetch, Progress
+from hicached.hashing import pack_tokens, page_keys
+from tests.support import PAGE_BYTES, PAGE_TOKENS
+
+FILE_STORE = "[storage.file]\ncapacity_mib = 8\nsegment_mib = 2\nio_threads = 2\n"
+
+
+def storage(backend: str, policy: str = "write_through", more: str = "") -> str:
+    return f'backend = "{backend}"\nwrite_policy = "{policy}"\n{more}'
+
+
+def wait_for(what: Callable[[], object], timeout: float = 15.0, step: float = 0.02) -> object:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = what()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(step)
+
+
+def l3_count(c: Client, name: str) -> int:
+    return int(c.stats().l3.get(name, 0))
+
+
+def settle_writes(c: Client) -> None:
+    """Wait until no L3 write is queued or in flight."""
+    wait_for(lambda: (s := c.stats()).l3.get("queued", 0) == 0 and s.pinned_pages == 0)
+
+
+def evict_everything(c: Client, ns: Namespace, salt: int = 7) -> None:
+    """Fill a 1 MiB pool with other pages, so every unpinned page is evicted."""
+    settle_writes(c)
+    filler = (np.arange(256 * PAGE_TOKENS, dtype=np.uint32) + salt * 10**7).astype(np.uint32)
+    c.store(ns, filler, np.zeros((256, PAGE_BYTES), np.uint8))
+    settle_writes(c)
+
+
+def wait_prefetch(c: Client, pf: Prefetch, timeout: float = 15.0) -> Progress:
+    return wait_for(lambda: (p := c.progress(pf)).done and p, timeout)  # type: ignore[return-value]
+
+
+def record_offset(store: Path, ns_digest: bytes, tokens: np.ndarray, page: int) -> tuple[Path, int]:
+    """Where the file store keeps page ``page`` of ``tokens``: (segment file, header offset)."""
+    key = page_keys(ns_digest, pack_tokens(tokens), PAGE_TOKENS)[page]
+    for segment in sorted(store.glob("segment-*.hcs")):
+        data = segment.read_bytes()
+        at = data.find(ns_digest + key)
+        if at >= 0:
+            return segment, at - 16
+    raise AssertionError("record not found")

@@ -1,0 +1,362 @@
+"""The L3 tier through a real daemon: write policies, prefetch, faults, restarts."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hicached.errors import BadRequest
+from tests.l3util import (
+    FILE_STORE,
+    evict_everything,
+    l3_count,
+    record_offset,
+    settle_writes,
+    storage,
+    wait_for,
+    wait_prefetch,
+)
+from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
+
+
+def seq(start: int, pages: int) -> np.ndarray:
+    return np.arange(start, start + pages * PAGE_TOKENS, dtype=np.uint32)
+
+
+@pytest.fixture
+def file_daemon(daemon_factory: Callable[..., Daemon]) -> Callable[..., Daemon]:
+    def make(policy: str = "write_through", more: str = "", tail: str = FILE_STORE) -> Daemon:
+        return daemon_factory(
+            size_mib=1, slab_mib=1, storage=storage("file", policy, more), tail=tail
+        )
+
+    return make
+
+
+def test_write_through_reaches_l3_on_commit_and_comes_back(
+    file_daemon: Callable[..., Daemon],
+) -> None:
+    d = file_daemon()
+    with d.client() as c:
+        ns = c.register(**NS)
+        toks = seq(0, 20)
+        c.store(ns, toks, page_bytes_for(toks))
+        wait_for(lambda: l3_count(c, "written") == 20)
+        assert c.stats().l3_pages_known == 20 and c.stats().l3_backend == "file"
+        evict_everything(c, ns)
+        hit = c.match(ns, toks, lease=False)
+        assert (hit.hits, hit.l3_hits) == (0, 20)
+        pf = c.prefetch(ns, toks)
+        assert pf.l2_hits == 0
+        done = wait_prefetch(c, pf)
+        assert (done.planned, done.completed, done.failed) == (20, 20, False)
+        assert c.commit(pf).published == 20
+        assert np.array_equal(c.load(ns, toks), page_bytes_for(toks))
+        # already in L3: nothing is written twice
+        assert l3_count(c, "written") == 20 + 256
+
+
+def test_write_through_selective_waits_for_hits(file_daemon: Callable[..., Daemon]) -> None:
+    d = file_daemon("write_through_selective", "selective_hits = 2\n")
+    with d.client() as c:
+        ns = c.register(**NS)
+        toks = seq(0, 6)
+        c.store(ns, toks, page_bytes_for(toks))
+        c.match(ns, toks, lease=False)
+        time.sleep(0.3)
+        assert l3_count(c, "written") == 0
+        c.match(ns, toks[: 4 * PAGE_TOKENS], lease=False)  # another page is the deepest hit
+        time.sleep(0.3)
+        assert l3_count(c, "written") == 0
+        c.match(ns, toks, lease=False)  # the 2nd hit of page 6: the whole prefix goes
+        wait_for(lambda: l3_count(c, "written") == 6)
+
+
+def test_write_back_writes_on_eviction_and_flushes_at_stop(
+    file_daemon: Callable[..., Daemon],
+) -> None:
+    d = file_daemon("write_back")
+    a, b = seq(0, 10), seq(10**6, 10)
+    with d.client() as c:
+        ns = c.register(**NS)
+        c.store(ns, a, page_bytes_for(a))
+        time.sleep(0.3)
+        assert l3_count(c, "written") == 0  # not on commit
+        filler = seq(5 * 10**6, 256)
+        c.store(ns, filler, np.zeros((256, 4096), np.uint8))  # evicts a: written back first
+        wait_for(lambda: l3_count(c, "written") >= 10)
+        settle_writes(c)
+        c.store(ns, b, page_bytes_for(b))  # b stays in L2 until the stop
+        assert c.match(ns, b, lease=False).hits == 10
+    assert d.stop() == 0  # graceful: flushes b (and what is left of filler) within the deadline
+    d.start()
+    with d.client() as c:
+        ns = c.register(**NS)
+        for toks in (a, b):
+            assert c.match(ns, toks, lease=False).l3_hits == 10  # learned from the store at start
+            pf = c.prefetch(ns, toks)
+            assert wait_prefetch(c, pf).completed == 10
+            c.commit(pf)
+            assert np.array_equal(c.load(ns, toks), page_bytes_for(toks))
+
+
+def test_prefetch_commit_shorter_than_completed_and_cancel(
+    file_daemon: Callable[..., Daemon],
+) -> None:
+    d = file_daemon()
+    with d.client() as c:
+        ns = c.register(**NS)
+        toks = seq(0, 12)
+        c.store(ns, toks, page_bytes_for(toks))
+        evict_everything(c, ns)
+        pf = c.prefetch(ns, toks)
+        assert wait_prefetch(c, pf).completed == 12
+        with pytest.raises(BadRequest, match="has read 12"):
+            c.commit(pf, pages=13)
+        pf = c.prefetch(ns, toks)
+        wait_prefetch(c, pf)
+        assert c.commit(pf, pages=5).published == 5  # e.g. the minimum over ranks
+        assert c.match(ns, toks, lease=False).hits == 5
+        stats = c.stats()
+        assert stats.reserved_pages == 0 and stats.leases == 0
+        # the L2 part is kept; the rest is prefetched after it, then cancelled
+        pf = c.prefetch(ns, toks)
+        assert pf.l2_hits == 5
+        wait_prefetch(c, pf)
+        used = c.stats().pool_used_bytes
+        c.cancel(pf)
+        assert c.stats().pool_used_bytes == used - 7 * 4096
+        assert c.match(ns, toks, lease=False).hits == 5
+        # max_pages caps the read
+        pf = c.prefetch(ns, toks, max_pages=3)
+        assert wait_prefetch(c, pf).completed == 3
+        assert c.commit(pf).published == 3
+        assert np.array_equal(c.load(ns, toks), page_bytes_for(toks)[:8])
+
+
+def test_prefetch_declines_cleanly_when_the_pool_is_full(
+    file_daemon: Callable[..., Daemon],
+) -> None:
+    d = file_daemon()
+    with d.client() as c:
+        ns = c.register(**NS)
+        toks = seq(0, 10)
+        c.store(ns, toks, page_bytes_for(toks))
+        evict_everything(c, ns)
+        held = seq(9 * 10**6, 250)
+        c.store(ns, held, np.zeros((250, 4096), np.uint8))
+        settle_writes(c)
+        hold = c.match(ns, held)  # 250 of 256 slots pinned
+        pf = c.prefetch(ns, toks)
+        done = wait_prefetch(c, pf)
+        assert (done.planned, done.completed) == (6, 6)  # what fits, in order
+        assert c.commit(pf).published == 6
+        c.release(hold)
+        assert c.stats().l3.get("prefetch_pool_short") == 1
+
+
+def test_corrupt_page_mid_sequence_truncates_the_prefetch(
+    file_daemon: Callable[..., Daemon],
+) -> None:
+    d = file_daemon()
+    store = d.dir / "data" / "pages"
+    with d.client() as c:
+        ns = c.register(**NS)
+        toks = seq(0, 10)
+        c.store(ns, toks, page_bytes_for(toks))
+        evict_everything(c, ns)
+        segment, header = record_offset(store, ns.digest, toks, 6)
+        with open(segment, "r+b") as f:  # flip one byte of page 6's payload
+            f.seek(header + 64 + 100)
+            byte = f.read(1)
+            f.seek(header + 64 + 100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        pf = c.prefetch(ns, toks)
+        done = wait_prefetch(c, pf)
+        assert (done.completed, done.failed) == (6, True)
+        assert c.commit(pf).published == 6  # nothing after the gap, ever
+        assert np.array_equal(c.load(ns, toks), page_bytes_for(toks)[:6])
+        stats = c.stats()
+        assert stats.l3["store_bad_records"] == 1 and stats.l3["prefetch_truncated"] == 1
+        # the bad record was dropped: L3 now ends before it
+        assert c.match(ns, toks, lease=False).l3_hits == 0  # 6 in L2, page 6 unknown
+        pf = c.prefetch(ns, toks)
+        assert wait_prefetch(c, pf).completed == 0
+        c.cancel(pf)
+
+
+def test_truncated_record_is_a_miss(file_daemon: Callable[..., Daemon]) -> None:
+    d = file_daemon()
+    store = d.dir / "data" / "pages"
+    with d.client() as c:
+        ns = c.register(**NS)
+        toks = seq(0, 4)
+        c.store(ns, toks, page_bytes_for(toks))
+        evict_everything(c, ns)
+    assert d.stop() == 0
+    segment, header = record_offset(store, ns.digest, toks, 3)
+    with open(segment, "r+b") as f:  # zero the second half of page 3: a torn write
+        f.seek(header + 64 + 2048)
+        f.write(bytes(2048))
+    d.start()
+    with d.client() as c:
+        ns = c.register(**NS)
+        pf = c.prefetch(ns, toks)
+        done = wait_prefetch(c, pf)
+        assert done.completed == 3 and (done.failed or done.planned == 3)
+        c.commit(pf)
+        assert np.array_equal(c.load(ns, toks), page_bytes_for(toks)[:3])
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys, numpy as np, hicached
+    from tests.support import NS, page_bytes_for
+    endpoint, log, first = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    try:
+        with hicached.Client(endpoint, timeout=2.0) as c, open(log, "a") as out:
+            ns = c.register(**NS)
+            for i in range(first, first + 100000):
+                toks = (np.arange(8 * NS["page_tokens"], dtype=np.uint32) + i * 1000).astype(np.uint32)
+                c.store(ns, toks, page_bytes_for(toks))
+                out.write(f"{i}\\n")
+                out.flush()
+    except hicached.HicachedError:
+        pass  # the daemon was killed
+    """
+)
+
+
+def test_sigkill_during_heavy_writes_never_serves_wrong_bytes(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """Kill the daemon at random points while pages stream to the file store;
+    after every restart each page read back is exact or a miss."""
+    d = daemon_factory(
+        size_mib=4,
+        slab_mib=1,
+        storage=storage("file", more="batch_pages = 16\n"),
+        tail="[storage.file]\ncapacity_mib = 16\nsegment_mib = 2\nio_threads = 2\n",
+    )
+    log = d.dir / "written.log"
+    rng = random.Random(42)
+    first = 0
+    discarded = 0
+    for cycle in range(6):
+        writer = subprocess.Popen(
+            [sys.executable, "-c", WRITER, d.endpoint, str(log), str(first)],
+            cwd=Path(__file__).parents[1],
+        )
+        time.sleep(rng.uniform(0.3, 1.2))
+        d.stop(signal.SIGKILL)
+        writer.wait(30)
+        first += 100000
+        d.start()
+        with d.client() as c:
+            ns = c.register(**NS)
+            stats = c.stats()
+            discarded += stats.l3.get("store_discarded_on_start", 0)
+            done = [int(x) for x in log.read_text().split()] if log.exists() else []
+            assert cycle > 0 or done, "the writer wrote nothing before the kill"
+            checked = 0
+            for i in done[-40:] + done[:5]:
+                toks = (np.arange(8 * PAGE_TOKENS, dtype=np.uint32) + i * 1000).astype(np.uint32)
+                pf = c.prefetch(ns, toks)
+                progress = wait_prefetch(c, pf)
+                if progress.completed:
+                    c.commit(pf)
+                    got = c.load(ns, toks)
+                    assert np.array_equal(got, page_bytes_for(toks)[: len(got)]), (
+                        f"wrong bytes after cycle {cycle}"
+                    )
+                    checked += len(got)
+                else:
+                    c.cancel(pf)
+            assert checked > 0 or cycle > 0
+    # a second restart finds nothing left to discard: torn records were wiped
+    d.stop()
+    d.start()
+    with d.client() as c:
+        assert c.stats().l3.get("store_discarded_on_start", 0) == 0
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0, reason="mounting a tmpfs needs root; the capacity test covers the rest"
+)
+def test_full_disk_l2_keeps_serving(daemon_factory: Callable[..., Daemon], tmp_path: Path) -> None:
+    mnt = Path(f"/tmp/hc-full-{os.getpid()}")
+    mnt.mkdir(exist_ok=True)
+    if (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2600k", "tmpfs", str(mnt)]).returncode
+        != 0
+    ):
+        pytest.skip("this machine does not allow mounting a tmpfs")
+    try:
+        d = daemon_factory(
+            size_mib=1,
+            slab_mib=1,
+            storage=storage("file"),
+            tail=f'[storage.file]\npath = "{mnt}"\ncapacity_mib = 8\nsegment_mib = 1\n',
+        )
+        with d.client() as c:
+            ns = c.register(**NS)
+            assert "disk full after 2 of 8 segments" in d.log.read_text()
+            for k in range(6):  # far more than 2 MiB: the two segments recycle
+                toks = seq(k * 10**6, 200)
+                c.store(ns, toks, page_bytes_for(toks))
+                assert np.array_equal(c.load(ns, toks), page_bytes_for(toks))  # L2 serves
+            settle_writes(c)
+            stats = c.stats()
+            assert stats.l3["store_recycled_segments"] >= 3 and stats.l3.get("write_failed", 0) == 0
+            toks = seq(5 * 10**6, 200)
+            evict_everything(c, ns, salt=99)
+            pf = c.prefetch(ns, toks)
+            done = wait_prefetch(c, pf)
+            c.commit(pf)
+            got = c.load(ns, toks)
+            assert len(got) == done.completed and np.array_equal(
+                got, page_bytes_for(toks)[: len(got)]
+            )
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+        mnt.rmdir()
+
+
+def test_no_room_for_one_segment_is_a_clear_error(tmp_path: Path) -> None:
+    mnt = Path(f"/tmp/hc-none-{os.getpid()}")
+    mnt.mkdir(exist_ok=True)
+    if (
+        os.geteuid() != 0
+        or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mnt)]).returncode
+    ):
+        mnt.rmdir()
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        cfg = tmp_path / "c.toml"
+        cfg.write_text(
+            f'[server]\nruntime_dir = "/tmp/hc-rt-{os.getpid()}"\n[pool]\nsize_mib = 1\nslab_mib = 1\n'
+            f'max_page_bytes = 65536\n[storage]\nbackend = "file"\n[storage.file]\npath = "{mnt}"\n'
+            "capacity_mib = 4\nsegment_mib = 1\n"
+        )
+        out = subprocess.run(
+            [sys.executable, "-m", "hicached", "serve", "--config", str(cfg)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 2
+        assert "no room for one segment" in out.stderr
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+        mnt.rmdir()
+        subprocess.run(["rm", "-rf", f"/tmp/hc-rt-{os.getpid()}"], check=False)
