@@ -227,7 +227,7 @@ WRITER = textwrap.dedent(
         with hicached.Client(endpoint, timeout=2.0) as c, open(log, "a") as out:
             ns = c.register(**NS)
             for i in range(first, first + 100000):
-                toks = (np.arange(8 * NS["page_tokens"], dtype=np.uint32) + i * 1000).astype(np.uint32)
+                toks = np.arange(8 * NS["page_tokens"], dtype=np.uint32) + np.uint32(i * 1000)
                 c.store(ns, toks, page_bytes_for(toks))
                 out.write(f"{i}\\n")
                 out.flush()
@@ -344,7 +344,8 @@ def test_no_room_for_one_segment_is_a_clear_error(tmp_path: Path) -> None:
     try:
         cfg = tmp_path / "c.toml"
         cfg.write_text(
-            f'[server]\nruntime_dir = "/tmp/hc-rt-{os.getpid()}"\n[pool]\nsize_mib = 1\nslab_mib = 1\n'
+            f'[server]\nruntime_dir = "/tmp/hc-rt-{os.getpid()}"\n'
+            "[pool]\nsize_mib = 1\nslab_mib = 1\n"
             f'max_page_bytes = 65536\n[storage]\nbackend = "file"\n[storage.file]\npath = "{mnt}"\n'
             "capacity_mib = 4\nsegment_mib = 1\n"
         )
