@@ -1,0 +1,151 @@
+"""The S3 backend through real daemons and a real S3 server (moto's server mode)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+
+from tests.faults import FaultProxy
+from tests.l3util import evict_everything, l3_count, settle_writes, storage, wait_for, wait_prefetch
+from tests.services import S3Server
+from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
+
+_buckets = itertools.count()
+
+
+def seq(start: int, pages: int) -> np.ndarray:
+    return np.arange(start, start + pages * PAGE_TOKENS, dtype=np.uint32)
+
+
+def s3_tail(endpoint: str, bucket: str, **more: object) -> str:
+    lines = [
+        "[storage.s3]",
+        f'bucket = "{bucket}"',
+        f'endpoint_url = "{endpoint}"',
+        'access_key_id = "testing"',
+        'secret_access_key = "testing"',
+        'region = "us-east-1"',
+        "threads = 8",
+    ]
+    lines += [f"{k} = {v!r}".replace("'", '"') for k, v in more.items()]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture
+def bucket(s3: S3Server) -> str:
+    return s3.make_bucket(f"pages-{next(_buckets)}")
+
+
+@pytest.fixture
+def proxy(s3: S3Server) -> Iterator[FaultProxy]:
+    p = FaultProxy(s3.endpoint, seed=3)
+    yield p
+    p.stop()
+
+
+def test_two_hosts_share_pages_through_one_bucket(
+    daemon_factory: Callable[..., Daemon], s3: S3Server, bucket: str
+) -> None:
+    a = daemon_factory(
+        size_mib=1, slab_mib=1, storage=storage("s3"), tail=s3_tail(s3.endpoint, bucket)
+    )
+    b = daemon_factory(
+        size_mib=1, slab_mib=1, storage=storage("s3"), tail=s3_tail(s3.endpoint, bucket)
+    )
+    toks = seq(0, 16)
+    with a.client() as ca:
+        ns = ca.register(**NS)
+        ca.store(ns, toks, page_bytes_for(toks))
+        wait_for(lambda: l3_count(ca, "written") == 16)
+    with b.client() as cb:
+        ns = cb.register(**NS)
+        assert cb.match(ns, toks, lease=False).hits == 0  # another host: not in this L2
+        pf = cb.prefetch(ns, toks)
+        done = wait_prefetch(cb, pf)
+        assert (done.completed, done.failed) == (16, False)
+        cb.commit(pf)
+        assert np.array_equal(cb.load(ns, toks), page_bytes_for(toks))
+    # objects are named from digests only, spread over 2-hex-digit prefixes
+    names = [o["Key"] for o in s3.client().list_objects_v2(Bucket=bucket)["Contents"]]  # type: ignore[attr-defined]
+    assert len(names) == 16 and all(
+        n.startswith("hicached/") and len(n.split("/")) == 4 for n in names
+    )
+
+
+def test_s3_faults_never_give_wrong_bytes(
+    daemon_factory: Callable[..., Daemon], s3: S3Server, bucket: str, proxy: FaultProxy
+) -> None:
+    proxy.rates = {"slowdown": 0.1, "error": 0.1, "reset": 0.1}
+    d = daemon_factory(
+        size_mib=1,
+        slab_mib=1,
+        storage=storage(
+            "s3", more="retries = 2\nretry_backoff_s = 0.01\nbreaker_failures = 1000\n"
+        ),
+        tail=s3_tail(proxy.endpoint, bucket, max_attempts=3, read_timeout_s=5.0),
+    )
+    sequences = [seq(k * 10**5, 12) for k in range(6)]
+    with d.client() as c:
+        ns = c.register(**NS)
+        for toks in sequences:
+            c.store(ns, toks, page_bytes_for(toks))
+        settle_writes(c)
+        stats = c.stats()
+        written = stats.l3.get("written", 0)
+        assert written + stats.l3.get("write_failed", 0) == 72
+        assert written > 0
+        evict_everything(c, ns)
+        loaded = 0
+        for toks in sequences:
+            pf = c.prefetch(ns, toks)
+            done = wait_prefetch(c, pf, timeout=60)
+            c.commit(pf)
+            got = c.load(ns, toks)
+            assert len(got) == done.completed
+            assert np.array_equal(got, page_bytes_for(toks)[: len(got)]), (
+                "wrong bytes under S3 faults"
+            )
+            loaded += len(got)
+        assert loaded > 0
+    assert sum(proxy.injected.values()) > 10
+    # the retry budget holds: botocore's 3 attempts, times 1 + 2 dispatcher retries
+    assert max(proxy.seen.values()) <= 3 * 3 * 2  # a key is read and written at most once each
+    uploads = s3.client().list_multipart_uploads(Bucket=bucket)  # type: ignore[attr-defined]
+    assert not uploads.get("Uploads"), "a multipart upload was left behind"
+
+
+def test_s3_outage_never_blocks_l2(
+    daemon_factory: Callable[..., Daemon], s3: S3Server, bucket: str, proxy: FaultProxy
+) -> None:
+    d = daemon_factory(
+        size_mib=4,
+        slab_mib=1,
+        storage=storage(
+            "s3",
+            more="op_timeout_s = 2.0\nbreaker_failures = 2\nbreaker_cooldown_s = 1.0\nretries = 0\n",
+        ),
+        tail=s3_tail(
+            proxy.endpoint, bucket, max_attempts=1, read_timeout_s=1.0, connect_timeout_s=1.0
+        ),
+    )
+    with d.client(timeout=2.0) as c:
+        ns = c.register(**NS)
+        proxy.hang.set()  # S3 stops answering
+        for k in range(20):  # every L2 operation still answers within the client's 2 s
+            toks = seq(k * 10**5, 8)
+            c.store(ns, toks, page_bytes_for(toks))
+            assert np.array_equal(c.load(ns, toks), page_bytes_for(toks))
+            pf = c.prefetch(ns, seq(9 * 10**6, 4))
+            c.progress(pf)
+            c.cancel(pf)
+        wait_for(lambda: c.stats().l3_state == "down", timeout=20)
+        assert c.stats().l3.get("breaker_opened", 0) >= 1
+        proxy.hang.clear()  # S3 is back: the breaker's probe lets writes through again
+        time.sleep(1.5)
+        toks = seq(7 * 10**6, 8)
+        c.store(ns, toks, page_bytes_for(toks))
+        wait_for(lambda: c.stats().l3_state == "up" and l3_count(c, "written") >= 8, timeout=20)
