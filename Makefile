@@ -6,7 +6,21 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: install serve test check lint typecheck pytest bench clean
 
-$(STAMP): pyproject.toml
+# Mooncake's wheel needs libibverbs even for TCP; install it when missing (root only).
+SYSTEM_STAMP := $(VENV)/.system
+
+$(SYSTEM_STAMP):
+	@mkdir -p $(VENV)
+	@if ! ldconfig -p | grep -q 'libibverbs.so.1 '; then \
+		if [ "$$(id -u)" = 0 ]; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null; \
+		else \
+			echo "libibverbs1 is missing: run 'sudo apt-get install libibverbs1' (needed by the mooncake backend)"; exit 1; \
+		fi; \
+	fi
+	@touch $(SYSTEM_STAMP)
+
+$(STAMP): pyproject.toml $(SYSTEM_STAMP)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev,torch]'

@@ -5,7 +5,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.services import S3Server
+from tests.services import MooncakeMaster, S3Server
+from tests.services import mooncake_master as _mooncake_master
 from tests.services import s3_server as _s3_server
 from tests.support import Daemon
 
@@ -41,3 +42,9 @@ def daemon(daemon_factory: Callable[..., Daemon]) -> Daemon:
 def s3() -> Iterator[S3Server]:
     """A real S3 server (moto's server mode) on loopback, for the whole session."""
     yield from _s3_server()
+
+
+@pytest.fixture(scope="session")
+def mooncake() -> Iterator[MooncakeMaster]:
+    """A real Mooncake master (with its HTTP metadata server) on loopback."""
+    yield from _mooncake_master()

@@ -23,8 +23,8 @@ from hypothesis.stateful import RuleBasedStateMachine, rule
 from hicached_backends.base import Backend, BackendEnv, PageRef
 from hicached_backends.file import FileBackend
 from hicached_backends.memory import MemoryBackend
-from hicached_backends.options import FileOptions, MemoryOptions, S3Options
-from tests.services import CREDENTIALS, S3Server
+from hicached_backends.options import FileOptions, MemoryOptions, MooncakeOptions, S3Options
+from tests.services import CREDENTIALS, MooncakeMaster, S3Server
 
 PAGE = 512
 NAMESPACES = [bytes([0xA0 + i]) * 16 for i in range(2)]
@@ -151,6 +151,31 @@ def test_s3_backend(s3: S3Server) -> None:
         return S3Backend(options, BackendEnv(Path("/nonexistent")))
 
     run_machine(conformance_machine(make), 15)
+
+
+def test_mooncake_backend(mooncake: MooncakeMaster) -> None:
+    from hicached_backends.mooncake import MooncakeBackend
+
+    def make(_: Path) -> Backend:
+        options = MooncakeOptions(
+            master=mooncake.master,
+            metadata_server=mooncake.metadata,
+            global_segment_mib=32,
+            local_buffer_mib=16,
+        )
+        return MooncakeBackend(options, BackendEnv(Path("/nonexistent")))
+
+    # every example starts from an empty store: delete what the last one left
+    machine = conformance_machine(make)
+    original_init = machine.__init__
+
+    def init(self: RuleBasedStateMachine) -> None:
+        original_init(self)
+        for ns in NAMESPACES:
+            self.run(self.backend.delete(ns, KEYS))  # type: ignore[attr-defined]
+
+    machine.__init__ = init  # type: ignore[method-assign]
+    run_machine(machine, 8)
 
 
 def test_registry_names_and_errors() -> None:

@@ -126,7 +126,9 @@ def test_s3_outage_never_blocks_l2(
         slab_mib=1,
         storage=storage(
             "s3",
-            more="op_timeout_s = 2.0\nbreaker_failures = 2\nbreaker_cooldown_s = 1.0\nretries = 0\n",
+            more=(
+                "op_timeout_s = 2.0\nbreaker_failures = 2\nbreaker_cooldown_s = 1.0\nretries = 0\n"
+            ),
         ),
         tail=s3_tail(
             proxy.endpoint, bucket, max_attempts=1, read_timeout_s=1.0, connect_timeout_s=1.0

@@ -1,0 +1,247 @@
+"""Mooncake Store backend: pages in a Mooncake distributed store.
+
+Each page is one object named ``hc/<namespace hex>/<key hex>`` whose value is
+a full record (record.py), moved zero-copy: the daemon's whole pool is
+registered with the store once, and every object is written from (and read
+into) two buffers, its 64-byte header in a small registered header area and
+its payload in the pool slot itself. After a read the header's checksum is
+verified against the slot, so a wrong or damaged object is a miss.
+
+Mooncake cannot list its keys cheaply, so the startup scan learns nothing;
+prefetch asks ``exists``. Calls block, so they run in a small thread pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+from mooncake.store import MooncakeDistributedStore
+
+from hicached_backends.base import Backend, BackendEnv, BackendError, PageRef
+from hicached_backends.options import MooncakeOptions
+from hicached_backends.record import HEADER_BYTES, pack_header, verify
+
+log = logging.getLogger("hicached.mooncake")
+
+MIB = 1 << 20
+HEADER_SLOTS = 8192
+# Codes that mean "no such page here", not "the store is failing".
+OBJECT_NOT_FOUND = -704
+BUFFER_SIZE_MISMATCH = -600
+_MISSES = {OBJECT_NOT_FOUND, BUFFER_SIZE_MISMATCH}
+
+
+def _address(buf: memoryview) -> int:
+    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+
+
+class MooncakeBackend(Backend):
+    options_type = MooncakeOptions
+
+    def __init__(self, options: MooncakeOptions, env: BackendEnv) -> None:
+        super().__init__(options, env)
+        self._store: Any = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._headers = np.zeros((HEADER_SLOTS, HEADER_BYTES), dtype=np.uint8)
+        self._free_headers: collections.deque[int] = collections.deque(range(HEADER_SLOTS))
+        self._header_wait = asyncio.Condition()
+        self._arena: tuple[int, int] | None = None  # registered pool: (address, size)
+        self.counters = {"errors": 0, "bad_objects": 0}
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    async def open(self) -> None:
+        o = self.options
+        self._pool = ThreadPoolExecutor(o.threads, thread_name_prefix="hicached-mooncake")
+        store = MooncakeDistributedStore()
+        rc = await self._blocking(
+            store.setup,
+            o.local_hostname,
+            o.metadata_server,
+            o.global_segment_mib * MIB,
+            o.local_buffer_mib * MIB,
+            o.protocol,
+            o.device,
+            o.master,
+        )
+        if rc != 0:
+            raise BackendError(
+                f"Mooncake setup failed (code {rc}): is the master at {o.master} and the "
+                f"metadata server at {o.metadata_server} running?"
+            )
+        self._store = store
+        await self._register(int(self._headers.ctypes.data), self._headers.nbytes)
+        if self.env.pool is not None:
+            base = _address(self.env.pool)
+            await self._register(base, len(self.env.pool))
+            self._arena = (base, len(self.env.pool))
+
+    async def close(self) -> None:
+        if self._store is not None:
+            store, self._store = self._store, None
+            await self._blocking(store.close)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    async def health(self) -> None:
+        if self._store is None:
+            raise BackendError("Mooncake store is not open", retriable=True)
+        rc = await self._blocking(self._store.health_check)
+        if rc != 0:
+            raise BackendError(f"Mooncake health check failed (code {rc})", retriable=True)
+
+    # -- helpers -------------------------------------------------------------------
+
+    async def _blocking(self, fn: Any, *args: Any) -> Any:
+        if self._pool is None:
+            raise BackendError("Mooncake backend is closed", retriable=True)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _register(self, address: int, size: int) -> None:
+        rc = await self._blocking(self._store.register_buffer, address, size)
+        if rc != 0:
+            raise BackendError(f"Mooncake could not register {size} bytes (code {rc})")
+
+    @staticmethod
+    def name(ns: bytes, key: bytes) -> str:
+        return f"hc/{ns.hex()}/{key.hex()}"
+
+    def _in_arena(self, buf: memoryview) -> bool:
+        if self._arena is None:
+            return False
+        base, size = self._arena
+        at = _address(buf)
+        return base <= at and at + len(buf) <= base + size
+
+    async def _take_headers(self, n: int) -> list[int]:
+        async with self._header_wait:
+            await self._header_wait.wait_for(lambda: len(self._free_headers) >= n)
+            return [self._free_headers.popleft() for _ in range(n)]
+
+    async def _give_headers(self, slots: list[int]) -> None:
+        async with self._header_wait:
+            self._free_headers.extend(slots)
+            self._header_wait.notify_all()
+
+    async def _with_buffers(self, pages: Sequence[PageRef], call: Any) -> Any:
+        """Run ``call(header_slots)`` with headers taken and foreign buffers registered."""
+        if self._store is None:
+            raise BackendError("Mooncake store is not open", retriable=True)
+        out: list[Any] = []
+        step = HEADER_SLOTS // 4
+        for start in range(0, len(pages), step):
+            chunk = pages[start : start + step]
+            foreign = [p.buf for p in chunk if not self._in_arena(p.buf)]
+            for buf in foreign:
+                await self._register(_address(buf), len(buf))
+            headers = await self._take_headers(len(chunk))
+            try:
+                out.extend(await call(chunk, headers))
+            finally:
+                await self._give_headers(headers)
+                for buf in foreign:
+                    await self._blocking(self._store.unregister_buffer, _address(buf))
+        return out
+
+    def _ptrs(
+        self, pages: Sequence[PageRef], headers: list[int]
+    ) -> tuple[list[list[int]], list[list[int]]]:
+        base = int(self._headers.ctypes.data)
+        ptrs = [
+            [base + h * HEADER_BYTES, _address(p.buf)] for p, h in zip(pages, headers, strict=True)
+        ]
+        sizes = [[HEADER_BYTES, len(p.buf)] for p in pages]
+        return ptrs, sizes
+
+    def _failed(self, codes: list[int], what: str) -> None:
+        """Every call failed, and not because a page is absent: the store is failing."""
+        if codes and all(c < 0 and c not in _MISSES for c in codes):
+            self.counters["errors"] += 1
+            raise BackendError(
+                f"Mooncake {what} failed (codes {sorted(set(codes))})", retriable=True
+            )
+
+    # -- operations ------------------------------------------------------------------
+
+    async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int:
+        if not keys:
+            return 0
+        if self._store is None:
+            raise BackendError("Mooncake store is not open", retriable=True)
+        found = await self._blocking(self._store.batch_is_exist, [self.name(ns, k) for k in keys])
+        if all(f < 0 for f in found):
+            raise BackendError("Mooncake exists failed", retriable=True)
+        n = 0
+        for f in found:
+            if f != 1:
+                break
+            n += 1
+        return n
+
+    async def put(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
+        async def call(chunk: Sequence[PageRef], headers: list[int]) -> list[bool]:
+            for page, h in zip(chunk, headers, strict=True):
+                self._headers[h] = np.frombuffer(
+                    pack_header(ns, page.key, page.buf), dtype=np.uint8
+                )
+            ptrs, sizes = self._ptrs(chunk, headers)
+            codes = await self._blocking(
+                self._store.batch_put_from_multi_buffers,
+                [self.name(ns, p.key) for p in chunk],
+                ptrs,
+                sizes,
+            )
+            self._failed(codes, "put")
+            return [c == 0 for c in codes]
+
+        return list(await self._with_buffers(pages, call))
+
+    async def get(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
+        # The store refuses a key twice in one batch: read each once, copy to the rest.
+        first: dict[bytes, int] = {}
+        unique: list[PageRef] = []
+        for page in pages:
+            if page.key not in first:
+                first[page.key] = len(unique)
+                unique.append(page)
+
+        async def call(chunk: Sequence[PageRef], headers: list[int]) -> list[bool]:
+            ptrs, sizes = self._ptrs(chunk, headers)
+            names = [self.name(ns, p.key) for p in chunk]
+            codes = await self._blocking(
+                self._store.batch_get_into_multi_buffers, names, ptrs, sizes
+            )
+            self._failed(codes, "get")
+            out = []
+            for page, h, code in zip(chunk, headers, codes, strict=True):
+                ok = code == HEADER_BYTES + len(page.buf) and verify(
+                    self._headers[h].tobytes(), page.buf, ns, page.key
+                )
+                if code > 0 and not ok:
+                    self.counters["bad_objects"] += 1
+                out.append(ok)
+            return out
+
+        got = list(await self._with_buffers(unique, call))
+        out = []
+        for page in pages:
+            source = unique[first[page.key]]
+            ok = got[first[page.key]] and len(source.buf) == len(page.buf)
+            if ok and source is not page:
+                page.buf[:] = source.buf
+            out.append(ok)
+        return out
+
+    async def delete(self, ns: bytes, keys: Sequence[bytes]) -> None:
+        if self._store is not None and keys:
+            await self._blocking(self._store.batch_remove, [self.name(ns, k) for k in keys], True)
+
+    def stats(self) -> dict[str, int]:
+        return dict(self.counters)

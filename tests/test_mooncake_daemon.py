@@ -1,0 +1,41 @@
+"""The Mooncake backend through real daemons and a real Mooncake master."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from tests.l3util import evict_everything, l3_count, storage, wait_for, wait_prefetch
+from tests.services import MooncakeMaster
+from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
+
+
+def seq(start: int, pages: int) -> np.ndarray:
+    return np.arange(start, start + pages * PAGE_TOKENS, dtype=np.uint32)
+
+
+def test_two_hosts_share_pages_through_one_master(
+    daemon_factory: Callable[..., Daemon], mooncake: MooncakeMaster
+) -> None:
+    a = daemon_factory(size_mib=1, slab_mib=1, storage=storage("mooncake"), tail=mooncake.toml())
+    b = daemon_factory(size_mib=1, slab_mib=1, storage=storage("mooncake"), tail=mooncake.toml())
+    toks = seq(0, 24)
+    with a.client() as ca, b.client() as cb:
+        ns_a = ca.register(**NS)
+        ca.store(ns_a, toks, page_bytes_for(toks))
+        wait_for(lambda: l3_count(ca, "written") == 24)
+        # the same host reads it back after L2 forgot it
+        evict_everything(ca, ns_a)
+        pf = ca.prefetch(ns_a, toks)
+        assert wait_prefetch(ca, pf).completed == 24
+        ca.commit(pf)
+        assert np.array_equal(ca.load(ns_a, toks), page_bytes_for(toks))
+        # another host finds it through the master and reads it into its own pool
+        ns_b = cb.register(**NS)
+        pf = cb.prefetch(ns_b, toks)
+        done = wait_prefetch(cb, pf)
+        assert (done.completed, done.failed) == (24, False)
+        assert cb.commit(pf).published == 24
+        assert np.array_equal(cb.load(ns_b, toks), page_bytes_for(toks))
+        assert cb.stats().l3_backend == "mooncake"
