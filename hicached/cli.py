@@ -95,12 +95,24 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=_cmd_check_config)
 
     bench = sub.add_parser("bench", help="run a benchmark and print its figures")
-    bench.add_argument("which", choices=["control", "data"])
+    bench.add_argument("which", choices=["control", "data", "l3"])
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--endpoint", help="use this daemon instead of the default one")
     bench.add_argument("--requests", type=int, default=2000, help="timed requests per client")
     bench.add_argument("--pages", type=int, default=256, help="data: pages per copy")
     bench.add_argument("--page-bytes", type=int, default=65536, help="data: bytes per page")
+    bench.add_argument("--backend", default="file", help="l3: file, s3 or mooncake")
+    bench.add_argument("--mib", type=int, default=64, help="l3: MiB moved per page size")
+    bench.add_argument(
+        "--s3-endpoint", default="", help="l3: use this S3 endpoint (default: start one)"
+    )
+    bench.add_argument("--s3-bucket", default="hicached-bench", help="l3: bucket at --s3-endpoint")
+    bench.add_argument(
+        "--mooncake-master", default="", help="l3: use this master (default: start one)"
+    )
+    bench.add_argument(
+        "--mooncake-metadata", default="", help="l3: metadata server of --mooncake-master"
+    )
     bench.set_defaults(func=_cmd_bench)
     return parser
 

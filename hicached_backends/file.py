@@ -40,6 +40,7 @@ log = logging.getLogger("hicached.file")
 SUPER = struct.Struct("<4sHHQQ")  # magic, version, pad, generation, durable frontier
 SUPER_MAGIC = b"HCS1"
 SUPER_BYTES = 4096
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
 MIB = 1 << 20
 
 
@@ -49,6 +50,30 @@ class _Loc:
     offset: int
     length: int
     generation: int
+
+
+_Plan = tuple[
+    "_Segment", int, int, bytes, bytes, PageRef
+]  # seg, generation, offset, ns, header, page
+
+
+@dataclass(slots=True)
+class _Group:
+    """Writes of concurrent put calls that share one fsync."""
+
+    batch: list[tuple[bytes, Sequence[PageRef], asyncio.Future[list[bool]]]]
+    plan: list[_Plan] = field(default_factory=list)
+    outcomes: list[list[bool]] = field(default_factory=list)
+    ends: dict[int, tuple[_Segment, int, int]] = field(default_factory=dict)
+
+    def fail(self, exc: BaseException) -> None:
+        for *_, fut in self.batch:
+            if fut.done():
+                continue
+            if isinstance(exc, asyncio.CancelledError):
+                fut.cancel()
+            else:
+                fut.set_exception(exc)
 
 
 @dataclass(slots=True)
@@ -75,7 +100,9 @@ class FileBackend(Backend):
         self.index: dict[tuple[bytes, bytes], _Loc] = {}
         self.active = 0
         self._pool: ThreadPoolExecutor | None = None
-        self._write_lock = asyncio.Lock()
+        self._write_lock = asyncio.Lock()  # planning and writing records
+        self._sync_lock = asyncio.Lock()  # fsync and publication, in group order
+        self._pending: list[tuple[bytes, Sequence[PageRef], asyncio.Future[list[bool]]]] = []
         self.counters = {"recycled_segments": 0, "bad_records": 0, "discarded_on_start": 0}
 
     # -- lifecycle ---------------------------------------------------------------
@@ -207,13 +234,40 @@ class FileBackend(Backend):
         return n
 
     async def put(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
+        """Write pages durably. Concurrent calls are grouped, and groups are
+        pipelined: one group's records are written while the previous group's
+        fsync runs; fsync and publication stay in order."""
         if self._pool is None:
             raise BackendError("file store is closed", retriable=True)
+        done: asyncio.Future[list[bool]] = asyncio.get_running_loop().create_future()
+        self._pending.append((ns, pages, done))
+        group: _Group | None = None
         async with self._write_lock:
-            plan: list[tuple[_Segment, int, int, bytes, PageRef]] = []
+            if any(fut is done for *_, fut in self._pending):  # not taken by another group yet
+                batch, self._pending = self._pending, []
+                group = _Group(batch)
+                try:
+                    await self._write_group(group)
+                except BaseException as exc:
+                    group.fail(exc)
+                    raise
+        if group is not None:
+            async with self._sync_lock:
+                try:
+                    await self._sync_group(group)
+                except BaseException as exc:
+                    group.fail(exc)
+                    raise
+        return await done
+
+    async def _write_group(self, group: _Group) -> None:
+        """Plan every queued page and write the records (not yet durable)."""
+        planned: set[tuple[bytes, bytes]] = set()
+        for ns, pages, _ in group.batch:
             out = [True] * len(pages)
             for i, page in enumerate(pages):
-                if (ns, page.key) in self.index:
+                key = (ns, page.key)
+                if key in self.index or key in planned:
                     continue  # already stored: writes are idempotent
                 size = HEADER_BYTES + len(page.buf)
                 if size > self.segment_bytes - SUPER_BYTES:
@@ -221,30 +275,52 @@ class FileBackend(Backend):
                     continue
                 seg = self._room(size)
                 header = pack_header(ns, page.key, page.buf, seg.generation)
-                plan.append((seg, seg.generation, seg.write_off, header, page))
+                group.plan.append((seg, seg.generation, seg.write_off, ns, header, page))
+                planned.add(key)
                 seg.write_off += size
-            if not plan:
-                return out
-            touched = {id(seg): seg for seg, *_ in plan}
-            try:
-                await asyncio.get_running_loop().run_in_executor(
-                    self._pool, self._write_batch, plan, list(touched.values())
+            group.outcomes.append(out)
+        if not group.plan:
+            return
+        for seg, *_ in group.plan:
+            group.ends[seg.id] = (seg, seg.generation, seg.write_off)
+        segs = [seg for seg, _, _ in group.ends.values()]
+        loop = asyncio.get_running_loop()
+        plan = group.plan
+        threads = min(self.options.io_threads, len(plan))
+        cut = [len(plan) * k // threads for k in range(threads + 1)]
+        try:
+            await loop.run_in_executor(self._pool, self._write_supers, segs)
+            await asyncio.gather(
+                *(
+                    loop.run_in_executor(self._pool, self._write_records, plan[cut[k] : cut[k + 1]])
+                    for k in range(threads)
                 )
+            )
+        except OSError as exc:
+            # Nothing of this group is published; its space is simply skipped.
+            raise BackendError(f"file store write failed: {exc.strerror or exc}") from None
+
+    async def _sync_group(self, group: _Group) -> None:
+        """fsync what the group wrote, then publish it; groups pass here in order."""
+        if group.plan:
+            segs = [seg for seg, _, _ in group.ends.values()]
+            try:
+                await asyncio.get_running_loop().run_in_executor(self._pool, self._sync, segs)
             except OSError as exc:
-                # Nothing of this batch is published; its space is simply skipped.
-                raise BackendError(
-                    f"file store write failed: {exc.strerror or exc}", retriable=False
-                ) from None
-            for seg, generation, off, _header, page in plan:
+                raise BackendError(f"file store fsync failed: {exc.strerror or exc}") from None
+            for seg, generation, off, ns, _header, page in group.plan:
                 if seg.generation != generation:
-                    continue  # this batch wrapped around the ring and recycled it
+                    continue  # the ring wrapped around and recycled it meanwhile
                 key = (ns, page.key)
-                self.index[key] = _Loc(seg.id, off, len(page.buf), seg.generation)
+                self.index[key] = _Loc(seg.id, off, len(page.buf), generation)
                 seg.keys.append(key)
-            for seg in touched.values():
-                seg.durable_off = seg.write_off
-                seg.dirty_super = True
-            return out
+            for seg, generation, end in group.ends.values():
+                if seg.generation == generation and end > seg.durable_off:
+                    seg.durable_off = end
+                    seg.dirty_super = True
+        for (_, _, fut), out in zip(group.batch, group.outcomes, strict=True):
+            if not fut.done():
+                fut.set_result(out)
 
     def _room(self, size: int) -> _Segment:
         seg = self.segments[self.active]
@@ -279,15 +355,31 @@ class FileBackend(Backend):
         os.pwrite(seg.fd, raw + struct.pack("<Q", xxhash.xxh3_64_intdigest(raw)), 0)
         seg.dirty_super = False
 
-    def _write_batch(
-        self, plan: list[tuple[_Segment, int, int, bytes, PageRef]], segs: list[_Segment]
-    ) -> None:
-        for seg in segs:  # the frontier reached by earlier batches, before this one's fsync
+    def _write_supers(self, segs: list[_Segment]) -> None:
+        """The frontier reached by earlier groups goes out with this group's fsync."""
+        for seg in segs:
             self._write_super(seg, seg.durable_off)
-        for seg, _generation, off, header, page in plan:
-            written = os.pwritev(seg.fd, [header, page.buf], off)
-            if written != len(header) + len(page.buf):
-                raise OSError(f"short write ({written} bytes)")
+
+    @staticmethod
+    def _write_records(plan: list[_Plan]) -> None:
+        """Write records; back-to-back records of a segment go out in one pwritev."""
+        i = 0
+        while i < len(plan):
+            seg, _, start, _, header, page = plan[i]
+            iov: list[bytes | memoryview] = [header, page.buf]
+            end = start + len(header) + len(page.buf)
+            i += 1
+            while i < len(plan) and len(iov) < _IOV_MAX and plan[i][0] is seg and plan[i][2] == end:
+                _, _, _, _, header, page = plan[i]
+                iov += (header, page.buf)
+                end += len(header) + len(page.buf)
+                i += 1
+            written = os.pwritev(seg.fd, iov, start)
+            if written != end - start:
+                raise OSError(f"short write ({written} of {end - start} bytes)")
+
+    @staticmethod
+    def _sync(segs: list[_Segment]) -> None:
         for seg in segs:
             os.fdatasync(seg.fd)
 
@@ -303,10 +395,14 @@ class FileBackend(Backend):
         if not todo:
             return out
         loop = asyncio.get_running_loop()
+        todo.sort(key=lambda item: (item[1].segment, item[1].offset))
         threads = min(self.options.io_threads, len(todo))
-        chunks = [todo[k::threads] for k in range(threads)]
+        cut = [len(todo) * k // threads for k in range(threads + 1)]
         results = await asyncio.gather(
-            *(loop.run_in_executor(self._pool, self._read_chunk, ns, chunk) for chunk in chunks)
+            *(
+                loop.run_in_executor(self._pool, self._read_chunk, ns, todo[cut[k] : cut[k + 1]])
+                for k in range(threads)
+            )
         )
         for chunk_result in results:
             for i, ok in chunk_result:
@@ -323,18 +419,42 @@ class FileBackend(Backend):
     def _read_chunk(
         self, ns: bytes, chunk: list[tuple[int, _Loc, PageRef]]
     ) -> list[tuple[int, bool]]:
+        """Read and verify pages (sorted by place); back-to-back records in one preadv."""
         out = []
-        header = bytearray(HEADER_BYTES)
-        for i, loc, page in chunk:
+        headers = memoryview(bytearray(HEADER_BYTES * len(chunk)))
+        i = 0
+        while i < len(chunk):
+            first = chunk[i][1]
+            run = [i]
+            end = first.offset + HEADER_BYTES + first.length
+            j = i + 1
+            while (
+                j < len(chunk)
+                and 2 * len(run) < _IOV_MAX
+                and chunk[j][1].segment == first.segment
+                and chunk[j][1].offset == end
+            ):
+                run.append(j)
+                end += HEADER_BYTES + chunk[j][1].length
+                j += 1
+            iov: list[memoryview] = []
+            for k in run:
+                iov += (headers[k * HEADER_BYTES : (k + 1) * HEADER_BYTES], chunk[k][2].buf)
             try:
-                n = os.preadv(self.segments[loc.segment].fd, [header, page.buf], loc.offset)
+                n = os.preadv(self.segments[first.segment].fd, iov, first.offset)
             except (OSError, IndexError):
-                out.append((i, False))
-                continue
-            ok = n == HEADER_BYTES + len(page.buf) and verify(
-                header, page.buf, ns, page.key, loc.generation
-            )
-            out.append((i, ok))
+                n = -1
+            for k in run:
+                index, loc, page = chunk[k]
+                ok = n == end - first.offset and verify(
+                    headers[k * HEADER_BYTES : (k + 1) * HEADER_BYTES],
+                    page.buf,
+                    ns,
+                    page.key,
+                    loc.generation,
+                )
+                out.append((index, ok))
+            i = j
         return out
 
     async def delete(self, ns: bytes, keys: Sequence[bytes]) -> None:

@@ -1,0 +1,295 @@
+"""L3 backends: write (durable) and read throughput vs the raw client, same run.
+
+For each page size (64 KiB and 1 MiB) the same bytes go through the backend
+the way the dispatcher drives it (batches of ``storage.batch_pages``,
+``storage.concurrency`` calls at once) and through the backend's raw client:
+
+- file: pwrite of every page into a preallocated file and one fsync; cold
+  reads with preadv from as many threads as the backend uses (the page cache
+  is dropped for both before reading);
+- s3: boto3 put_object/get_object of the page bytes with the same number of
+  threads (against a real S3 server on loopback unless --s3-endpoint is given);
+- mooncake: the store's own batch put/get from the same registered buffer
+  (against a master started here unless --mooncake-master is given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import mmap
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hicached.config import StorageConfig
+from hicached_backends.base import Backend, BackendEnv, PageRef
+from hicached_backends.options import FileOptions, MooncakeOptions, S3Options
+
+SIZES = {"64k": 64 << 10, "1m": 1 << 20}
+NS = bytes(range(16))
+
+
+class Buffers:
+    """Source pages and a read target, in one mapped region (the backend's 'pool')."""
+
+    def __init__(self, pages: int, size: int) -> None:
+        self.map = mmap.mmap(
+            -1, 2 * pages * size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        )
+        arr = np.frombuffer(self.map, dtype=np.uint8).reshape(2 * pages, size)
+        self.src, self.dst = arr[:pages], arr[pages:]
+        self.src[:] = np.random.default_rng(size).integers(0, 256, self.src.shape, dtype=np.uint8)
+        self.view = memoryview(self.map)
+        self.keys = [os.urandom(16) for _ in range(pages)]
+
+    def refs(self, which: np.ndarray) -> list[PageRef]:
+        return [PageRef(k, which[i].data) for i, k in enumerate(self.keys)]
+
+
+async def _drive(backend: Backend, op: str, refs: list[PageRef], config: StorageConfig) -> float:
+    gate = asyncio.Semaphore(config.concurrency)
+    step = config.batch_pages
+
+    async def one(batch: list[PageRef]) -> None:
+        async with gate:
+            result = await getattr(backend, op)(NS, batch)
+            assert all(result), f"{op} failed for {result.count(False)} pages"
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(refs[i : i + step]) for i in range(0, len(refs), step)))
+    return time.perf_counter() - t0
+
+
+def _drop_cache(paths: list[Path]) -> None:
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+# -- raw baselines -------------------------------------------------------------------
+
+
+def _raw_file(buf: Buffers, directory: Path, threads: int) -> tuple[float, float]:
+    pages, size = buf.src.shape
+    path = directory / "raw.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, pages * size)
+        t0 = time.perf_counter()
+        for i in range(pages):
+            os.pwrite(fd, buf.src[i].data, i * size)
+        os.fdatasync(fd)
+        write = time.perf_counter() - t0
+        _drop_cache([path])
+
+        def read(chunk: range) -> None:
+            for i in chunk:
+                os.preadv(fd, [buf.dst[i].data], i * size)
+
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(read, [range(k, pages, threads) for k in range(threads)]))
+        read_s = time.perf_counter() - t0
+        assert np.array_equal(buf.src, buf.dst)
+    finally:
+        os.close(fd)
+        path.unlink()
+    return write, read_s
+
+
+def _raw_s3(buf: Buffers, options: S3Options) -> tuple[float, float]:
+    import boto3
+    import botocore.config
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=options.endpoint_url or None,
+        aws_access_key_id=options.access_key_id or None,
+        aws_secret_access_key=options.secret_access_key or None,
+        region_name=options.region or None,
+        config=botocore.config.Config(
+            retries={"mode": "standard", "max_attempts": options.max_attempts},
+            max_pool_connections=options.threads,
+        ),
+    )
+    names = [f"raw/{k.hex()}" for k in buf.keys]
+
+    def put(i: int) -> None:
+        client.put_object(Bucket=options.bucket, Key=names[i], Body=bytes(buf.src[i].data))
+
+    def get(i: int) -> None:
+        buf.dst[i] = np.frombuffer(
+            client.get_object(Bucket=options.bucket, Key=names[i])["Body"].read(), np.uint8
+        )
+
+    with ThreadPoolExecutor(options.threads) as pool:
+        t0 = time.perf_counter()
+        list(pool.map(put, range(len(names))))
+        write = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        list(pool.map(get, range(len(names))))
+        read = time.perf_counter() - t0
+    assert np.array_equal(buf.src, buf.dst)
+    return write, read
+
+
+def _raw_mooncake(buf: Buffers, backend: Any, config: StorageConfig) -> tuple[float, float]:
+    store = backend._store  # the same client and registered memory the backend uses
+    size = buf.src.shape[1]
+    names = [f"raw/{k.hex()}" for k in buf.keys]
+    step = config.batch_pages
+
+    def run(op: str, rows: np.ndarray) -> float:
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(config.concurrency) as pool:
+            calls = [
+                pool.submit(
+                    getattr(store, op),
+                    names[i : i + step],
+                    [int(rows[j].ctypes.data) for j in range(i, min(i + step, len(names)))],
+                    [size] * len(names[i : i + step]),
+                )
+                for i in range(0, len(names), step)
+            ]
+            for call in calls:
+                codes = call.result()
+                assert all(c >= 0 for c in codes), codes
+        return time.perf_counter() - t0
+
+    write = run("batch_put_from", buf.src)
+    read = run("batch_get_into", buf.dst)
+    assert np.array_equal(buf.src, buf.dst)
+    return write, read
+
+
+# -- services -------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _backend_options(args: argparse.Namespace, tmp: Path) -> Iterator[Any]:
+    if args.backend == "file":
+        yield FileOptions(
+            path=str(tmp / "store"),
+            capacity_mib=max(4 * args.mib, 64),
+            segment_mib=max(args.mib // 2, 16),
+        )
+    elif args.backend == "s3":
+        from hicached.testing import CREDENTIALS, S3Server
+
+        if args.s3_endpoint:
+            yield S3Options(bucket=args.s3_bucket, endpoint_url=args.s3_endpoint, threads=16)
+            return
+        server = S3Server()
+        try:
+            server.make_bucket("bench")
+            yield S3Options(
+                bucket="bench",
+                endpoint_url=server.endpoint,
+                threads=16,
+                access_key_id=CREDENTIALS["access_key_id"],
+                secret_access_key=CREDENTIALS["secret_access_key"],
+                region=CREDENTIALS["region"],
+            )
+        finally:
+            server.stop()
+    elif args.backend == "mooncake":
+        from hicached.testing import MooncakeMaster
+
+        segment = 4 * args.mib + 64
+        if args.mooncake_master:
+            yield MooncakeOptions(
+                master=args.mooncake_master,
+                metadata_server=args.mooncake_metadata,
+                global_segment_mib=segment,
+            )
+            return
+        master = MooncakeMaster()
+        try:
+            yield MooncakeOptions(
+                master=master.master, metadata_server=master.metadata, global_segment_mib=segment
+            )
+        finally:
+            master.stop()
+    else:
+        raise SystemExit(f"unknown backend {args.backend!r}: file, s3 or mooncake")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from hicached_backends import load_backend_class
+
+    cls = load_backend_class(args.backend)
+    config = StorageConfig()
+    figures: dict[str, float] = {}
+    with (
+        tempfile.TemporaryDirectory(prefix="hc-bench-l3-") as tmp_name,
+        _backend_options(args, Path(tmp_name)) as options,
+    ):
+        tmp = Path(tmp_name)
+        for tag, size in SIZES.items():
+            pages = max(8, (args.mib << 20) // size)
+            buf = Buffers(pages, size)
+            backend = cls(options, BackendEnv(tmp, pool=buf.view))
+
+            async def measure(
+                backend: Backend = backend, buf: Buffers = buf
+            ) -> tuple[float, float, tuple[float, float]]:
+                await backend.open()
+                try:
+                    write = await _drive(backend, "put", buf.refs(buf.src), config)
+                    reads, raws = [], []
+                    raw_write = 0.0
+                    for _round in range(2):  # alternate, so neither side gets the warmer disk
+                        if args.backend == "file":
+                            _drop_cache(sorted((tmp / "store").glob("segment-*.hcs")))
+                        reads.append(await _drive(backend, "get", buf.refs(buf.dst), config))
+                        assert np.array_equal(buf.src, buf.dst), "the backend returned other bytes"
+                        buf.dst[:] = 0
+                        if args.backend == "file":
+                            raw = _raw_file(buf, tmp, options.io_threads)
+                        elif args.backend == "s3":
+                            raw = _raw_s3(buf, options)
+                        else:
+                            raw = _raw_mooncake(buf, backend, config)
+                        raw_write = raw_write or raw[0]
+                        raws.append(raw[1])
+                        buf.dst[:] = 0
+                    return write, min(reads), (raw_write, min(raws))
+                finally:
+                    await backend.close()
+
+            write, read, (raw_write, raw_read) = asyncio.run(measure())
+            nbytes = pages * size
+            figures[f"write_gbps_{tag}"] = round(nbytes / write / 1e9, 3)
+            figures[f"read_gbps_{tag}"] = round(nbytes / read / 1e9, 3)
+            figures[f"raw_write_gbps_{tag}"] = round(nbytes / raw_write / 1e9, 3)
+            figures[f"raw_read_gbps_{tag}"] = round(nbytes / raw_read / 1e9, 3)
+            figures[f"write_pages_s_{tag}"] = round(pages / write)
+            figures[f"read_pages_s_{tag}"] = round(pages / read)
+            figures[f"write_vs_raw_{tag}"] = round(raw_write / write, 3)
+            figures[f"read_vs_raw_{tag}"] = round(raw_read / read, 3)
+            if args.backend == "file":
+                for seg in (tmp / "store").glob("segment-*.hcs"):
+                    seg.unlink()
+    return {
+        "figures": figures,
+        "params": {
+            "backend": args.backend,
+            "mib_per_size": args.mib,
+            "batch_pages": config.batch_pages,
+            "concurrency": config.concurrency,
+            "note": "raw: the backend client, same bytes; reads: best of 2 rounds, cold for file",
+        },
+        "targets": {"file": ">= 0.8 of raw", "mooncake": ">= 0.8 of raw", "s3": ">= 0.9 of raw"},
+    }
