@@ -27,7 +27,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
-    load_config(args.path)
+    config = load_config(args.path)
+    if config.storage.backend:  # the backend must be installed and its options valid
+        from hicached.storage import backend_options
+        from hicached_backends import load_backend_class
+
+        backend_options(config, load_backend_class(config.storage.backend))
     print(f"{args.path}: ok")
     return 0
 

@@ -113,12 +113,11 @@ class MooncakeBackend(Backend):
     def name(ns: bytes, key: bytes) -> str:
         return f"hc/{ns.hex()}/{key.hex()}"
 
-    def _in_arena(self, buf: memoryview) -> bool:
+    def _in_arena(self, address: int, length: int) -> bool:
         if self._arena is None:
             return False
         base, size = self._arena
-        at = _address(buf)
-        return base <= at and at + len(buf) <= base + size
+        return base <= address and address + length <= base + size
 
     async def _take_headers(self, n: int) -> list[int]:
         async with self._header_wait:
@@ -131,32 +130,36 @@ class MooncakeBackend(Backend):
             self._header_wait.notify_all()
 
     async def _with_buffers(self, pages: Sequence[PageRef], call: Any) -> Any:
-        """Run ``call(header_slots)`` with headers taken and foreign buffers registered."""
+        """Run ``call(chunk, addresses, header_slots)`` with headers taken, and any
+        buffer outside the registered pool registered for the call."""
         if self._store is None:
             raise BackendError("Mooncake store is not open", retriable=True)
         out: list[Any] = []
         step = HEADER_SLOTS // 4
         for start in range(0, len(pages), step):
             chunk = pages[start : start + step]
-            foreign = [p.buf for p in chunk if not self._in_arena(p.buf)]
-            for buf in foreign:
-                await self._register(_address(buf), len(buf))
+            addresses = [_address(p.buf) for p in chunk]
+            foreign = [
+                (address, len(p.buf))
+                for address, p in zip(addresses, chunk, strict=True)
+                if not self._in_arena(address, len(p.buf))
+            ]
+            for address, size in foreign:
+                await self._register(address, size)
             headers = await self._take_headers(len(chunk))
             try:
-                out.extend(await call(chunk, headers))
+                out.extend(await call(chunk, addresses, headers))
             finally:
                 await self._give_headers(headers)
-                for buf in foreign:
-                    await self._blocking(self._store.unregister_buffer, _address(buf))
+                for address, _ in foreign:
+                    await self._blocking(self._store.unregister_buffer, address)
         return out
 
     def _ptrs(
-        self, pages: Sequence[PageRef], headers: list[int]
+        self, pages: Sequence[PageRef], addresses: list[int], headers: list[int]
     ) -> tuple[list[list[int]], list[list[int]]]:
         base = int(self._headers.ctypes.data)
-        ptrs = [
-            [base + h * HEADER_BYTES, _address(p.buf)] for p, h in zip(pages, headers, strict=True)
-        ]
+        ptrs = [[base + h * HEADER_BYTES, a] for a, h in zip(addresses, headers, strict=True)]
         sizes = [[HEADER_BYTES, len(p.buf)] for p in pages]
         return ptrs, sizes
 
@@ -186,18 +189,18 @@ class MooncakeBackend(Backend):
         return n
 
     async def put(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
-        async def call(chunk: Sequence[PageRef], headers: list[int]) -> list[bool]:
-            for page, h in zip(chunk, headers, strict=True):
-                self._headers[h] = np.frombuffer(
-                    pack_header(ns, page.key, page.buf), dtype=np.uint8
-                )
-            ptrs, sizes = self._ptrs(chunk, headers)
-            codes = await self._blocking(
-                self._store.batch_put_from_multi_buffers,
-                [self.name(ns, p.key) for p in chunk],
-                ptrs,
-                sizes,
-            )
+        async def call(
+            chunk: Sequence[PageRef], addresses: list[int], headers: list[int]
+        ) -> list[bool]:
+            def blocking() -> list[int]:  # headers, checksums and the store call, off the loop
+                for page, h in zip(chunk, headers, strict=True):
+                    header = pack_header(ns, page.key, page.buf)
+                    self._headers[h] = np.frombuffer(header, dtype=np.uint8)
+                ptrs, sizes = self._ptrs(chunk, addresses, headers)
+                names = [self.name(ns, p.key) for p in chunk]
+                return list(self._store.batch_put_from_multi_buffers(names, ptrs, sizes))
+
+            codes = await self._blocking(blocking)
             self._failed(codes, "put")
             return [c == 0 for c in codes]
 
@@ -212,22 +215,28 @@ class MooncakeBackend(Backend):
                 first[page.key] = len(unique)
                 unique.append(page)
 
-        async def call(chunk: Sequence[PageRef], headers: list[int]) -> list[bool]:
-            ptrs, sizes = self._ptrs(chunk, headers)
-            names = [self.name(ns, p.key) for p in chunk]
-            codes = await self._blocking(
-                self._store.batch_get_into_multi_buffers, names, ptrs, sizes
-            )
+        async def call(
+            chunk: Sequence[PageRef], addresses: list[int], headers: list[int]
+        ) -> list[bool]:
+            def blocking() -> tuple[
+                list[int], list[bool]
+            ]:  # the store call and the checks, off the loop
+                ptrs, sizes = self._ptrs(chunk, addresses, headers)
+                names = [self.name(ns, p.key) for p in chunk]
+                codes = list(self._store.batch_get_into_multi_buffers(names, ptrs, sizes))
+                oks = [
+                    code == HEADER_BYTES + len(page.buf)
+                    and verify(self._headers[h].tobytes(), page.buf, ns, page.key)
+                    for page, h, code in zip(chunk, headers, codes, strict=True)
+                ]
+                return codes, oks
+
+            codes, oks = await self._blocking(blocking)
             self._failed(codes, "get")
-            out = []
-            for page, h, code in zip(chunk, headers, codes, strict=True):
-                ok = code == HEADER_BYTES + len(page.buf) and verify(
-                    self._headers[h].tobytes(), page.buf, ns, page.key
-                )
-                if code > 0 and not ok:
-                    self.counters["bad_objects"] += 1
-                out.append(ok)
-            return out
+            self.counters["bad_objects"] += sum(
+                1 for code, ok in zip(codes, oks, strict=True) if code > 0 and not ok
+            )
+            return oks
 
         got = list(await self._with_buffers(unique, call))
         out = []

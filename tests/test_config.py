@@ -100,3 +100,22 @@ def test_check_config_command(tmp_path: Path) -> None:
         text=True,
     )
     assert missing.returncode == 2 and "cannot read config" in missing.stderr
+
+
+def test_check_config_knows_the_backends(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[storage]\nbackend = "tape"\n')
+    out = subprocess.run(
+        [sys.executable, "-m", "hicached", "check-config", str(cfg)], capture_output=True, text=True
+    )
+    assert out.returncode == 2 and "unknown backend 'tape'" in out.stderr and "file" in out.stderr
+    cfg.write_text('[storage]\nbackend = "file"\n[storage.file]\nio_threads = 0\n')
+    out = subprocess.run(
+        [sys.executable, "-m", "hicached", "check-config", str(cfg)], capture_output=True, text=True
+    )
+    assert out.returncode == 2 and "storage.file.io_threads" in out.stderr
+    cfg.write_text('[storage]\nbackend = "s3"\n[storage.s3]\nbucket = "b"\n')
+    out = subprocess.run(
+        [sys.executable, "-m", "hicached", "check-config", str(cfg)], capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
