@@ -1,0 +1,326 @@
+"""Rank agreement: every rank of a model instance takes the same decision.
+
+Engine side; the only daemon-free module that imports torch. A model instance
+runs over tensor- (TP), context- (CP) and pipeline-parallel (PP) ranks; each
+talks to its host's daemon about its own KV shard, and each one's storage
+I/O finishes at its own pace. ``Agreement.agree`` turns the ranks' local
+views into one answer per step:
+
+- Fields are named and fixed: MIN fields (e.g. pages a prefetch completed,
+  each sidecar pool's hit pages, finished write backups) and MAX fields
+  (e.g. must-not-terminate, terminated), packed into one int64 tensor, MAX
+  folded into MIN by negation, plus a fingerprint of the call site and step.
+- ONE collective per step: an all-reduce(MIN) over the ranks of this PP stage
+  (TP and CP together; never one or the other).
+- PP relay: stage 0 decides; stage k receives the decision from k-1 and sends
+  it on to k+1 with a non-blocking send. Pending sends are kept and reaped
+  every step, so the list stays bounded. So that stage 0's decision covers
+  every stage, each stage also folds its own reduced values into the relayed
+  message and the last stage sends the fold back to stage 0, which uses it
+  one step later. Every field is monotone over a prefetch (pages only grow,
+  flags only rise), so a one-step-old value is always safe: it can delay a
+  decision by a step, never allow one a stage cannot honour. Until the first
+  fold arrives, stage 0 assumes the most cautious values (0 pages, busy).
+- Mismatch detection: ranks that reach different call sites or steps see
+  different fingerprints; every rank raises RankMismatch naming them. A dead
+  rank makes the others raise RankFailure at once; a stuck one within the
+  group timeout.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from hicached.errors import HicachedError
+
+_BIG = (1 << 62) - 1  # "no constraint" for a MIN field
+_POISON = -(1 << 62)  # sent along PP by a rank that found a mismatch
+
+
+class RankFailure(HicachedError):
+    """A peer rank died, hung past the timeout, or a collective failed."""
+
+    code = "rank_failure"
+
+
+class RankMismatch(HicachedError):
+    """Ranks reached different sync points (a skipped or reordered sync)."""
+
+    code = "rank_mismatch"
+
+
+@dataclass
+class Topology:
+    """This rank's place in one model instance, and the groups it syncs over.
+
+    ``stage_group`` holds every rank of this PP stage (all TP x CP ranks);
+    ``pp_prev``/``pp_next`` are the global ranks at the same TP/CP place in the
+    neighbouring stages (None at the ends).
+    """
+
+    rank: int
+    tp_rank: int
+    tp_size: int
+    cp_rank: int
+    cp_size: int
+    pp_rank: int
+    pp_size: int
+    stage_group: dist.ProcessGroup | None
+    stage_groups: Sequence[dist.ProcessGroup] = ()  # used instead when no combined group exists
+    pp_prev: int | None = None
+    pp_next: int | None = None
+    timeout: timedelta = timedelta(seconds=30)
+
+    @property
+    def stage_size(self) -> int:
+        return self.tp_size * self.cp_size
+
+    @classmethod
+    def create(cls, tp: int, cp: int = 1, pp: int = 1, *, timeout: float = 30.0) -> Topology:
+        """Build the groups of one instance over the whole default group.
+
+        Rank layout: ``rank = pp_rank * (cp * tp) + cp_rank * tp + tp_rank``.
+        Every rank must call this, in the same order as any other new_group.
+        """
+        if not dist.is_initialized():
+            raise RankFailure("torch.distributed is not initialized")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world != tp * cp * pp:
+            raise RankFailure(f"world size {world} is not tp x cp x pp = {tp} x {cp} x {pp}")
+        stage = tp * cp
+        pp_rank, within = divmod(rank, stage)
+        cp_rank, tp_rank = divmod(within, tp)
+        td = timedelta(seconds=timeout)
+        mine = None
+        for s in range(pp):  # every rank creates every group, in the same order
+            group = (
+                dist.new_group(list(range(s * stage, (s + 1) * stage)), timeout=td)
+                if stage > 1
+                else None
+            )
+            if s == pp_rank:
+                mine = group
+        return cls(
+            rank=rank,
+            tp_rank=tp_rank,
+            tp_size=tp,
+            cp_rank=cp_rank,
+            cp_size=cp,
+            pp_rank=pp_rank,
+            pp_size=pp,
+            stage_group=mine,
+            pp_prev=rank - stage if pp_rank > 0 else None,
+            pp_next=rank + stage if pp_rank < pp - 1 else None,
+            timeout=td,
+        )
+
+    @classmethod
+    def from_groups(
+        cls,
+        *,
+        tp_group: dist.ProcessGroup | None,
+        cp_group: dist.ProcessGroup | None = None,
+        attn_group: dist.ProcessGroup | None = None,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        pp_prev: int | None = None,
+        pp_next: int | None = None,
+        timeout: float = 30.0,
+    ) -> Topology:
+        """Wrap an engine's own groups. ``attn_group`` (all TP x CP ranks of the
+        stage) gives one collective; without it, every group of size > 1 is
+        reduced in turn."""
+        size = dist.get_world_size
+        tp_size = size(tp_group) if tp_group is not None else 1
+        cp_size = size(cp_group) if cp_group is not None else 1
+        groups = [g for g in (tp_group, cp_group) if g is not None and size(g) > 1]
+        return cls(
+            rank=dist.get_rank(),
+            tp_rank=dist.get_rank(tp_group) if tp_group is not None else 0,
+            tp_size=tp_size,
+            cp_rank=dist.get_rank(cp_group) if cp_group is not None else 0,
+            cp_size=cp_size,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+            stage_group=attn_group,
+            stage_groups=() if attn_group is not None else groups,
+            pp_prev=pp_prev,
+            pp_next=pp_next,
+            timeout=timedelta(seconds=timeout),
+        )
+
+
+@dataclass(frozen=True)
+class Fields:
+    """The named, ordered fields of one kind of agreement.
+
+    ``cautious`` gives, for MAX fields, the value that holds a decision back
+    (1 for a "busy" flag; the default 0 suits a "done" flag); MIN fields are
+    held back by 0.
+    """
+
+    min: tuple[str, ...]
+    max: tuple[str, ...] = ()
+    cautious: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def width(self) -> int:
+        return len(self.min) + len(self.max) + 2  # + fingerprint and its negation
+
+    def cautious_packed(self) -> list[int]:
+        hold = dict(self.cautious)
+        return [0] * len(self.min) + [-hold.get(name, 0) for name in self.max]
+
+
+class Agreement:
+    """One ``agree`` per step gives every rank of the instance the same values."""
+
+    MAX_PENDING_SENDS = 64
+
+    def __init__(self, topology: Topology, fields: Fields, sites: Sequence[str] = ()) -> None:
+        """``sites``: the call sites this agreement will see, so that a rank can
+        name the site another rank is at in a mismatch error."""
+        self.topo = topology
+        self.fields = fields
+        self.step = 0
+        self.sites: dict[int, str] = {}
+        for site in sites:
+            self.sites[zlib.crc32(site.encode()) & 0x7FFFFFFF] = site
+        self.pending: list[dist.Work] = []
+        self.collectives = 0  # collectives issued, for tests and the bench
+        self._fold: list[int] | None = None  # stage 0: the last stage's fold, one step old
+
+    # -- the fingerprint ------------------------------------------------------------
+
+    def _fingerprint(self, site: str) -> int:
+        tag = zlib.crc32(site.encode()) & 0x7FFFFFFF
+        self.sites[tag] = site
+        return (tag << 30) | (self.step & 0x3FFFFFFF)
+
+    def _describe(self, fp: int) -> str:
+        tag, step = fp >> 30, fp & 0x3FFFFFFF
+        return f"{self.sites.get(tag, f'site #{tag:x}')} (step {step})"
+
+    # -- the step -------------------------------------------------------------------------
+
+    def agree(self, site: str, **values: int) -> dict[str, int]:
+        """Reduce this rank's ``values`` with every other rank's; call it at the
+        same sites in the same order on every rank. Returns the agreed values."""
+        f = self.fields
+        if set(values) != set(f.min) | set(f.max):
+            missing = sorted(set(f.min) | set(f.max) - set(values))
+            extra = sorted(set(values) - set(f.min) - set(f.max))
+            raise ValueError(f"agree({site!r}): missing fields {missing}, unknown fields {extra}")
+        self.step += 1
+        fp = self._fingerprint(site)
+        packed = [int(values[n]) for n in f.min] + [-int(values[n]) for n in f.max] + [fp, -fp]
+        tensor = torch.tensor(packed, dtype=torch.int64)
+        try:
+            self._reduce(tensor)
+            decided = self._relay(tensor) if self.topo.pp_size > 1 else tensor.tolist()
+            self._reap()
+        except (RuntimeError, ValueError) as exc:  # torch reports a dead or stuck peer so
+            raise RankFailure(
+                f"rank {self.topo.rank} at {site} (step {self.step}): {exc}"
+            ) from None
+        low, high = decided[-2], -decided[-1]
+        if low == _POISON or low != high or low != fp:
+            other = (
+                "a rank that stopped on a mismatch"
+                if low == _POISON
+                else (f"{self._describe(low)} / {self._describe(high)}")
+            )
+            raise RankMismatch(
+                f"rank {self.topo.rank} is at {self._describe(fp)}, but other ranks are at "
+                f"{other}: every rank must run the same sync points in the same order"
+            )
+        names = f.min + f.max
+        return {
+            n: (v if i < len(f.min) else -v)
+            for i, (n, v) in enumerate(zip(names, decided, strict=False))
+        }
+
+    def _reduce(self, tensor: torch.Tensor) -> None:
+        topo = self.topo
+        groups = [topo.stage_group] if topo.stage_group is not None else list(topo.stage_groups)
+        for group in groups:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
+            self.collectives += 1
+
+    def _relay(self, reduced: torch.Tensor) -> list[int]:
+        """Stage 0 decides; the decision travels down, each stage's values fold in.
+
+        Message down the pipeline: [decision | fold]; the last stage sends the
+        fold back to stage 0, which takes it into its next decision.
+        """
+        topo, width = self.topo, self.fields.width
+        own = reduced.tolist()
+        if topo.pp_rank == 0:
+            if self.step > 1:
+                self._fold = self._recv(self._last_stage(), width)
+            if self._fold is None:
+                values = self.fields.cautious_packed()
+            else:
+                values = self._fold[:-2]
+                if self._fold[-2] != -self._fold[-1]:  # stages disagreed last step
+                    own = [*own[:-2], _POISON, -_POISON]
+            decision = [min(a, b) for a, b in zip(own[:-2], values, strict=True)] + own[-2:]
+            fold = own
+        else:
+            assert topo.pp_prev is not None
+            received = self._recv(topo.pp_prev, 2 * width)
+            decision, fold = received[:width], received[width:]
+            if decision[-2] != own[-2]:  # this stage is elsewhere: stop everyone downstream
+                decision = [*decision[:-2], _POISON, -_POISON]
+            fold = [min(a, b) for a, b in zip(fold, own, strict=True)]
+        if topo.pp_next is not None:
+            self._send(decision + fold, topo.pp_next)
+        else:  # close the ring
+            self._send(fold, self._first_stage())
+        return decision
+
+    def _first_stage(self) -> int:
+        return self.topo.rank - self.topo.pp_rank * self.topo.stage_size
+
+    def _last_stage(self) -> int:
+        return self._first_stage() + (self.topo.pp_size - 1) * self.topo.stage_size
+
+    def _send(self, values: list[int], dst: int) -> None:
+        work = dist.isend(torch.tensor(values, dtype=torch.int64), dst)
+        assert work is not None, "isend returns a handle for a peer rank"
+        self.pending.append(work)
+
+    def _recv(self, src: int, width: int) -> list[int]:
+        buf = torch.empty(width, dtype=torch.int64)
+        work = dist.irecv(buf, src)
+        assert work is not None, "irecv returns a handle for a peer rank"
+        if not work.wait(self.topo.timeout):
+            raise RankFailure(
+                f"no message from rank {src} within {self.topo.timeout.total_seconds()}s"
+            )
+        return buf.tolist()
+
+    def _reap(self) -> None:
+        """Drop finished sends; if too many are still pending, wait for the oldest."""
+        self.pending = [w for w in self.pending if not w.is_completed()]
+        while len(self.pending) > self.MAX_PENDING_SENDS:
+            self.pending.pop(0).wait(self.topo.timeout)
+
+    def close(self) -> None:
+        """End the relay cleanly: stage 0 takes the ring's last message, and every
+        send still in flight completes. Call on every rank before the groups go."""
+        try:
+            if self.topo.pp_size > 1 and self.topo.pp_rank == 0 and self.step > 0:
+                self._recv(self._last_stage(), self.fields.width)
+            for work in self.pending:
+                work.wait(self.topo.timeout)
+        except RuntimeError as exc:
+            raise RankFailure(f"rank {self.topo.rank} closing the agreement: {exc}") from None
+        finally:
+            self.pending.clear()

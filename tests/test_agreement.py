@@ -1,0 +1,61 @@
+"""Rank agreement over real torch.distributed ranks (gloo on loopback)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hicached.ranks import RankError, launch
+from tests import rankfns
+
+LAYOUTS = {
+    "tp2": dict(tp=2),
+    "cp2": dict(cp=2),
+    "pp2": dict(pp=2),
+    "tp2xcp2": dict(tp=2, cp=2),
+    "tp2xpp2": dict(tp=2, pp=2),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
+def test_every_rank_agrees_on_the_global_min_and_max(layout: str) -> None:
+    shape = LAYOUTS[layout]
+    world = shape.get("tp", 1) * shape.get("cp", 1) * shape.get("pp", 1)
+    results = launch(rankfns.agree_steps, 4, **shape, timeout=15)
+    want = {"pages": 10, "acks": 100 - (world - 1), "busy": 1 if world > 1 else 0, "done": 1}
+    for step in range(4):
+        views = [r["seen"][step] for r in results]
+        assert all(v == views[0] for v in views), f"ranks disagree at step {step}: {views}"
+    for r in results:
+        # with PP, stage 0 hears the other stages one step late: step 1 holds back
+        assert r["seen"][-1] == want
+        assert r["collectives"] == (4 if world // shape.get("pp", 1) > 1 else 0)
+    if shape.get("pp", 1) > 1:
+        assert results[0]["seen"][0]["pages"] == 0 and results[0]["seen"][0]["busy"] == 1
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp2xpp2"])
+def test_a_rank_that_skips_a_sync_point_makes_every_rank_raise(layout: str) -> None:
+    with pytest.raises(RankError) as info:
+        launch(rankfns.skip_a_sync, 1, **LAYOUTS[layout], timeout=10, deadline=60)
+    errors = info.value.errors
+    world = 2 if layout == "tp2" else 4
+    assert set(errors) == set(range(world)), f"some ranks did not raise: {errors.keys()}"
+    mismatches = [e for e in errors.values() if "RankMismatch" in e]
+    assert mismatches and all("RankMismatch" in e or "RankFailure" in e for e in errors.values())
+    assert any("sync.second" in e and "sync.third" in e for e in mismatches)
+
+
+def test_pp_stages_with_different_ack_timings_apply_the_same_counts() -> None:
+    results = launch(rankfns.many_steps, 3000, 2, tp=2, pp=2, timeout=20, deadline=180)
+    assert len({(r["last"], r["sum"]) for r in results}) == 1, results
+    assert all(r["worst_pending"] <= 64 for r in results)
+    assert results[0]["last"] >= (3000 - 2) // 2 - 1  # the slow stage bounds the count
+
+
+def test_a_killed_rank_makes_the_others_raise_within_the_timeout() -> None:
+    with pytest.raises(RankError) as info:
+        launch(rankfns.sleep_then_agree, tp=2, pp=2, timeout=5, deadline=60, kill={3: 2.0})
+    errors = info.value.errors
+    assert errors[3] == "killed by the harness"
+    for rank in (0, 1, 2):
+        assert "RankFailure" in errors[rank], errors[rank]
