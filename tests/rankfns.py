@@ -64,3 +64,90 @@ def sleep_then_agree(topo: Topology) -> str:
         agreement.agree("loop", **values)
         time.sleep(0.01)
     return "finished"
+
+
+# -- prefetch coordination -------------------------------------------------------------
+
+PAGE_TOKENS = 16
+PAGES = 12
+WINDOW_TOKENS = 32  # two pages
+
+
+def spec_fields(topo_like: Any, pool: str) -> dict[str, Any]:
+    tp_rank, tp_size, pp_stage, pp_size = topo_like
+    return dict(
+        model="sim/hybrid",
+        kv_dtype="bfloat16",
+        layout=pool,
+        page_tokens=PAGE_TOKENS,
+        page_bytes=4096,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        pp_stage=pp_stage,
+        pp_size=pp_size,
+    )
+
+
+def coords(topo: Topology) -> tuple[int, int, int, int]:
+    return (topo.tp_rank, topo.tp_size, topo.pp_rank, topo.pp_size)
+
+
+def coordinated_prefetch(topo: Topology, endpoint: str, policy: dict[str, Any]) -> dict[str, Any]:
+    import numpy as np
+    import torch.distributed as dist
+
+    from hicached import Client
+    from hicached.coordinator import PoolSpec, PrefetchCoordinator, StopPolicy
+    from tests.l3util import evict_everything, settle_writes
+    from tests.support import page_bytes_for
+
+    client = Client(endpoint, timeout=10).connect()
+    pools = {
+        name: client.register(**spec_fields(coords(topo), name)) for name in ("kv", "swa", "state")
+    }
+    toks = np.arange(PAGES * PAGE_TOKENS, dtype=np.uint32) + 7
+    data = {name: page_bytes_for(toks, salt=hash((name, topo.rank))) for name in pools}
+    for name, ns in pools.items():
+        client.store(ns, toks, data[name])
+    settle_writes(client)
+    dist.barrier()
+    if topo.rank == 0:
+        filler = client.register(**{**spec_fields((0, 1, 0, 1), "filler")})
+        evict_everything(client, filler)
+    dist.barrier()
+    coordinator = PrefetchCoordinator(
+        client,
+        topo,
+        pools["kv"],
+        sidecars=[
+            PoolSpec.window("swa", pools["swa"], WINDOW_TOKENS),
+            PoolSpec("state", pools["state"], 1, "state"),
+        ],
+        policy=StopPolicy(**policy),
+    )
+    coordinator.start(toks)
+    decision = None
+    while decision is None:
+        decision = coordinator.step()
+        time.sleep(0.005)
+    length = decision.kv_pages
+    hit = client.match(pools["kv"], toks)
+    assert hit.hits >= length, "the agreed pages are not all in L2"
+    got = client.read_pages(pools["kv"], hit.offsets[:length])
+    assert np.array_equal(got, data["kv"][:length]), "wrong bytes in an agreed page"
+    client.release(hit)
+    in_l2 = {}
+    for name in ("swa", "state"):
+        side = client.match(pools[name], toks, lease=False)
+        in_l2[name] = side.hits
+    coordinator.close()
+    dist.barrier()
+    client.close()
+    return {
+        "kv": length,
+        "sidecars": decision.sidecars,
+        "steps": decision.steps,
+        "waited": decision.waited_s,
+        "in_l2": in_l2,
+        "missing": coordinator.missing_results,
+    }

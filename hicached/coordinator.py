@@ -1,0 +1,202 @@
+"""Prefetch coordination: every rank of an instance loads, stops and commits alike.
+
+Engine side. Each rank drives its own daemon prefetches (its KV shard, plus
+sidecar pools: a sliding-window pool and a Mamba-style state pool) and calls
+``step()`` once per scheduler step. One agreement per step reduces, in one
+collective (dist.Agreement):
+
+- MIN: the KV pages ready (L2 hit + verified prefetched pages), and each
+  sidecar pool's hit pages, in a fixed named order (``PoolSpec.name``);
+- MAX: must-not-terminate, terminated (report 004).
+
+A rank may end a prefetch only when its stop policy allows it AND every
+sidecar transfer is done; the prefetch ends when no rank must go on, or when
+any rank has already ended. Then every rank commits exactly the agreed KV
+length, and each sidecar all-or-nothing: a pool is committed only if every
+rank loaded all the pages it needs (a full window, the state), else it is
+released on every rank (report 001). A pool whose result is missing (the
+daemon said no, or errored) counts as 0 pages: handled, not a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from hicached.client import Client, Namespace, Prefetch
+from hicached.dist import Agreement, Fields, Topology
+from hicached.errors import HicachedError
+
+log = logging.getLogger("hicached.coordinator")
+
+SITES = ("prefetch.step",)
+
+
+@dataclass(frozen=True)
+class StopPolicy:
+    """When a rank is willing to stop waiting for L3.
+
+    best_effort: at once, with what is there; wait_complete: when the KV
+    prefetch is complete; timeout: when complete, or after
+    min(base_s + per_1k_tokens_s * tokens / 1000, cap_s) seconds.
+    """
+
+    kind: Literal["best_effort", "wait_complete", "timeout"] = "timeout"
+    base_s: float = 0.5
+    per_1k_tokens_s: float = 0.05
+    cap_s: float = 5.0
+
+    def deadline_s(self, tokens: int) -> float:
+        return min(self.base_s + self.per_1k_tokens_s * tokens / 1000.0, self.cap_s)
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    """A sidecar pool: its agreement field name, this rank's namespace, and how
+    many pages it must load to be usable (a window: ceil(window / page_tokens);
+    a state: 1). Sidecars are reduced in the order given, by name."""
+
+    name: str
+    ns: Namespace
+    pages: int
+    kind: Literal["window", "state"] = "window"
+
+    @classmethod
+    def window(cls, name: str, ns: Namespace, window_tokens: int) -> PoolSpec:
+        return cls(name, ns, math.ceil(window_tokens / ns.page_tokens), "window")
+
+
+@dataclass
+class Decision:
+    """What every rank committed: KV pages, and which sidecars."""
+
+    kv_pages: int
+    sidecars: dict[str, bool]
+    steps: int
+    reason: str
+    waited_s: float
+
+
+@dataclass
+class _Running:
+    tokens: int
+    started: float
+    kv: Prefetch | None
+    sidecars: dict[str, Prefetch | None] = field(default_factory=dict)
+    steps: int = 0
+
+
+class PrefetchCoordinator:
+    """Drives one prefetch at a time on this rank, in step with the others."""
+
+    def __init__(
+        self,
+        client: Client,
+        topology: Topology,
+        kv: Namespace,
+        sidecars: list[PoolSpec] | None = None,
+        policy: StopPolicy | None = None,
+    ) -> None:
+        self.client = client
+        self.kv_ns = kv
+        self.sidecars = list(sidecars or [])
+        names = [p.name for p in self.sidecars]
+        if len(set(names)) != len(names) or "kv" in names:
+            raise ValueError("sidecar pools need distinct names other than 'kv'")
+        self.policy = policy or StopPolicy()
+        self.fields = Fields(
+            min=("kv", *names),
+            max=("must_not_terminate", "terminated"),
+            cautious=(("must_not_terminate", 1),),
+        )
+        self.agreement = Agreement(topology, self.fields, sites=SITES)
+        self._run: _Running | None = None
+        self.missing_results = 0  # pools whose progress could not be read
+
+    # -- one prefetch ------------------------------------------------------------------
+
+    def start(self, tokens: Any) -> None:
+        """Begin loading ``tokens`` on this rank (every rank calls it for the same request)."""
+        if self._run is not None:
+            raise RuntimeError("a prefetch is already running: step() it to the end first")
+        n_tokens = len(tokens)
+        run = _Running(n_tokens, time.monotonic(), self._safe_prefetch(self.kv_ns, tokens, -1))
+        for pool in self.sidecars:
+            run.sidecars[pool.name] = self._safe_prefetch(pool.ns, tokens, pool.pages)
+        self._run = run
+
+    def _safe_prefetch(self, ns: Namespace, tokens: Any, max_pages: int) -> Prefetch | None:
+        try:
+            return self.client.prefetch(ns, tokens, max_pages=max_pages)
+        except HicachedError as exc:
+            log.warning("prefetch in %s not started: %s", ns.spec.model, exc)
+            self.missing_results += 1
+            return None
+
+    def _progress(self, pf: Prefetch | None) -> tuple[int, bool]:
+        """(pages ready in L2 for this pool, transfer done); a missing result is (0, done)."""
+        if pf is None:
+            return 0, True
+        try:
+            p = self.client.progress(pf)
+        except HicachedError as exc:
+            log.warning("prefetch progress missing: %s", exc)
+            self.missing_results += 1
+            return 0, True
+        return pf.l2_hits + p.completed, p.done
+
+    def step(self) -> Decision | None:
+        """One agreement; returns the Decision on the step the prefetch ends (on every rank)."""
+        run = self._run
+        if run is None:
+            raise RuntimeError("no prefetch is running: call start() first")
+        run.steps += 1
+        kv_ready, kv_done = self._progress(run.kv)
+        values: dict[str, int] = {"kv": kv_ready}
+        sidecars_done = True
+        for pool in self.sidecars:
+            pf = run.sidecars[pool.name]
+            ready, done = self._progress(pf)
+            # all or nothing: a pool reports its pages only once it has all it needs
+            values[pool.name] = pool.pages if ready >= pool.pages else 0
+            sidecars_done &= done
+        waited = time.monotonic() - run.started
+        kind = self.policy.kind
+        if kind == "best_effort":
+            willing = True
+        elif kind == "wait_complete":
+            willing = kv_done
+        else:
+            willing = kv_done or waited >= self.policy.deadline_s(run.tokens)
+        # report 004: never end while a sidecar transfer (e.g. a Mamba state) is still running
+        can_end = willing and sidecars_done
+        values["must_not_terminate"] = 0 if can_end else 1
+        values["terminated"] = 0
+        agreed = self.agreement.agree("prefetch.step", **values)
+        if agreed["must_not_terminate"] and not agreed["terminated"]:
+            return None
+        return self._finish(run, agreed, waited)
+
+    def _finish(self, run: _Running, agreed: dict[str, int], waited: float) -> Decision:
+        self._run = None
+        length = agreed["kv"]
+        if run.kv is not None:
+            self.client.commit(run.kv, pages=max(0, length - run.kv.l2_hits))
+        committed = {}
+        for pool in self.sidecars:
+            pf = run.sidecars[pool.name]
+            keep = agreed[pool.name] >= pool.pages  # every rank has all of it
+            if pf is not None:
+                if keep:
+                    self.client.commit(pf, pages=max(0, pool.pages - pf.l2_hits))
+                else:
+                    self.client.cancel(pf)  # a partial window is released, never committed
+            committed[pool.name] = keep
+        reason = "complete" if length >= 0 and agreed["must_not_terminate"] == 0 else "ended"
+        return Decision(length, committed, run.steps, f"{self.policy.kind}:{reason}", waited)
+
+    def close(self) -> None:
+        self.agreement.close()
