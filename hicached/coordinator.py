@@ -71,13 +71,15 @@ class PoolSpec:
 
 @dataclass
 class Decision:
-    """What every rank committed: KV pages, and which sidecars."""
+    """What every rank committed: KV pages (``l2_pages`` of them were already in
+    this rank's L2), and which sidecars."""
 
     kv_pages: int
     sidecars: dict[str, bool]
     steps: int
     reason: str
     waited_s: float
+    l2_pages: int = 0
 
 
 @dataclass
@@ -195,8 +197,27 @@ class PrefetchCoordinator:
                 else:
                     self.client.cancel(pf)  # a partial window is released, never committed
             committed[pool.name] = keep
-        reason = "complete" if length >= 0 and agreed["must_not_terminate"] == 0 else "ended"
-        return Decision(length, committed, run.steps, f"{self.policy.kind}:{reason}", waited)
+        reason = "willing" if agreed["must_not_terminate"] == 0 else "ended by a rank"
+        l2 = min(length, run.kv.l2_hits) if run.kv is not None else 0
+        return Decision(length, committed, run.steps, f"{self.policy.kind}: {reason}", waited, l2)
+
+    def close(self) -> None:
+        self.agreement.close()
+
+
+class BackupAgreement:
+    """How many asynchronous L1 -> L2 backups every rank may treat as done.
+
+    Each rank counts its own finished backups; the agreed count is the MIN over
+    TP and CP together, decided by PP stage 0 and relayed down the pipeline
+    (reports 000 and 002), so every rank applies the same count.
+    """
+
+    def __init__(self, topology: Topology) -> None:
+        self.agreement = Agreement(topology, Fields(min=("finished",)), sites=("backups.finished",))
+
+    def finished(self, local: int) -> int:
+        return self.agreement.agree("backups.finished", finished=local)["finished"]
 
     def close(self) -> None:
         self.agreement.close()
