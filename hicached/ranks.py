@@ -121,6 +121,10 @@ def launch(
             try:
                 rank, status, value = out.get(timeout=0.05)
             except queue.Empty:
+                for r, proc in enumerate(procs):  # a rank that died without a word
+                    dead = proc.exitcode is not None and out.empty()
+                    if dead and r not in results and r not in errors:
+                        errors[r] = f"died (exit code {proc.exitcode})"
                 continue
             if status == "ready":
                 ready.add(rank)

@@ -41,19 +41,21 @@ def skip_a_sync(topo: Topology, skipper: int) -> str:
 
 
 def many_steps(topo: Topology, steps: int, jitter_rank: int) -> dict[str, int]:
-    """Write-ack style: acks grow at different paces per stage; all apply the same counts."""
-    agreement = Agreement(topo, Fields(min=("acks",)))
+    """Backup acks grow at different paces per stage; all apply the same counts."""
+    from hicached.coordinator import BackupAgreement
+
+    backups = BackupAgreement(topo)
     applied = []
     worst_pending = 0
     for step in range(steps):
         if topo.rank == jitter_rank and step % 50 == 0:
             time.sleep(0.01)  # this stage's acks (and steps) lag now and then
         local = step // (2 if topo.pp_rank else 1)  # stages finish backups at different rates
-        agreed = agreement.agree("acks", acks=local)["acks"]
+        agreed = backups.finished(local)
         assert agreed <= local, "a rank was told more backups finished than it has"
         applied.append(agreed)
-        worst_pending = max(worst_pending, len(agreement.pending))
-    agreement.close()
+        worst_pending = max(worst_pending, len(backups.agreement.pending))
+    backups.close()
     return {"last": applied[-1], "sum": sum(applied), "worst_pending": worst_pending}
 
 
@@ -92,7 +94,13 @@ def coords(topo: Topology) -> tuple[int, int, int, int]:
     return (topo.tp_rank, topo.tp_size, topo.pp_rank, topo.pp_size)
 
 
-def coordinated_prefetch(topo: Topology, endpoint: str, policy: dict[str, Any]) -> dict[str, Any]:
+def coordinated_prefetch(
+    topo: Topology,
+    endpoint: str,
+    policy: dict[str, Any],
+    die_at_step: tuple[int, int] | None = None,
+) -> dict[str, Any]:
+    """``die_at_step = (rank, step)``: that rank SIGKILLs itself mid-prefetch."""
     import numpy as np
     import torch.distributed as dist
 
@@ -128,6 +136,17 @@ def coordinated_prefetch(topo: Topology, endpoint: str, policy: dict[str, Any]) 
     coordinator.start(toks)
     decision = None
     while decision is None:
+        run = coordinator._run
+        if (
+            die_at_step is not None
+            and die_at_step[0] == topo.rank
+            and run
+            and run.steps == die_at_step[1]
+        ):
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
         decision = coordinator.step()
         time.sleep(0.005)
     length = decision.kv_pages

@@ -108,3 +108,24 @@ def test_pipeline_stages_commit_the_same_length(
     d = faulty_daemon(daemon_factory, readable={digest(last, "kv"): 7})
     results = run(d, {"kind": "wait_complete"}, **layout)
     assert {r["kv"] for r in results} == {7}
+
+
+def test_a_rank_killed_mid_prefetch_makes_the_others_raise(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    from hicached.ranks import RankError
+
+    d = faulty_daemon(daemon_factory, delays={digest(c, "kv"): 0.3 for c in TP2})  # a slow prefetch
+    with pytest.raises(RankError) as info:
+        launch(
+            rankfns.coordinated_prefetch,
+            d.endpoint,
+            {"kind": "wait_complete"},
+            (1, 3),
+            tp=2,
+            timeout=5,
+            deadline=60,
+        )
+    errors = info.value.errors
+    assert errors[1].startswith("died"), errors[1]
+    assert "RankFailure" in errors[0], errors[0]

@@ -20,6 +20,8 @@ def run_bench(which: str, args: argparse.Namespace) -> dict[str, Any]:
         from hicached.bench.data import run
     elif which == "l3":
         from hicached.bench.l3 import run
+    elif which == "ranks":
+        from hicached.bench.ranks import run
     else:  # pragma: no cover - argparse restricts the choice
         raise ValueError(which)
     started = time.time()
