@@ -170,3 +170,20 @@ def coordinated_prefetch(
         "in_l2": in_l2,
         "missing": coordinator.missing_results,
     }
+
+
+def engine_groups(topo: Topology) -> dict[str, int]:
+    """An engine's own TP and CP groups (no combined group): every group of
+    size > 1 is reduced, TP and CP both."""
+    import torch.distributed as dist
+
+    tp, cp = topo.tp_size, topo.cp_size
+    tp_groups = [dist.new_group([c * tp + t for t in range(tp)]) for c in range(cp)]
+    cp_groups = [dist.new_group([c * tp + t for c in range(cp)]) for t in range(tp)]
+    engine = Topology.from_groups(
+        tp_group=tp_groups[topo.cp_rank], cp_group=cp_groups[topo.tp_rank], timeout=15
+    )
+    agreement = Agreement(engine, Fields(min=("pages",), max=("busy",)))
+    out = agreement.agree("engine", pages=10 + topo.rank, busy=int(topo.rank == 3))
+    agreement.close()
+    return {**out, "collectives": agreement.collectives}

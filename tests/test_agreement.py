@@ -59,3 +59,9 @@ def test_a_killed_rank_makes_the_others_raise_within_the_timeout() -> None:
     assert errors[3] == "killed by the harness"
     for rank in (0, 1, 2):
         assert "RankFailure" in errors[rank], errors[rank]
+
+
+def test_an_engines_own_tp_and_cp_groups_are_both_reduced() -> None:
+    results = launch(rankfns.engine_groups, tp=2, cp=2, timeout=15)
+    # rank 0 holds the minimum, rank 3 the flag: only reducing over TP *and* CP reaches both
+    assert all(r == {"pages": 10, "busy": 1, "collectives": 2} for r in results), results
