@@ -18,7 +18,13 @@ from urllib.parse import urlsplit
 import msgspec
 
 from hicached.errors import ConfigError
-from hicached_backends.options import FileOptions, MemoryOptions, MooncakeOptions, S3Options
+from hicached_backends.options import (
+    FileOptions,
+    MemoryOptions,
+    MooncakeOptions,
+    S3Options,
+    positive,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -96,7 +102,7 @@ class ServerConfig(msgspec.Struct, **_Section):
             raise ValueError("runtime_dir must be an absolute path")
         if self.max_message_bytes < 4096:
             raise ValueError("max_message_bytes must be at least 4096")
-        _positive(self, "max_pages_per_request", "max_clients", "hwm", "drain_batch")
+        positive(self, "max_pages_per_request", "max_clients", "hwm", "drain_batch")
         if self.key_cache_pages < 0:
             raise ValueError("key_cache_pages must be 0 (off) or positive")
         if self.session_idle_s <= 0:
@@ -120,7 +126,7 @@ class PoolConfig(msgspec.Struct, **_Section):
     max_namespaces: int = 256
 
     def __post_init__(self) -> None:
-        _positive(self, "size_mib", "slab_mib", "max_page_bytes", "max_namespaces")
+        positive(self, "size_mib", "slab_mib", "max_page_bytes", "max_namespaces")
         if self.max_page_bytes > self.slab_mib * MIB:
             raise ValueError(
                 f"max_page_bytes ({self.max_page_bytes}) is larger than one slab "
@@ -148,7 +154,7 @@ class LeaseConfig(msgspec.Struct, **_Section):
     def __post_init__(self) -> None:
         if self.ttl_s <= 0 or self.sweep_interval_s <= 0:
             raise ValueError("ttl_s and sweep_interval_s must be positive")
-        _positive(self, "max_leases")
+        positive(self, "max_leases")
 
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -198,8 +204,8 @@ class StorageConfig(msgspec.Struct, **_Section):
             raise ValueError("data_dir must be an absolute path")
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {', '.join(WRITE_POLICIES)}")
-        _positive(self, "selective_hits", "queue_pages", "batch_pages", "concurrency")
-        _positive(
+        positive(self, "selective_hits", "queue_pages", "batch_pages", "concurrency")
+        positive(
             self, "op_timeout_s", "breaker_failures", "breaker_cooldown_s", "prefetch_batch_pages"
         )
         if self.retries < 0 or self.retry_backoff_s < 0 or self.flush_deadline_s < 0:
@@ -225,12 +231,6 @@ class Config(msgspec.Struct, **_Section):
     leases: LeaseConfig = msgspec.field(default_factory=LeaseConfig)
     storage: StorageConfig = msgspec.field(default_factory=StorageConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
-
-
-def _positive(section: object, *names: str) -> None:
-    for name in names:
-        if getattr(section, name) <= 0:
-            raise ValueError(f"{name} must be positive, got {getattr(section, name)}")
 
 
 def parse_config(text: str | bytes, source: str = "<config>") -> Config:

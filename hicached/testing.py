@@ -166,12 +166,17 @@ class S3Server:
         return name
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        _terminate(self.proc)
+
+
+def _terminate(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL if it is still there after 10 s."""
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def s3_server() -> Iterator[S3Server]:
@@ -232,12 +237,7 @@ class MooncakeMaster:
         )
 
     def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        _terminate(self.proc)
         self.log.close()
 
 

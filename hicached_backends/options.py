@@ -11,7 +11,7 @@ import msgspec
 _Table = {"kw_only": True, "forbid_unknown_fields": True}
 
 
-def _positive(table: object, *names: str) -> None:
+def positive(table: object, *names: str) -> None:
     """Checks start with the field's name, so errors carry its full path."""
     for name in names:
         if getattr(table, name) <= 0:
@@ -42,7 +42,7 @@ class FileOptions(msgspec.Struct, **_Table):
     io_threads: int = 4
 
     def __post_init__(self) -> None:
-        _positive(self, "segment_mib", "io_threads")
+        positive(self, "segment_mib", "io_threads")
         if self.capacity_mib < 2 * self.segment_mib:
             raise ValueError("capacity_mib must hold at least two segments (2 x segment_mib)")
         if self.path and not self.path.startswith("/"):
@@ -74,7 +74,7 @@ class S3Options(msgspec.Struct, **_Table):
     addressing_style: str = ""
 
     def __post_init__(self) -> None:
-        _positive(self, "threads", "max_attempts", "connect_timeout_s", "read_timeout_s")
+        positive(self, "threads", "max_attempts", "connect_timeout_s", "read_timeout_s")
         if self.addressing_style not in ("", "path", "virtual"):
             raise ValueError("addressing_style must be '', 'path' or 'virtual'")
         if "//" in self.prefix or self.prefix.startswith("/"):
@@ -104,4 +104,4 @@ class MooncakeOptions(msgspec.Struct, **_Table):
     def __post_init__(self) -> None:
         if self.protocol not in ("tcp", "rdma"):
             raise ValueError("protocol must be 'tcp' or 'rdma'")
-        _positive(self, "global_segment_mib", "local_buffer_mib", "threads")
+        positive(self, "global_segment_mib", "local_buffer_mib", "threads")

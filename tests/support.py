@@ -7,10 +7,27 @@ import numpy as np
 from hicached.testing import DaemonProcess as Daemon
 from hicached.testing import free_tcp_port
 
-__all__ = ["NS", "PAGE_BYTES", "PAGE_TOKENS", "Daemon", "free_tcp_port", "page_bytes_for"]
+__all__ = [
+    "LAYOUTS",
+    "NS",
+    "PAGE_BYTES",
+    "PAGE_TOKENS",
+    "Daemon",
+    "free_tcp_port",
+    "page_bytes_for",
+]
 
 PAGE_TOKENS = 16
 PAGE_BYTES = 4096
+
+# The parallel layouts every rank test runs on.
+LAYOUTS = {
+    "tp2": dict(tp=2),
+    "cp2": dict(cp=2),
+    "pp2": dict(pp=2),
+    "tp2xcp2": dict(tp=2, cp=2),
+    "tp2xpp2": dict(tp=2, pp=2),
+}
 
 NS = dict(
     model="test/model",

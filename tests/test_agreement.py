@@ -6,14 +6,7 @@ import pytest
 
 from hicached.ranks import RankError, launch
 from tests import rankfns
-
-LAYOUTS = {
-    "tp2": dict(tp=2),
-    "cp2": dict(cp=2),
-    "pp2": dict(pp=2),
-    "tp2xcp2": dict(tp=2, cp=2),
-    "tp2xpp2": dict(tp=2, pp=2),
-}
+from tests.support import LAYOUTS
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))

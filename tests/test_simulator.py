@@ -7,15 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from hicached.simulator import Workload, simulate
-from tests.support import Daemon
-
-LAYOUTS = {
-    "tp2": dict(tp=2),
-    "cp2": dict(cp=2),
-    "pp2": dict(pp=2),
-    "tp2xcp2": dict(tp=2, cp=2),
-    "tp2xpp2": dict(tp=2, pp=2),
-}
+from tests.support import LAYOUTS, Daemon
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
