@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol, get_args
 
+import numpy as np
+
 from hicached import protocol as p
 from hicached.config import Config
 from hicached.errors import (
@@ -40,6 +42,7 @@ from hicached.errors import (
     UnknownNamespace,
     VersionMismatch,
 )
+from hicached.events import MEDIUM_L2, AllBlocksCleared, EventLog
 from hicached.hashing import TOKEN_BYTES, KeyCache
 from hicached.index import PageIndex
 from hicached.namespace import NamespaceSpec, namespace_digest, validate_spec
@@ -93,6 +96,7 @@ class Lease:
     keys: list[bytes] = field(default_factory=list)  # write leases: every page's key
     fresh: list[int] = field(default_factory=list)  # write leases: slots to fill
     prefetch: PrefetchState | None = None
+    tokens: bytes = b""  # write leases: the sequence, for events
 
     @property
     def writing(self) -> bool:
@@ -149,6 +153,9 @@ class Cache:
         self.writing: set[bytes] = set()  # keys with an L3 write in flight
         self._hits: dict[bytes, int] = {}  # write_through_selective: matches per key
         self.l3_counters: dict[str, int] = {}
+        self.events = EventLog(config.events.queue_events, enabled=bool(config.events.endpoint))
+        self.events.add(AllBlocksCleared())  # a new daemon's L2 starts empty
+        self.l3_medium = config.storage.backend.upper()
 
     # -- dispatch --------------------------------------------------------------
 
@@ -318,6 +325,7 @@ class Cache:
         fresh = self._alloc(ns, want)
         lease.keys = keys[: len(present) + len(fresh)]
         lease.fresh = fresh
+        lease.tokens = msg.tokens
         if not lease.keys or not fresh:
             # Nothing to write: no lease is kept open.
             self._end_lease(lease)
@@ -355,6 +363,7 @@ class Cache:
         """Free evicted slots; under write_back, first write pages L3 lacks."""
         write_back = self.tier is not None and self.config.storage.write_policy == "write_back"
         hits = self._hits
+        self.events.removed([key for key, _ in victims], MEDIUM_L2)
         for key, slot in victims:
             hits.pop(key, None)
             unwritten = key not in self.l3 and key not in self.writing
@@ -384,11 +393,16 @@ class Cache:
             self.pool.free(slot)
         self._end_lease(lease)
         new = n - published
+        if published:
+            page_tokens = lease.ns.spec.page_tokens
+            parent = keys[new - 1] if new else None
+            tokens = _token_ids(lease.tokens, new * page_tokens, n * page_tokens)
+            self.events.stored(keys[new:], parent, tokens, page_tokens, MEDIUM_L2)
         if published and self.tier is not None:
             if pf is not None:
                 self.l3.update(keys[new:])  # these came from L3
             elif self.config.storage.write_policy == "write_through":
-                self._write_pages(lease.ns, zip(keys[new:], slots[new:], strict=True))
+                self._write_pages(lease.ns, keys, slots, new, lease.tokens)
         return p.CommitOk(id=msg.id, published=published, duplicates=count - published)
 
     def match(self, session: Session, msg: p.Match) -> p.MatchOk:
@@ -411,12 +425,12 @@ class Cache:
             and self.tier is not None
             and self.config.storage.write_policy == "write_through_selective"
         ):
-            self._count_hit(ns, keys[:hits], slots)
+            self._count_hit(ns, keys[:hits], slots, msg.tokens)
         return p.MatchOk(id=msg.id, hits=hits, offsets=slots, lease=lease_id, l3_hits=l3_hits)
 
     # -- L3 ------------------------------------------------------------------------------
 
-    def _count_hit(self, ns: Namespace, keys: list[bytes], slots: list[int]) -> None:
+    def _count_hit(self, ns: Namespace, keys: list[bytes], slots: list[int], tokens: bytes) -> None:
         """write_through_selective: a prefix matched often enough goes to L3.
 
         Only the deepest page of each match is counted: its prefix is matched
@@ -430,14 +444,31 @@ class Cache:
             self._hits[last] = count
             return
         self._hits.pop(last, None)
-        self._write_pages(ns, zip(keys, slots, strict=True))
+        self._write_pages(ns, keys, slots, 0, tokens)
 
-    def _write_pages(self, ns: Namespace, pages: Iterable[tuple[bytes, int]]) -> None:
-        for key, slot in pages:
+    def _write_pages(
+        self, ns: Namespace, keys: list[bytes], slots: list[int], start: int, tokens: bytes
+    ) -> None:
+        """Write pages ``start..`` of a sequence that L3 lacks, each with its parent
+        and token ids for its L3 event."""
+        page_tokens = ns.spec.page_tokens
+        for i in range(start, len(keys)):
+            key = keys[i]
             if key not in self.l3 and key not in self.writing:
-                self._write(ns, key, slot, evicted=False)
+                ids = _token_ids(tokens, i * page_tokens, (i + 1) * page_tokens)
+                parent = keys[i - 1] if i else None
+                self._write(ns, key, slots[i], evicted=False, parent=parent, tokens=ids)
 
-    def _write(self, ns: Namespace, key: bytes, slot: int, *, evicted: bool) -> bool:
+    def _write(
+        self,
+        ns: Namespace,
+        key: bytes,
+        slot: int,
+        *,
+        evicted: bool,
+        parent: bytes | None = None,
+        tokens: list[int] | None = None,
+    ) -> bool:
         """Send one page to L3; its slot is held until the write ends.
 
         ``evicted``: the page already left the index; its slot is freed after
@@ -453,6 +484,7 @@ class Cache:
             self._count_l3("written" if ok else "write_failed")
             if ok:
                 self.l3.add(key)
+                self.events.stored([key], parent, tokens or [], ns.spec.page_tokens, self.l3_medium)
             if evicted:
                 self.pool.free(slot)
             else:
@@ -471,7 +503,9 @@ class Cache:
 
     def forget_l3(self, keys: Iterable[bytes]) -> None:
         """The backend no longer holds these pages."""
-        self.l3.difference_update(keys)
+        gone = [key for key in keys if key in self.l3]
+        self.l3.difference_update(gone)
+        self.events.removed(gone, self.l3_medium)
 
     def flush(self) -> int:
         """Queue a write of every L2 page L3 lacks (graceful stop); returns how many."""
@@ -495,6 +529,7 @@ class Cache:
         lease = self._new_lease(session, ns, present)
         lease.keys = keys[: len(present)]
         lease.prefetch = PrefetchState(wanted)
+        lease.tokens = msg.tokens
         self._count_l3("prefetches")
         self.tier.prefetch(lease)
         return p.PrefetchOk(id=msg.id, lease=lease.id, l2_hits=len(present))
@@ -603,3 +638,8 @@ class Cache:
             l3_pages_known=len(self.l3),
             l3={**self.l3_counters, **(getattr(self.tier, "counters", None) or {})},
         )
+
+
+def _token_ids(tokens: bytes, start: int, end: int) -> list[int]:
+    """Token ids ``start:end`` of a packed (uint32 LE) sequence."""
+    return np.frombuffer(tokens, dtype="<u4")[start:end].tolist()

@@ -212,6 +212,39 @@ class StorageConfig(msgspec.Struct, **_Section):
             raise ValueError("retries, retry_backoff_s and flush_deadline_s must not be negative")
 
 
+class EventsConfig(msgspec.Struct, **_Section):
+    """KV events for cache-aware routers (vLLM's format; docs/events.md)."""
+
+    # PUB endpoint; "" = no events. ipc:// or tcp:// on loopback only.
+    endpoint: str = ""
+    # ROUTER endpoint for replaying missed batches; "" = no replay.
+    replay_endpoint: str = ""
+    # The topic frame of every message.
+    topic: str = "kv-events"
+    # Events waiting to be sent, at most; more are dropped and counted.
+    queue_events: int = 100000
+    # Events per published batch, at most.
+    batch_events: int = 64
+    # How often pending events are published, in seconds.
+    flush_interval_s: float = 0.01
+    # Published batches kept for replay.
+    replay_batches: int = 10000
+    # ZeroMQ high-water mark of the PUB socket, in messages.
+    hwm: int = 100000
+
+    def __post_init__(self) -> None:
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(self, name)
+            if value:
+                try:
+                    check_endpoint(value)
+                except ValueError as exc:
+                    raise ValueError(f"{name}: {exc}") from None
+        if self.replay_endpoint and not self.endpoint:
+            raise ValueError("replay_endpoint needs endpoint too")
+        positive(self, "queue_events", "batch_events", "flush_interval_s", "replay_batches", "hwm")
+
+
 class LogConfig(msgspec.Struct, **_Section):
     """Logging to stderr (the journal under systemd)."""
 
@@ -230,6 +263,7 @@ class Config(msgspec.Struct, **_Section):
     pool: PoolConfig = msgspec.field(default_factory=PoolConfig)
     leases: LeaseConfig = msgspec.field(default_factory=LeaseConfig)
     storage: StorageConfig = msgspec.field(default_factory=StorageConfig)
+    events: EventsConfig = msgspec.field(default_factory=EventsConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
 
 

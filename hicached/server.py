@@ -26,6 +26,7 @@ from hicached.arena import Arena, arena_path
 from hicached.cache import Cache
 from hicached.config import Config, endpoint, runtime_dir
 from hicached.errors import BadRequest, ConfigError, HicachedError, TooLarge
+from hicached.events import END_SEQ, Replay
 from hicached.notify import sd_notify, watchdog_interval
 from hicached.storage import Tier, make_backend
 
@@ -59,6 +60,9 @@ class Server:
         self.arena: Arena | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sock: zmq.Socket[bytes] | None = None
+        self._pub: zmq.Socket[bytes] | None = None
+        self._replay_sock: zmq.Socket[bytes] | None = None
+        self._replay = Replay(config.events.replay_batches)
         self._lock_fd: int | None = None
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -159,9 +163,88 @@ class Server:
         interval = watchdog_interval()
         if interval:
             self._tasks.append(loop.create_task(self._watchdog(interval)))
+        if cfg.events.endpoint:
+            self._start_events()
         log.info("listening on %s (instance %x)", self.endpoint, self.cache.instance)
         sd_notify(f"READY=1\nSTATUS=serving on {self.endpoint}")
         self.ready.set()
+
+    # -- KV events ----------------------------------------------------------------------
+
+    def _start_events(self) -> None:
+        ev = self.config.events
+        assert self._ctx is not None
+        for where in (ev.endpoint, ev.replay_endpoint):
+            if where.startswith("ipc://"):
+                path = Path(where[len("ipc://") :])
+                ensure_private_dir(path.parent)
+                path.unlink(missing_ok=True)
+        pub = self._ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.setsockopt(zmq.SNDHWM, ev.hwm)
+        try:
+            pub.bind(ev.endpoint)
+        except zmq.ZMQError as exc:
+            pub.close()
+            raise ConfigError(f"events.endpoint: cannot listen on {ev.endpoint}: {exc}") from None
+        self._pub = pub
+        loop = asyncio.get_running_loop()
+        if ev.replay_endpoint:
+            replay = self._ctx.socket(zmq.ROUTER)
+            replay.setsockopt(zmq.LINGER, 0)
+            try:
+                replay.bind(ev.replay_endpoint)
+            except zmq.ZMQError as exc:
+                replay.close()
+                raise ConfigError(
+                    f"events.replay_endpoint: cannot listen on {ev.replay_endpoint}: {exc}"
+                ) from None
+            self._replay_sock = replay
+            loop.add_reader(replay.fileno(), self._serve_replay)
+        self._tasks.append(loop.create_task(self._publish_loop()))
+        log.info("KV events on %s", ev.endpoint)
+
+    async def _publish_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.events.flush_interval_s)
+            self._flush_events()
+
+    def _flush_events(self) -> None:
+        """Publish what the cache queued, in batches; never blocks (drops count)."""
+        cache, pub = self.cache, self._pub
+        if cache is None or pub is None:
+            return
+        topic = self.config.events.topic.encode()
+        while cache.events.pending:
+            seq, payload = self._replay.next(cache.events.take(self.config.events.batch_events))
+            try:
+                pub.send_multipart([topic, seq, payload], zmq.NOBLOCK)
+            except zmq.Again:
+                cache.count_drop("events_send")
+
+    def _serve_replay(self) -> None:
+        """[id, (b"",) start_seq] -> [id, (b"",) seq, payload] ... [id, (b"",) -1, b""]."""
+        sock = self._replay_sock
+        if sock is None:
+            return
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            envelope, body = frames[:-1], frames[-1]
+            if not envelope or len(body) != 8 or len(frames) > 3:
+                if self.cache is not None:
+                    self.cache.count_drop("bad_replay_request")
+                continue
+            start = int.from_bytes(body, "big", signed=True)
+            try:
+                for seq, payload in self._replay.since(start):
+                    sock.send_multipart([*envelope, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
+                sock.send_multipart([*envelope, END_SEQ, b""], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                if self.cache is not None:
+                    self.cache.count_drop("replay_send")
 
     async def shutdown(self) -> None:
         sd_notify("STOPPING=1")
@@ -171,18 +254,25 @@ class Server:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
+        for reader in (self._sock, self._replay_sock):
+            if reader is not None:
+                with contextlib.suppress(Exception):
+                    asyncio.get_running_loop().remove_reader(reader.fileno())
         if self._sock is not None:
-            with contextlib.suppress(Exception):
-                asyncio.get_running_loop().remove_reader(self._sock.fileno())
             self._sock.close(linger=0)  # no new requests while L3 settles
         if self.tier is not None:
             await self.tier.stop()
             self.tier = None
+        self._flush_events()  # the last events (write-back acks) still go out
         self._release()
         log.info("stopped")
 
     def _release(self) -> None:
         """Close the socket, the pool and the lock, in that order."""
+        for extra in (self._pub, self._replay_sock):
+            if extra is not None:
+                extra.close(linger=0)
+        self._pub = self._replay_sock = None
         bound = self._sock is not None
         if self._sock is not None:
             self._sock.close(linger=0)  # idempotent

@@ -10,7 +10,8 @@ from collections.abc import Callable
 
 from hicached import protocol as p
 from hicached.cache import Cache, Lease, Namespace
-from hicached.config import Config, PoolConfig
+from hicached.config import Config, EventsConfig, PoolConfig, StorageConfig
+from hicached.events import BlockStored
 from hicached.hashing import pack_tokens, page_keys
 
 SPEC = p.NamespaceSpec(model="m/x", kv_dtype="bfloat16", layout="l", page_tokens=1, page_bytes=4096)
@@ -44,9 +45,14 @@ def store(cache: Cache, rid: bytes, ns: int, tokens: list[int]) -> None:
 
 
 def test_a_split_while_writing_through_persists_every_fragment() -> None:
-    cache = Cache(
-        Config(pool=PoolConfig(size_mib=1, slab_mib=1, max_page_bytes=4096)), pool_path="x"
+    config = Config(
+        pool=PoolConfig(size_mib=1, slab_mib=1, max_page_bytes=4096),
+        storage=StorageConfig(backend="file"),
+        events=EventsConfig(
+            endpoint="ipc:///nonexistent/events.sock"
+        ),  # the log is on; nothing binds
     )
+    cache = Cache(config, pool_path="x")
     tier = HeldTier()
     cache.tier = tier
     cache.handle(b"a", p.Hello(id=0, major=p.PROTOCOL_MAJOR, minor=0))
@@ -77,3 +83,19 @@ def test_a_split_while_writing_through_persists_every_fragment() -> None:
     assert sorted(tier.stored) == sorted(set(tier.stored)), "a page was written twice"
     # [5,6] was written too (write-through of the second sequence), [1,2] only once
     assert set(second[2:]) <= set(tier.stored) and tier.stored.count(first[0]) == 1
+
+    # the events: no stored event lost or wrong across the split (report 003)
+    events = list(cache.events.pending)
+    l2 = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
+    assert [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in l2] == [
+        (first, None, [1, 2, 3, 4]),
+        (second[2:], first[1], [5, 6]),  # only the new fragment, chained to the shared [1, 2]
+    ]
+    l3 = [e for e in events if isinstance(e, BlockStored) and e.medium == "FILE"]
+    by_key = {e.block_hashes[0]: e for e in l3}
+    assert all(len(e.block_hashes) == 1 for e in l3) and len(by_key) == len(l3) == 6
+    for seq in (first, second):
+        for i, key in enumerate(seq):
+            event = by_key[key]
+            assert event.parent_block_hash == (seq[i - 1] if i else None)
+            assert event.token_ids == [[1, 2, 3, 4], [1, 2, 5, 6]][seq is second][i : i + 1]
