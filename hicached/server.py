@@ -150,11 +150,7 @@ class Server:
         # Hard guard on memory: libzmq drops the peer beyond this; between
         # max_message_bytes and this the request gets a too_large reply.
         sock.setsockopt(zmq.MAXMSGSIZE, 16 * cfg.server.max_message_bytes)
-        try:
-            sock.bind(self.endpoint)
-        except zmq.ZMQError as exc:
-            sock.close()
-            raise ConfigError(f"cannot listen on {self.endpoint}: {exc}") from None
+        _bind(sock, self.endpoint, "server.endpoint")
         self._sock = sock
         loop = asyncio.get_running_loop()
         loop.add_reader(sock.fileno(), self._drain)
@@ -182,23 +178,13 @@ class Server:
         pub = self._ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, ev.hwm)
-        try:
-            pub.bind(ev.endpoint)
-        except zmq.ZMQError as exc:
-            pub.close()
-            raise ConfigError(f"events.endpoint: cannot listen on {ev.endpoint}: {exc}") from None
+        _bind(pub, ev.endpoint, "events.endpoint")
         self._pub = pub
         loop = asyncio.get_running_loop()
         if ev.replay_endpoint:
             replay = self._ctx.socket(zmq.ROUTER)
             replay.setsockopt(zmq.LINGER, 0)
-            try:
-                replay.bind(ev.replay_endpoint)
-            except zmq.ZMQError as exc:
-                replay.close()
-                raise ConfigError(
-                    f"events.replay_endpoint: cannot listen on {ev.replay_endpoint}: {exc}"
-                ) from None
+            _bind(replay, ev.replay_endpoint, "events.replay_endpoint")
             self._replay_sock = replay
             loop.add_reader(replay.fileno(), self._serve_replay)
         self._tasks.append(loop.create_task(self._publish_loop()))
@@ -365,6 +351,15 @@ class Server:
         while True:
             sd_notify("WATCHDOG=1")
             await asyncio.sleep(interval)
+
+
+def _bind(sock: zmq.Socket[bytes], endpoint: str, key: str) -> None:
+    """Bind or close the socket and say which config key names the endpoint."""
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        sock.close()
+        raise ConfigError(f"{key}: cannot listen on {endpoint}: {exc}") from None
 
 
 def serve(config: Config) -> None:
