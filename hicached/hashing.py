@@ -16,7 +16,6 @@ import numpy as np
 import xxhash
 
 TOKEN_BYTES = 4
-KEY_BYTES = 16
 
 _digest = xxhash.xxh3_128_digest
 

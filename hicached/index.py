@@ -83,9 +83,6 @@ class PageIndex:
             self._push(node)
         return out
 
-    def __contains__(self, key: bytes) -> bool:  # for tests and checks; O(pages)
-        return any(key in node.keys for node in self.nodes())
-
     def nodes(self) -> list[Node]:
         out: list[Node] = []
         stack = list(self.root.children.values())
