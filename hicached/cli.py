@@ -107,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--pages", type=int, default=256, help="data: pages per copy")
     bench.add_argument("--page-bytes", type=int, default=65536, help="data: bytes per page")
     bench.add_argument("--backend", default="file", help="l3: file, s3 or mooncake")
-    bench.add_argument("--mib", type=int, default=64, help="l3: MiB moved per page size")
+    bench.add_argument("--mib", type=int, default=128, help="l3: MiB moved per page size")
+    bench.add_argument("--rounds", type=int, default=5, help="l3: paired read rounds")
     bench.add_argument(
         "--s3-endpoint", default="", help="l3: use this S3 endpoint (default: start one)"
     )

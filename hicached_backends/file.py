@@ -29,11 +29,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import xxhash
 
 from hicached_backends.base import Backend, BackendEnv, BackendError, PageRef
 from hicached_backends.options import FileOptions
-from hicached_backends.record import HEADER_BYTES, pack_header, parse_header, verify
+from hicached_backends.record import HEADER_BYTES, pack_header, parse_header, verify, verify_many
 
 log = logging.getLogger("hicached.file")
 
@@ -420,42 +421,41 @@ class FileBackend(Backend):
         self, ns: bytes, chunk: list[tuple[int, _Loc, PageRef]]
     ) -> list[tuple[int, bool]]:
         """Read and verify pages (sorted by place); back-to-back records in one preadv."""
-        out = []
-        headers = memoryview(bytearray(HEADER_BYTES * len(chunk)))
+        read = [False] * len(chunk)
+        heads = memoryview(bytearray(HEADER_BYTES * len(chunk)))
         i = 0
         while i < len(chunk):
             first = chunk[i][1]
-            run = [i]
             end = first.offset + HEADER_BYTES + first.length
             j = i + 1
             while (
                 j < len(chunk)
-                and 2 * len(run) < _IOV_MAX
+                and 2 * (j - i) < _IOV_MAX
                 and chunk[j][1].segment == first.segment
                 and chunk[j][1].offset == end
             ):
-                run.append(j)
                 end += HEADER_BYTES + chunk[j][1].length
                 j += 1
             iov: list[memoryview] = []
-            for k in run:
-                iov += (headers[k * HEADER_BYTES : (k + 1) * HEADER_BYTES], chunk[k][2].buf)
+            for k in range(i, j):
+                iov += (heads[k * HEADER_BYTES : (k + 1) * HEADER_BYTES], chunk[k][2].buf)
             try:
                 n = os.preadv(self.segments[first.segment].fd, iov, first.offset)
             except (OSError, IndexError):
                 n = -1
-            for k in run:
-                index, loc, page = chunk[k]
-                ok = n == end - first.offset and verify(
-                    headers[k * HEADER_BYTES : (k + 1) * HEADER_BYTES],
-                    page.buf,
-                    ns,
-                    page.key,
-                    loc.generation,
-                )
-                out.append((index, ok))
+            read[i:j] = [n == end - first.offset] * (j - i)
             i = j
-        return out
+        verified = verify_many(
+            np.frombuffer(heads, np.uint8).reshape(len(chunk), HEADER_BYTES),
+            [page.buf for _, _, page in chunk],
+            ns,
+            [page.key for _, _, page in chunk],
+            [loc.generation for _, loc, _ in chunk],
+        )
+        return [
+            (index, ok and good)
+            for (index, _, _), ok, good in zip(chunk, read, verified, strict=True)
+        ]
 
     async def delete(self, ns: bytes, keys: Sequence[bytes]) -> None:
         for key in keys:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import ctypes
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +26,7 @@ from mooncake.store import MooncakeDistributedStore
 
 from hicached_backends.base import Backend, BackendEnv, BackendError, PageRef
 from hicached_backends.options import MooncakeOptions
-from hicached_backends.record import HEADER_BYTES, pack_header, verify
+from hicached_backends.record import HEADER_BYTES, pack_header, verify_many
 
 log = logging.getLogger("hicached.mooncake")
 
@@ -38,7 +39,9 @@ _MISSES = {OBJECT_NOT_FOUND, BUFFER_SIZE_MISMATCH}
 
 
 def _address(buf: memoryview) -> int:
-    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+    if buf.readonly:
+        return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
 
 
 class MooncakeBackend(Backend):
@@ -224,10 +227,12 @@ class MooncakeBackend(Backend):
                 ptrs, sizes = self._ptrs(chunk, addresses, headers)
                 names = [self.name(ns, p.key) for p in chunk]
                 codes = list(self._store.batch_get_into_multi_buffers(names, ptrs, sizes))
+                verified = verify_many(
+                    self._headers[headers], [p.buf for p in chunk], ns, [p.key for p in chunk]
+                )
                 oks = [
-                    code == HEADER_BYTES + len(page.buf)
-                    and verify(self._headers[h].tobytes(), page.buf, ns, page.key)
-                    for page, h, code in zip(chunk, headers, codes, strict=True)
+                    code == HEADER_BYTES + len(page.buf) and good
+                    for page, code, good in zip(chunk, codes, verified, strict=True)
                 ]
                 return codes, oks
 

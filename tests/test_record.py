@@ -1,0 +1,66 @@
+"""The page record: every changed byte of a header or payload is refused."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hicached_backends.record import HEADER_BYTES, pack_header, parse_header, verify, verify_many
+
+NS = bytes(range(16))
+
+
+def _records(n: int, size: int, generation: int = 7) -> tuple[np.ndarray, list[bytes], list[bytes]]:
+    keys = [os.urandom(16) for _ in range(n)]
+    payloads = [os.urandom(size) for _ in range(n)]
+    headers = np.stack(
+        [
+            np.frombuffer(pack_header(NS, k, p, generation), np.uint8)
+            for k, p in zip(keys, payloads, strict=True)
+        ]
+    )
+    return headers, payloads, keys
+
+
+def test_intact_records_verify_one_by_one_and_together() -> None:
+    headers, payloads, keys = _records(5, 4096)
+    assert verify_many(headers, payloads, NS, keys, [7] * 5) == [True] * 5
+    for i in range(5):
+        assert verify(headers[i].tobytes(), payloads[i], NS, keys[i], 7)
+        assert parse_header(headers[i].tobytes()) is not None
+
+
+@given(st.integers(0, HEADER_BYTES - 1), st.integers(1, 255))
+def test_any_changed_header_byte_is_refused(offset: int, delta: int) -> None:
+    headers, payloads, keys = _records(3, 256)
+    headers[1, offset] ^= delta
+    assert verify_many(headers, payloads, NS, keys, [7] * 3) == [True, False, True]
+    assert not verify(headers[1].tobytes(), payloads[1], NS, keys[1], 7)
+
+
+@given(st.integers(0, 255), st.integers(1, 255))
+def test_any_changed_payload_byte_is_refused(offset: int, delta: int) -> None:
+    headers, payloads, keys = _records(3, 256)
+    damaged = bytearray(payloads[2])
+    damaged[offset] ^= delta
+    payloads[2] = bytes(damaged)
+    assert verify_many(headers, payloads, NS, keys) == [True, True, False]
+
+
+def test_another_page_namespace_length_or_generation_is_refused() -> None:
+    headers, payloads, keys = _records(2, 512)
+    assert verify_many(headers, payloads, NS, keys[::-1]) == [False, False]
+    assert verify_many(headers, payloads, bytes(16), keys) == [False, False]
+    assert verify_many(headers, [p[:-1] for p in payloads], NS, keys) == [False, False]
+    assert verify_many(headers, payloads, NS, keys, [8, 7]) == [False, True]
+    assert not verify(headers[0].tobytes()[:-1], payloads[0], NS, keys[0])
+
+
+def test_mismatched_batch_shapes_are_an_error_not_an_answer() -> None:
+    headers, payloads, keys = _records(2, 64)
+    with pytest.raises(ValueError):
+        verify_many(headers[:1], payloads, NS, keys)
