@@ -48,7 +48,7 @@ from hicached.index import PageIndex
 from hicached.namespace import NamespaceSpec, namespace_digest, validate_spec
 from hicached.pool import SlotPool
 
-_OP_NAMES = {cls: str(cls.__struct_config__.tag) for cls in get_args(p.AnyRequest)}
+OP_NAMES = {cls: str(cls.__struct_config__.tag) for cls in get_args(p.AnyRequest)}
 
 
 _LEASE_MASK = (1 << 63) - 1
@@ -153,6 +153,8 @@ class Cache:
         self.writing: set[bytes] = set()  # keys with an L3 write in flight
         self._hits: dict[bytes, int] = {}  # write_through_selective: matches per key
         self.l3_counters: dict[str, int] = {}
+        self.match_pages = {"asked": 0, "l2": 0, "l3": 0}
+        self.metrics_endpoint = ""  # set by the server when it serves metrics
         self.events = EventLog(config.events.queue_events, enabled=bool(config.events.endpoint))
         self.events.add(AllBlocksCleared())  # a new daemon's L2 starts empty
         self.l3_medium = config.storage.backend.upper()
@@ -161,7 +163,7 @@ class Cache:
 
     def handle(self, routing_id: bytes, request: p.AnyRequest) -> p.AnyReply:
         """Apply one request; never raises for a request's own faults."""
-        op = _OP_NAMES[type(request)]
+        op = OP_NAMES[type(request)]
         self.requests[op] = self.requests.get(op, 0) + 1
         try:
             if isinstance(request, p.Hello):
@@ -420,6 +422,10 @@ class Cache:
                 if key not in l3:
                     break
                 l3_hits += 1
+        counted = self.match_pages
+        counted["asked"] += len(keys)
+        counted["l2"] += hits
+        counted["l3"] += l3_hits
         if (
             hits
             and self.tier is not None
@@ -637,6 +643,9 @@ class Cache:
             l3_state=getattr(self.tier, "state", "") if self.tier is not None else "",
             l3_pages_known=len(self.l3),
             l3={**self.l3_counters, **(getattr(self.tier, "counters", None) or {})},
+            match_pages=dict(self.match_pages),
+            events_pending=len(self.events.pending),
+            metrics_endpoint=self.metrics_endpoint,
         )
 
 

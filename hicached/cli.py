@@ -58,7 +58,14 @@ def _cmd_status(args: argparse.Namespace) -> int:
         "requests:   " + _pairs(stats.requests),
         "errors:     " + _pairs(stats.errors),
         "dropped:    " + _pairs(stats.dropped),
+        "matched:    " + _pairs(stats.match_pages),
     ]
+    if stats.l3_backend:
+        lines.append(
+            f"L3:         {stats.l3_backend} {stats.l3_state}, {stats.l3_pages_known} pages known; "
+            + _pairs(stats.l3)
+        )
+    lines.append(f"metrics:    {stats.metrics_endpoint or 'off'}")
     print("\n".join(lines))
     return 0
 
@@ -100,12 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=_cmd_check_config)
 
     bench = sub.add_parser("bench", help="run a benchmark and print its figures")
-    bench.add_argument("which", choices=["control", "data", "l3", "ranks"])
+    bench.add_argument("which", choices=["control", "data", "l3", "ranks", "cuda"])
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--endpoint", help="use this daemon instead of the default one")
     bench.add_argument("--requests", type=int, default=2000, help="timed requests per client")
-    bench.add_argument("--pages", type=int, default=256, help="data: pages per copy")
-    bench.add_argument("--page-bytes", type=int, default=65536, help="data: bytes per page")
+    bench.add_argument("--pages", type=int, default=256, help="data, cuda: pages per copy")
+    bench.add_argument("--page-bytes", type=int, default=65536, help="data, cuda: bytes per page")
     bench.add_argument("--backend", default="file", help="l3: file, s3 or mooncake")
     bench.add_argument("--mib", type=int, default=128, help="l3: MiB moved per page size")
     bench.add_argument("--rounds", type=int, default=5, help="l3: paired read rounds")

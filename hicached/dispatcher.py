@@ -61,6 +61,8 @@ class Dispatcher:
         self._down_until = 0.0
         self.running = 0  # backend calls in progress
         self.writing = 0  # pages taken from the queue and not finished
+        #: called with (operation, seconds) after every backend call attempt
+        self.on_call: Callable[[str, float], None] | None = None
         self.counters: collections.Counter[str] = collections.Counter()
 
     # -- lifecycle -----------------------------------------------------------------
@@ -168,6 +170,7 @@ class Dispatcher:
         for attempt in range(attempts):
             async with self._slots:
                 self.running += 1
+                started = time.monotonic()
                 task = asyncio.ensure_future(fn(*args))
                 try:
                     done, _ = await asyncio.wait({task}, timeout=self.config.op_timeout_s)
@@ -177,6 +180,8 @@ class Dispatcher:
                     raise
                 finally:
                     self.running -= 1
+                    if self.on_call is not None:
+                        self.on_call(what, time.monotonic() - started)
             if not done:
                 self.counters["timeouts"] += 1
                 self._failed(f"{what} timed out")

@@ -188,6 +188,10 @@ class DaemonStats(msgspec.Struct, kw_only=True):
     l3_state: str = ""  # up, down (circuit open), or "" without L3
     l3_pages_known: int = 0
     l3: dict[str, int] = {}
+    # pages asked for by match requests ("asked"), and found in L2 ("l2") and L3 ("l3")
+    match_pages: dict[str, int] = {}
+    events_pending: int = 0
+    metrics_endpoint: str = ""  # "" when metrics are off
 
 
 class StatsOk(Reply, tag="stats_ok"):

@@ -23,10 +23,11 @@ import zmq
 
 from hicached import protocol as p
 from hicached.arena import Arena, arena_path
-from hicached.cache import Cache
+from hicached.cache import OP_NAMES, Cache
 from hicached.config import Config, endpoint, runtime_dir
 from hicached.errors import BadRequest, ConfigError, HicachedError, TooLarge
 from hicached.events import END_SEQ, Replay
+from hicached.metrics import Metrics
 from hicached.notify import sd_notify, watchdog_interval
 from hicached.storage import Tier, make_backend
 
@@ -67,6 +68,7 @@ class Server:
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._signals = 0
+        self.metrics: Metrics | None = None
         self.ready = asyncio.Event()
 
     # -- lifecycle -------------------------------------------------------------
@@ -104,6 +106,15 @@ class Server:
             await tier.start()  # opens the store and learns what it holds
             self.tier = self.cache.tier = tier
             log.info("L3: %s backend, %s", cfg.storage.backend, cfg.storage.write_policy)
+        if cfg.metrics.enabled:
+            metrics = Metrics(cfg.metrics, self.cache.stats)
+            metrics.start()
+            self.metrics = metrics
+            self.cache.metrics_endpoint = metrics.endpoint
+            if self.tier is not None:
+                self.tier.dispatcher.on_call = lambda op, s: metrics.l3_seconds.labels(op).observe(
+                    s
+                )
 
         self._listen()
 
@@ -250,6 +261,9 @@ class Server:
             await self.tier.stop()
             self.tier = None
         self._flush_events()  # the last events (write-back acks) still go out
+        if self.metrics is not None:
+            self.metrics.stop()
+            self.metrics = None
         self._release()
         log.info("stopped")
 
@@ -314,7 +328,15 @@ class Server:
         if request.deadline_ms and request.deadline_ms < time.time() * 1000:
             cache.count_drop("past_deadline")
             return
-        self._send(routing_id, cache.handle(routing_id, request))
+        if self.metrics is None:
+            self._send(routing_id, cache.handle(routing_id, request))
+            return
+        started = time.perf_counter()
+        reply = cache.handle(routing_id, request)
+        self.metrics.request_seconds.labels(OP_NAMES[type(request)]).observe(
+            time.perf_counter() - started
+        )
+        self._send(routing_id, reply)
 
     def _reject(self, routing_id: bytes, payload: bytes, exc: HicachedError) -> None:
         """Answer an unusable message if it names a request id, else drop and count it."""

@@ -31,8 +31,8 @@ class DaemonProcess:
     """``hicached serve`` as a child process with its own runtime dir and config.
 
     ``extra`` is TOML appended to the ``[server]`` section (more sections may
-    follow); ``storage`` is TOML inside ``[storage]``, and ``tail`` comes last
-    (for tables such as ``[storage.file]``).
+    follow); ``storage`` is TOML inside ``[storage]``, ``metrics`` inside
+    ``[metrics]``, and ``tail`` comes last (for tables such as ``[storage.file]``).
     """
 
     def __init__(
@@ -46,6 +46,7 @@ class DaemonProcess:
         populate: bool = True,
         storage: str = "",
         tail: str = "",
+        metrics: str = "port = 0",  # any free port: daemons side by side
     ) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="hc-", dir="/tmp"))
         self.runtime = self.dir / "run"
@@ -58,6 +59,7 @@ class DaemonProcess:
             f"[pool]\nsize_mib = {size_mib}\nslab_mib = {slab_mib}\n"
             f"max_page_bytes = {max_page_bytes}\n"
             f"populate = {'true' if populate else 'false'}\n"
+            f"[metrics]\n{metrics}\n"
             f'[storage]\ndata_dir = "{self.dir / "data"}"\n{storage}\n{tail}\n'
         )
         self.proc: subprocess.Popen[bytes] | None = None
@@ -195,6 +197,7 @@ class MooncakeMaster:
         self.master = f"127.0.0.1:{self.rpc_port}"
         self.metadata = f"http://127.0.0.1:{self.http_port}/metadata"
         exe = shutil.which("mooncake_master", path=str(Path(sys.executable).parent))
+        exe = exe or shutil.which("mooncake_master")
         if exe is None:
             raise RuntimeError("mooncake_master not found: pip install 'hicached[mooncake]'")
         self.log = open(f"/tmp/hc-mooncake-{self.rpc_port}.log", "wb")  # noqa: SIM115
@@ -247,3 +250,18 @@ def mooncake_master() -> Iterator[MooncakeMaster]:
         yield master
     finally:
         master.stop()
+
+
+def scrape(url: str, timeout: float = 5.0) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """GET a Prometheus endpoint; {(sample name, sorted labels): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=timeout) as reply:
+        text = reply.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }

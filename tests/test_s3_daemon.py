@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
+from hicached.testing import scrape
 from tests.faults import FaultProxy
 from tests.l3util import evict_everything, l3_count, settle_writes, storage, wait_for, wait_prefetch
 from tests.services import S3Server
@@ -146,8 +147,11 @@ def test_s3_outage_never_blocks_l2(
             c.cancel(pf)
         wait_for(lambda: c.stats().l3_state == "down", timeout=20)
         assert c.stats().l3.get("breaker_opened", 0) >= 1
+        metrics = c.stats().metrics_endpoint
+        assert scrape(metrics)[("hicached_l3_up", (("backend", "s3"),))] == 0
         proxy.hang.clear()  # S3 is back: the breaker's probe lets writes through again
         time.sleep(1.5)
         toks = seq(7 * 10**6, 8)
         c.store(ns, toks, page_bytes_for(toks))
         wait_for(lambda: c.stats().l3_state == "up" and l3_count(c, "written") >= 8, timeout=20)
+        assert scrape(metrics)[("hicached_l3_up", (("backend", "s3"),))] == 1

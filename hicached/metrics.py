@@ -1,0 +1,190 @@
+"""Prometheus metrics: the daemon's counters and gauges, plus latency histograms.
+
+The HTTP server (prometheus_client's, in its own thread) answers a scrape
+with a snapshot that the event loop takes (``Cache.stats``), so every figure
+of one scrape comes from one moment; the scrape waits for it at most
+``metrics.scrape_timeout_s``. Histograms are observed on the loop and read
+under the library's own locks. Names and labels: docs/operations.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from hicached import protocol as p
+from hicached.config import MetricsConfig
+from hicached.errors import ConfigError
+
+log = logging.getLogger("hicached.metrics")
+
+# Request handling runs in microseconds; L3 calls in milliseconds to seconds.
+_REQUEST_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 10e-3, 50e-3)
+_L3_BUCKETS = (1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 1.0, 5.0, 30.0)
+
+
+class _Snapshot(Collector):
+    """Turns one DaemonStats, taken on the loop, into metric families."""
+
+    def __init__(self, take: Callable[[], p.DaemonStats], timeout_s: float) -> None:
+        self.take = take
+        self.timeout_s = timeout_s
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def snapshot(self) -> p.DaemonStats:
+        loop = self.loop
+        if loop is None:
+            raise RuntimeError("the daemon is not running")
+        result: concurrent.futures.Future[p.DaemonStats] = concurrent.futures.Future()
+
+        def take() -> None:
+            try:
+                result.set_result(self.take())
+            except BaseException as exc:  # handed to the scraping thread
+                result.set_exception(exc)
+
+        loop.call_soon_threadsafe(take)
+        return result.result(timeout=self.timeout_s)
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.snapshot()
+        yield _gauge("hicached_uptime_seconds", "Seconds since the daemon started.", s.uptime_s)
+        pool = GaugeMetricFamily("hicached_pool_bytes", "L2 pool bytes by state.", labels=["state"])
+        pool.add_metric(["used"], s.pool_used_bytes)
+        pool.add_metric(["free"], s.pool_free_bytes)
+        yield pool
+        yield _gauge("hicached_pool_capacity_bytes", "Size of the L2 pool.", s.pool_bytes)
+        pages = GaugeMetricFamily("hicached_pages", "L2 pages by state.", labels=["state"])
+        pages.add_metric(["indexed"], s.pages)
+        pages.add_metric(["pinned"], s.pinned_pages)
+        pages.add_metric(["reserved"], s.reserved_pages)
+        yield pages
+        yield _gauge("hicached_namespaces", "Namespaces in use.", s.namespaces)
+        yield _gauge("hicached_clients", "Connected client sessions.", s.clients)
+        yield _gauge("hicached_leases", "Open leases.", s.leases)
+        yield _gauge(
+            "hicached_events_pending", "KV events waiting to be published.", s.events_pending
+        )
+        yield _counter("hicached_requests", "Requests by operation.", "op", s.requests)
+        yield _counter("hicached_errors", "Error replies by code.", "code", s.errors)
+        yield _counter(
+            "hicached_dropped", "Messages and events dropped, by reason.", "reason", s.dropped
+        )
+        yield _counter(
+            "hicached_match_pages",
+            "Pages asked for by match requests, and how many L2 and L3 held.",
+            "tier",
+            s.match_pages,
+        )
+        yield _counter(
+            "hicached_evicted_pages", "Pages evicted from L2.", "", {"": s.evicted_pages}
+        )
+        yield _counter(
+            "hicached_expired_leases", "Leases that expired.", "", {"": s.expired_leases}
+        )
+        if s.l3_backend:
+            up = GaugeMetricFamily(
+                "hicached_l3_up",
+                "1 while the L3 backend serves, 0 while marked down.",
+                labels=["backend"],
+            )
+            up.add_metric([s.l3_backend], 1 if s.l3_state == "up" else 0)
+            yield up
+            yield _gauge(
+                "hicached_l3_pages_known", "Pages the index knows L3 holds.", s.l3_pages_known
+            )
+            gauges = {k: v for k, v in s.l3.items() if k in _L3_GAUGES}
+            counters = {k: v for k, v in s.l3.items() if k not in _L3_GAUGES}
+            yield _counter("hicached_l3", "L3 pages and calls by outcome.", "what", counters)
+            state = GaugeMetricFamily(
+                "hicached_l3_state", "L3 queue and store sizes.", labels=["what"]
+            )
+            for what, value in sorted(gauges.items()):
+                state.add_metric([what], value)
+            yield state
+
+
+# L3 figures that go up and down; every other L3 figure only grows.
+_L3_GAUGES = {"queued", "store_pages", "store_bytes_used"}
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, label: str, values: dict[str, int]) -> CounterMetricFamily:
+    if not label:
+        return CounterMetricFamily(name, doc, value=values.get("", 0))
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for key, value in sorted(values.items()):
+        family.add_metric([key], value)
+    return family
+
+
+class Metrics:
+    """The daemon's registry and its HTTP endpoint."""
+
+    def __init__(self, config: MetricsConfig, take: Callable[[], p.DaemonStats]) -> None:
+        self.config = config
+        self.registry = CollectorRegistry(auto_describe=False)
+        self._snapshot = _Snapshot(take, config.scrape_timeout_s)
+        self.registry.register(self._snapshot)
+        self.request_seconds = Histogram(
+            "hicached_request_seconds",
+            "Time to handle one request on the daemon, by operation.",
+            ["op"],
+            registry=self.registry,
+            buckets=_REQUEST_BUCKETS,
+        )
+        self.l3_seconds = Histogram(
+            "hicached_l3_call_seconds",
+            "Time of one L3 backend call attempt, by operation.",
+            ["op"],
+            registry=self.registry,
+            buckets=_L3_BUCKETS,
+        )
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+        self.endpoint = ""
+
+    def start(self) -> None:
+        """Listen; the scrapes ask the running loop for snapshots."""
+        c = self.config
+        self._snapshot.loop = asyncio.get_running_loop()
+        try:
+            self._server, self._thread = start_http_server(
+                c.port,
+                addr=c.host,
+                registry=self.registry,
+                certfile=c.tls_cert or None,
+                keyfile=c.tls_key or None,
+                client_cafile=c.client_ca or None,
+                client_auth_required=bool(c.client_ca),
+            )
+        except OSError as exc:
+            raise ConfigError(
+                f"metrics.port: cannot listen on {c.host}:{c.port}: {exc.strerror or exc}"
+            ) from None
+        host, port = str(self._server.server_address[0]), self._server.server_address[1]
+        scheme = "https" if c.tls_cert else "http"
+        host = f"[{host}]" if ":" in host else host
+        self.endpoint = f"{scheme}://{host}:{port}/metrics"
+        log.info("metrics on %s", self.endpoint)
+
+    def stop(self) -> None:
+        self._snapshot.loop = None
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None

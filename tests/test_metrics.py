@@ -1,0 +1,114 @@
+"""Prometheus metrics of a real daemon, scraped over HTTP."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from hicached.config import parse_config
+from hicached.errors import ConfigError
+from hicached.testing import scrape
+from tests.l3util import FILE_STORE, evict_everything, settle_writes, storage
+from tests.support import NS, PAGE_TOKENS, Daemon, free_tcp_port, page_bytes_for
+
+
+def seq(start: int, pages: int) -> np.ndarray:
+    return np.arange(start, start + pages * PAGE_TOKENS, dtype=np.uint32)
+
+
+def test_scrape_reports_requests_hits_per_tier_pool_and_l3(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    d = daemon_factory(size_mib=1, slab_mib=1, storage=storage("file"), tail=FILE_STORE)
+    with d.client() as c:
+        ns = c.register(**NS)
+        url = c.stats().metrics_endpoint
+        assert url.startswith("http://127.0.0.1:") and url.endswith("/metrics")
+        stored = seq(10**6, 6)
+        c.store(ns, stored, page_bytes_for(stored))
+        settle_writes(c)
+        for _ in range(3):  # 6 L2 hits each
+            c.release(c.match(ns, stored))
+        c.release(c.match(ns, seq(5 * 10**6, 4)))  # 4 misses
+        evict_everything(c, ns)
+        c.match(ns, stored, lease=False)  # now 6 pages known to L3 only
+        stats = c.stats()
+        m = scrape(url)
+
+    def value(name: str, **labels: str) -> float:
+        return m[(name, tuple(sorted(labels.items())))]
+
+    assert value("hicached_match_pages_total", tier="asked") == 3 * 6 + 4 + 6
+    assert value("hicached_match_pages_total", tier="l2") == 3 * 6
+    assert value("hicached_match_pages_total", tier="l3") == 6
+    assert value("hicached_requests_total", op="match") == stats.requests["match"]
+    # the scrape's own stats request is not counted in the histogram before it
+    assert value("hicached_request_seconds_count", op="match") == 5
+    assert value("hicached_request_seconds_count", op="commit") == stats.requests["commit"]
+    assert value("hicached_pool_capacity_bytes") == stats.pool_bytes
+    assert value("hicached_pool_bytes", state="used") == stats.pool_used_bytes
+    assert value("hicached_pages", state="indexed") == stats.pages
+    assert value("hicached_evicted_pages_total") == stats.evicted_pages > 0
+    assert value("hicached_l3_up", backend="file") == 1
+    assert value("hicached_l3_total", what="pages_written") == stats.l3["pages_written"] > 0
+    assert value("hicached_l3_state", what="queued") == 0
+    assert value("hicached_l3_call_seconds_count", op="put") >= 1
+
+
+def test_metrics_can_be_off_and_status_says_where_they_are(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    off = daemon_factory(metrics="enabled = false")
+    with off.client() as c:
+        assert c.stats().metrics_endpoint == ""
+    on = daemon_factory()
+    out = subprocess.run(
+        [sys.executable, "-m", "hicached", "status", "--endpoint", on.endpoint],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    with on.client() as c:
+        url = c.stats().metrics_endpoint
+    assert f"metrics:    {url}" in out
+
+
+def test_a_taken_port_fails_startup_with_the_key_named(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    first = daemon_factory()
+    with first.client() as c:
+        port = int(c.stats().metrics_endpoint.rsplit(":", 1)[1].split("/")[0])
+    second = Daemon(metrics=f"port = {port}")
+    with pytest.raises(RuntimeError, match=r"metrics\.port: cannot listen"):
+        second.start(timeout=20)
+    second.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('host = "0.0.0.0"', "off loopback only with client certificates"),
+        ('host = "example.org"', "give an IP address or localhost"),
+        ('tls_cert = "/c.pem"', "tls_cert and tls_key go together"),
+        ('client_ca = "/ca.pem"', "client_ca needs tls_cert"),
+        ("port = 70000", "metrics.port"),
+        ("scrape_timeout_s = 0", "metrics.scrape_timeout_s"),
+    ],
+)
+def test_bad_metrics_config_is_refused(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config(f"[metrics]\n{text}\n")
+
+
+def test_off_loopback_is_accepted_with_client_certificates() -> None:
+    config = parse_config(
+        '[metrics]\nhost = "0.0.0.0"\ntls_cert = "/c.pem"\ntls_key = "/k.pem"\n'
+        f'client_ca = "/ca.pem"\nport = {free_tcp_port()}\n'
+    )
+    assert config.metrics.client_ca == "/ca.pem"
