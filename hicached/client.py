@@ -129,6 +129,8 @@ class _Core:
         self._ids = itertools.count(1)
         self._hello: p.HelloOk | None = None
         self._arena: Arena | None = None
+        self._pin = False  # pin_memory() was asked for
+        self._pinned: Arena | None = None  # the arena registered with CUDA
         self._namespaces: list[Namespace] = []
         self._instance = 0
 
@@ -162,7 +164,10 @@ class _Core:
             raise reply.to_exception()
         assert isinstance(reply, p.HelloOk)
         if self._arena is None or reply.instance != self._instance:
+            self._close_arena()  # another daemon's pool: unpin and unmap the old one
             self._arena = Arena.attach(reply.pool_path, reply.pool_bytes)
+            if self._pin:
+                self._pin_arena()
         self._instance = reply.instance
         self._hello = reply
         for ns in self._namespaces:
@@ -262,8 +267,32 @@ class _Core:
         """One slot as a writable uint8 array of ``page_bytes``, zero-copy."""
         return self.rows(ns)[offset // ns.page_bytes]
 
-    def write_pages(self, ns: Namespace, offsets: list[int], data: np.ndarray) -> None:
-        """Copy ``data`` (n, page_bytes) into the slots at ``offsets`` in one call."""
+    def pin_memory(self) -> None:
+        """Register this client's mapping of the pool with CUDA as pinned memory,
+        now and after every reconnect, so that copies between GPU tensors and
+        slots are DMA with no staging buffer (docs/operations.md)."""
+        self._pin = True
+        if self._arena is not None and self._pinned is None:
+            self._pin_arena()
+
+    def _pin_arena(self) -> None:
+        from hicached import cuda
+
+        cuda.register(self.arena.array)
+        self._pinned = self.arena
+
+    def write_pages(self, ns: Namespace, offsets: list[int], data: Any) -> None:
+        """Copy ``data`` (n pages of page_bytes) into the slots at ``offsets``.
+
+        ``data`` is a numpy array (one copy call), or a CUDA tensor (one DMA
+        per run of adjacent slots, finished on return).
+        """
+        if cuda_tensor(data):
+            from hicached import cuda
+
+            rows = self.rows(ns)
+            cuda.copy(rows, self._row_index(ns, offsets, len(rows)), data, to_pool=True)
+            return
         src = np.asarray(data).reshape(len(offsets), -1).view(np.uint8)
         if src.shape[1] != ns.page_bytes:
             raise ValueError(f"each page must be {ns.page_bytes} bytes, got {src.shape[1]}")
@@ -276,12 +305,19 @@ class _Core:
         else:
             rows[idx] = src
 
-    def read_pages(
-        self, ns: Namespace, offsets: list[int], out: np.ndarray | None = None
-    ) -> np.ndarray:
-        """Copy the slots at ``offsets`` into ``out`` (n, page_bytes), in one call."""
+    def read_pages(self, ns: Namespace, offsets: list[int], out: Any = None) -> Any:
+        """Copy the slots at ``offsets`` into ``out`` (n, page_bytes), in one call.
+
+        ``out`` may be a CUDA tensor: one DMA per run of adjacent slots,
+        finished on return.
+        """
         rows = self.rows(ns)
         idx = self._row_index(ns, offsets, len(rows))
+        if cuda_tensor(out):
+            from hicached import cuda
+
+            cuda.copy(rows, idx, out, to_pool=False)
+            return out
         if out is None:
             out = np.empty((len(idx), ns.page_bytes), dtype=np.uint8)
         if len(idx) and np.all(np.diff(idx) == 1):
@@ -323,9 +359,19 @@ class _Core:
         self.write_pages(res.ns, res.offsets, src[res.present : res.present + len(res.offsets)])
 
     def _close_arena(self) -> None:
+        if self._pinned is not None:
+            from hicached import cuda
+
+            pinned, self._pinned = self._pinned, None
+            cuda.unregister(pinned.array)
         if self._arena is not None:
             self._arena.close()
             self._arena = None
+
+
+def cuda_tensor(obj: object) -> bool:
+    """A torch tensor on a GPU (checked without importing torch)."""
+    return type(obj).__module__.startswith("torch") and bool(getattr(obj, "is_cuda", False))
 
 
 def _run(gen: Exchange, roundtrip: Callable[[p.Request], p.AnyReply]) -> Any:

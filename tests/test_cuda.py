@@ -1,0 +1,82 @@
+"""The CUDA path: the pool pinned for CUDA, GPU <-> slot copies by DMA.
+
+The copy planner runs everywhere; the tests that move bytes need a CUDA
+device and run on one (the CPU-only suite skips them, saying so).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from hicached import cuda
+from hicached.errors import HicachedError
+from tests.support import NS, PAGE_BYTES, PAGE_TOKENS, Daemon
+
+torch = pytest.importorskip("torch")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_runs_split_rows_into_adjacent_stretches() -> None:
+    assert cuda.runs(np.array([], dtype=np.int64)) == []
+    assert cuda.runs(np.array([4, 5, 6, 9, 2, 3, 10])) == [
+        (4, 0, 3),
+        (9, 3, 1),
+        (2, 4, 2),
+        (10, 6, 1),
+    ]
+
+
+def test_without_cuda_pinning_fails_clearly(daemon: Daemon) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    with daemon.client() as c, pytest.raises(HicachedError, match="CUDA is not available"):
+        c.pin_memory()
+
+
+@needs_cuda
+def test_gpu_pages_round_trip_through_pinned_slots(daemon_factory: Callable[..., Daemon]) -> None:
+    d = daemon_factory(size_mib=8, slab_mib=1)
+    with d.client() as c:
+        ns = c.register(**NS)
+        c.pin_memory()
+        assert c.tensor(ns).is_pinned()  # CUDA sees the shared mapping as page-locked
+        tokens = np.arange(40 * PAGE_TOKENS, dtype=np.uint32) + 123
+        gpu = torch.randint(0, 256, (40, PAGE_BYTES), dtype=torch.uint8, device="cuda")
+        res = c.reserve(ns, tokens)
+        order = [res.offsets[i] for i in np.random.default_rng(0).permutation(40)]
+        c.write_pages(ns, order, gpu)  # scattered: one DMA per page
+        # the slots hold exactly the GPU's bytes, as any process sees them
+        assert np.array_equal(c.read_pages(ns, order), gpu.cpu().numpy())
+        back = torch.zeros_like(gpu)
+        c.read_pages(ns, order, back)
+        assert torch.equal(back, gpu)
+        c.write_pages(ns, res.offsets, gpu)  # in order: runs of adjacent slots
+        c.commit(res)
+        hit = c.match(ns, tokens)
+        bf16 = torch.empty((40, PAGE_BYTES // 2), dtype=torch.bfloat16, device="cuda")
+        c.read_pages(ns, hit.offsets, bf16)  # any dtype, viewed as bytes
+        assert torch.equal(bf16.view(torch.uint8), gpu)
+        c.release(hit)
+        with pytest.raises(ValueError, match="bytes"):
+            c.write_pages(ns, res.offsets[:2], gpu[:2, :100].contiguous())
+
+
+@needs_cuda
+def test_pinning_follows_a_daemon_restart(daemon_factory: Callable[..., Daemon]) -> None:
+    d = daemon_factory(size_mib=4, slab_mib=1)
+    with d.client() as c:
+        ns = c.register(**NS)
+        c.pin_memory()
+        d.stop()
+        d.start()
+        c.stats()  # reconnects to the new daemon and its new pool
+        assert c.tensor(ns).is_pinned()
+        gpu = torch.randint(0, 256, (3, PAGE_BYTES), dtype=torch.uint8, device="cuda")
+        tokens = np.arange(3 * PAGE_TOKENS, dtype=np.uint32)
+        res = c.reserve(ns, tokens)
+        c.write_pages(ns, res.offsets, gpu)
+        c.commit(res)
+        assert np.array_equal(c.load(ns, tokens), gpu.cpu().numpy())
