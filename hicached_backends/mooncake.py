@@ -51,6 +51,7 @@ class MooncakeBackend(Backend):
         super().__init__(options, env)
         self._store: Any = None
         self._pool: ThreadPoolExecutor | None = None
+        self._hashers: ThreadPoolExecutor | None = None
         self._headers = np.zeros((HEADER_SLOTS, HEADER_BYTES), dtype=np.uint8)
         self._free_headers: collections.deque[int] = collections.deque(range(HEADER_SLOTS))
         self._header_wait = asyncio.Condition()
@@ -62,6 +63,10 @@ class MooncakeBackend(Backend):
     async def open(self) -> None:
         o = self.options
         self._pool = ThreadPoolExecutor(o.threads, thread_name_prefix="hicached-mooncake")
+        if o.verify_threads:
+            self._hashers = ThreadPoolExecutor(
+                o.verify_threads, thread_name_prefix="hicached-verify"
+            )
         store = MooncakeDistributedStore()
         rc = await self._blocking(
             store.setup,
@@ -92,6 +97,9 @@ class MooncakeBackend(Backend):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._hashers is not None:
+            self._hashers.shutdown(wait=True)
+            self._hashers = None
 
     async def health(self) -> None:
         if self._store is None:
@@ -228,7 +236,12 @@ class MooncakeBackend(Backend):
                 names = [self.name(ns, p.key) for p in chunk]
                 codes = list(self._store.batch_get_into_multi_buffers(names, ptrs, sizes))
                 verified = verify_many(
-                    self._headers[headers], [p.buf for p in chunk], ns, [p.key for p in chunk]
+                    self._headers[headers],
+                    [p.buf for p in chunk],
+                    ns,
+                    [p.key for p in chunk],
+                    pool=self._hashers,
+                    parts=self.options.verify_threads + 1,
                 )
                 oks = [
                     code == HEADER_BYTES + len(page.buf) and good

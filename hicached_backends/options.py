@@ -100,8 +100,13 @@ class MooncakeOptions(msgspec.Struct, **_Table):
     local_buffer_mib: int = 64
     # Threads issuing blocking store calls.
     threads: int = 4
+    # Threads that checksum the pages of one read batch in parallel, beside the
+    # thread that read them (0 = that thread alone).
+    verify_threads: int = 4
 
     def __post_init__(self) -> None:
         if self.protocol not in ("tcp", "rdma"):
             raise ValueError("protocol must be 'tcp' or 'rdma'")
         positive(self, "global_segment_mib", "local_buffer_mib", "threads")
+        if self.verify_threads < 0:
+            raise ValueError("verify_threads must be 0 or more")

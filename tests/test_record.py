@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from hicached_backends import record
 from hicached_backends.record import HEADER_BYTES, pack_header, parse_header, verify, verify_many
 
 NS = bytes(range(16))
@@ -64,3 +65,19 @@ def test_mismatched_batch_shapes_are_an_error_not_an_answer() -> None:
     headers, payloads, keys = _records(2, 64)
     with pytest.raises(ValueError):
         verify_many(headers[:1], payloads, NS, keys)
+
+
+def test_verifying_in_parallel_slices_gives_the_same_answers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    headers, payloads, keys = _records(37, 1024)
+    monkeypatch.setattr(record, "SLICE_BYTES", 1024)
+    damaged = [3, 17, 36]
+    for i in damaged:
+        payloads[i] = payloads[i][:-1] + bytes([payloads[i][-1] ^ 1])
+    expect = [i not in damaged for i in range(37)]
+    with ThreadPoolExecutor(3) as pool:
+        for parts in (1, 2, 4, 16):
+            assert verify_many(headers, payloads, NS, keys, pool=pool, parts=parts) == expect
