@@ -131,6 +131,7 @@ class _Core:
         self._arena: Arena | None = None
         self._pin = False  # pin_memory() was asked for
         self._pinned: Arena | None = None  # the arena registered with CUDA
+        self._mapped: Any = None  # its CUDA view, for gather/scatter kernels
         self._namespaces: list[Namespace] = []
         self._instance = 0
 
@@ -278,7 +279,7 @@ class _Core:
     def _pin_arena(self) -> None:
         from hicached import cuda
 
-        cuda.register(self.arena.array)
+        self._mapped = cuda.register(self.arena.array)
         self._pinned = self.arena
 
     def write_pages(self, ns: Namespace, offsets: list[int], data: Any) -> None:
@@ -291,7 +292,8 @@ class _Core:
             from hicached import cuda
 
             rows = self.rows(ns)
-            cuda.copy(rows, self._row_index(ns, offsets, len(rows)), data, to_pool=True)
+            idx = self._row_index(ns, offsets, len(rows))
+            cuda.copy(rows, idx, data, to_pool=True, mapped=self._mapped)
             return
         src = np.asarray(data).reshape(len(offsets), -1).view(np.uint8)
         if src.shape[1] != ns.page_bytes:
@@ -316,7 +318,7 @@ class _Core:
         if cuda_tensor(out):
             from hicached import cuda
 
-            cuda.copy(rows, idx, out, to_pool=False)
+            cuda.copy(rows, idx, out, to_pool=False, mapped=self._mapped)
             return out
         if out is None:
             out = np.empty((len(idx), ns.page_bytes), dtype=np.uint8)
@@ -362,7 +364,7 @@ class _Core:
         if self._pinned is not None:
             from hicached import cuda
 
-            pinned, self._pinned = self._pinned, None
+            pinned, self._pinned, self._mapped = self._pinned, None, None
             cuda.unregister(pinned.array)
         if self._arena is not None:
             self._arena.close()

@@ -1,10 +1,17 @@
 """The CUDA path of the engine side: the pool as pinned memory, copies by DMA.
 
-A client registers its own mapping of the pool with ``cudaHostRegister``, so
-CUDA sees the slots as page-locked host memory: a copy between a GPU tensor
-and pool slots is one DMA transfer per run of adjacent slots, with no
-staging buffer. The mapping is unregistered before it is unmapped. torch is
-imported here only; nothing else in the daemon or the client needs it.
+A client registers its own mapping of the pool with ``cudaHostRegister``
+(portable and mapped), so CUDA sees the slots as page-locked host memory
+that kernels can address too. A copy between a GPU tensor and pool slots
+takes one of two ways, with no staging buffer either way:
+
+- long runs of adjacent slots: one DMA transfer per run (copy engines);
+- scattered slots: one gather/scatter kernel that reads or writes the mapped
+  pool over the bus (``index_select`` / ``index_copy_`` on a CUDA view of
+  the pool), instead of a DMA call per page.
+
+The mapping is unregistered before it is unmapped. torch is imported here
+only; nothing else in the daemon or the client needs it.
 """
 
 from __future__ import annotations
@@ -26,15 +33,39 @@ def _torch() -> Any:
     return torch
 
 
-def register(array: np.ndarray) -> None:
-    """Page-lock ``array``'s memory for CUDA (it must stay mapped until unregister)."""
-    rt = _torch().cuda.cudart()
-    err = rt.cudaHostRegister(array.ctypes.data, array.nbytes, 0)
+# cudaHostRegisterPortable | cudaHostRegisterMapped: every context, and kernels
+# may address it (with unified addressing, at the same pointer).
+_REGISTER_FLAGS = 1 | 2
+# Below this many bytes per run of adjacent slots on average, one kernel beats
+# a DMA call per run (measured on an H100: docs/perf.md).
+KERNEL_BELOW_RUN_BYTES = 1 << 20
+
+
+class _Interface:
+    """Exposes host memory that CUDA can address as a CUDA array."""
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (array.nbytes,),
+            "typestr": "|u1",
+            "data": (array.ctypes.data, False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+def register(array: np.ndarray) -> Any:
+    """Page-lock ``array``'s memory for CUDA (it must stay mapped until unregister);
+    returns a CUDA tensor viewing the same bytes, for kernels."""
+    torch = _torch()
+    rt = torch.cuda.cudart()
+    err = rt.cudaHostRegister(array.ctypes.data, array.nbytes, _REGISTER_FLAGS)
     if int(err) != 0:
         raise HicachedError(
             f"cudaHostRegister of the pool ({array.nbytes} bytes) failed with CUDA error "
             f"{int(err)}; is the memlock limit (ulimit -l) high enough?"
         )
+    return torch.as_tensor(_Interface(array), device="cuda")
 
 
 def unregister(array: np.ndarray) -> None:
@@ -53,11 +84,14 @@ def runs(rows: np.ndarray) -> list[tuple[int, int, int]]:
     return [(int(rows[s]), int(s), int(e - s)) for s, e in zip(starts, ends, strict=True)]
 
 
-def copy(pool_rows: np.ndarray, rows: np.ndarray, gpu: Any, *, to_pool: bool) -> None:
+def copy(
+    pool_rows: np.ndarray, rows: np.ndarray, gpu: Any, *, to_pool: bool, mapped: Any = None
+) -> None:
     """Copy between pool rows ``rows`` and the GPU tensor's pages, and wait for it.
 
     ``gpu`` holds one page per row of ``rows`` in order, contiguous, any dtype
-    (viewed as bytes). Copies go on the current stream, one per run of rows.
+    (viewed as bytes). ``mapped`` is the pool's CUDA view from register(), or
+    None when the pool is not registered. Work goes on the current stream.
     """
     torch = _torch()
     page_bytes = pool_rows.shape[1]
@@ -66,8 +100,18 @@ def copy(pool_rows: np.ndarray, rows: np.ndarray, gpu: Any, *, to_pool: bool) ->
     pages = gpu.view(torch.uint8).reshape(len(rows), -1) if len(rows) else gpu
     if len(rows) and pages.shape[1] != page_bytes:
         raise ValueError(f"each page must be {page_bytes} bytes, got {pages.shape[1]}")
-    host = torch.from_numpy(pool_rows)
     stream = torch.cuda.current_stream(gpu.device)
+    n_runs = int(np.count_nonzero(np.diff(rows) != 1)) + 1 if len(rows) else 0
+    if mapped is not None and n_runs and len(rows) * page_bytes < KERNEL_BELOW_RUN_BYTES * n_runs:
+        device_rows = mapped[: pool_rows.size].view(pool_rows.shape)
+        index = torch.from_numpy(rows).to(gpu.device, non_blocking=True)
+        if to_pool:
+            device_rows.index_copy_(0, index, pages)
+        else:
+            torch.index_select(device_rows, 0, index, out=pages)
+        stream.synchronize()
+        return
+    host = torch.from_numpy(pool_rows)
     for row, at, n in runs(rows):
         if to_pool:
             host[row : row + n].copy_(pages[at : at + n], non_blocking=True)

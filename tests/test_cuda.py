@@ -37,7 +37,12 @@ def test_without_cuda_pinning_fails_clearly(daemon: Daemon) -> None:
 
 
 @needs_cuda
-def test_gpu_pages_round_trip_through_pinned_slots(daemon_factory: Callable[..., Daemon]) -> None:
+@pytest.mark.parametrize("way", ["dma", "kernel"])
+def test_gpu_pages_round_trip_through_pinned_slots(
+    daemon_factory: Callable[..., Daemon], monkeypatch: pytest.MonkeyPatch, way: str
+) -> None:
+    # dma: one copy-engine transfer per run of slots; kernel: one gather/scatter
+    monkeypatch.setattr(cuda, "KERNEL_BELOW_RUN_BYTES", 0 if way == "dma" else 1 << 40)
     d = daemon_factory(size_mib=8, slab_mib=1)
     with d.client() as c:
         ns = c.register(**NS)
@@ -62,6 +67,21 @@ def test_gpu_pages_round_trip_through_pinned_slots(daemon_factory: Callable[...,
         c.release(hit)
         with pytest.raises(ValueError, match="bytes"):
             c.write_pages(ns, res.offsets[:2], gpu[:2, :100].contiguous())
+
+
+@needs_cuda
+def test_unpinned_pool_still_copies_to_and_from_the_gpu(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        ns = c.register(**NS)
+        assert not c.tensor(ns).is_pinned()
+        gpu = torch.randint(0, 256, (5, PAGE_BYTES), dtype=torch.uint8, device="cuda")
+        res = c.reserve(ns, np.arange(5 * PAGE_TOKENS, dtype=np.uint32) + 9)
+        order = res.offsets[::-1]
+        c.write_pages(ns, order, gpu)
+        back = torch.zeros_like(gpu)
+        c.read_pages(ns, order, back)
+        assert torch.equal(back, gpu)
+        c.abort(res)
 
 
 @needs_cuda
