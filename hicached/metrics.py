@@ -151,9 +151,17 @@ class Metrics:
             registry=self.registry,
             buckets=_L3_BUCKETS,
         )
+        self._observers: dict[str, Callable[[float], None]] = {}
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
         self.endpoint = ""
+
+    def observe_request(self, op: str, seconds: float) -> None:
+        """Time of one handled request; the labelled child is looked up once per op."""
+        observe = self._observers.get(op)
+        if observe is None:
+            observe = self._observers[op] = self.request_seconds.labels(op).observe
+        observe(seconds)
 
     def start(self) -> None:
         """Listen; the scrapes ask the running loop for snapshots."""

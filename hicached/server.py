@@ -333,9 +333,7 @@ class Server:
             return
         started = time.perf_counter()
         reply = cache.handle(routing_id, request)
-        self.metrics.request_seconds.labels(OP_NAMES[type(request)]).observe(
-            time.perf_counter() - started
-        )
+        self.metrics.observe_request(OP_NAMES[type(request)], time.perf_counter() - started)
         self._send(routing_id, reply)
 
     def _reject(self, routing_id: bytes, payload: bytes, exc: HicachedError) -> None:
