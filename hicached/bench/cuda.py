@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from hicached.bench.control import _daemon
+from hicached.bench.data import reserve_slots
 from hicached.client import Client
 
 REPEATS = 15
@@ -50,20 +51,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "raw_d2h_pinned_gbps": gbps(lambda: pinned.copy_(gpu, non_blocking=True)),
         "raw_h2d_pinned_gbps": gbps(lambda: back.copy_(pinned, non_blocking=True)),
     }
-    ns_fields = dict(
-        model="bench/cuda",
-        kv_dtype="bfloat16",
-        layout="layer_first",
-        page_tokens=16,
-        page_bytes=page_bytes,
-    )
     with _daemon(args.endpoint) as endpoint, Client(endpoint, timeout=10.0) as client:
-        ns = client.register(**ns_fields)
-        tokens = np.arange(pages * 16, dtype=np.uint32) + int(time.time())
-        res = client.reserve(ns, tokens)
-        if len(res.offsets) < pages:
-            client.abort(res)
-            raise SystemExit(f"the pool gave {len(res.offsets)} of {pages} slots")
+        ns, res = reserve_slots(client, "bench/cuda", pages, page_bytes)
         offsets = res.offsets
         shuffled = [int(x) for x in np.random.default_rng(1).permutation(offsets)]
         orders = {"": offsets, "_scattered": shuffled}

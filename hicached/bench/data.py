@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from hicached.bench.control import _daemon
-from hicached.client import Client
+from hicached.client import Client, Namespace, Reservation
 
 REPEATS = 15
 
@@ -33,30 +33,35 @@ def _gbps(nbytes: int, fn: Callable[[], object]) -> float:
     return round(nbytes / float(np.median(times)) / 1e9, 2)
 
 
+def reserve_slots(
+    client: Client, model: str, pages: int, page_bytes: int
+) -> tuple[Namespace, Reservation]:
+    """A namespace of ``page_bytes`` pages and a reservation of ``pages`` fresh slots."""
+    ns = client.register(
+        model=model,
+        kv_dtype="bfloat16",
+        layout="layer_first",
+        page_tokens=16,
+        page_bytes=page_bytes,
+    )
+    tokens = np.arange(pages * 16, dtype=np.uint32) + int(time.time())
+    res = client.reserve(ns, tokens)
+    if len(res.offsets) < pages:
+        client.abort(res)
+        raise SystemExit(f"the pool gave {len(res.offsets)} of {pages} slots; use a larger pool")
+    return ns, res
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     # Engines have torch loaded; the client then gathers scattered pages with it.
     with contextlib.suppress(ImportError):
         import torch
     pages, page_bytes = args.pages, args.page_bytes
     nbytes = pages * page_bytes
-    ns_fields = dict(
-        model="bench/data",
-        kv_dtype="bfloat16",
-        layout="layer_first",
-        page_tokens=16,
-        page_bytes=page_bytes,
-    )
     src = np.random.default_rng(0).integers(0, 256, (pages, page_bytes), dtype=np.uint8)
     dst = np.ones_like(src)
     with _daemon(args.endpoint) as endpoint, Client(endpoint, timeout=10.0) as client:
-        ns = client.register(**ns_fields)
-        tokens = np.arange(pages * 16, dtype=np.uint32) + int(time.time())
-        res = client.reserve(ns, tokens)
-        if len(res.offsets) < pages:
-            client.abort(res)
-            raise SystemExit(
-                f"the pool gave {len(res.offsets)} of {pages} slots; use a larger pool"
-            )
+        ns, res = reserve_slots(client, "bench/data", pages, page_bytes)
         offsets = res.offsets
         shuffled = list(np.random.default_rng(1).permutation(offsets))
         figures = {
