@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -252,13 +253,15 @@ def mooncake_master() -> Iterator[MooncakeMaster]:
         master.stop()
 
 
-def scrape(url: str, timeout: float = 5.0) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def scrape(
+    url: str, timeout: float = 5.0, context: ssl.SSLContext | None = None
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """GET a Prometheus endpoint; {(sample name, sorted labels): value}."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(url, timeout=timeout) as reply:
+    with urllib.request.urlopen(url, timeout=timeout, context=context) as reply:
         text = reply.read().decode()
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value

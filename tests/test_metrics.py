@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import ssl
 import subprocess
 import sys
+import urllib.error
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
+import trustme
 
 from hicached.config import parse_config
 from hicached.errors import ConfigError
@@ -112,3 +116,35 @@ def test_off_loopback_is_accepted_with_client_certificates() -> None:
         f'client_ca = "/ca.pem"\nport = {free_tcp_port()}\n'
     )
     assert config.metrics.client_ca == "/ca.pem"
+
+
+def test_with_client_ca_only_scrapers_holding_a_certificate_get_metrics(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    ca, stranger = trustme.CA(), trustme.CA()
+    server = ca.issue_cert("127.0.0.1")
+    server.cert_chain_pems[0].write_to_path(str(tmp_path / "server.pem"))
+    server.private_key_pem.write_to_path(str(tmp_path / "server.key"))
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    d = daemon_factory(
+        metrics=f'port = 0\ntls_cert = "{tmp_path / "server.pem"}"\n'
+        f'tls_key = "{tmp_path / "server.key"}"\nclient_ca = "{tmp_path / "ca.pem"}"'
+    )
+    with d.client() as c:
+        url = c.stats().metrics_endpoint
+    assert url.startswith("https://127.0.0.1:")
+
+    def context(cert_from: trustme.CA | None) -> ssl.SSLContext:
+        ctx = ssl.create_default_context()
+        ca.configure_trust(ctx)
+        if cert_from is not None:
+            cert_from.issue_cert("scraper.example").configure_cert(ctx)
+        return ctx
+
+    assert ("hicached_clients", ()) in scrape(url, context=context(ca))
+    for who in (None, stranger):  # no certificate, or one the daemon does not trust
+        with pytest.raises((ssl.SSLError, urllib.error.URLError, ConnectionError)):
+            scrape(url, context=context(who))
+    with pytest.raises((urllib.error.URLError, ConnectionError)):  # and no plain HTTP
+        scrape(url.replace("https://", "http://"))
+    assert ("hicached_clients", ()) in scrape(url, context=context(ca))  # still serving
