@@ -21,6 +21,7 @@ so splitting or evicting index nodes never loses or corrupts one.
 
 from __future__ import annotations
 
+import itertools
 import secrets
 import time
 from collections.abc import Callable, Iterable
@@ -134,6 +135,7 @@ class Cache:
         mib = 1 << 20
         self.pool = SlotPool(config.pool.size_mib * mib, config.pool.slab_mib * mib)
         self.indexes: dict[int, PageIndex] = {}  # page_bytes -> index
+        self._clock = itertools.count(1)  # one recency clock for every index
         self.namespaces: dict[int, Namespace] = {}
         self._ns_by_digest: dict[bytes, Namespace] = {}
         self.sessions: dict[bytes, Session] = {}  # routing id -> session
@@ -146,6 +148,7 @@ class Cache:
         self.errors: dict[str, int] = {}
         self.dropped: dict[str, int] = {}
         self.evicted_pages = 0
+        self.reclaimed_slabs = 0  # slabs taken from one page size for another
         self.expired_leases = 0
         self.key_cache = KeyCache(config.server.key_cache_pages)
         self.tier: Tier | None = None
@@ -248,7 +251,7 @@ class Cache:
                 )
             index = self.indexes.get(spec.page_bytes)
             if index is None:
-                index = self.indexes[spec.page_bytes] = PageIndex()
+                index = self.indexes[spec.page_bytes] = PageIndex(self._clock)
             ns = Namespace(len(self.namespaces) + 1, spec, digest, index)
             self.namespaces[ns.id] = ns
             self._ns_by_digest[digest] = ns
@@ -345,31 +348,79 @@ class Cache:
         )
 
     def _alloc(self, ns: Namespace, count: int) -> list[int]:
-        """Up to ``count`` free slots of the namespace's page size, evicting LRU pages."""
+        """Up to ``count`` free slots of the namespace's page size, evicting LRU pages.
+
+        Pages of every size compete by recency: when the least recently used
+        page is of another size, that size gives back a whole slab (its LRU
+        pages go until one of its slabs is empty), so no page size can hold
+        the pool against another forever.
+        """
         page_bytes = ns.spec.page_bytes
         pool = self.pool
         out: list[int] = []
+        reclaim = True  # give up taking slabs once an attempt frees none
         while len(out) < count:
             slot = pool.alloc(page_bytes)
-            if slot is None:
-                victims = ns.index.evict(count - len(out), pool.pins)
-                if not victims:
-                    break
-                self.evicted_pages += len(victims)
-                self._evicted(ns, victims)
+            if slot is not None:
+                out.append(slot)
                 continue
-            out.append(slot)
+            other = self._other_size_to_reclaim(ns.index) if reclaim else None
+            if other is not None:
+                reclaim = self._reclaim_slab(other)
+                continue
+            victims = ns.index.evict(count - len(out), pool.pins)
+            if not victims:
+                break
+            self._evicted(victims)
         return out
 
-    def _evicted(self, ns: Namespace, victims: list[tuple[bytes, int]]) -> None:
-        """Free evicted slots; under write_back, first write pages L3 lacks."""
+    def _other_size_to_reclaim(self, own: PageIndex) -> int | None:
+        """The other page size whose LRU page is older than all of ``own``'s
+        (any with pages, when ``own`` has none), or None."""
+        best = own.oldest()
+        choice = None
+        for page_bytes, index in self.indexes.items():
+            if index is own or not self.pool.slabs_of(page_bytes):
+                continue
+            tick = index.oldest()
+            if tick is not None and (best is None or tick < best):
+                best, choice = tick, page_bytes
+        return choice
+
+    def _reclaim_slab(self, page_bytes: int) -> bool:
+        """Evict LRU pages of ``page_bytes`` until one of its slabs is free; bounded
+        by two slabs' worth of pages. True if a slab came back."""
+        pool, index = self.pool, self.indexes[page_bytes]
+        before = pool.free_slabs
+        budget = 2 * max(1, pool.slots_per_slab(page_bytes))
+        while pool.free_slabs == before and budget > 0:
+            victims = index.evict(min(budget, 64), pool.pins)
+            if not victims:
+                break
+            budget -= len(victims)
+            self._evicted(victims)
+        if pool.free_slabs > before:
+            self.reclaimed_slabs += 1
+            return True
+        return False
+
+    def _evicted(self, victims: list[tuple[bytes, int, int]]) -> None:
+        """Free evicted slots; under write_back, first write pages L3 lacks (under
+        the namespace that stored each page)."""
+        self.evicted_pages += len(victims)
         write_back = self.tier is not None and self.config.storage.write_policy == "write_back"
         hits = self._hits
-        self.events.removed([key for key, _ in victims], MEDIUM_L2)
-        for key, slot in victims:
+        self.events.removed([key for key, _, _ in victims], MEDIUM_L2)
+        for key, slot, owner in victims:
             hits.pop(key, None)
+            ns = self.namespaces.get(owner)
             unwritten = key not in self.l3 and key not in self.writing
-            if write_back and unwritten and self._write(ns, key, slot, evicted=True):
+            if (
+                write_back
+                and unwritten
+                and ns is not None
+                and self._write(ns, key, slot, evicted=True)
+            ):
                 continue
             self.pool.free(slot)
 
@@ -389,7 +440,7 @@ class Cache:
         n = len(lease.pinned) + count
         keys = lease.keys[:n]
         slots = lease.pinned + fresh[:count]
-        published, unused = lease.ns.index.insert(keys, slots)
+        published, unused = lease.ns.index.insert(keys, slots, lease.ns.id)
         lease.fresh = fresh[count:]
         for slot in unused:
             self.pool.free(slot)
@@ -638,6 +689,7 @@ class Cache:
             errors=dict(self.errors),
             dropped=dict(self.dropped),
             evicted_pages=self.evicted_pages,
+            reclaimed_slabs=self.reclaimed_slabs,
             expired_leases=self.expired_leases,
             l3_backend=self.config.storage.backend if self.tier is not None else "",
             l3_state=getattr(self.tier, "state", "") if self.tier is not None else "",

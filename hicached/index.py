@@ -2,7 +2,10 @@
 
 Synchronous, owned by the event-loop thread, no I/O. One index serves all
 namespaces of one page size (keys are seeded by the namespace digest, so
-namespaces never collide) and orders their pages for eviction.
+namespaces never collide) and orders their pages for eviction. Every node
+remembers its *owner*, the namespace that stored it, so an evicted page can
+be written back under the right namespace. Indexes of different page sizes
+may share one clock, which makes their recency comparable.
 
 Invariants:
 - the pages in the tree are prefix-closed: a page is present only if its
@@ -16,20 +19,23 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 
 class Node:
     """A run of pages: ``keys[i]`` is stored in slot ``slots[i]``."""
 
-    __slots__ = ("alive", "children", "keys", "parent", "slots", "tick")
+    __slots__ = ("alive", "children", "keys", "owner", "parent", "slots", "tick")
 
-    def __init__(self, keys: list[bytes], slots: list[int], parent: Node | None, tick: int) -> None:
+    def __init__(
+        self, keys: list[bytes], slots: list[int], parent: Node | None, tick: int, owner: int = 0
+    ) -> None:
         self.keys = keys
         self.slots = slots
         self.parent = parent
         self.children: dict[bytes, Node] = {}
         self.tick = tick
+        self.owner = owner
         self.alive = True
 
     def __repr__(self) -> str:
@@ -51,11 +57,11 @@ def _common(run: list[bytes], keys: Sequence[bytes], start: int) -> int:
 class PageIndex:
     """Which pages are in L2, in which slots, and which to evict first."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Iterator[int] | None = None) -> None:
         self.root = Node([], [], None, 0)
         self.pages = 0
         self.node_of: dict[int, Node] = {}
-        self._tick = 0
+        self._clock = clock if clock is not None else itertools.count(1)
         self._heap: list[tuple[int, int, Node]] = []
         self._seq = itertools.count()
 
@@ -63,8 +69,7 @@ class PageIndex:
 
     def match(self, keys: Sequence[bytes]) -> list[int]:
         """Slots of the leading pages of ``keys`` that are present; marks them used."""
-        self._tick += 1
-        tick = self._tick
+        tick = next(self._clock)
         node = self.root
         out: list[int] = []
         i, n = 0, len(keys)
@@ -94,22 +99,24 @@ class PageIndex:
 
     # -- updates ---------------------------------------------------------------
 
-    def insert(self, keys: Sequence[bytes], slots: Sequence[int]) -> tuple[int, list[int]]:
-        """Insert pages ``keys`` stored in ``slots``; leading pages may exist already.
+    def insert(
+        self, keys: Sequence[bytes], slots: Sequence[int], owner: int = 0
+    ) -> tuple[int, list[int]]:
+        """Insert pages ``keys`` stored in ``slots`` by namespace ``owner``; leading
+        pages may exist already.
 
         Returns ``(published, unused)``: how many pages are new, and the given
         slots that were not needed because that page already had another slot.
         """
         assert len(keys) == len(slots), "one slot per key"
-        self._tick += 1
-        tick = self._tick
+        tick = next(self._clock)
         node = self.root
         unused: list[int] = []
         i, n = 0, len(keys)
         while i < n:
             child = node.children.get(keys[i])
             if child is None:
-                leaf = Node(list(keys[i:]), list(slots[i:]), node, tick)
+                leaf = Node(list(keys[i:]), list(slots[i:]), node, tick, owner)
                 node.children[keys[i]] = leaf
                 for slot in leaf.slots:
                     self.node_of[slot] = leaf
@@ -136,7 +143,7 @@ class PageIndex:
         """Cut ``node`` after ``at`` pages; the new parent holds the head, ``node`` the tail."""
         parent = node.parent
         assert parent is not None and 0 < at < len(node.keys), "split inside a run only"
-        head = Node(node.keys[:at], node.slots[:at], parent, node.tick)
+        head = Node(node.keys[:at], node.slots[:at], parent, node.tick, node.owner)
         parent.children[head.keys[0]] = head
         node.keys = node.keys[at:]
         node.slots = node.slots[at:]
@@ -146,12 +153,22 @@ class PageIndex:
             self.node_of[slot] = head
         return head
 
-    def evict(self, count: int, pins: Mapping[int, int]) -> list[tuple[bytes, int]]:
+    def oldest(self) -> int | None:
+        """The clock tick of the least recently used leaf, or None without pages."""
+        heap = self._heap
+        while heap:
+            tick, _, node = heap[0]
+            if node.alive and not node.children and node.tick == tick and node.slots:
+                return tick
+            heapq.heappop(heap)  # stale entry
+        return None
+
+    def evict(self, count: int, pins: Mapping[int, int]) -> list[tuple[bytes, int, int]]:
         """Remove up to ``count`` unpinned pages, least recently used leaf first.
 
-        Returns their (key, slot) pairs in eviction order; the caller frees the slots.
+        Returns their (key, slot, owner) in eviction order; the caller frees the slots.
         """
-        out: list[tuple[bytes, int]] = []
+        out: list[tuple[bytes, int, int]] = []
         heap = self._heap
         while len(out) < count and heap:
             tick, _, node = heapq.heappop(heap)
@@ -164,7 +181,7 @@ class PageIndex:
                     break
                 node.slots.pop()
                 del self.node_of[slot]
-                out.append((node.keys.pop(), slot))
+                out.append((node.keys.pop(), slot, node.owner))
             if not node.slots:
                 self._remove(node, first)
             elif len(out) >= count and node.slots[-1] not in pins:

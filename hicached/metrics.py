@@ -88,6 +88,12 @@ class _Snapshot(Collector):
             "hicached_evicted_pages", "Pages evicted from L2.", "", {"": s.evicted_pages}
         )
         yield _counter(
+            "hicached_reclaimed_slabs",
+            "Pool slabs one page size gave up for another.",
+            "",
+            {"": s.reclaimed_slabs},
+        )
+        yield _counter(
             "hicached_expired_leases", "Leases that expired.", "", {"": s.expired_leases}
         )
         if s.l3_backend:

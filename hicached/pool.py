@@ -17,13 +17,14 @@ import heapq
 
 
 class _SizeClass:
-    __slots__ = ("page_bytes", "partial", "slots_per_slab", "used")
+    __slots__ = ("page_bytes", "partial", "slabs", "slots_per_slab", "used")
 
     def __init__(self, page_bytes: int) -> None:
         self.page_bytes = page_bytes
         # slab id -> free slot offsets of that slab, highest first (pop gives the lowest)
         self.partial: dict[int, list[int]] = {}
         self.used = 0
+        self.slabs = 0
         self.slots_per_slab = 0
 
 
@@ -70,6 +71,7 @@ class SlotPool:
         cls.used -= 1
         if self._slab_used[slab] == 0:
             cls.partial.pop(slab, None)
+            cls.slabs -= 1
             self._slab_class[slab] = None
             heapq.heappush(self._free_slabs, slab)
         else:
@@ -89,6 +91,7 @@ class SlotPool:
         cls.partial[slab] = offsets
         cls.slots_per_slab = max(cls.slots_per_slab, len(offsets))
         self._slab_class[slab] = cls
+        cls.slabs += 1
         return True
 
     # -- pins ------------------------------------------------------------
@@ -120,6 +123,15 @@ class SlotPool:
     @property
     def free_slabs(self) -> int:
         return len(self._free_slabs)
+
+    def slabs_of(self, page_bytes: int) -> int:
+        """Slabs the page size holds now."""
+        cls = self._classes.get(page_bytes)
+        return cls.slabs if cls else 0
+
+    def slots_per_slab(self, page_bytes: int) -> int:
+        cls = self._classes.get(page_bytes)
+        return cls.slots_per_slab if cls else 0
 
     def used_slots(self, page_bytes: int) -> int:
         cls = self._classes.get(page_bytes)

@@ -191,6 +191,7 @@ class DaemonStats(msgspec.Struct, kw_only=True):
     # pages asked for by match requests ("asked"), and found in L2 ("l2") and L3 ("l3")
     match_pages: dict[str, int] = {}
     events_pending: int = 0
+    reclaimed_slabs: int = 0  # slabs one page size gave up for another
     metrics_endpoint: str = ""  # "" when metrics are off
 
 

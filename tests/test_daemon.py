@@ -281,3 +281,55 @@ async def test_async_client_runs_requests_concurrently(daemon: Daemon) -> None:
             assert np.array_equal(got, page_bytes_for(s))
         stats = await c.stats()
         assert stats.pages == 48 and stats.leases == 0
+
+
+def test_page_sizes_share_the_pool_by_recency(daemon_factory: Callable[..., Daemon]) -> None:
+    """A page size that holds every slab gives one back to another size whose
+    pages are more recent, and takes one back the same way; pinned pages stay."""
+    d = daemon_factory(size_mib=2, slab_mib=1)  # two slabs
+    big_ns = dict(NS, model="test/big", page_bytes=2 * PAGE_BYTES)
+    with d.client() as c:
+        small, big = c.register(**NS), c.register(**big_ns)
+
+        def seqs(base: int, n: int, pages: int) -> list[np.ndarray]:
+            return [
+                np.arange(PAGE_TOKENS * pages, dtype=np.uint32) + base + i * 10**6 for i in range(n)
+            ]
+
+        small_seqs = seqs(10**8, 4, 128)  # 4 x 128 pages of 4 KiB: both slabs
+        for toks in small_seqs:
+            assert c.store(small, toks, page_bytes_for(toks)).published == 128
+        assert c.stats().pool_free_bytes == 0
+        big_toks = seqs(2 * 10**8, 1, 64)[0]  # 64 pages of 8 KiB: half a slab
+        big_pages = page_bytes_for(big_toks, 2 * PAGE_BYTES)
+        assert c.store(big, big_toks, big_pages).published == 64  # no longer pool-full
+        stats = c.stats()
+        assert stats.reclaimed_slabs == 1
+        # the least recently used small pages went; the newest are all there
+        assert c.match(small, small_seqs[0], lease=False).hits == 0
+        assert c.match(small, small_seqs[3], lease=False).hits == 128
+        assert np.array_equal(c.load(big, big_toks), big_pages)
+
+        # now the small pages are the more recent: the big size gives its slab back
+        for toks in small_seqs[2:]:
+            c.match(small, toks, lease=False)
+        more = seqs(3 * 10**8, 1, 200)[0]
+        assert c.store(small, more, page_bytes_for(more)).published == 200
+        assert c.stats().reclaimed_slabs == 2
+        assert c.match(big, big_toks, lease=False).hits == 0
+        assert c.match(small, small_seqs[3], lease=False).hits == 128
+
+        # a size whose every page is leased keeps its slabs: the other gets pool_full
+        leases = [c.match(small, toks) for toks in (small_seqs[2], small_seqs[3], more)]
+        leases = [hit for hit in leases if hit.hits]
+        leased = sum(hit.hits for hit in leases)
+        res = c.reserve(big, big_toks)
+        assert res.pool_full
+        c.abort(res)
+        for toks, hit in zip((small_seqs[2], small_seqs[3], more), leases, strict=False):
+            assert np.array_equal(
+                c.read_pages(small, hit.offsets), page_bytes_for(toks)[: hit.hits]
+            )
+        for hit in leases:
+            c.release(hit)
+        assert leased == c.stats().pages

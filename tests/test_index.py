@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from hicached.index import PageIndex
 
 
@@ -13,8 +15,8 @@ def keys(*ids: int) -> list[bytes]:
     return [k(i) for i in ids]
 
 
-def slots_of(pairs: list[tuple[bytes, int]]) -> list[int]:
-    return [slot for _, slot in pairs]
+def slots_of(evicted: list[tuple[bytes, int, int]]) -> list[int]:
+    return [slot for _, slot, _ in evicted]
 
 
 def test_insert_then_match_prefix() -> None:
@@ -103,4 +105,23 @@ def test_stale_heap_entries_do_not_grow_without_bound() -> None:
     for _ in range(5000):
         ix.match(keys(1, 2))
     assert len(ix._heap) <= 2 * ix.pages + 1025
-    assert ix.evict(1, {}) == [(k(2), 11)]
+    assert ix.evict(1, {}) == [(k(2), 11, 0)]
+
+
+def test_pages_remember_their_owner_and_indexes_share_a_clock() -> None:
+    clock = itertools.count(1)
+    small, large = PageIndex(clock), PageIndex(clock)
+    small.insert(keys(1, 2, 3), [10, 11, 12], owner=7)
+    large.insert(keys(5), [50], owner=9)
+    small.insert(keys(1, 2, 8), [10, 11, 13], owner=7)  # splits the run; the head keeps owner 7
+    assert {n.owner for n in small.nodes()} == {7}
+    oldest_small, oldest_large = small.oldest(), large.oldest()
+    assert oldest_small is not None and oldest_large is not None
+    assert oldest_large < oldest_small  # the large page was used before the small ones' leaves
+    small.match(keys(1, 2, 3))
+    large.match(keys(5))
+    assert large.oldest() > small.oldest()  # type: ignore[operator]
+    assert sorted(small.evict(10, {})) == sorted(
+        [(k(3), 12, 7), (k(8), 13, 7), (k(2), 11, 7), (k(1), 10, 7)]
+    )
+    assert small.oldest() is None

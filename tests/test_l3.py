@@ -361,3 +361,25 @@ def test_no_room_for_one_segment_is_a_clear_error(tmp_path: Path) -> None:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
         mnt.rmdir()
         subprocess.run(["rm", "-rf", f"/tmp/hc-rt-{os.getpid()}"], check=False)
+
+
+def test_write_back_of_a_page_evicted_for_another_namespace_keeps_its_own(
+    file_daemon: Callable[..., Daemon],
+) -> None:
+    """Two namespaces of one page size share an index; a page evicted to make
+    room for the other is written back under the namespace that stored it."""
+    d = file_daemon("write_back")
+    first, second = dict(NS, model="test/first"), dict(NS, model="test/second")
+    a = seq(0, 10)
+    with d.client() as c:
+        ns_a, ns_b = c.register(**first), c.register(**second)
+        c.store(ns_a, a, page_bytes_for(a))
+        filler = seq(5 * 10**6, 256)
+        c.store(ns_b, filler, np.zeros((256, 4096), np.uint8))  # evicts a, for ns_b
+        wait_for(lambda: l3_count(c, "written") >= 10)
+        settle_writes(c)
+        assert c.match(ns_a, a, lease=False).hits == 0
+        pf = c.prefetch(ns_a, a)
+        assert wait_prefetch(c, pf).completed == 10  # found under ns_a's digest
+        c.commit(pf)
+        assert np.array_equal(c.load(ns_a, a), page_bytes_for(a))
