@@ -1,11 +1,14 @@
-"""The ``hicached`` command: serve, status, check-config, bench."""
+"""The ``hicached`` command: serve, status, check-config, keygen, bench."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
+import re
 import sys
+from pathlib import Path
 
 import msgspec
 
@@ -38,9 +41,20 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from hicached.client import Client
+    from hicached.client import Client, CurveKeys
 
-    with Client(args.endpoint, timeout=args.timeout, name="hicached-status") as client:
+    curve = None
+    if args.curve_server_key or args.curve_key:
+        if not (args.curve_server_key and args.curve_key):
+            raise SystemExit("--curve-server-key and --curve-key go together")
+        curve = CurveKeys.load(args.curve_server_key, args.curve_key)
+    with Client(
+        args.endpoint,
+        timeout=args.timeout,
+        name="hicached-status",
+        curve=curve,
+        map_pool=False,  # status needs no slots, and may ask another host
+    ) as client:
         stats = client.stats()
     if args.json:
         print(json.dumps(msgspec.to_builtins(stats), indent=2, sort_keys=True))
@@ -67,6 +81,21 @@ def _cmd_status(args: argparse.Namespace) -> int:
         )
     lines.append(f"metrics:    {stats.metrics_endpoint or 'off'}")
     print("\n".join(lines))
+    return 0
+
+
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    import zmq.auth
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", args.name):
+        raise SystemExit(f"name {args.name!r}: letters, digits, '.', '_' and '-' only")
+    directory = Path(args.directory)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if (directory / f"{args.name}.key").exists():
+        raise SystemExit(f"{directory / args.name}.key exists: choose another name")
+    public, secret = zmq.auth.create_certificates(str(directory), args.name)
+    os.chmod(secret, 0o600)
+    print(f"public: {public}\nsecret: {secret}")
     return 0
 
 
@@ -100,7 +129,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--endpoint", help="daemon endpoint (default: $HICACHED_ENDPOINT or the default ipc socket)"
     )
     status.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the daemon")
+    status.add_argument("--curve-server-key", help="the daemon's public CURVE certificate (.key)")
+    status.add_argument("--curve-key", help="this client's secret CURVE certificate (.key_secret)")
     status.set_defaults(func=_cmd_status)
+
+    keygen = sub.add_parser(
+        "keygen", help="write a CURVE key pair: NAME.key (public) and NAME.key_secret"
+    )
+    keygen.add_argument("directory", help="where to write them (created mode 0700)")
+    keygen.add_argument("name", help="file name stem, e.g. the host or client name")
+    keygen.set_defaults(func=_cmd_keygen)
 
     check = sub.add_parser("check-config", help="validate a config file")
     check.add_argument("path")

@@ -26,7 +26,7 @@ import sys
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 import numpy as np
@@ -49,6 +49,29 @@ from hicached.namespace import NamespaceSpec
 
 R = TypeVar("R", bound=p.Reply)
 Exchange = Generator[p.Request, p.AnyReply, Any]
+
+
+class CurveKeys(NamedTuple):
+    """CURVE keys for a tcp:// daemon that requires them (Z85 text, as bytes)."""
+
+    server_public: bytes
+    public: bytes
+    secret: bytes
+
+    @classmethod
+    def load(cls, server_key_file: str, client_secret_file: str) -> CurveKeys:
+        """From certificate files as `hicached keygen` writes them: the daemon's
+        public one (``.key``) and this client's secret one (``.key_secret``)."""
+        import zmq.auth
+
+        try:
+            server_public, _ = zmq.auth.load_certificate(server_key_file)
+            public, secret = zmq.auth.load_certificate(client_secret_file)
+        except (OSError, ValueError) as exc:
+            raise BadRequest(f"cannot read CURVE keys: {exc}") from None
+        if not secret:
+            raise BadRequest(f"{client_secret_file} holds no secret key: give the .key_secret file")
+        return cls(server_public, public, secret)
 
 
 @dataclass(slots=True, eq=False)
@@ -118,12 +141,21 @@ class Progress(msgspec.Struct, frozen=True):
 class _Core:
     """What both clients share: state, message building and the exchange logic."""
 
-    def __init__(self, endpoint: str | None, timeout: float, name: str) -> None:
+    def __init__(
+        self,
+        endpoint: str | None,
+        timeout: float,
+        name: str,
+        curve: CurveKeys | None,
+        map_pool: bool,
+    ) -> None:
         self.endpoint = endpoint or default_endpoint()
         try:
-            check_endpoint(self.endpoint)
+            check_endpoint(self.endpoint, remote=curve is not None)
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
+        self.curve = curve
+        self.map_pool = map_pool
         self.timeout = timeout
         self.name = name or f"pid-{os.getpid()}"
         self._ids = itertools.count(1)
@@ -164,7 +196,7 @@ class _Core:
         if isinstance(reply, p.Error):
             raise reply.to_exception()
         assert isinstance(reply, p.HelloOk)
-        if self._arena is None or reply.instance != self._instance:
+        if self.map_pool and (self._arena is None or reply.instance != self._instance):
             self._close_arena()  # another daemon's pool: unpin and unmap the old one
             self._arena = Arena.attach(reply.pool_path, reply.pool_bytes)
             if self._pin:
@@ -256,9 +288,22 @@ class _Core:
 
     @property
     def arena(self) -> Arena:
+        if not self.map_pool:
+            raise BadRequest("this client does not map the pool (map_pool=False)")
         if self._arena is None:
             raise DaemonUnavailable("not connected: call connect() first")
         return self._arena
+
+    def _configure(self, sock: zmq.Socket[Any]) -> None:
+        """Options of the one DEALER socket; CURVE keys when given."""
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RECONNECT_IVL, 50)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        if self.curve is not None:
+            sock.curve_serverkey = self.curve.server_public
+            sock.curve_publickey = self.curve.public
+            sock.curve_secretkey = self.curve.secret
+        sock.connect(self.endpoint)
 
     def rows(self, ns: Namespace) -> np.ndarray:
         """The pool as a (slots, page_bytes) uint8 array, zero-copy."""
@@ -386,18 +431,26 @@ def _run(gen: Exchange, roundtrip: Callable[[p.Request], p.AnyReply]) -> Any:
 
 
 class Client(_Core):
-    """Synchronous client. ``timeout`` bounds every request, in seconds."""
+    """Synchronous client. ``timeout`` bounds every request, in seconds.
+
+    ``curve``: keys for a tcp:// daemon that requires CURVE. ``map_pool``:
+    False on a host that does not share the daemon's memory (control calls
+    only: match, prefetch, progress, stats; no slot copies).
+    """
 
     def __init__(
-        self, endpoint: str | None = None, *, timeout: float = 5.0, name: str = ""
+        self,
+        endpoint: str | None = None,
+        *,
+        timeout: float = 5.0,
+        name: str = "",
+        curve: CurveKeys | None = None,
+        map_pool: bool = True,
     ) -> None:
-        super().__init__(endpoint, timeout, name)
+        super().__init__(endpoint, timeout, name, curve, map_pool)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.RECONNECT_IVL, 50)
-        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        self._sock.connect(self.endpoint)
+        self._configure(self._sock)
         self._rcvtimeo = -1
 
     def __enter__(self) -> Client:
@@ -505,15 +558,18 @@ class AsyncClient(_Core):
     """asyncio client; many requests may be in flight at once."""
 
     def __init__(
-        self, endpoint: str | None = None, *, timeout: float = 5.0, name: str = ""
+        self,
+        endpoint: str | None = None,
+        *,
+        timeout: float = 5.0,
+        name: str = "",
+        curve: CurveKeys | None = None,
+        map_pool: bool = True,
     ) -> None:
-        super().__init__(endpoint, timeout, name)
+        super().__init__(endpoint, timeout, name, curve, map_pool)
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.RECONNECT_IVL, 50)
-        self._sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        self._sock.connect(self.endpoint)
+        self._configure(self._sock)
         self._pending: dict[int, asyncio.Future[p.AnyReply]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()  # one handshake at a time

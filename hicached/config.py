@@ -36,8 +36,9 @@ MIB = 1 << 20
 _Section = {"kw_only": True, "forbid_unknown_fields": True}
 
 
-def check_endpoint(endpoint: str) -> None:
-    """Accept ipc:// with an absolute path, or tcp:// on a loopback address only."""
+def check_endpoint(endpoint: str, *, remote: bool = False) -> None:
+    """Accept ipc:// with an absolute path, or tcp:// on a loopback address
+    (on any address with ``remote``, i.e. when CURVE guards it)."""
     if endpoint.startswith("ipc://"):
         path = endpoint[len("ipc://") :]
         if path.startswith("@"):
@@ -59,7 +60,7 @@ def check_endpoint(endpoint: str) -> None:
             raise ValueError(
                 f"endpoint {endpoint!r}: give an explicit port, like tcp://127.0.0.1:5557"
             )
-        if host != "localhost":
+        if host != "localhost" and not remote:
             try:
                 loopback = ipaddress.ip_address(host).is_loopback
             except ValueError:
@@ -67,7 +68,7 @@ def check_endpoint(endpoint: str) -> None:
             if not loopback:
                 raise ValueError(
                     f"endpoint {endpoint!r}: tcp is allowed on loopback only "
-                    "(127.0.0.0/8, ::1 or localhost)"
+                    "(127.0.0.0/8, ::1 or localhost) unless [curve] keys are configured"
                 )
         return
     raise ValueError(f"endpoint {endpoint!r}: use ipc:///absolute/path or tcp://127.0.0.1:PORT")
@@ -97,7 +98,7 @@ class ServerConfig(msgspec.Struct, **_Section):
 
     def __post_init__(self) -> None:
         if self.endpoint:
-            check_endpoint(self.endpoint)
+            check_endpoint(self.endpoint, remote=True)  # loopback unless CURVE: Config
         if self.runtime_dir and not self.runtime_dir.startswith("/"):
             raise ValueError("runtime_dir must be an absolute path")
         if self.max_message_bytes < 4096:
@@ -237,7 +238,7 @@ class EventsConfig(msgspec.Struct, **_Section):
             value = getattr(self, name)
             if value:
                 try:
-                    check_endpoint(value)
+                    check_endpoint(value, remote=True)  # loopback unless CURVE: Config
                 except ValueError as exc:
                     raise ValueError(f"{name}: {exc}") from None
         if self.replay_endpoint and not self.endpoint:
@@ -294,6 +295,25 @@ class LogConfig(msgspec.Struct, **_Section):
             raise ValueError("level must be one of debug, info, warning, error")
 
 
+class CurveConfig(msgspec.Struct, **_Section):
+    """CURVE authentication and encryption of every tcp:// socket (docs/operations.md)."""
+
+    # The daemon's secret certificate, as `hicached keygen` writes it; "" = no
+    # CURVE, and tcp:// endpoints on loopback only.
+    secret_key_file: str = ""
+    # Directory of the public certificates (*.key) of the clients and event
+    # subscribers allowed to connect; required with secret_key_file.
+    authorized_keys_dir: str = ""
+
+    def __post_init__(self) -> None:
+        if bool(self.secret_key_file) != bool(self.authorized_keys_dir):
+            raise ValueError("secret_key_file and authorized_keys_dir go together")
+        for name in ("secret_key_file", "authorized_keys_dir"):
+            value = getattr(self, name)
+            if value and not value.startswith("/"):
+                raise ValueError(f"{name} must be an absolute path")
+
+
 class Config(msgspec.Struct, **_Section):
     """The whole daemon configuration; every section is optional."""
 
@@ -303,7 +323,22 @@ class Config(msgspec.Struct, **_Section):
     storage: StorageConfig = msgspec.field(default_factory=StorageConfig)
     events: EventsConfig = msgspec.field(default_factory=EventsConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    curve: CurveConfig = msgspec.field(default_factory=CurveConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        if self.curve.secret_key_file:
+            return  # every tcp:// socket authenticates its peers
+        for key, value in (
+            ("server.endpoint", self.server.endpoint),
+            ("events.endpoint", self.events.endpoint),
+            ("events.replay_endpoint", self.events.replay_endpoint),
+        ):
+            if value:
+                try:
+                    check_endpoint(value)
+                except ValueError as exc:
+                    raise ValueError(f"{key}: {exc}") from None
 
 
 def parse_config(text: str | bytes, source: str = "<config>") -> Config:

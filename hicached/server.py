@@ -20,6 +20,8 @@ from pathlib import Path
 
 import msgspec
 import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
 
 from hicached import protocol as p
 from hicached.arena import Arena, arena_path
@@ -69,6 +71,8 @@ class Server:
         self._tasks: list[asyncio.Task[None]] = []
         self._signals = 0
         self.metrics: Metrics | None = None
+        self._auth: ThreadAuthenticator | None = None
+        self._curve_keys: tuple[bytes, bytes] | None = None
         self.ready = asyncio.Event()
 
     # -- lifecycle -------------------------------------------------------------
@@ -153,6 +157,7 @@ class Server:
         cfg = self.config
         assert self.cache is not None
         self._ctx = zmq.Context()
+        self._start_curve()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -161,7 +166,7 @@ class Server:
         # Hard guard on memory: libzmq drops the peer beyond this; between
         # max_message_bytes and this the request gets a too_large reply.
         sock.setsockopt(zmq.MAXMSGSIZE, 16 * cfg.server.max_message_bytes)
-        _bind(sock, self.endpoint, "server.endpoint")
+        self._bind(sock, self.endpoint, "server.endpoint")
         self._sock = sock
         loop = asyncio.get_running_loop()
         loop.add_reader(sock.fileno(), self._drain)
@@ -189,13 +194,13 @@ class Server:
         pub = self._ctx.socket(zmq.PUB)
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, ev.hwm)
-        _bind(pub, ev.endpoint, "events.endpoint")
+        self._bind(pub, ev.endpoint, "events.endpoint")
         self._pub = pub
         loop = asyncio.get_running_loop()
         if ev.replay_endpoint:
             replay = self._ctx.socket(zmq.ROUTER)
             replay.setsockopt(zmq.LINGER, 0)
-            _bind(replay, ev.replay_endpoint, "events.replay_endpoint")
+            self._bind(replay, ev.replay_endpoint, "events.replay_endpoint")
             self._replay_sock = replay
             loop.add_reader(replay.fileno(), self._serve_replay)
         self._tasks.append(loop.create_task(self._publish_loop()))
@@ -277,6 +282,9 @@ class Server:
         if self._sock is not None:
             self._sock.close(linger=0)  # idempotent
             self._sock = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -288,6 +296,47 @@ class Server:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+    # -- sockets -------------------------------------------------------------------
+
+    def _start_curve(self) -> None:
+        """Load the daemon's keys and start the handler that admits authorized peers."""
+        curve = self.config.curve
+        if not curve.secret_key_file:
+            return
+        try:
+            public, secret = zmq.auth.load_certificate(curve.secret_key_file)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                f"curve.secret_key_file: cannot read {curve.secret_key_file}: {exc}"
+            ) from None
+        if not secret:
+            raise ConfigError(
+                f"curve.secret_key_file: {curve.secret_key_file} holds a public key only; "
+                "give the .key_secret file"
+            )
+        if not Path(curve.authorized_keys_dir).is_dir():
+            raise ConfigError(
+                f"curve.authorized_keys_dir: {curve.authorized_keys_dir} is not a directory"
+            )
+        assert self._ctx is not None
+        auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("hicached.curve"))
+        auth.start()
+        auth.configure_curve(domain="*", location=curve.authorized_keys_dir)
+        self._auth, self._curve_keys = auth, (public, secret)
+        log.info("CURVE on tcp:// sockets; authorized keys from %s", curve.authorized_keys_dir)
+
+    def _bind(self, sock: zmq.Socket[bytes], endpoint: str, key: str) -> None:
+        """Bind (tcp:// with CURVE when configured) or close the socket and say
+        which config key names the endpoint."""
+        if endpoint.startswith("tcp://") and self._curve_keys is not None:
+            sock.curve_publickey, sock.curve_secretkey = self._curve_keys
+            sock.curve_server = True
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            sock.close()
+            raise ConfigError(f"{key}: cannot listen on {endpoint}: {exc}") from None
 
     # -- the request path --------------------------------------------------------
 
@@ -371,15 +420,6 @@ class Server:
         while True:
             sd_notify("WATCHDOG=1")
             await asyncio.sleep(interval)
-
-
-def _bind(sock: zmq.Socket[bytes], endpoint: str, key: str) -> None:
-    """Bind or close the socket and say which config key names the endpoint."""
-    try:
-        sock.bind(endpoint)
-    except zmq.ZMQError as exc:
-        sock.close()
-        raise ConfigError(f"{key}: cannot listen on {endpoint}: {exc}") from None
 
 
 def serve(config: Config) -> None:

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from hicached.arena import arena_path
-from hicached.client import Client
+from hicached.client import Client, CurveKeys
 
 
 def free_tcp_port() -> int:
@@ -48,7 +48,9 @@ class DaemonProcess:
         storage: str = "",
         tail: str = "",
         metrics: str = "port = 0",  # any free port: daemons side by side
+        curve: CurveKeys | None = None,  # the keys this harness connects with
     ) -> None:
+        self.curve = curve
         self.dir = Path(tempfile.mkdtemp(prefix="hc-", dir="/tmp"))
         self.runtime = self.dir / "run"
         self.endpoint = (
@@ -81,7 +83,7 @@ class DaemonProcess:
                     f"daemon exited with {self.proc.returncode}:\n{self.log.read_text()}"
                 )
             try:
-                with Client(self.endpoint, timeout=0.5) as client:
+                with Client(self.endpoint, timeout=0.5, curve=self.curve) as client:
                     client.stats()
                 return self
             except Exception:
@@ -90,7 +92,7 @@ class DaemonProcess:
 
     def client(self, timeout: float = 5.0, name: str = "") -> Client:
         """A connected client; use it in a ``with`` block."""
-        client = Client(self.endpoint, timeout=timeout, name=name)
+        client = Client(self.endpoint, timeout=timeout, name=name, curve=self.curve)
         try:
             return client.connect()
         except BaseException:
