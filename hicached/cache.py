@@ -377,6 +377,8 @@ class Cache:
     def _other_size_to_reclaim(self, own: PageIndex) -> int | None:
         """The other page size whose LRU page is older than all of ``own``'s
         (any with pages, when ``own`` has none), or None."""
+        if len(self.indexes) < 2:
+            return None
         best = own.oldest()
         choice = None
         for page_bytes, index in self.indexes.items():

@@ -316,7 +316,7 @@ class _Core:
     def pin_memory(self) -> None:
         """Register this client's mapping of the pool with CUDA as pinned memory,
         now and after every reconnect, so that copies between GPU tensors and
-        slots are DMA with no staging buffer (docs/operations.md)."""
+        slots need no staging buffer (hicached/cuda.py, docs/perf.md)."""
         self._pin = True
         if self._arena is not None and self._pinned is None:
             self._pin_arena()
@@ -330,8 +330,8 @@ class _Core:
     def write_pages(self, ns: Namespace, offsets: list[int], data: Any) -> None:
         """Copy ``data`` (n pages of page_bytes) into the slots at ``offsets``.
 
-        ``data`` is a numpy array (one copy call), or a CUDA tensor (one DMA
-        per run of adjacent slots, finished on return).
+        ``data`` is a numpy array (one copy call), or a CUDA tensor (DMA per
+        run of adjacent slots, or one scatter kernel; finished on return).
         """
         if cuda_tensor(data):
             from hicached import cuda
@@ -355,8 +355,8 @@ class _Core:
     def read_pages(self, ns: Namespace, offsets: list[int], out: Any = None) -> Any:
         """Copy the slots at ``offsets`` into ``out`` (n, page_bytes), in one call.
 
-        ``out`` may be a CUDA tensor: one DMA per run of adjacent slots,
-        finished on return.
+        ``out`` may be a CUDA tensor (DMA per run of adjacent slots, or one
+        gather kernel; finished on return).
         """
         rows = self.rows(ns)
         idx = self._row_index(ns, offsets, len(rows))

@@ -74,11 +74,16 @@ def unregister(array: np.ndarray) -> None:
         raise HicachedError(f"cudaHostUnregister of the pool failed with CUDA error {int(err)}")
 
 
-def runs(rows: np.ndarray) -> list[tuple[int, int, int]]:
+def _cuts(rows: np.ndarray) -> np.ndarray:
+    """Indices where a run of consecutive rows ends and the next begins."""
+    return np.flatnonzero(np.diff(rows) != 1) + 1
+
+
+def runs(rows: np.ndarray, cuts: np.ndarray | None = None) -> list[tuple[int, int, int]]:
     """(first row, first index, length) of each run of consecutive rows."""
     if not len(rows):
         return []
-    cuts = np.flatnonzero(np.diff(rows) != 1) + 1
+    cuts = _cuts(rows) if cuts is None else cuts
     starts = np.concatenate(([0], cuts))
     ends = np.concatenate((cuts, [len(rows)]))
     return [(int(rows[s]), int(s), int(e - s)) for s, e in zip(starts, ends, strict=True)]
@@ -101,7 +106,8 @@ def copy(
     if len(rows) and pages.shape[1] != page_bytes:
         raise ValueError(f"each page must be {page_bytes} bytes, got {pages.shape[1]}")
     stream = torch.cuda.current_stream(gpu.device)
-    n_runs = int(np.count_nonzero(np.diff(rows) != 1)) + 1 if len(rows) else 0
+    cuts = _cuts(rows)
+    n_runs = len(cuts) + 1 if len(rows) else 0
     if mapped is not None and n_runs and len(rows) * page_bytes < KERNEL_BELOW_RUN_BYTES * n_runs:
         device_rows = mapped[: pool_rows.size].view(pool_rows.shape)
         index = torch.from_numpy(rows).to(gpu.device, non_blocking=True)
@@ -112,7 +118,7 @@ def copy(
         stream.synchronize()
         return
     host = torch.from_numpy(pool_rows)
-    for row, at, n in runs(rows):
+    for row, at, n in runs(rows, cuts):
         if to_pool:
             host[row : row + n].copy_(pages[at : at + n], non_blocking=True)
         else:

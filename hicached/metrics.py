@@ -84,18 +84,13 @@ class _Snapshot(Collector):
             "tier",
             s.match_pages,
         )
-        yield _counter(
-            "hicached_evicted_pages", "Pages evicted from L2.", "", {"": s.evicted_pages}
-        )
-        yield _counter(
+        yield _total("hicached_evicted_pages", "Pages evicted from L2.", s.evicted_pages)
+        yield _total(
             "hicached_reclaimed_slabs",
             "Pool slabs one page size gave up for another.",
-            "",
-            {"": s.reclaimed_slabs},
+            s.reclaimed_slabs,
         )
-        yield _counter(
-            "hicached_expired_leases", "Leases that expired.", "", {"": s.expired_leases}
-        )
+        yield _total("hicached_expired_leases", "Leases that expired.", s.expired_leases)
         if s.l3_backend:
             up = GaugeMetricFamily(
                 "hicached_l3_up",
@@ -126,9 +121,11 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, value=value)
 
 
+def _total(name: str, doc: str, value: int) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
 def _counter(name: str, doc: str, label: str, values: dict[str, int]) -> CounterMetricFamily:
-    if not label:
-        return CounterMetricFamily(name, doc, value=values.get("", 0))
     family = CounterMetricFamily(name, doc, labels=[label])
     for key, value in sorted(values.items()):
         family.add_metric([key], value)
@@ -157,16 +154,25 @@ class Metrics:
             registry=self.registry,
             buckets=_L3_BUCKETS,
         )
-        self._observers: dict[str, Callable[[float], None]] = {}
+        # labelled histogram children, looked up once per (histogram, op)
+        self._children: dict[tuple[int, str], Callable[[float], None]] = {}
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
         self.endpoint = ""
 
     def observe_request(self, op: str, seconds: float) -> None:
-        """Time of one handled request; the labelled child is looked up once per op."""
-        observe = self._observers.get(op)
+        """Time of one handled request."""
+        self._observe(self.request_seconds, op, seconds)
+
+    def observe_l3(self, op: str, seconds: float) -> None:
+        """Time of one L3 backend call attempt."""
+        self._observe(self.l3_seconds, op, seconds)
+
+    def _observe(self, histogram: Histogram, op: str, seconds: float) -> None:
+        key = (id(histogram), op)
+        observe = self._children.get(key)
         if observe is None:
-            observe = self._observers[op] = self.request_seconds.labels(op).observe
+            observe = self._children[key] = histogram.labels(op).observe
         observe(seconds)
 
     def start(self) -> None:

@@ -116,9 +116,7 @@ class Server:
             self.metrics = metrics
             self.cache.metrics_endpoint = metrics.endpoint
             if self.tier is not None:
-                self.tier.dispatcher.on_call = lambda op, s: metrics.l3_seconds.labels(op).observe(
-                    s
-                )
+                self.tier.dispatcher.on_call = metrics.observe_l3
 
         self._listen()
 

@@ -88,6 +88,27 @@ def test_only_authorized_clients_and_subscribers_are_served(
                 Client(d.endpoint, timeout=1.0, curve=curve, map_pool=False) as other,
             ):
                 other.stats()
+        status = [sys.executable, "-m", "hicached", "status", "--endpoint", d.endpoint]
+        out = subprocess.run(
+            [
+                *status,
+                "--curve-server-key",
+                str(server_public),
+                "--curve-key",
+                str(keys["engine"][1]),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert out.returncode == 0 and f"hicached at {d.endpoint}" in out.stdout, out.stderr
+        half = subprocess.run(
+            [*status, "--curve-key", str(keys["engine"][1])],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert half.returncode != 0 and "go together" in half.stderr
         assert subs["engine"].poll(5000), "the authorized subscriber got no events"
         topic, _seq, payload = subs["engine"].recv_multipart()
         assert topic == b"kv-events" and msgspec.msgpack.decode(payload)
@@ -97,6 +118,19 @@ def test_only_authorized_clients_and_subscribers_are_served(
         for sub in subs.values():
             sub.close()
         ctx.term()
+
+
+def test_keygen_refuses_to_overwrite_or_to_take_a_path_as_name(tmp_path: Path) -> None:
+    keygen(tmp_path, "host-1")
+    for name in ("host-1", "../evil", "a/b"):
+        out = subprocess.run(
+            [sys.executable, "-m", "hicached", "keygen", str(tmp_path), name],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert out.returncode != 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["host-1.key", "host-1.key_secret"]
 
 
 def test_off_loopback_needs_curve_and_curve_needs_its_files(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import pytest
 
 import hicached
 from hicached.errors import DeadlineExceeded, UnknownLease
+from hicached.testing import scrape
 from tests.support import NS, PAGE_BYTES, PAGE_TOKENS, Daemon, page_bytes_for
 
 WRITER = textwrap.dedent(
@@ -305,6 +306,7 @@ def test_page_sizes_share_the_pool_by_recency(daemon_factory: Callable[..., Daem
         assert c.store(big, big_toks, big_pages).published == 64  # no longer pool-full
         stats = c.stats()
         assert stats.reclaimed_slabs == 1
+        assert scrape(stats.metrics_endpoint)[("hicached_reclaimed_slabs_total", ())] == 1
         # the least recently used small pages went; the newest are all there
         assert c.match(small, small_seqs[0], lease=False).hits == 0
         assert c.match(small, small_seqs[3], lease=False).hits == 128
