@@ -10,9 +10,16 @@ may share one clock, which makes their recency comparable.
 Invariants:
 - the pages in the tree are prefix-closed: a page is present only if its
   parent page is, so a match never skips a hole;
+- every page of a node was last used at the node's ``tick``: a match or an
+  insert that ends part-way through a node splits it there, so the head it
+  touched takes the new tick and the untouched tail keeps its own. A use
+  touches a whole prefix, so a parent is never older than its children;
+- every leaf whose tail page is unpinned has a heap entry for its current
+  tick (a split keeps the tail node, and so its entry);
 - eviction takes pages from the tail of the least recently used leaf, so it
-  keeps that property; a pinned page stops eviction of its leaf until the pin
-  is dropped (pins are prefix-closed too, as every lease pins a prefix).
+  keeps the tree prefix-closed and evicts exactly in per-page LRU order among
+  the pages without children; a pinned page stops eviction of its leaf until
+  the pin is dropped (pins are prefix-closed too, as every lease pins a prefix).
 """
 
 from __future__ import annotations
@@ -68,7 +75,11 @@ class PageIndex:
     # -- queries -------------------------------------------------------------
 
     def match(self, keys: Sequence[bytes]) -> list[int]:
-        """Slots of the leading pages of ``keys`` that are present; marks them used."""
+        """Slots of the leading pages of ``keys`` that are present; marks them used.
+
+        A match that ends inside a node splits it, so only the matched pages
+        become more recent.
+        """
         tick = next(self._clock)
         node = self.root
         out: list[int] = []
@@ -78,11 +89,14 @@ class PageIndex:
             if child is None:
                 break
             m = _common(child.keys, keys, i)
+            partial = m < len(child.keys)
+            if partial:
+                child = self._split(child, m)
             child.tick = tick
-            out.extend(child.slots[:m] if m < len(child.slots) else child.slots)
+            out.extend(child.slots)
             i += m
             node = child
-            if m < len(child.keys):
+            if partial:
                 break
         if node is not self.root and not node.children:
             self._push(node)
@@ -124,23 +138,25 @@ class PageIndex:
                 self._push(leaf)
                 return n - i, unused
             m = _common(child.keys, keys, i)
+            if m < len(child.keys):
+                # Only the head is used; the tail keeps its tick and heap entry.
+                child = self._split(child, m)
             child.tick = tick
-            for have, given in zip(child.slots[:m], slots[i : i + m], strict=True):
+            for have, given in zip(child.slots, slots[i : i + m], strict=True):
                 if have != given:
                     unused.append(given)
             i += m
-            if m < len(child.keys):
-                if i == n:
-                    node = child
-                    break
-                child = self._split(child, m)
             node = child
         if node is not self.root and not node.children:
             self._push(node)
         return 0, unused
 
     def _split(self, node: Node, at: int) -> Node:
-        """Cut ``node`` after ``at`` pages; the new parent holds the head, ``node`` the tail."""
+        """Cut ``node`` after ``at`` pages; the new parent holds the head, ``node`` the tail.
+
+        Both keep ``node``'s tick. The tail stays the same object, so a heap
+        entry for it stays valid; the head has a child and needs none.
+        """
         parent = node.parent
         assert parent is not None and 0 < at < len(node.keys), "split inside a run only"
         head = Node(node.keys[:at], node.slots[:at], parent, node.tick, node.owner)
@@ -169,9 +185,9 @@ class PageIndex:
         Returns their (key, slot, owner) in eviction order; the caller frees the slots.
         """
         out: list[tuple[bytes, int, int]] = []
-        heap = self._heap
-        while len(out) < count and heap:
-            tick, _, node = heapq.heappop(heap)
+        # self._heap is read each round: a push below may compact it into a new list
+        while len(out) < count and self._heap:
+            tick, _, node = heapq.heappop(self._heap)
             if not node.alive or node.children or node.tick != tick:
                 continue  # stale entry
             first = node.keys[0]

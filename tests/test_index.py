@@ -117,7 +117,7 @@ def test_pages_remember_their_owner_and_indexes_share_a_clock() -> None:
     assert {n.owner for n in small.nodes()} == {7}
     oldest_small, oldest_large = small.oldest(), large.oldest()
     assert oldest_small is not None and oldest_large is not None
-    assert oldest_large < oldest_small  # the large page was used before the small ones' leaves
+    assert oldest_small < oldest_large  # page 3 was last used before the large page was stored
     small.match(keys(1, 2, 3))
     large.match(keys(5))
     assert large.oldest() > small.oldest()  # type: ignore[operator]
@@ -125,3 +125,74 @@ def test_pages_remember_their_owner_and_indexes_share_a_clock() -> None:
         [(k(3), 12, 7), (k(8), 13, 7), (k(2), 11, 7), (k(1), 10, 7)]
     )
     assert small.oldest() is None
+
+
+def test_partial_match_splits_and_leaves_the_tail_older() -> None:
+    ix = PageIndex()
+    ix.insert(keys(1, 2, 3, 4), [10, 11, 12, 13])
+    ix.insert(keys(7), [70])
+    assert ix.match(keys(1, 2)) == [10, 11]
+    (head,) = (n for n in ix.root.children.values() if n.keys[0] == k(1))
+    assert head.keys == keys(1, 2) and ix.node_of[12] is not head
+    # pages 3 and 4 were last used before page 7; pages 1 and 2 after it
+    assert slots_of(ix.evict(5, {})) == [13, 12, 70, 11, 10]
+
+
+def test_insert_ending_inside_a_run_leaves_the_tail_older() -> None:
+    ix = PageIndex()
+    ix.insert(keys(1, 2, 3), [10, 11, 12])
+    ix.insert(keys(7), [70])
+    assert ix.insert(keys(1, 2), [10, 11]) == (0, [])
+    assert slots_of(ix.evict(4, {})) == [12, 70, 11, 10]
+
+
+def test_split_leaves_the_old_leaf_evictable() -> None:
+    ix = PageIndex()
+    ix.insert(keys(1, 2), [10, 11])
+    ix.insert(keys(1, 3), [10, 12])  # [2] becomes a leaf of its own, as old as before
+    ix.insert(keys(7), [70])
+    assert ix.oldest() == 1
+    assert slots_of(ix.evict(1, {})) == [11]
+    assert slots_of(ix.evict(3, {})) == [12, 10, 70]
+
+
+def test_split_runs_stay_lru_under_pressure() -> None:
+    """Pages that shared a split prefix age like any others (a regression:
+    they were never evicted and crowded out every newer page)."""
+    ix = PageIndex()
+    free = list(range(256))
+
+    def store(run: list[bytes]) -> None:
+        present = ix.match(run)
+        need = len(run) - len(present)
+        if len(free) < need:
+            free.extend(slots_of(ix.evict(need - len(free), {})))
+        fresh = [free.pop() for _ in range(need)]
+        assert ix.insert(run, present + fresh) == (need, [])
+
+    for i in range(200):
+        store(keys(3 * i, 3 * i + 1))  # R + a
+        store(keys(3 * i, 3 * i + 2))  # R + b: splits R + a
+    unrelated = [k(10_000 + j) for j in range(1000)]
+    for key in unrelated:
+        store([key])
+    survivors = {key for node in ix.nodes() for key in node.keys}
+    assert ix.pages == 256
+    assert survivors == set(unrelated[-256:])
+
+
+def test_compaction_during_eviction_keeps_lru_order() -> None:
+    ix = PageIndex()
+    ix.insert(keys(*range(100, 200)), list(range(100, 200)))  # one long leaf, tick 1
+    ix.insert(keys(1, 2, 3), [10, 11, 12])
+    ix.match(keys(1, 2))
+    ix.match(keys(1))  # a chain [1] -> [2] -> [3], at ticks 4, 3, 2
+    ix.insert(keys(5), [50])
+    ix.insert(keys(6), [60])
+    while len(ix._heap) < 2 * ix.pages + 1024:  # stale entries up to the bound
+        ix.match(keys(6))
+    assert len(ix.evict(100, {})) == 100  # the bound shrinks, the heap stays
+    # removing [3] pushes [2] and compacts the heap; removing [2] then pushes [1],
+    # which must still go before [5]
+    assert slots_of(ix.evict(4, {})) == [12, 11, 10, 50]
+    assert len(ix._heap) <= 2 * ix.pages + 1025
