@@ -2,7 +2,12 @@
 
 Layout of a segment: a 4 KiB superblock, then records (record.py) packed
 back to back. The superblock holds the segment's *generation* and its
-*durable frontier*: every record that ends before it was fsynced. Writing:
+*durable frontier*: every record that ends before it was fsynced. A
+generation is a sequence number of the whole store: each time a segment is
+taken into use it gets the next one, so no two segments share one, the
+segment with the highest holds the newest records, and every record left in
+a file from an earlier use carries a lower generation than the current one.
+Generation 0 marks a segment that holds nothing. Writing:
 records of a batch are written with positional I/O from a small thread pool,
 then one fdatasync per touched segment; only then are they published in the
 in-memory index (so a read never sees an unsynced record). The frontier is
@@ -11,10 +16,21 @@ written with the next batch, before its fsync.
 Startup rebuilds the index from record headers, segment by segment; records
 past the frontier are also checksummed, and the first bad one ends that
 segment (it and everything after it are discarded and overwritten later).
+Writing resumes in the segment with the highest generation, so a restart
+changes neither where the next record goes nor which segment goes next.
 
-Capacity: when the ring is full, the oldest segment is recycled: its records
-leave the index (the daemon is told), its generation goes up, and records
-of older generations in it are ignored from then on.
+Capacity: when the active segment is full, the segment with the lowest
+generation (an empty one first) is recycled: its records leave the index
+(the daemon is told), it gets the next generation, and records of older
+generations in it are ignored from then on.
+
+Format versions (the superblock's version field): 1 counted generations per
+segment, so after the ring wrapped several segments could share one and the
+newest could not be told apart. Segments of version 1, like segments whose
+superblock is unreadable, are dropped at start: they hold nothing, their
+superblock stays as it is until the segment is used again, and the
+generations their leftovers carry are counted so that no later generation
+can match them.
 """
 
 from __future__ import annotations
@@ -40,6 +56,7 @@ log = logging.getLogger("hicached.file")
 
 SUPER = struct.Struct("<4sHHQQ")  # magic, version, pad, generation, durable frontier
 SUPER_MAGIC = b"HCS1"
+SUPER_VERSION = 2  # generations are store-wide sequence numbers (see above)
 SUPER_BYTES = 4096
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
 MIB = 1 << 20
@@ -82,7 +99,7 @@ class _Segment:
     id: int
     path: Path
     fd: int
-    generation: int = 0
+    generation: int = 0  # 0: holds nothing
     write_off: int = SUPER_BYTES
     durable_off: int = SUPER_BYTES
     keys: list[tuple[bytes, bytes]] = field(default_factory=list)
@@ -100,6 +117,7 @@ class FileBackend(Backend):
         self.segments: list[_Segment] = []
         self.index: dict[tuple[bytes, bytes], _Loc] = {}
         self.active = 0
+        self.top = 0  # the highest generation any segment file has carried
         self._pool: ThreadPoolExecutor | None = None
         self._write_lock = asyncio.Lock()  # planning and writing records
         self._sync_lock = asyncio.Lock()  # fsync and publication, in group order
@@ -118,7 +136,7 @@ class FileBackend(Backend):
 
     def _open_sync(self) -> None:
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        newest = (-1, 0)
+        dropped = 0  # segments of an older format
         for i in range(self.n_segments):
             path = self.dir / f"segment-{i:05d}.hcs"
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -145,9 +163,9 @@ class FileBackend(Backend):
                     break
             seg = _Segment(i, path, fd)
             self.segments.append(seg)
-            self._load(seg)
-            if seg.generation > newest[0] or (seg.generation == newest[0] and seg.keys):
-                newest = (seg.generation, i)
+            highest, old_format = self._load(seg)
+            self.top = max(self.top, highest)
+            dropped += old_format
             if self.n_segments >= 8 and (i + 1) % max(1, self.n_segments // 8) == 0:
                 log.info(
                     "file store %s: scanned %d/%d segments, %d pages",
@@ -156,24 +174,31 @@ class FileBackend(Backend):
                     self.n_segments,
                     len(self.index),
                 )
-        self.active = newest[1]
+        self.top = max(self.top, self._beyond_ring())
+        if dropped:
+            log.warning("file store %s: dropped %d segments of an older format", self.dir, dropped)
+        used = [seg for seg in self.segments if seg.generation]
+        if used:
+            self.active = max(used, key=lambda seg: seg.generation).id
+        else:  # a new store: its first segment is taken into use
+            self.active = 0
+            self._recycle(self.segments[0])
         log.info(
             "file store %s: %d pages in %d segments", self.dir, len(self.index), self.n_segments
         )
 
-    def _load(self, seg: _Segment) -> None:
-        """Rebuild the index entries of one segment from its record headers."""
-        raw = os.pread(seg.fd, SUPER.size + 8, 0)
-        magic, version, _pad, generation, durable = SUPER.unpack_from(raw)
-        (check,) = struct.unpack_from("<Q", raw, SUPER.size)
-        if (
-            magic != SUPER_MAGIC
-            or version != 1
-            or check != xxhash.xxh3_64_intdigest(raw[: SUPER.size])
-        ):
+    def _load(self, seg: _Segment) -> tuple[int, bool]:
+        """Rebuild the index entries of one segment from its record headers.
+
+        Returns the highest generation the file's records can carry, and
+        whether it was written by an older format (and is dropped)."""
+        intact, version, generation, durable = _superblock(seg.fd)
+        if not intact or version != SUPER_VERSION or generation == 0:
+            # Nothing here can be trusted to be current: the segment holds nothing,
+            # and its superblock is left alone until the segment is used again.
             seg.generation, seg.write_off, seg.durable_off = 0, SUPER_BYTES, SUPER_BYTES
-            seg.dirty_super = True
-            return
+            seg.dirty_super = False
+            return _leftover_generation(seg.fd), intact and version != SUPER_VERSION
         seg.generation, seg.durable_off, seg.dirty_super = generation, durable, False
         off = SUPER_BYTES
         end = self.segment_bytes
@@ -195,7 +220,8 @@ class FileBackend(Backend):
                     self.counters["discarded_on_start"] += 1
                     break
             key = (header.ns, header.key)
-            if key not in self.index:  # a page stored twice: the first record found serves
+            known = self.index.get(key)
+            if known is None or known.generation <= generation:  # stored twice: the newest serves
                 self.index[key] = _Loc(seg.id, off, header.length, generation)
                 seg.keys.append(key)
             off = rec_end
@@ -203,6 +229,26 @@ class FileBackend(Backend):
         if seg.durable_off > off:
             seg.durable_off = off
             seg.dirty_super = True
+        # Above the superblock's only if a crash kept a new use's first record
+        # but not its superblock.
+        return _leftover_generation(seg.fd), False
+
+    def _beyond_ring(self) -> int:
+        """The highest generation in segment files past the ring (kept from a
+        larger capacity, or left by a disk that filled up): they may come back."""
+        highest = 0
+        for path in self.dir.glob("segment-*.hcs"):
+            try:
+                if int(path.stem.removeprefix("segment-")) < self.n_segments:
+                    continue
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except (ValueError, OSError):
+                continue
+            try:
+                highest = max(highest, _leftover_generation(fd))
+            finally:
+                os.close(fd)
+        return highest
 
     async def close(self) -> None:
         if self._pool is None:
@@ -327,13 +373,16 @@ class FileBackend(Backend):
         seg = self.segments[self.active]
         if seg.write_off + size <= self.segment_bytes:
             return seg
-        self.active = (self.active + 1) % self.n_segments
-        seg = self.segments[self.active]
+        # The oldest segment: an empty one first (in ring order), else the lowest
+        # generation. Generations rise along the ring, so this is the next one.
+        n = self.n_segments
+        seg = min(self.segments, key=lambda s: (s.generation, (s.id - self.active - 1) % n))
+        self.active = seg.id
         self._recycle(seg)
         return seg
 
     def _recycle(self, seg: _Segment) -> None:
-        """Empty a segment for reuse: forget its records, bump its generation."""
+        """Empty a segment for reuse: forget its records, give it the next generation."""
         forgotten: dict[bytes, list[bytes]] = {}
         for key in seg.keys:
             loc = self.index.get(key)
@@ -343,7 +392,8 @@ class FileBackend(Backend):
         if seg.keys:
             self.counters["recycled_segments"] += 1
         seg.keys = []
-        seg.generation += 1
+        self.top += 1
+        seg.generation = self.top
         seg.write_off = seg.durable_off = SUPER_BYTES
         seg.dirty_super = True
         for ns, keys in forgotten.items():
@@ -352,7 +402,7 @@ class FileBackend(Backend):
     def _write_super(self, seg: _Segment, durable: int) -> None:
         if not seg.dirty_super:
             return
-        raw = SUPER.pack(SUPER_MAGIC, 1, 0, seg.generation, durable)
+        raw = SUPER.pack(SUPER_MAGIC, SUPER_VERSION, 0, seg.generation, durable)
         os.pwrite(seg.fd, raw + struct.pack("<Q", xxhash.xxh3_64_intdigest(raw)), 0)
         seg.dirty_super = False
 
@@ -468,3 +518,23 @@ class FileBackend(Backend):
     def stats(self) -> dict[str, int]:
         used = sum(seg.write_off - SUPER_BYTES for seg in self.segments)
         return {"pages": len(self.index), "bytes_used": used, **self.counters}
+
+
+def _superblock(fd: int) -> tuple[bool, int, int, int]:
+    """(intact, version, generation, durable frontier) of a segment's superblock."""
+    raw = os.pread(fd, SUPER.size + 8, 0)
+    if len(raw) < SUPER.size + 8:
+        return False, 0, 0, 0
+    magic, version, _pad, generation, durable = SUPER.unpack_from(raw)
+    (check,) = struct.unpack_from("<Q", raw, SUPER.size)
+    intact = magic == SUPER_MAGIC and check == xxhash.xxh3_64_intdigest(raw[: SUPER.size])
+    return intact, version, generation, durable
+
+
+def _leftover_generation(fd: int) -> int:
+    """The highest generation a segment file's records can carry: an intact
+    superblock of any version names its latest use; without one, the record at
+    the start was written by the latest use that wrote any."""
+    intact, _version, generation, _durable = _superblock(fd)
+    first = parse_header(os.pread(fd, HEADER_BYTES, SUPER_BYTES))
+    return max(generation if intact else 0, first.generation if first is not None else 0)

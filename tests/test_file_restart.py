@@ -1,0 +1,199 @@
+"""The file store after restarts: it resumes at its newest records and recycles
+the oldest segment first, exactly as if it had never stopped.
+
+Every page here is new and the same size, so the store's contents follow from
+the count written alone: page ``i`` lands in the ``i // PER_SEGMENT``-th
+segment ever filled, and the last ``SEGMENTS`` of those are what is kept.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import xxhash
+
+from hicached_backends.base import BackendEnv, PageRef
+from hicached_backends.file import SUPER, SUPER_BYTES, FileBackend
+from hicached_backends.options import FileOptions
+from hicached_backends.record import HEADER_BYTES, pack_header
+
+NS = bytes([0xC5]) * 16
+PAGE = (64 << 10) - HEADER_BYTES  # one record is exactly 64 KiB
+SEGMENTS = 4
+PER_SEGMENT = ((1 << 20) - SUPER_BYTES) // (64 << 10)  # 15 records in a 1 MiB segment
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def payload(i: int) -> bytes:
+    return (i.to_bytes(4, "little") * (PAGE // 4 + 1))[:PAGE]
+
+
+def expected_kept(written: int) -> list[int]:
+    """Pages a ring of SEGMENTS segments holds after ``written`` new pages."""
+    if written == 0:
+        return []
+    first_kept = max(0, (written - 1) // PER_SEGMENT - SEGMENTS + 1)
+    return list(range(first_kept * PER_SEGMENT, written))
+
+
+class Store:
+    """A file store on ``path`` that can be stopped and started again."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.forgotten: list[int] = []  # every page the store dropped, in order
+        self.backend: FileBackend | None = None
+
+    async def start(self) -> FileBackend:
+        options = FileOptions(
+            path=str(self.path), capacity_mib=SEGMENTS, segment_mib=1, io_threads=2
+        )
+        backend = FileBackend(options, BackendEnv(self.path))
+        backend.on_forget = self._forgot
+        await backend.open()
+        self.backend = backend
+        return backend
+
+    def _forgot(self, ns: bytes, keys: list[bytes]) -> None:
+        assert ns == NS
+        self.forgotten += [int.from_bytes(k, "big") for k in keys]
+
+    async def stop(self, *, crash: bool = False) -> None:
+        """Close the store; ``crash`` leaves it as a killed process would: no
+        superblock is written, only what each put made durable is there."""
+        backend, self.backend = self.backend, None
+        assert backend is not None
+        if not crash:
+            await backend.close()
+            return
+        for seg in backend.segments:
+            os.close(seg.fd)
+        backend.segments = []
+        assert backend._pool is not None
+        backend._pool.shutdown(wait=True)
+        backend._pool = None
+
+    async def put(self, pages: range, batch: int = 7) -> None:
+        assert self.backend is not None
+        for lo in range(pages.start, pages.stop, batch):
+            chunk = range(lo, min(lo + batch, pages.stop))
+            refs = [PageRef(key(i), memoryview(bytearray(payload(i)))) for i in chunk]
+            assert await self.backend.put(NS, refs) == [True] * len(refs)
+
+    async def kept(self) -> list[int]:
+        """The pages the store lists, after checking that each one reads back intact."""
+        assert self.backend is not None
+        listed = sorted([int.from_bytes(k, "big") async for ns, k in self.backend.scan()])
+        bufs = [bytearray(PAGE) for _ in listed]
+        refs = [PageRef(key(i), memoryview(b)) for i, b in zip(listed, bufs, strict=True)]
+        assert await self.backend.get(NS, refs) == [True] * len(listed)
+        assert all(bytes(b) == payload(i) for i, b in zip(listed, bufs, strict=True))
+        return listed
+
+
+async def test_restart_at_a_generation_tie_resumes_at_the_newest_segment(
+    tmp_path: Path,
+) -> None:
+    """Fill the ring and wrap into the first segment again: under per-segment
+    generations every segment then holds generation 1, so which one is newest
+    can only come from an ordering that survives the restart."""
+    store = Store(tmp_path / "pages")
+    await store.start()
+    written = SEGMENTS * PER_SEGMENT + 5  # the last 5 pages went into segment 0 again
+    await store.put(range(written))
+    assert store.forgotten == list(range(PER_SEGMENT))  # segment 0's first use
+    await store.stop()
+
+    await store.start()
+    assert await store.kept() == expected_kept(written)  # nothing lost by the restart
+    await store.put(range(written, written + 1))
+    assert await store.kept() == list(range(PER_SEGMENT, written + 1)), "newest pages recycled"
+    assert store.forgotten == list(range(PER_SEGMENT))
+
+    # Segment 0 fills up; the next page recycles segment 1, the oldest.
+    end = (SEGMENTS + 1) * PER_SEGMENT + 1
+    await store.put(range(written + 1, end))
+    assert await store.kept() == list(range(2 * PER_SEGMENT, end))
+    assert store.forgotten == list(range(2 * PER_SEGMENT))
+    await store.stop()
+
+
+async def test_restarts_in_a_row_evict_oldest_first(tmp_path: Path) -> None:
+    """Stop (cleanly or as if killed) at many points, segment edges and
+    wrap-arounds included, with writes between; after every step the store
+    holds exactly the pages a store that never stopped holds, and it has
+    dropped exactly the oldest pages, in the order they were written."""
+    store = Store(tmp_path / "restarted")
+    twin = Store(tmp_path / "never-stopped")
+    await store.start()
+    await twin.start()
+    written = 0
+    steps = [
+        5,  # part of the first segment
+        PER_SEGMENT - 5,  # the first segment exactly full
+        2 * PER_SEGMENT,
+        PER_SEGMENT + 3,  # wraps into segment 0: all segments tied per-segment
+        1,  # resumes in segment 0, still tied
+        PER_SEGMENT - 4,  # segment 0 exactly full again
+        7,
+        3 * PER_SEGMENT,  # more than a lap in one go
+        PER_SEGMENT,
+        1,
+        4 * PER_SEGMENT + 2,
+        11,
+    ]
+    for n, count in enumerate(steps):
+        await store.put(range(written, written + count))
+        await twin.put(range(written, written + count))
+        written += count
+        await store.stop(crash=n % 2 == 1)
+        await store.start()
+        kept = await store.kept()
+        assert kept == expected_kept(written), f"after step {n} ({written} pages written)"
+        assert kept == await twin.kept()
+        assert store.forgotten == list(range(written - len(kept)))
+        assert twin.forgotten == store.forgotten
+    await store.stop()
+    await twin.stop()
+
+
+def _write_old_store(path: Path) -> None:
+    """Segments as format version 1 wrote them (generations counted per
+    segment), full of records; segment 2's superblock is unreadable."""
+    old = [(3, 1000), (2, 2000), (6, 3000), (2, 4000)]  # (generation, first page)
+    for n, (generation, first) in enumerate(old):
+        with open(path / f"segment-{n:05d}.hcs", "r+b") as f:
+            raw = SUPER.pack(b"HCS1", 1, 0, generation, SUPER_BYTES)
+            f.write(raw + struct.pack("<Q", xxhash.xxh3_64_intdigest(raw)))
+            f.seek(SUPER_BYTES)
+            for i in range(first, first + PER_SEGMENT):
+                f.write(pack_header(NS, key(i), payload(i), generation) + payload(i))
+    with open(path / "segment-00002.hcs", "r+b") as f:
+        f.write(bytes(64))
+
+
+async def test_an_old_format_store_is_dropped_and_never_read(tmp_path: Path) -> None:
+    """Segments of format version 1 (generations counted per segment, so they
+    cannot be ordered) are dropped at start; their leftover records never come
+    back, even where an old generation is higher than the new ones would start
+    or stands behind an unreadable superblock."""
+    store = Store(tmp_path / "pages")
+    await store.start()
+    await store.stop()
+    _write_old_store(store.path)
+
+    await store.start()
+    assert await store.kept() == []
+    # Segment 2 ends up holding fewer new records than old ones, so leftovers of
+    # generation 6 (behind the unreadable superblock) follow the new records there.
+    written = 2 * PER_SEGMENT + 5
+    await store.put(range(written))
+    await store.stop()
+    await store.start()
+    assert await store.kept() == list(range(written))
+    await store.stop()
