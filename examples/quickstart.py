@@ -50,7 +50,7 @@ def reader(queue: mp.Queue) -> None:
         toks = tokens()
         hit = client.match(ns, toks)
         try:
-            got = client.read_pages(ns, hit.offsets)
+            got = client.read_pages(hit)
         finally:
             client.release(hit)
         want = expected_pages(toks)

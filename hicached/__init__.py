@@ -4,25 +4,27 @@ from hicached.client import (
     AsyncClient,
     Client,
     CurveKeys,
+    Fetch,
+    FetchProgress,
     Hit,
     Namespace,
-    Prefetch,
-    Progress,
     Reservation,
 )
-from hicached.errors import HicachedError
+from hicached.errors import DaemonUnavailable, HicachedError, StaleHandle
 from hicached.namespace import NamespaceSpec
 
 __all__ = [
     "AsyncClient",
     "Client",
     "CurveKeys",
+    "DaemonUnavailable",
+    "Fetch",
+    "FetchProgress",
     "HicachedError",
     "Hit",
     "Namespace",
     "NamespaceSpec",
-    "Prefetch",
-    "Progress",
     "Reservation",
+    "StaleHandle",
 ]
 __version__ = "0.1.0"

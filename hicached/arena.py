@@ -4,6 +4,10 @@ The daemon creates it (mode 0600, prefaulted with MAP_POPULATE) and unlinks it
 at shutdown; clients map the same file by path. Its name is derived from the
 daemon's runtime directory, so a restarted daemon replaces the file of a
 crashed predecessor instead of leaking it.
+
+Layout: ``size`` bytes of page slots, then the header: one generation counter
+per ``GEN_GRANULE`` bytes of slots (pool.py), which the daemon bumps and
+clients read to tell whether a slot changed owner during a copy.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import numpy as np
 import xxhash
 
 from hicached.errors import DaemonUnavailable, HicachedError
+from hicached.pool import GEN_DTYPE, gen_count
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
@@ -26,8 +31,15 @@ def arena_path(shm_dir: str, runtime_dir: Path) -> Path:
     return Path(shm_dir) / f"hicached-{os.getuid()}-{tag}.pool"
 
 
+def file_bytes(size: int) -> int:
+    """Bytes of the pool file for ``size`` bytes of slots: slots, then the header."""
+    header = gen_count(size) * GEN_DTYPE.itemsize
+    return size + -(-header // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
 class Arena:
-    """A mapping of the pool file; ``array`` is a zero-copy uint8 view."""
+    """A mapping of the pool file; ``array`` is a zero-copy uint8 view of the
+    slots, ``gens`` of the generation counters after them."""
 
     def __init__(self, path: Path, size: int, mapping: mmap.mmap, owner: bool) -> None:
         self.path = path
@@ -35,6 +47,7 @@ class Arena:
         self._mmap = mapping
         self.owner = owner
         self.array = np.frombuffer(mapping, dtype=np.uint8, count=size)
+        self.gens = np.frombuffer(mapping, dtype=GEN_DTYPE, count=gen_count(size), offset=size)
 
     @classmethod
     def create(cls, path: Path, size: int, populate: bool = True) -> Arena:
@@ -46,7 +59,7 @@ class Arena:
             raise HicachedError(f"cannot create the pool file {path}: {exc.strerror}") from None
         try:
             try:
-                os.posix_fallocate(fd, 0, size)
+                os.posix_fallocate(fd, 0, file_bytes(size))
             except OSError as exc:
                 path.unlink(missing_ok=True)
                 raise HicachedError(
@@ -54,7 +67,7 @@ class Arena:
                     "(lower pool.size_mib or enlarge the tmpfs)"
                 ) from None
             flags = mmap.MAP_SHARED | (_POPULATE if populate else 0)
-            mapping = mmap.mmap(fd, size, flags=flags)
+            mapping = mmap.mmap(fd, file_bytes(size), flags=flags)
         finally:
             os.close(fd)
         return cls(path, size, mapping, owner=True)
@@ -67,11 +80,11 @@ class Arena:
         except OSError as exc:
             raise DaemonUnavailable(f"cannot open the pool file {path}: {exc.strerror}") from None
         try:
-            actual = os.fstat(fd).st_size
-            if actual < size:
-                raise DaemonUnavailable(f"pool file {path} has {actual} bytes, expected {size}")
+            actual, want = os.fstat(fd).st_size, file_bytes(size)
+            if actual < want:
+                raise DaemonUnavailable(f"pool file {path} has {actual} bytes, expected {want}")
             flags = mmap.MAP_SHARED | (_POPULATE if populate else 0)
-            mapping = mmap.mmap(fd, size, flags=flags)
+            mapping = mmap.mmap(fd, want, flags=flags)
         finally:
             os.close(fd)
         return cls(Path(path), size, mapping, owner=False)
@@ -84,6 +97,7 @@ class Arena:
     def close(self) -> None:
         """Drop the mapping (views must be gone) and, for the owner, the file."""
         self.array = np.empty(0, dtype=np.uint8)
+        self.gens = np.empty(0, dtype=GEN_DTYPE)
         with contextlib.suppress(BufferError):  # a view still exists: it ends with the process
             self._mmap.close()
         if self.owner:

@@ -1,19 +1,25 @@
-"""The daemon's state machine: sessions, namespaces, leases, pool and index.
+"""The daemon's request handler: sessions, namespaces, leases, L2 and L3 policy.
 
 Synchronous and free of I/O: the server decodes a request, calls ``handle``
 and sends back whatever it returns. Expected outcomes (a miss, a full pool)
 are part of the reply; misuse raises a HicachedError that becomes an error
 reply; a broken invariant is an assertion.
 
+The state lives in smaller pieces: sessions, namespaces and leases in
+sessions.py, slot allocation and eviction in l2.py, the set of keys L3 holds
+in l3state.py. This module decides what each request does with them.
+
 Leases: a *write* lease belongs to a reservation (its fresh slots, plus a pin
 on the pages that were already present so they cannot be evicted before the
 commit); a *read* lease pins the pages a match returned; a *prefetch* lease
 is a write lease whose fresh slots are filled from L3 in the background.
 Leases expire after ``leases.ttl_s`` so a client that dies cannot hold
-memory forever.
+memory forever; the fresh slots of an expired write lease sit in quarantine
+for ``leases.quarantine_s`` before reuse, so a copy that a client began just
+before its deadline cannot land in another key's page.
 
 L3: the cache decides *what* moves (write policy, prefetch plans) and keeps
-track of which keys L3 holds; a Tier (storage.py) does the moving. Pending
+track of which keys L3 holds; the tier (storage.py) does the moving. Pending
 L3 writes are tracked per page key and hold their slot (pinned, or kept
 out of the free list after an eviction) until the backend is done with it,
 so splitting or evicting index nodes never loses or corrupts one.
@@ -24,8 +30,8 @@ from __future__ import annotations
 import itertools
 import secrets
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Protocol, get_args
 
 import numpy as np
@@ -45,69 +51,23 @@ from hicached.errors import (
 )
 from hicached.events import MEDIUM_L2, AllBlocksCleared, EventLog
 from hicached.hashing import TOKEN_BYTES, KeyCache
-from hicached.index import PageIndex
-from hicached.namespace import NamespaceSpec, namespace_digest, validate_spec
-from hicached.pool import SlotPool
+from hicached.l2 import L2, Victims
+from hicached.l3state import KnownKeys
+from hicached.namespace import namespace_digest, validate_spec
+from hicached.pool import GEN_GRANULE, SlotPool
+from hicached.sessions import Lease, LeaseTable, NamespaceState, PrefetchState, Session
+
+__all__ = ["OP_NAMES", "Cache", "Lease", "NamespaceState", "PrefetchState", "Session", "TierPort"]
 
 OP_NAMES = {cls: str(cls.__struct_config__.tag) for cls in get_args(p.AnyRequest)}
 
 
-_LEASE_MASK = (1 << 63) - 1
-
-
-@dataclass(slots=True)
-class Namespace:
-    id: int
-    spec: NamespaceSpec
-    digest: bytes
-    index: PageIndex
-
-
-@dataclass(slots=True)
-class Session:
-    id: int
-    routing_id: bytes
-    client: str
-    pid: int
-    last_seen: float
-    namespaces: set[int] = field(default_factory=set)
-    leases: set[int] = field(default_factory=set)
-
-
-@dataclass(slots=True)
-class PrefetchState:
-    """Progress of one prefetch; ``keys`` are the pages after the L2 hit."""
-
-    keys: list[bytes]
-    planned: int = -1  # pages being read; -1 until L3 has been asked
-    completed: int = 0  # leading pages read and verified
-    done: bool = False
-    failed: bool = False
-    running: bool = True  # the reader may still write into fresh slots
-    ended: bool = False  # the lease ended; the reader frees what is left
-
-
-@dataclass(slots=True)
-class Lease:
-    id: int
-    session: Session
-    ns: Namespace
-    deadline: float
-    pinned: list[int]  # slots of indexed pages held against eviction
-    keys: list[bytes] = field(default_factory=list)  # write leases: every page's key
-    fresh: list[int] = field(default_factory=list)  # write leases: slots to fill
-    prefetch: PrefetchState | None = None
-    tokens: bytes = b""  # write leases: the sequence, for events
-
-    @property
-    def writing(self) -> bool:
-        return bool(self.keys) or self.prefetch is not None
-
-
-class Tier(Protocol):
+class TierPort(Protocol):
     """What the cache asks of the L3 tier (storage.py); all calls return at once."""
 
-    def write(self, ns: Namespace, key: bytes, slot: int, done: Callable[[bool], None]) -> bool:
+    def write(
+        self, ns: NamespaceState, key: bytes, slot: int, done: Callable[[bool], None]
+    ) -> bool:
         """Queue a write of the page in ``slot``; ``done(ok)`` runs when it ends."""
         ...
 
@@ -124,6 +84,7 @@ class Cache:
         config: Config,
         *,
         pool_path: str,
+        gens: np.ndarray | None = None,
         instance: int | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -133,26 +94,25 @@ class Cache:
         self.clock = clock
         self.started = clock()
         mib = 1 << 20
-        self.pool = SlotPool(config.pool.size_mib * mib, config.pool.slab_mib * mib)
-        self.indexes: dict[int, PageIndex] = {}  # page_bytes -> index
-        self._clock = itertools.count(1)  # one recency clock for every index
-        self.namespaces: dict[int, Namespace] = {}
-        self._ns_by_digest: dict[bytes, Namespace] = {}
-        self.sessions: dict[bytes, Session] = {}  # routing id -> session
-        self.leases: dict[int, Lease] = {}  # insertion order == deadline order
+        self.pool = SlotPool(config.pool.size_mib * mib, config.pool.slab_mib * mib, gens)
+        self.l2 = L2(self.pool, self._evicted)
+        self.indexes = self.l2.indexes  # page_bytes -> index
+        self.namespaces: dict[int, NamespaceState] = {}
+        self._ns_by_digest: dict[bytes, NamespaceState] = {}
+        self._ns_ids = itertools.count(1)  # never reused: a stale id cannot name another
+        # routing id -> session, least recently seen first
+        self.sessions: OrderedDict[bytes, Session] = OrderedDict()
         self._next_session = 1
         # Lease ids count up from a random start: unique, and unlikely to be
         # valid again after a restart (ownership is checked either way).
-        self._next_lease = secrets.randbits(62)
+        self.leases = LeaseTable(secrets.randbits(62))
         self.requests: dict[str, int] = {}
         self.errors: dict[str, int] = {}
         self.dropped: dict[str, int] = {}
-        self.evicted_pages = 0
-        self.reclaimed_slabs = 0  # slabs taken from one page size for another
         self.expired_leases = 0
         self.key_cache = KeyCache(config.server.key_cache_pages)
-        self.tier: Tier | None = None
-        self.l3: set[bytes] = set()  # keys L3 holds, as far as we know
+        self.tier: TierPort | None = None
+        self.l3 = KnownKeys(config.storage.known_keys)  # keys L3 holds, as far as we know
         self.writing: set[bytes] = set()  # keys with an L3 write in flight
         self._hits: dict[bytes, int] = {}  # write_through_selective: matches per key
         self.l3_counters: dict[str, int] = {}
@@ -161,6 +121,14 @@ class Cache:
         self.events = EventLog(config.events.queue_events, enabled=bool(config.events.endpoint))
         self.events.add(AllBlocksCleared())  # a new daemon's L2 starts empty
         self.l3_medium = config.storage.backend.upper()
+
+    @property
+    def evicted_pages(self) -> int:
+        return self.l2.evicted_pages
+
+    @property
+    def reclaimed_slabs(self) -> int:
+        return self.l2.reclaimed_slabs
 
     # -- dispatch --------------------------------------------------------------
 
@@ -171,6 +139,9 @@ class Cache:
         try:
             if isinstance(request, p.Hello):
                 return self.hello(routing_id, request)
+            if isinstance(request, p.Goodbye):
+                self.goodbye(routing_id)
+                return p.Ok(id=request.id)
             session = self.session(routing_id)
             match request:
                 case p.RegisterNamespace():
@@ -188,6 +159,8 @@ class Cache:
                 case p.Release():
                     self.release(session, request.lease)
                     return p.Ok(id=request.id)
+                case p.Renew():
+                    return self.renew(session, request)
                 case p.Stats():
                     return p.StatsOk(id=request.id, stats=self.stats())
             raise BadRequest(f"unhandled request {op}")  # pragma: no cover
@@ -209,10 +182,7 @@ class Cache:
         session = self.sessions.get(routing_id)
         if session is None:
             if len(self.sessions) >= self.config.server.max_clients:
-                raise ResourceExhausted(
-                    f"{len(self.sessions)} clients are connected, the limit "
-                    "(server.max_clients); close idle clients or raise the limit"
-                )
+                self._make_room()
             session = Session(
                 self._next_session, routing_id, msg.client[:64], msg.pid, self.clock()
             )
@@ -229,14 +199,62 @@ class Cache:
             lease_ttl_s=self.config.leases.ttl_s,
             max_message_bytes=self.config.server.max_message_bytes,
             max_pages_per_request=self.config.server.max_pages_per_request,
+            gen_granule=GEN_GRANULE,
         )
+
+    def _make_room(self) -> None:
+        """The session table is full: the longest idle session without a lease
+        (one without namespaces first) makes way; with none, the newcomer is refused."""
+        fallback = None
+        for session in self.sessions.values():  # least recently seen first
+            if session.leases:
+                continue
+            if not session.namespaces:
+                self._end_session(session)
+                return
+            if fallback is None:
+                fallback = session
+        if fallback is None:
+            raise ResourceExhausted(
+                f"{len(self.sessions)} clients hold leases, the limit (server.max_clients); "
+                "close idle clients or raise the limit"
+            )
+        self._end_session(fallback)
 
     def session(self, routing_id: bytes) -> Session:
         session = self.sessions.get(routing_id)
         if session is None:
             raise SessionLost("this daemon does not know the client (restarted?): send hello first")
         session.last_seen = self.clock()
+        self.sessions.move_to_end(routing_id)
         return session
+
+    def goodbye(self, routing_id: bytes) -> None:
+        session = self.sessions.get(routing_id)
+        if session is not None:
+            self._end_session(session)
+
+    def _end_session(self, session: Session) -> None:
+        """Forget a client: its leases end (write slots to quarantine), its namespaces
+        lose a user."""
+        del self.sessions[session.routing_id]
+        for lease_id in list(session.leases):
+            lease = self.leases.get(lease_id)
+            if lease is not None:
+                self.leases.pop(lease)
+                self._end_lease(lease, stale=True)
+        for ns_id in session.namespaces:
+            ns = self.namespaces.get(ns_id)
+            if ns is not None:
+                ns.sessions -= 1
+                self._maybe_forget(ns)
+        session.namespaces.clear()
+
+    def _maybe_forget(self, ns: NamespaceState) -> None:
+        """A namespace nobody uses (no session, page, lease or L3 write) is forgotten."""
+        if ns.unused and self.namespaces.get(ns.id) is ns:
+            del self.namespaces[ns.id]
+            del self._ns_by_digest[ns.digest]
 
     def register(self, session: Session, msg: p.RegisterNamespace) -> p.NamespaceOk:
         spec = msg.spec
@@ -246,26 +264,25 @@ class Cache:
         if ns is None:
             if len(self.namespaces) >= self.config.pool.max_namespaces:
                 raise ResourceExhausted(
-                    f"{len(self.namespaces)} namespaces are registered, the limit "
-                    "(pool.max_namespaces)"
+                    f"{len(self.namespaces)} namespaces are in use, the limit (pool.max_namespaces)"
                 )
-            index = self.indexes.get(spec.page_bytes)
-            if index is None:
-                index = self.indexes[spec.page_bytes] = PageIndex(self._clock)
-            ns = Namespace(len(self.namespaces) + 1, spec, digest, index)
+            index = self.l2.index(spec.page_bytes)
+            ns = NamespaceState(next(self._ns_ids), spec, digest, index)
             self.namespaces[ns.id] = ns
             self._ns_by_digest[digest] = ns
-        session.namespaces.add(ns.id)
+        if ns.id not in session.namespaces:
+            session.namespaces.add(ns.id)
+            ns.sessions += 1
         return p.NamespaceOk(id=msg.id, ns=ns.id, digest=digest)
 
-    def _namespace(self, session: Session, ns_id: int) -> Namespace:
+    def _namespace(self, session: Session, ns_id: int) -> NamespaceState:
         if ns_id not in session.namespaces:
             raise UnknownNamespace(
                 f"namespace {ns_id} is not registered by this client: register it first"
             )
         return self.namespaces[ns_id]
 
-    def _keys(self, ns: Namespace, tokens: bytes) -> list[bytes]:
+    def _keys(self, ns: NamespaceState, tokens: bytes) -> list[bytes]:
         if len(tokens) % TOKEN_BYTES:
             raise BadRequest("tokens must be packed little-endian uint32 values")
         limit = self.config.server.max_pages_per_request
@@ -277,17 +294,17 @@ class Cache:
 
     # -- leases ------------------------------------------------------------------
 
-    def _new_lease(self, session: Session, ns: Namespace, pinned: list[int]) -> Lease:
+    def _new_lease(self, session: Session, ns: NamespaceState, pinned: list[int]) -> Lease:
         if len(self.leases) >= self.config.leases.max_leases:
             raise ResourceExhausted(
                 f"{len(self.leases)} leases are open, the limit (leases.max_leases): "
                 "release or commit leases sooner"
             )
-        lease_id = self._next_lease = (self._next_lease + 1) & _LEASE_MASK or 1
-        lease = Lease(lease_id, session, ns, self.clock() + self.config.leases.ttl_s, pinned)
+        deadline = self.clock() + self.config.leases.ttl_s
+        lease = Lease(self.leases.next_id(), session, ns, deadline, pinned)
         self.pool.pin(pinned)
-        self.leases[lease_id] = lease
-        session.leases.add(lease_id)
+        self.leases.add(lease)
+        ns.holds += 1
         return lease
 
     def _take_lease(self, session: Session, lease_id: int) -> Lease:
@@ -296,28 +313,47 @@ class Cache:
             raise UnknownLease(f"lease {lease_id} is not open (committed, released or expired)")
         if lease.session is not session:
             raise ForeignLease(f"lease {lease_id} belongs to another client")
-        del self.leases[lease_id]
-        session.leases.discard(lease_id)
+        self.leases.pop(lease)
         return lease
 
-    def _end_lease(self, lease: Lease) -> None:
+    def _end_lease(self, lease: Lease, *, stale: bool = False) -> None:
         """Drop a lease's pins and free its unused fresh slots.
 
-        A prefetch reader may still be writing into fresh slots: then they are
-        left to it, and ``prefetch_finished`` frees them.
+        ``stale``: the lease expired or its client left without ending it; a
+        copy into its fresh slots may still be running, so they go to
+        quarantine instead of the free list. A prefetch reader may still be
+        writing into fresh slots: then they are left to it, and
+        ``prefetch_finished`` frees them.
         """
         pool = self.pool
         if lease.pinned:
             lease.ns.index.unpinned(pool.unpin(lease.pinned))
         lease.pinned = []
+        ns = lease.ns
+        ns.holds -= 1
         pf = lease.prefetch
         if pf is not None:
             pf.ended = True
             if pf.running:
+                ns.holds += 1  # the reader still holds it; released when it finishes
                 return
-        for slot in lease.fresh:
-            pool.free(slot)
+        if stale and lease.client_writes:
+            self.l2.quarantine(lease.fresh, self.clock() + self.config.leases.quarantine_s)
+        else:
+            for slot in lease.fresh:
+                pool.free(slot, ns.spec.page_bytes)
         lease.fresh = []
+        self._maybe_forget(ns)
+
+    def renew(self, session: Session, msg: p.Renew) -> p.RenewOk:
+        lease = self.leases.get(msg.lease)
+        if lease is None:
+            raise UnknownLease(f"lease {msg.lease} is not open (committed, released or expired)")
+        if lease.session is not session:
+            raise ForeignLease(f"lease {msg.lease} belongs to another client")
+        ttl = self.config.leases.ttl_s
+        self.leases.renew(lease, self.clock() + ttl)
+        return p.RenewOk(id=msg.id, ttl_s=ttl)
 
     # -- operations ----------------------------------------------------------------
 
@@ -327,15 +363,14 @@ class Cache:
         present = ns.index.match(keys)
         lease = self._new_lease(session, ns, present)
         want = len(keys) - len(present)
-        fresh = self._alloc(ns, want)
+        fresh = self.l2.alloc(ns.index, ns.spec.page_bytes, want)
         lease.keys = keys[: len(present) + len(fresh)]
         lease.fresh = fresh
         lease.tokens = msg.tokens
-        if not lease.keys or not fresh:
+        if not fresh:
             # Nothing to write: no lease is kept open.
+            self.leases.pop(lease)
             self._end_lease(lease)
-            del self.leases[lease.id]
-            session.leases.discard(lease.id)
             return p.ReserveOk(
                 id=msg.id, lease=0, present=len(present), offsets=[], pool_full=want > 0
             )
@@ -347,84 +382,24 @@ class Cache:
             pool_full=len(fresh) < want,
         )
 
-    def _alloc(self, ns: Namespace, count: int) -> list[int]:
-        """Up to ``count`` free slots of the namespace's page size, evicting LRU pages.
-
-        Pages of every size compete by recency: when the least recently used
-        page is of another size, that size gives back a whole slab (its LRU
-        pages go until one of its slabs is empty), so no page size can hold
-        the pool against another forever.
-        """
-        page_bytes = ns.spec.page_bytes
-        pool = self.pool
-        out: list[int] = []
-        reclaim = True  # give up taking slabs once an attempt frees none
-        while len(out) < count:
-            slot = pool.alloc(page_bytes)
-            if slot is not None:
-                out.append(slot)
-                continue
-            other = self._other_size_to_reclaim(ns.index) if reclaim else None
-            if other is not None:
-                reclaim = self._reclaim_slab(other)
-                continue
-            victims = ns.index.evict(count - len(out), pool.pins)
-            if not victims:
-                break
-            self._evicted(victims)
-        return out
-
-    def _other_size_to_reclaim(self, own: PageIndex) -> int | None:
-        """The other page size whose LRU page is older than all of ``own``'s
-        (any with pages, when ``own`` has none), or None."""
-        if len(self.indexes) < 2:
-            return None
-        best = own.oldest()
-        choice = None
-        for page_bytes, index in self.indexes.items():
-            if index is own or not self.pool.slabs_of(page_bytes):
-                continue
-            tick = index.oldest()
-            if tick is not None and (best is None or tick < best):
-                best, choice = tick, page_bytes
-        return choice
-
-    def _reclaim_slab(self, page_bytes: int) -> bool:
-        """Evict LRU pages of ``page_bytes`` until one of its slabs is free; bounded
-        by two slabs' worth of pages. True if a slab came back."""
-        pool, index = self.pool, self.indexes[page_bytes]
-        before = pool.free_slabs
-        budget = 2 * max(1, pool.slots_per_slab(page_bytes))
-        while pool.free_slabs == before and budget > 0:
-            victims = index.evict(min(budget, 64), pool.pins)
-            if not victims:
-                break
-            budget -= len(victims)
-            self._evicted(victims)
-        if pool.free_slabs > before:
-            self.reclaimed_slabs += 1
-            return True
-        return False
-
-    def _evicted(self, victims: list[tuple[bytes, int, int]]) -> None:
+    def _evicted(self, victims: Victims) -> None:
         """Free evicted slots; under write_back, first write pages L3 lacks (under
-        the namespace that stored each page)."""
-        self.evicted_pages += len(victims)
+        the namespace that stored each page), holding their slots until then."""
         write_back = self.tier is not None and self.config.storage.write_policy == "write_back"
         hits = self._hits
         self.events.removed([key for key, _, _ in victims], MEDIUM_L2)
+        owners: set[NamespaceState] = set()
         for key, slot, owner in victims:
             hits.pop(key, None)
-            ns = self.namespaces.get(owner)
+            ns = self.namespaces[owner]
+            ns.pages -= 1
+            owners.add(ns)
             unwritten = key not in self.l3 and key not in self.writing
-            if (
-                write_back
-                and unwritten
-                and ns is not None
-                and self._write(ns, key, slot, evicted=True)
-            ):
+            if write_back and unwritten and self._write(ns, key, slot, evicted=True):
                 continue
-            self.pool.free(slot)
+            self.pool.free(slot, ns.spec.page_bytes)
+        for ns in owners:
+            self._maybe_forget(ns)
 
     def commit(self, session: Session, msg: p.Commit) -> p.CommitOk:
         lease = self.leases.get(msg.lease)
@@ -439,17 +414,19 @@ class Cache:
             self._end_lease(lease)
             what = "reserved" if pf is None else "has read"
             raise BadRequest(f"commit of {count} pages, but the lease {what} {ready}; lease ended")
+        ns = lease.ns
         n = len(lease.pinned) + count
         keys = lease.keys[:n]
         slots = lease.pinned + fresh[:count]
-        published, unused = lease.ns.index.insert(keys, slots, lease.ns.id)
+        published, unused = ns.index.insert(keys, slots, ns.id)
+        ns.pages += published
         lease.fresh = fresh[count:]
         for slot in unused:
-            self.pool.free(slot)
+            self.pool.free(slot, ns.spec.page_bytes)
         self._end_lease(lease)
         new = n - published
         if published:
-            page_tokens = lease.ns.spec.page_tokens
+            page_tokens = ns.spec.page_tokens
             parent = keys[new - 1] if new else None
             tokens = _token_ids(lease.tokens, new * page_tokens, n * page_tokens)
             self.events.stored(keys[new:], parent, tokens, page_tokens, MEDIUM_L2)
@@ -457,7 +434,7 @@ class Cache:
             if pf is not None:
                 self.l3.update(keys[new:])  # these came from L3
             elif self.config.storage.write_policy == "write_through":
-                self._write_pages(lease.ns, keys, slots, new, lease.tokens)
+                self._write_pages(ns, keys, slots, new, lease.tokens)
         return p.CommitOk(id=msg.id, published=published, duplicates=count - published)
 
     def match(self, session: Session, msg: p.Match) -> p.MatchOk:
@@ -468,13 +445,7 @@ class Cache:
         lease_id = 0
         if msg.lease and slots:
             lease_id = self._new_lease(session, ns, slots).id
-        l3_hits = 0
-        if self.l3:
-            l3 = self.l3
-            for key in keys[hits:]:
-                if key not in l3:
-                    break
-                l3_hits += 1
+        l3_hits = self.l3.leading(keys, hits) if self.l3 else 0
         counted = self.match_pages
         counted["asked"] += len(keys)
         counted["l2"] += hits
@@ -489,7 +460,9 @@ class Cache:
 
     # -- L3 ------------------------------------------------------------------------------
 
-    def _count_hit(self, ns: Namespace, keys: list[bytes], slots: list[int], tokens: bytes) -> None:
+    def _count_hit(
+        self, ns: NamespaceState, keys: list[bytes], slots: list[int], tokens: bytes
+    ) -> None:
         """write_through_selective: a prefix matched often enough goes to L3.
 
         Only the deepest page of each match is counted: its prefix is matched
@@ -506,7 +479,7 @@ class Cache:
         self._write_pages(ns, keys, slots, 0, tokens)
 
     def _write_pages(
-        self, ns: Namespace, keys: list[bytes], slots: list[int], start: int, tokens: bytes
+        self, ns: NamespaceState, keys: list[bytes], slots: list[int], start: int, tokens: bytes
     ) -> None:
         """Write pages ``start..`` of a sequence that L3 lacks, each with its parent
         and token ids for its L3 event."""
@@ -520,7 +493,7 @@ class Cache:
 
     def _write(
         self,
-        ns: Namespace,
+        ns: NamespaceState,
         key: bytes,
         slot: int,
         *,
@@ -530,13 +503,17 @@ class Cache:
     ) -> bool:
         """Send one page to L3; its slot is held until the write ends.
 
-        ``evicted``: the page already left the index; its slot is freed after
-        the write instead of unpinned.
+        ``evicted``: the page already left the index; its slot is held on its
+        way back to the free list (counted by the allocator) until the write
+        ends, instead of pinned.
         """
         assert self.tier is not None
-        if not evicted:
+        if evicted:
+            self.l2.hold(slot)
+        else:
             self.pool.pin([slot])
         self.writing.add(key)
+        ns.holds += 1
 
         def done(ok: bool) -> None:
             self.writing.discard(key)
@@ -545,15 +522,20 @@ class Cache:
                 self.l3.add(key)
                 self.events.stored([key], parent, tokens or [], ns.spec.page_tokens, self.l3_medium)
             if evicted:
-                self.pool.free(slot)
+                self.l2.give_back(slot)
             else:
                 ns.index.unpinned(self.pool.unpin([slot]))
+            ns.holds -= 1
+            self._maybe_forget(ns)
 
         if self.tier.write(ns, key, slot, done):
             return True
         self.writing.discard(key)
+        ns.holds -= 1
         self._count_l3("write_not_queued")
-        if not evicted:
+        if evicted:
+            self.l2.unhold(slot)
+        else:
             ns.index.unpinned(self.pool.unpin([slot]))
         return False
 
@@ -561,19 +543,51 @@ class Cache:
         self.l3_counters[what] = self.l3_counters.get(what, 0) + n
 
     def forget_l3(self, keys: Iterable[bytes]) -> None:
-        """The backend no longer holds these pages."""
+        """The backend no longer holds these pages. Those still in L2 are written
+        again under the write-through policies, so L3 never keeps a sequence
+        whose head it lost while that head sits in L2 (write_back writes them
+        when they leave L2, as L3 lacks them now)."""
         gone = [key for key in keys if key in self.l3]
-        self.l3.difference_update(gone)
+        for key in gone:
+            self.l3.discard(key)
         self.events.removed(gone, self.l3_medium)
+        if not gone or self.tier is None or self.config.storage.write_policy == "write_back":
+            return
+        wanted = set(gone)
+        rewritten = 0
+        for ns, key, slot, _ in self.unwritten_pages():
+            if key in wanted:
+                rewritten += self._write(ns, key, slot, evicted=False)
+        self._count_l3("rewritten", rewritten)
 
-    def flush(self) -> int:
-        """Queue a write of every L2 page L3 lacks (graceful stop); returns how many."""
-        queued = 0
-        for ns in self.namespaces.values():
-            for node in ns.index.nodes():
+    def unwritten_pages(self) -> list[tuple[NamespaceState, bytes, int, int]]:
+        """Every L2 page that L3 lacks and no write is carrying: (namespace, key,
+        slot, the slot's generation now)."""
+        out = []
+        l3, writing, namespaces = self.l3, self.writing, self.namespaces
+        gens = self.pool.gens
+        for index in self.indexes.values():
+            for node in index.nodes():
+                ns = namespaces[node.owner]
                 for key, slot in zip(node.keys, node.slots, strict=True):
-                    if key not in self.l3 and key not in self.writing:
-                        queued += self._write(ns, key, slot, evicted=False)
+                    if key not in l3 and key not in writing:
+                        out.append((ns, key, slot, int(gens[slot // GEN_GRANULE])))
+        return out
+
+    def write_back(self, pages: list[tuple[NamespaceState, bytes, int, int]]) -> int:
+        """Queue writes of ``pages`` (from ``unwritten_pages``) that are still in L2
+        and still unwritten; returns how many were queued."""
+        queued = 0
+        gens = self.pool.gens
+        for ns, key, slot, gen in pages:
+            if key in self.l3 or key in self.writing:
+                continue
+            if int(gens[slot // GEN_GRANULE]) != gen:
+                # freed since (or a neighbour in its granule was): look the page up
+                node = ns.index.node_of.get(slot)
+                if node is None or node.keys[node.slots.index(slot)] != key:
+                    continue  # evicted since, perhaps reused
+            queued += self._write(ns, key, slot, evicted=False)
         return queued
 
     def prefetch(self, session: Session, msg: p.Prefetch) -> p.PrefetchOk:
@@ -613,11 +627,13 @@ class Cache:
         if pf.ended:
             pf.planned = 0
             return []
-        fresh = self._alloc(lease.ns, min(available, len(pf.keys)))
+        ns = lease.ns
+        want = min(available, len(pf.keys))
+        fresh = self.l2.alloc(ns.index, ns.spec.page_bytes, want)
         lease.fresh = fresh
         lease.keys = lease.keys + pf.keys[: len(fresh)]
         pf.planned = len(fresh)
-        if len(fresh) < min(available, len(pf.keys)):
+        if len(fresh) < want:
             self._count_l3("prefetch_pool_short")
         return fresh
 
@@ -643,9 +659,12 @@ class Cache:
         pf.done = True
         pf.planned = max(pf.planned, 0)
         if pf.ended:  # the lease ended while reading: free what it left
+            ns = lease.ns
             for slot in lease.fresh:
-                self.pool.free(slot)
+                self.pool.free(slot, ns.spec.page_bytes)
             lease.fresh = []
+            ns.holds -= 1
+            self._maybe_forget(ns)
 
     def release(self, session: Session, lease_id: int) -> None:
         self._end_lease(self._take_lease(session, lease_id))
@@ -653,27 +672,30 @@ class Cache:
     # -- housekeeping -----------------------------------------------------------------
 
     def expire(self) -> int:
-        """End leases past their deadline and forget idle sessions; returns leases ended."""
+        """End leases past their deadline, free quarantined slots whose time is up
+        and forget idle sessions; returns leases ended."""
         now = self.clock()
         ended = 0
-        for lease_id, lease in list(self.leases.items()):
-            if lease.deadline > now:
-                break  # leases are kept in deadline order
-            del self.leases[lease_id]
-            lease.session.leases.discard(lease_id)
-            self._end_lease(lease)
+        for lease in self.leases.due(now):
+            self._end_lease(lease, stale=True)
             ended += 1
         self.expired_leases += ended
+        self.l2.release_quarantine(now)
         idle = now - self.config.server.session_idle_s
-        for routing_id, session in list(self.sessions.items()):
-            if session.last_seen < idle and not session.leases:
-                del self.sessions[routing_id]
+        stale = []
+        for session in self.sessions.values():  # least recently seen first
+            if session.last_seen >= idle:
+                break
+            if not session.leases:
+                stale.append(session)
+        for session in stale:
+            self._end_session(session)
         return ended
 
     def stats(self) -> p.DaemonStats:
         pool = self.pool
         used = pool.used_bytes
-        reserved = sum(len(lease.fresh) for lease in self.leases.values())
+        reserved = sum(len(lease.fresh) for lease in self.leases)
         return p.DaemonStats(
             instance=self.instance,
             uptime_s=round(self.clock() - self.started, 3),
@@ -681,7 +703,7 @@ class Cache:
             pool_used_bytes=used,
             pool_free_bytes=pool.arena_bytes - used,
             slab_bytes=pool.slab_bytes,
-            pages=sum(index.pages for index in self.indexes.values()),
+            pages=self.l2.pages,
             pinned_pages=len(pool.pins),
             reserved_pages=reserved,
             namespaces=len(self.namespaces),
@@ -690,12 +712,15 @@ class Cache:
             requests=dict(self.requests),
             errors=dict(self.errors),
             dropped=dict(self.dropped),
-            evicted_pages=self.evicted_pages,
-            reclaimed_slabs=self.reclaimed_slabs,
+            evicted_pages=self.l2.evicted_pages,
+            reclaimed_slabs=self.l2.reclaimed_slabs,
             expired_leases=self.expired_leases,
+            quarantined_pages=self.l2.quarantined,
+            writeback_pages=sum(self.l2.returning.values()) - self.l2.quarantined,
             l3_backend=self.config.storage.backend if self.tier is not None else "",
             l3_state=getattr(self.tier, "state", "") if self.tier is not None else "",
             l3_pages_known=len(self.l3),
+            l3_known_max=self.l3.limit,
             l3={**self.l3_counters, **(getattr(self.tier, "counters", None) or {})},
             match_pages=dict(self.match_pages),
             events_pending=len(self.events.pending),

@@ -12,8 +12,12 @@ Typical use::
                         page_tokens=64, page_bytes=65536)
         c.store(ns, tokens, pages)          # pages: (n_full_pages, page_bytes)
         hit = c.match(ns, tokens)
-        data = c.read_pages(ns, hit.offsets)
+        data = c.read_pages(hit)
         c.release(hit)
+
+Copies go through handles (handles.py, mapping.py); a stale handle gives a
+miss or a clear error, never another key's bytes. A call to a daemon that is
+not running fails at once with ``DaemonUnavailable``.
 """
 
 from __future__ import annotations
@@ -22,10 +26,8 @@ import asyncio
 import contextlib
 import itertools
 import os
-import sys
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
 import msgspec
@@ -40,12 +42,28 @@ from hicached.errors import (
     BadRequest,
     DaemonUnavailable,
     DeadlineExceeded,
+    ForeignLease,
     HicachedError,
     SessionLost,
     UnknownLease,
+    VersionMismatch,
 )
+from hicached.handles import Fetch, FetchProgress, Hit, Namespace, Reservation
 from hicached.hashing import pack_tokens
+from hicached.mapping import PoolMapping, cuda_tensor, lease_margin
 from hicached.namespace import NamespaceSpec
+
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "CurveKeys",
+    "Fetch",
+    "FetchProgress",
+    "Hit",
+    "Namespace",
+    "Reservation",
+    "cuda_tensor",
+]
 
 R = TypeVar("R", bound=p.Reply)
 Exchange = Generator[p.Request, p.AnyReply, Any]
@@ -74,70 +92,6 @@ class CurveKeys(NamedTuple):
         return cls(server_public, public, secret)
 
 
-@dataclass(slots=True, eq=False)
-class Namespace:
-    """A registered namespace; ``id`` is updated if the daemon restarts."""
-
-    spec: NamespaceSpec
-    id: int
-    digest: bytes
-
-    @property
-    def page_tokens(self) -> int:
-        return self.spec.page_tokens
-
-    @property
-    def page_bytes(self) -> int:
-        return self.spec.page_bytes
-
-
-@dataclass(slots=True)
-class Reservation:
-    """Slots to fill for pages ``present .. present + len(offsets)`` of a sequence."""
-
-    ns: Namespace
-    lease: int
-    present: int
-    offsets: list[int]
-    pool_full: bool
-    instance: int
-
-
-@dataclass(slots=True)
-class Hit:
-    """The leading ``hits`` pages of a sequence, in ``offsets``, under ``lease``;
-    ``l3_hits`` more pages are known to be in L3."""
-
-    ns: Namespace
-    hits: int
-    offsets: list[int]
-    lease: int
-    instance: int
-    l3_hits: int = 0
-
-
-@dataclass(slots=True)
-class Prefetch:
-    """A background load from L3 of the pages after the first ``l2_hits``.
-
-    ``lease`` 0 means there was nothing to load (no L3, or all in L2).
-    """
-
-    ns: Namespace
-    lease: int
-    l2_hits: int
-    instance: int
-
-
-class Progress(msgspec.Struct, frozen=True):
-    """``completed`` leading pages are in L2; see protocol.ProgressOk."""
-
-    planned: int
-    completed: int
-    done: bool
-    failed: bool
-
-
 class _Core:
     """What both clients share: state, message building and the exchange logic."""
 
@@ -148,6 +102,7 @@ class _Core:
         name: str,
         curve: CurveKeys | None,
         map_pool: bool,
+        connect_timeout: float,
     ) -> None:
         self.endpoint = endpoint or default_endpoint()
         try:
@@ -157,15 +112,15 @@ class _Core:
         self.curve = curve
         self.map_pool = map_pool
         self.timeout = timeout
+        self.connect_timeout = connect_timeout
         self.name = name or f"pid-{os.getpid()}"
         self._ids = itertools.count(1)
         self._hello: p.HelloOk | None = None
-        self._arena: Arena | None = None
+        self._mapping: PoolMapping | None = None
         self._pin = False  # pin_memory() was asked for
-        self._pinned: Arena | None = None  # the arena registered with CUDA
-        self._mapped: Any = None  # its CUDA view, for gather/scatter kernels
         self._namespaces: list[Namespace] = []
         self._instance = 0
+        self._margin = 1.0  # seconds before a lease's deadline that copies stop
 
     # -- exchanges ------------------------------------------------------------
 
@@ -196,12 +151,19 @@ class _Core:
         if isinstance(reply, p.Error):
             raise reply.to_exception()
         assert isinstance(reply, p.HelloOk)
-        if self.map_pool and (self._arena is None or reply.instance != self._instance):
-            self._close_arena()  # another daemon's pool: unpin and unmap the old one
-            self._arena = Arena.attach(reply.pool_path, reply.pool_bytes)
+        if self.map_pool and (self._mapping is None or reply.instance != self._instance):
+            if not reply.gen_granule:
+                raise VersionMismatch(
+                    f"the daemon speaks protocol {reply.major}.{reply.minor} and keeps no slot "
+                    "generations: upgrade it to map its pool"
+                )
+            self._close_mapping()  # another daemon's pool: unpin and unmap the old one
+            arena = Arena.attach(reply.pool_path, reply.pool_bytes)
+            self._mapping = PoolMapping(arena, reply.instance, reply.gen_granule)
             if self._pin:
-                self._pin_arena()
+                self._mapping.pin()
         self._instance = reply.instance
+        self._margin = lease_margin(reply.lease_ttl_s)
         self._hello = reply
         for ns in self._namespaces:
             ok = yield p.RegisterNamespace(id=0, spec=ns.spec)
@@ -227,14 +189,38 @@ class _Core:
         self._namespaces.append(ns)
         return ns
 
+    def _deadline(self, sent: float) -> float:
+        """A lease granted for a request sent at ``sent`` (monotonic): when copies stop."""
+        hello = self._hello
+        ttl = hello.lease_ttl_s if hello is not None else 0.0
+        return sent + ttl - self._margin
+
+    def _gens(self, offsets: list[int]) -> Any:
+        mapping = self._mapping
+        if mapping is None or not offsets:
+            return np.empty(0, dtype=np.uint32)
+        return mapping.snapshot(offsets)
+
     def _reserve(self, ns: Namespace, tokens: Any) -> Exchange:
         packed = pack_tokens(tokens)
+        sent = time.monotonic()
         ok = yield from self._exchange(
             lambda: p.Reserve(id=0, ns=ns.id, tokens=packed), p.ReserveOk
         )
-        return Reservation(ns, ok.lease, ok.present, ok.offsets, ok.pool_full, self._instance)
+        return Reservation(
+            ns,
+            ok.lease,
+            ok.present,
+            ok.offsets,
+            ok.pool_full,
+            self._instance,
+            self._deadline(sent),
+            self._gens(ok.offsets),
+        )
 
-    def _commit(self, res: Reservation | Prefetch, pages: int | None) -> Exchange:
+    def _commit(self, res: Reservation | Fetch, pages: int | None) -> Exchange:
+        if isinstance(res, Reservation):
+            res.closed = True
         if not res.lease:
             return p.CommitOk(id=0, published=0, duplicates=0)
         if res.instance != self._instance:
@@ -248,30 +234,58 @@ class _Core:
 
     def _match(self, ns: Namespace, tokens: Any, lease: bool) -> Exchange:
         packed = pack_tokens(tokens)
+        sent = time.monotonic()
         ok = yield from self._exchange(
             lambda: p.Match(id=0, ns=ns.id, tokens=packed, lease=lease), p.MatchOk
         )
-        return Hit(ns, ok.hits, ok.offsets, ok.lease, self._instance, ok.l3_hits)
+        if not ok.lease:
+            return Hit(ns, ok.hits, ok.offsets, 0, self._instance, ok.l3_hits)
+        return Hit(
+            ns,
+            ok.hits,
+            ok.offsets,
+            ok.lease,
+            self._instance,
+            ok.l3_hits,
+            self._deadline(sent),
+            self._gens(ok.offsets),
+        )
+
+    def _renew(self, handle: Reservation | Hit) -> Exchange:
+        if handle.closed or not handle.lease or handle.instance != self._instance:
+            raise UnknownLease("this handle holds no open lease to renew")
+        sent = time.monotonic()
+        ok = yield from self._exchange(lambda: p.Renew(id=0, lease=handle.lease), p.RenewOk)
+        handle.deadline = sent + ok.ttl_s - self._margin
+        return None
 
     def _prefetch(self, ns: Namespace, tokens: Any, max_pages: int) -> Exchange:
         packed = pack_tokens(tokens)
         ok = yield from self._exchange(
             lambda: p.Prefetch(id=0, ns=ns.id, tokens=packed, max_pages=max_pages), p.PrefetchOk
         )
-        return Prefetch(ns, ok.lease, ok.l2_hits, self._instance)
+        return Fetch(ns, ok.lease, ok.l2_hits, self._instance)
 
-    def _progress(self, pf: Prefetch) -> Exchange:
+    def _progress(self, pf: Fetch) -> Exchange:
         if not pf.lease:
-            return Progress(planned=0, completed=0, done=True, failed=False)
+            return FetchProgress(planned=0, completed=0, done=True, failed=False)
         if pf.instance != self._instance:
             raise UnknownLease("the daemon restarted since this prefetch; start it again")
         ok = yield from self._exchange(lambda: p.Progress(id=0, lease=pf.lease), p.ProgressOk)
-        return Progress(ok.planned, ok.completed, ok.done, ok.failed)
+        return FetchProgress(ok.planned, ok.completed, ok.done, ok.failed)
 
-    def _release(self, lease: int, instance: int) -> Exchange:
-        if not lease or instance != self._instance:
-            return None  # nothing held, or it ended with the daemon that granted it
-        yield from self._exchange(lambda: p.Release(id=0, lease=lease), p.Ok)
+    def _release(self, handle: Reservation | Hit | Fetch) -> Exchange:
+        ours = True
+        try:
+            if handle.lease and handle.instance == self._instance:
+                yield from self._exchange(lambda: p.Release(id=0, lease=handle.lease), p.Ok)
+            # else: nothing held, or it ended with the daemon that granted it
+        except ForeignLease:
+            ours = False
+            raise
+        finally:
+            if ours and not isinstance(handle, Fetch):
+                handle.closed = True  # ended here, or already ended before
         return None
 
     def _stats(self) -> Exchange:
@@ -284,141 +298,87 @@ class _Core:
         request.deadline_ms = int((time.time() + budget) * 1000)
         return request.id, p.encode(request), budget
 
+    def _unavailable(self) -> DaemonUnavailable:
+        what = "" if self._hello else " (is it running?)"
+        return DaemonUnavailable(f"no connection to the daemon at {self.endpoint}{what}")
+
+    def _goodbye(self) -> bytes | None:
+        """The goodbye to send on close, if a session is open."""
+        if self._hello is None:
+            return None
+        self._hello = None
+        return self._stamp(p.Goodbye(id=0), None)[1]
+
     # -- the pool -------------------------------------------------------------
 
     @property
-    def arena(self) -> Arena:
+    def mapping(self) -> PoolMapping:
         if not self.map_pool:
             raise BadRequest("this client does not map the pool (map_pool=False)")
-        if self._arena is None:
+        if self._mapping is None:
             raise DaemonUnavailable("not connected: call connect() first")
-        return self._arena
+        return self._mapping
 
     def _configure(self, sock: zmq.Socket[Any]) -> None:
         """Options of the one DEALER socket; CURVE keys when given."""
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing for a daemon that is not there
         sock.setsockopt(zmq.RECONNECT_IVL, 50)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 200)  # back within connect_timeout
         if self.curve is not None:
             sock.curve_serverkey = self.curve.server_public
             sock.curve_publickey = self.curve.public
             sock.curve_secretkey = self.curve.secret
         sock.connect(self.endpoint)
 
-    def rows(self, ns: Namespace) -> np.ndarray:
-        """The pool as a (slots, page_bytes) uint8 array, zero-copy."""
-        return self.arena.rows(ns.page_bytes)
-
-    def page(self, ns: Namespace, offset: int) -> np.ndarray:
-        """One slot as a writable uint8 array of ``page_bytes``, zero-copy."""
-        return self.rows(ns)[offset // ns.page_bytes]
-
     def pin_memory(self) -> None:
         """Register this client's mapping of the pool with CUDA as pinned memory,
         now and after every reconnect, so that copies between GPU tensors and
         slots need no staging buffer (hicached/cuda.py, docs/perf.md)."""
         self._pin = True
-        if self._arena is not None and self._pinned is None:
-            self._pin_arena()
+        if self._mapping is not None:
+            self._mapping.pin()
 
-    def _pin_arena(self) -> None:
-        from hicached import cuda
+    def unpin_memory(self) -> None:
+        """Undo ``pin_memory()``: copies go through pageable memory again."""
+        self._pin = False
+        if self._mapping is not None:
+            self._mapping.unpin()
 
-        self._mapped = cuda.register(self.arena.array)
-        self._pinned = self.arena
+    def write_pages(self, res: Reservation, data: Any) -> None:
+        """Copy ``data`` (one page of page_bytes per slot of ``res``) into its slots.
 
-    def write_pages(self, ns: Namespace, offsets: list[int], data: Any) -> None:
-        """Copy ``data`` (n pages of page_bytes) into the slots at ``offsets``.
-
-        ``data`` is a numpy array (one copy call), or a CUDA tensor (DMA per
-        run of adjacent slots, or one scatter kernel; finished on return).
+        ``data`` is a numpy array or CPU tensor (one copy call), or a CUDA
+        tensor (DMA per run of adjacent slots, or one scatter kernel; finished
+        on return). An empty reservation is a no-op. Raises ``StaleHandle``
+        when the reservation is closed, from a restarted daemon or past its
+        deadline: reserve again.
         """
-        if cuda_tensor(data):
-            from hicached import cuda
-
-            rows = self.rows(ns)
-            idx = self._row_index(ns, offsets, len(rows))
-            cuda.copy(rows, idx, data, to_pool=True, mapped=self._mapped)
+        if not res.offsets:
             return
-        src = np.asarray(data).reshape(len(offsets), -1).view(np.uint8)
-        if src.shape[1] != ns.page_bytes:
-            raise ValueError(f"each page must be {ns.page_bytes} bytes, got {src.shape[1]}")
-        rows = self.rows(ns)
-        idx = self._row_index(ns, offsets, len(rows))
-        if len(idx) == 1:
-            rows[idx[0]] = src[0]
-        elif len(idx) and np.all(np.diff(idx) == 1):
-            rows[idx[0] : idx[-1] + 1] = src  # contiguous slots: one memcpy
-        else:
-            rows[idx] = src
+        self.mapping.write(res, data)
 
-    def read_pages(self, ns: Namespace, offsets: list[int], out: Any = None) -> Any:
-        """Copy the slots at ``offsets`` into ``out`` (n, page_bytes), in one call.
+    def read_pages(self, hit: Hit, out: Any = None) -> Any:
+        """Copy the pages of ``hit`` into ``out`` (n, page_bytes), or a new array.
 
         ``out`` may be a CUDA tensor (DMA per run of adjacent slots, or one
-        gather kernel; finished on return).
+        gather kernel; finished on return). Raises ``StaleHandle`` (a miss)
+        when the hit is closed, from a restarted daemon, past its deadline, or
+        a page left its slot while it was copied; its ``valid`` leading pages
+        were intact. Use ``hit.select(range(n))`` to copy only some pages.
         """
-        rows = self.rows(ns)
-        idx = self._row_index(ns, offsets, len(rows))
-        if cuda_tensor(out):
-            from hicached import cuda
-
-            cuda.copy(rows, idx, out, to_pool=False, mapped=self._mapped)
-            return out
-        if out is None:
-            out = np.empty((len(idx), ns.page_bytes), dtype=np.uint8)
-        if len(idx) and np.all(np.diff(idx) == 1):
-            out[...] = rows[idx[0] : idx[-1] + 1]
-        elif "torch" in sys.modules and out.flags.c_contiguous:
-            # glibc's memcpy of single pages out of 4 KiB-page shared memory can run
-            # at a fraction of memory speed; torch's copy kernel does not (docs/perf.md)
-            torch = sys.modules["torch"]
-            torch.index_select(
-                torch.from_numpy(rows), 0, torch.from_numpy(idx), out=torch.from_numpy(out)
-            )
-        else:
-            # indices are checked above; "clip" lets numpy gather straight into out
-            np.take(rows, idx, axis=0, out=out, mode="clip")
-        return out
-
-    @staticmethod
-    def _row_index(ns: Namespace, offsets: list[int], n_rows: int) -> np.ndarray:
-        """Rows of ``offsets``; a cache must never lie, so every offset is checked."""
-        idx = np.asarray(offsets, dtype=np.int64)
-        if len(idx) and (
-            int(idx.min()) < 0
-            or int(idx.max()) >= n_rows * ns.page_bytes
-            or (idx % ns.page_bytes).any()
-        ):
-            raise ValueError(f"offsets must be slots of {ns.page_bytes} bytes inside the pool")
-        return idx // ns.page_bytes
-
-    def tensor(self, ns: Namespace) -> Any:
-        """The pool as a (slots, page_bytes) uint8 torch tensor sharing its memory."""
-        import torch
-
-        return torch.from_numpy(self.rows(ns))
+        return self.mapping.read(hit, out)
 
     def _store_data(self, res: Reservation, pages: np.ndarray) -> None:
         if not res.offsets:
             return
         src = np.asarray(pages)
-        self.write_pages(res.ns, res.offsets, src[res.present : res.present + len(res.offsets)])
+        self.write_pages(res, src[res.present : res.present + len(res.offsets)])
 
-    def _close_arena(self) -> None:
-        if self._pinned is not None:
-            from hicached import cuda
-
-            pinned, self._pinned, self._mapped = self._pinned, None, None
-            cuda.unregister(pinned.array)
-        if self._arena is not None:
-            self._arena.close()
-            self._arena = None
-
-
-def cuda_tensor(obj: object) -> bool:
-    """A torch tensor on a GPU (checked without importing torch)."""
-    return type(obj).__module__.startswith("torch") and bool(getattr(obj, "is_cuda", False))
+    def _close_mapping(self) -> None:
+        if self._mapping is not None:
+            mapping, self._mapping = self._mapping, None
+            mapping.close()
 
 
 def _run(gen: Exchange, roundtrip: Callable[[p.Request], p.AnyReply]) -> Any:
@@ -436,6 +396,8 @@ class Client(_Core):
     ``curve``: keys for a tcp:// daemon that requires CURVE. ``map_pool``:
     False on a host that does not share the daemon's memory (control calls
     only: match, prefetch, progress, stats; no slot copies).
+    ``connect_timeout``: how long a request waits for a connection to the
+    daemon before ``DaemonUnavailable`` (covers a daemon restart's reconnect).
     """
 
     def __init__(
@@ -446,8 +408,9 @@ class Client(_Core):
         name: str = "",
         curve: CurveKeys | None = None,
         map_pool: bool = True,
+        connect_timeout: float = 0.5,
     ) -> None:
-        super().__init__(endpoint, timeout, name, curve, map_pool)
+        super().__init__(endpoint, timeout, name, curve, map_pool, connect_timeout)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._configure(self._sock)
@@ -465,29 +428,45 @@ class Client(_Core):
         self.close()
 
     def close(self) -> None:
-        self._sock.close(linger=0)
+        """Say goodbye (the daemon ends this session and its leases), then close."""
+        goodbye = self._goodbye()
+        linger = 0
+        if goodbye is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.send(goodbye, zmq.NOBLOCK)
+                linger = 200
+        self._sock.close(linger=linger)
         self._ctx.term()
-        self._close_arena()
+        self._close_mapping()
 
     def _roundtrip(self, request: p.Request, timeout: float | None = None) -> p.AnyReply:
         request_id, payload, budget = self._stamp(request, timeout)
         sock = self._sock
-        sock.send(payload)
+        try:
+            sock.send(payload, zmq.NOBLOCK)
+        except zmq.Again:
+            # no connection (IMMEDIATE): wait briefly for one, as after a restart
+            if not sock.poll(int(min(budget, self.connect_timeout) * 1000), zmq.POLLOUT):
+                raise self._unavailable() from None
+            sock.send(payload, zmq.NOBLOCK)
         deadline = time.monotonic() + budget
-        wait_ms = max(1, int(budget * 1000))
-        if wait_ms != self._rcvtimeo:  # a blocking receive: one wake-up, no poll
-            sock.setsockopt(zmq.RCVTIMEO, wait_ms)
-            self._rcvtimeo = wait_ms
+        slice_ms = max(1, int(min(budget, 0.1) * 1000))
+        if slice_ms != self._rcvtimeo:  # a blocking receive: one wake-up, no poll
+            sock.setsockopt(zmq.RCVTIMEO, slice_ms)
+            self._rcvtimeo = slice_ms
         while True:
-            if time.monotonic() >= deadline:
-                what = "daemon" if self._hello else "daemon (is it running?)"
-                raise DeadlineExceeded(
-                    f"no reply from the {what} at {self.endpoint} within {budget:.3g}s"
-                )
             try:
                 reply = p.reply_decoder.decode(sock.recv())
             except zmq.Again:
+                if time.monotonic() >= deadline:
+                    raise DeadlineExceeded(
+                        f"no reply from the daemon at {self.endpoint} within {budget:.3g}s"
+                    ) from None
+                if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
+                    raise self._unavailable() from None  # the connection went away
                 continue
+            except msgspec.MsgspecError:
+                continue  # not a reply this client understands: keep waiting
             if reply.id == request_id:
                 return reply
             # else: the late reply of a request that timed out; drop it
@@ -507,30 +486,34 @@ class Client(_Core):
     def reserve(self, ns: Namespace, tokens: Any) -> Reservation:
         return self._do(self._reserve(ns, tokens))
 
-    def commit(self, res: Reservation | Prefetch, pages: int | None = None) -> p.CommitOk:
+    def commit(self, res: Reservation | Fetch, pages: int | None = None) -> p.CommitOk:
         """Publish the first ``pages`` pages of a reservation or a prefetch (None: all
         reserved, or all read so far); the rest is released."""
         return self._do(self._commit(res, pages))
 
-    def prefetch(self, ns: Namespace, tokens: Any, *, max_pages: int = -1) -> Prefetch:
+    def prefetch(self, ns: Namespace, tokens: Any, *, max_pages: int = -1) -> Fetch:
         """Start loading from L3 the pages of ``tokens`` after its L2 hit."""
         return self._do(self._prefetch(ns, tokens, max_pages))
 
-    def progress(self, pf: Prefetch) -> Progress:
+    def progress(self, pf: Fetch) -> FetchProgress:
         return self._do(self._progress(pf))
 
-    def cancel(self, pf: Prefetch) -> None:
+    def cancel(self, pf: Fetch) -> None:
         """Give up a prefetch; its slots are freed once no read is writing into them."""
-        self._do(self._release(pf.lease, pf.instance))
+        self._do(self._release(pf))
 
     def abort(self, res: Reservation) -> None:
-        self._do(self._release(res.lease, res.instance))
+        self._do(self._release(res))
 
     def match(self, ns: Namespace, tokens: Any, *, lease: bool = True) -> Hit:
         return self._do(self._match(ns, tokens, lease))
 
     def release(self, hit: Hit) -> None:
-        self._do(self._release(hit.lease, hit.instance))
+        self._do(self._release(hit))
+
+    def renew(self, handle: Reservation | Hit) -> None:
+        """Push the handle's lease deadline ``leases.ttl_s`` into the future."""
+        self._do(self._renew(handle))
 
     def stats(self) -> p.DaemonStats:
         return self._do(self._stats())
@@ -549,7 +532,7 @@ class Client(_Core):
         """Copy out the leading pages of ``tokens`` present in L2 (n, page_bytes)."""
         hit = self.match(ns, tokens)
         try:
-            return self.read_pages(ns, hit.offsets)
+            return self.read_pages(hit)
         finally:
             self.release(hit)
 
@@ -565,8 +548,9 @@ class AsyncClient(_Core):
         name: str = "",
         curve: CurveKeys | None = None,
         map_pool: bool = True,
+        connect_timeout: float = 0.5,
     ) -> None:
-        super().__init__(endpoint, timeout, name, curve, map_pool)
+        super().__init__(endpoint, timeout, name, curve, map_pool, connect_timeout)
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._configure(self._sock)
@@ -586,32 +570,52 @@ class AsyncClient(_Core):
         await self.close()
 
     async def close(self) -> None:
+        """Say goodbye (the daemon ends this session and its leases), then close."""
         if self._reader is not None:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
             self._reader = None
-        self._sock.close(linger=0)
+        goodbye = self._goodbye()
+        linger = 0
+        if goodbye is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.send(goodbye, zmq.NOBLOCK)
+                linger = 200
+        self._sock.close(linger=linger)
         self._ctx.term()
-        self._close_arena()
+        self._close_mapping()
 
     async def _read(self) -> None:
         while True:
             payload = await self._sock.recv()
-            reply = p.reply_decoder.decode(payload)
+            try:
+                reply = p.reply_decoder.decode(payload)
+            except msgspec.MsgspecError:
+                continue  # not a reply this client understands
             future = self._pending.pop(reply.id, None)
             if future is not None and not future.done():
                 future.set_result(reply)
 
     async def _roundtrip(self, request: p.Request, timeout: float | None = None) -> p.AnyReply:
-        if self._reader is None:
-            self._reader = asyncio.get_running_loop().create_task(self._read())
+        loop = asyncio.get_running_loop()
+        if self._reader is None or self._reader.done():  # first call, or the reader failed
+            if self._reader is not None:
+                self._reader.remove_done_callback(self._fail_all)
+                self._fail_all(self._reader)  # its waiters fail now, not the new ones
+            self._reader = loop.create_task(self._read())
             self._reader.add_done_callback(self._fail_all)
         request_id, payload, budget = self._stamp(request, timeout)
-        future: asyncio.Future[p.AnyReply] = asyncio.get_running_loop().create_future()
+        sock = self._sock
+        if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
+            # no connection (IMMEDIATE): wait briefly for one, as after a restart
+            wait_ms = int(min(budget, self.connect_timeout) * 1000)
+            if not await sock.poll(wait_ms, zmq.POLLOUT):  # type: ignore[call-arg]
+                raise self._unavailable()
+        future: asyncio.Future[p.AnyReply] = loop.create_future()
         self._pending[request_id] = future
         try:
-            await self._sock.send(payload)
+            await sock.send(payload)
             return await asyncio.wait_for(future, budget)
         except asyncio.TimeoutError:
             raise DeadlineExceeded(
@@ -651,26 +655,29 @@ class AsyncClient(_Core):
     async def reserve(self, ns: Namespace, tokens: Any) -> Reservation:
         return await self._do(self._reserve(ns, tokens))
 
-    async def commit(self, res: Reservation | Prefetch, pages: int | None = None) -> p.CommitOk:
+    async def commit(self, res: Reservation | Fetch, pages: int | None = None) -> p.CommitOk:
         return await self._do(self._commit(res, pages))
 
-    async def prefetch(self, ns: Namespace, tokens: Any, *, max_pages: int = -1) -> Prefetch:
+    async def prefetch(self, ns: Namespace, tokens: Any, *, max_pages: int = -1) -> Fetch:
         return await self._do(self._prefetch(ns, tokens, max_pages))
 
-    async def progress(self, pf: Prefetch) -> Progress:
+    async def progress(self, pf: Fetch) -> FetchProgress:
         return await self._do(self._progress(pf))
 
-    async def cancel(self, pf: Prefetch) -> None:
-        await self._do(self._release(pf.lease, pf.instance))
+    async def cancel(self, pf: Fetch) -> None:
+        await self._do(self._release(pf))
 
     async def abort(self, res: Reservation) -> None:
-        await self._do(self._release(res.lease, res.instance))
+        await self._do(self._release(res))
 
     async def match(self, ns: Namespace, tokens: Any, *, lease: bool = True) -> Hit:
         return await self._do(self._match(ns, tokens, lease))
 
     async def release(self, hit: Hit) -> None:
-        await self._do(self._release(hit.lease, hit.instance))
+        await self._do(self._release(hit))
+
+    async def renew(self, handle: Reservation | Hit) -> None:
+        await self._do(self._renew(handle))
 
     async def stats(self) -> p.DaemonStats:
         return await self._do(self._stats())
@@ -687,6 +694,6 @@ class AsyncClient(_Core):
     async def load(self, ns: Namespace, tokens: Any) -> np.ndarray:
         hit = await self.match(ns, tokens)
         try:
-            return self.read_pages(ns, hit.offsets)
+            return self.read_pages(hit)
         finally:
             await self.release(hit)

@@ -83,14 +83,19 @@ class ServerConfig(msgspec.Struct, **_Section):
     runtime_dir: str = ""
     # Larger messages get a too_large error reply and are counted.
     max_message_bytes: int = 1 * MIB
-    # Pages one reserve or match may cover; longer sequences are cut there.
+    # Most pages one reserve or match may cover; longer requests get too_large.
     max_pages_per_request: int = 16384
-    # Distinct client sessions held at once; a hello beyond it is refused.
+    # Distinct client sessions held at once; a newcomer beyond it takes the place of
+    # the longest idle session that holds no lease (and is refused if all hold one).
     max_clients: int = 1024
     # A session with no request and no lease for this long is forgotten.
     session_idle_s: float = 600.0
     # ZeroMQ high-water mark (messages) for each direction of the socket.
     hwm: int = 10000
+    # Request bytes queued per client before the daemon stops reading from it (the
+    # client waits: backpressure, nothing lost); the receive high-water mark is this
+    # over max_message_bytes (at least 4 messages), and never above hwm.
+    queue_mib: int = 16
     # Messages handled per wake-up before yielding to other tasks.
     drain_batch: int = 256
     # Page keys remembered for recently seen token sequences (0 = off); ~100 bytes each.
@@ -103,7 +108,7 @@ class ServerConfig(msgspec.Struct, **_Section):
             raise ValueError("runtime_dir must be an absolute path")
         if self.max_message_bytes < 4096:
             raise ValueError("max_message_bytes must be at least 4096")
-        positive(self, "max_pages_per_request", "max_clients", "hwm", "drain_batch")
+        positive(self, "max_pages_per_request", "max_clients", "hwm", "drain_batch", "queue_mib")
         if self.key_cache_pages < 0:
             raise ValueError("key_cache_pages must be 0 (off) or positive")
         if self.session_idle_s <= 0:
@@ -151,10 +156,15 @@ class LeaseConfig(msgspec.Struct, **_Section):
     max_leases: int = 65536
     # How often expired leases are looked for, in seconds.
     sweep_interval_s: float = 0.25
+    # Seconds the fresh slots of an expired write lease wait before reuse, so a
+    # copy a client started just before its lease ran out cannot land in a page
+    # that someone else owns by then. Clients stop copying through a handle a
+    # second (a tenth of ttl_s, if less) before its lease's deadline.
+    quarantine_s: float = 10.0
 
     def __post_init__(self) -> None:
-        if self.ttl_s <= 0 or self.sweep_interval_s <= 0:
-            raise ValueError("ttl_s and sweep_interval_s must be positive")
+        if self.ttl_s <= 0 or self.sweep_interval_s <= 0 or self.quarantine_s <= 0:
+            raise ValueError("ttl_s, sweep_interval_s and quarantine_s must be positive")
         positive(self, "max_leases")
 
 
@@ -173,9 +183,13 @@ class StorageConfig(msgspec.Struct, **_Section):
     write_policy: str = "write_through"
     # Matches a page needs before write_through_selective writes it (and its prefix).
     selective_hits: int = 2
-    # Seconds a graceful stop may spend writing back pages L3 does not hold yet.
+    # Seconds a graceful stop may take in all: ending the scan and prefetches,
+    # writing back pages L3 lacks (in steps as the queue drains) and finishing
+    # queued writes. Keep it below the unit's TimeoutStopSec (60 s) with room
+    # to spare, or systemd kills the daemon mid-flush.
     flush_deadline_s: float = 30.0
-    # Pages waiting to be written, at most; more are dropped and counted.
+    # Pages queued or being written, at most (so at most this many L2 slots
+    # wait on L3, even when calls hang); more are dropped and counted.
     queue_pages: int = 65536
     # Pages per backend call.
     batch_pages: int = 64
@@ -193,6 +207,14 @@ class StorageConfig(msgspec.Struct, **_Section):
     prefetch_batch_pages: int = 64
     # Learn at start what the store holds (backends that can list it).
     scan_on_start: bool = True
+    # Keys remembered as held by the store, about 85 bytes each; beyond it the
+    # oldest half is forgotten (a forgotten key costs a repeated write or an
+    # unreported L3 hit, never a wrong byte).
+    known_keys: int = 2_000_000
+    # Run that scan after READY, while serving (matches see L3 pages as they
+    # are found; status shows state "scanning" and scan_pages); false = scan
+    # before READY.
+    scan_in_background: bool = True
     memory: MemoryOptions = msgspec.field(default_factory=MemoryOptions)
     file: FileOptions = msgspec.field(default_factory=FileOptions)
     s3: S3Options = msgspec.field(default_factory=S3Options)
@@ -206,6 +228,8 @@ class StorageConfig(msgspec.Struct, **_Section):
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {', '.join(WRITE_POLICIES)}")
         positive(self, "selective_hits", "queue_pages", "batch_pages", "concurrency")
+        if self.known_keys < 2:
+            raise ValueError("known_keys must be at least 2")
         positive(
             self, "op_timeout_s", "breaker_failures", "breaker_cooldown_s", "prefetch_batch_pages"
         )
@@ -232,6 +256,12 @@ class EventsConfig(msgspec.Struct, **_Section):
     replay_batches: int = 10000
     # ZeroMQ high-water mark of the PUB socket, in messages.
     hwm: int = 100000
+    # A replay whose reader reads nothing for this many seconds ends there: the
+    # reader gets the batches sent so far, then the end marker.
+    replay_timeout_s: float = 5.0
+    # Seconds a graceful stop lets queued events (and replays) leave before
+    # the sockets close.
+    close_linger_s: float = 2.0
 
     def __post_init__(self) -> None:
         for name in ("endpoint", "replay_endpoint"):
@@ -244,6 +274,9 @@ class EventsConfig(msgspec.Struct, **_Section):
         if self.replay_endpoint and not self.endpoint:
             raise ValueError("replay_endpoint needs endpoint too")
         positive(self, "queue_events", "batch_events", "flush_interval_s", "replay_batches", "hwm")
+        positive(self, "replay_timeout_s")
+        if self.close_linger_s < 0:
+            raise ValueError("close_linger_s must not be negative")
 
 
 class MetricsConfig(msgspec.Struct, **_Section):

@@ -95,6 +95,20 @@ class DaemonUnavailable(HicachedError):
     retriable = True
 
 
+class StaleHandle(HicachedError):
+    """A copy through a handle that no longer owns its slots: closed, granted by
+    a daemon that has since restarted, past its lease deadline, or a slot that
+    changed owner while it was copied. What was read is a miss; ``valid``
+    leading pages of it were intact."""
+
+    code = "stale_handle"
+    retriable = True
+
+    def __init__(self, message: str, valid: int = 0) -> None:
+        super().__init__(message)
+        self.valid = valid
+
+
 _BY_CODE: dict[str, type[HicachedError]] = {
     cls.code: cls
     for cls in (
@@ -111,6 +125,7 @@ _BY_CODE: dict[str, type[HicachedError]] = {
         ResourceExhausted,
         DeadlineExceeded,
         DaemonUnavailable,
+        StaleHandle,
     )
 }
 

@@ -9,11 +9,38 @@ Slots are aligned to their page size across the whole arena, so a client can
 view the arena as rows of ``page_bytes`` and copy many pages in one call
 (row = offset // page_bytes). Pins count readers and writers of a slot; a
 pinned slot is never freed (that is an assertion, not a policy).
+
+Every allocated slot is recorded with its page size, so freeing a free slot,
+or a slot as another size than it was given out with, is caught at once
+(``SlotStateError``) instead of corrupting the free lists.
+
+Generations: ``gens`` holds one counter per ``GEN_GRANULE`` bytes of the
+arena, shared with every client through the pool file's header (arena.py).
+The counter of a slot's first granule is bumped whenever the slot is freed,
+that is whenever it may next belong to another key. A client notes the
+counters when it is handed a slot and checks them after copying out of it
+(seqlock style): a copy that raced a reuse is reported as a miss, never as
+bytes. Pages smaller than a granule share counters with their neighbours,
+which can only cause spurious misses.
 """
 
 from __future__ import annotations
 
 import heapq
+
+import numpy as np
+
+GEN_GRANULE = 4096  # bytes of arena per generation counter
+GEN_DTYPE = np.dtype("<u4")
+
+
+class SlotStateError(AssertionError):
+    """A slot was freed that is not allocated, or freed as another page size."""
+
+
+def gen_count(arena_bytes: int) -> int:
+    """Generation counters an arena of ``arena_bytes`` needs."""
+    return -(-arena_bytes // GEN_GRANULE)
 
 
 class _SizeClass:
@@ -31,8 +58,12 @@ class _SizeClass:
 class SlotPool:
     """Allocates page slots; knows nothing of keys, leases or the index."""
 
-    def __init__(self, arena_bytes: int, slab_bytes: int) -> None:
+    def __init__(self, arena_bytes: int, slab_bytes: int, gens: np.ndarray | None = None) -> None:
         assert slab_bytes > 0 and arena_bytes >= slab_bytes, "arena must hold at least one slab"
+        if gens is None:
+            gens = np.zeros(gen_count(arena_bytes), dtype=GEN_DTYPE)
+        assert len(gens) >= gen_count(arena_bytes), "one generation counter per granule"
+        self.gens = gens
         self.arena_bytes = arena_bytes
         self.slab_bytes = slab_bytes
         self.n_slabs = arena_bytes // slab_bytes
@@ -41,6 +72,7 @@ class SlotPool:
         self._slab_used = [0] * self.n_slabs
         self._classes: dict[int, _SizeClass] = {}
         self.pins: dict[int, int] = {}
+        self.allocated: dict[int, int] = {}  # slot offset -> its page size
 
     # -- allocation ------------------------------------------------------
 
@@ -57,16 +89,23 @@ class SlotPool:
             del cls.partial[slab]
         self._slab_used[slab] += 1
         cls.used += 1
+        self.allocated[offset] = page_bytes
         return offset
 
-    def free(self, offset: int) -> None:
-        """Return a slot; its slab goes back to the arena when it is empty."""
-        assert offset not in self.pins, f"slot {offset} freed while pinned"
+    def free(self, offset: int, page_bytes: int | None = None) -> None:
+        """Return a slot (given out for ``page_bytes``, when the caller knows it);
+        its slab goes back to the arena when it is empty. Its generation moves on."""
+        size = self.allocated.pop(offset, None)
+        if size is None:
+            raise SlotStateError(f"slot {offset} freed but not allocated (a double free?)")
+        if (page_bytes is not None and size != page_bytes) or offset in self.pins:
+            self.allocated[offset] = size
+            why = "while pinned" if offset in self.pins else f"as {page_bytes} bytes"
+            raise SlotStateError(f"slot {offset} of {size} bytes freed {why}")
+        self.gens[offset // GEN_GRANULE] += 1
         slab = offset // self.slab_bytes
         cls = self._slab_class[slab]
-        assert cls is not None and (offset - slab * self.slab_bytes) >= 0, (
-            f"slot {offset} is not allocated"
-        )
+        assert cls is not None and cls.page_bytes == size, f"slot {offset}: slab books disagree"
         self._slab_used[slab] -= 1
         cls.used -= 1
         if self._slab_used[slab] == 0:
@@ -123,6 +162,10 @@ class SlotPool:
     @property
     def free_slabs(self) -> int:
         return len(self._free_slabs)
+
+    def size_of(self, offset: int) -> int | None:
+        """The page size slot ``offset`` was given out for, or None when it is free."""
+        return self.allocated.get(offset)
 
     def slabs_of(self, page_bytes: int) -> int:
         """Slabs the page size holds now."""

@@ -15,7 +15,7 @@ from hicached.errors import HicachedError, error_from_code
 from hicached.namespace import NamespaceSpec
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 0
+PROTOCOL_MINOR = 1
 
 
 class Request(msgspec.Struct, tag_field="op", kw_only=True, forbid_unknown_fields=True):
@@ -86,16 +86,39 @@ class Release(Request, tag="release"):
     lease: int
 
 
+class Renew(Request, tag="renew"):
+    """Push a lease's deadline ``leases.ttl_s`` into the future (long copies)."""
+
+    lease: int
+
+
+class Goodbye(Request, tag="goodbye"):
+    """The client is closing: end its session and every lease it holds."""
+
+
 class Stats(Request, tag="stats"):
     pass
 
 
 AnyRequest = (
-    Hello | RegisterNamespace | Reserve | Commit | Match | Prefetch | Progress | Release | Stats
+    Hello
+    | RegisterNamespace
+    | Reserve
+    | Commit
+    | Match
+    | Prefetch
+    | Progress
+    | Release
+    | Renew
+    | Goodbye
+    | Stats
 )
 
 
-class Reply(msgspec.Struct, tag_field="op", kw_only=True, forbid_unknown_fields=True):
+class Reply(msgspec.Struct, tag_field="op", kw_only=True):
+    """Replies ignore fields they do not know: a daemon of a newer minor
+    version may add fields without breaking older clients."""
+
     id: int
 
 
@@ -109,6 +132,8 @@ class HelloOk(Reply, tag="hello_ok"):
     lease_ttl_s: float
     max_message_bytes: int
     max_pages_per_request: int
+    # bytes of arena per generation counter in the pool file's header (0: none)
+    gen_granule: int = 0
 
 
 class NamespaceOk(Reply, tag="namespace_ok"):
@@ -162,6 +187,12 @@ class ProgressOk(Reply, tag="progress_ok"):
     failed: bool = False
 
 
+class RenewOk(Reply, tag="renew_ok"):
+    """The lease now ends ``ttl_s`` seconds after the daemon received the renewal."""
+
+    ttl_s: float
+
+
 class Ok(Reply, tag="ok"):
     pass
 
@@ -185,13 +216,19 @@ class DaemonStats(msgspec.Struct, kw_only=True):
     evicted_pages: int
     expired_leases: int
     l3_backend: str = ""
-    l3_state: str = ""  # up, down (circuit open), or "" without L3
+    # up, down (circuit open), scanning (up, startup scan running), "" without L3
+    l3_state: str = ""
     l3_pages_known: int = 0
     l3: dict[str, int] = {}
     # pages asked for by match requests ("asked"), and found in L2 ("l2") and L3 ("l3")
     match_pages: dict[str, int] = {}
     events_pending: int = 0
     reclaimed_slabs: int = 0  # slabs one page size gave up for another
+    # slots of expired write leases, held until no late copy can still reach them
+    quarantined_pages: int = 0
+    # evicted pages whose slot is held until their write-back to L3 ends
+    writeback_pages: int = 0
+    l3_known_max: int = 0  # the bound on keys remembered as held by L3
     metrics_endpoint: str = ""  # "" when metrics are off
 
 
@@ -220,6 +257,7 @@ AnyReply = (
     | MatchOk
     | PrefetchOk
     | ProgressOk
+    | RenewOk
     | Ok
     | StatsOk
     | Error

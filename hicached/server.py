@@ -3,7 +3,10 @@
 One asyncio loop (uvloop when installed) owns the Cache. The ROUTER socket
 is read by a drain loop: the loop wakes on the socket's file descriptor and
 receives without blocking until the socket is empty, a bounded batch at a
-time. Signals only set a flag; a second signal exits at once.
+time. Every request gets a reply or is counted as dropped: a fault while
+serving one (a bug) becomes an ``internal`` error reply and the drain goes
+on with the next message. KV events go out through a ``Publisher``
+(events.py). Signals only set a flag; a second signal exits at once.
 """
 
 from __future__ import annotations
@@ -12,9 +15,11 @@ import asyncio
 import contextlib
 import fcntl
 import logging
+import math
 import os
 import signal
 import stat
+import struct
 import time
 from pathlib import Path
 
@@ -28,12 +33,78 @@ from hicached.arena import Arena, arena_path
 from hicached.cache import OP_NAMES, Cache
 from hicached.config import Config, endpoint, runtime_dir
 from hicached.errors import BadRequest, ConfigError, HicachedError, TooLarge
-from hicached.events import END_SEQ, Replay
+from hicached.events import Publisher
 from hicached.metrics import Metrics
 from hicached.notify import sd_notify, watchdog_interval
 from hicached.storage import Tier, make_backend
 
 log = logging.getLogger("hicached")
+
+TOO_DEEP = "malformed request: values nested deeper than any request has"
+INTERNAL = (
+    "the daemon failed on this request (a bug; the daemon's log has the details); it may "
+    "have been applied in part, and a lease it opened expires after leases.ttl_s"
+)
+
+# msgpack head bytes of the scalars peek_request reads, with their payload sizes.
+_UINT = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
+_INT = {0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8}
+_OTHER = {0xC0: 0, 0xC2: 0, 0xC3: 0, 0xCA: 4, 0xCB: 8}  # nil, false, true, floats
+_SIZED = {0xD9: 1, 0xDA: 2, 0xDB: 4, 0xC4: 1, 0xC5: 2, 0xC6: 4}  # str8-32, bin8-32
+
+
+def peek_request(payload: bytes) -> tuple[str, int | None]:
+    """The ``op`` and ``id`` of a request, read from the scalar fields at the head
+    of its msgpack map without decoding any nested value (which may be nested
+    too deep to decode). ``("", None)`` where they cannot be read."""
+    op, request_id = "", None
+    try:
+        head, pos = payload[0], 1
+        if 0x80 <= head <= 0x8F:
+            count = head & 0x0F
+        elif head == 0xDE:
+            count, pos = struct.unpack_from(">H", payload, 1)[0], 3
+        elif head == 0xDF:
+            count, pos = struct.unpack_from(">I", payload, 1)[0], 5
+        else:
+            return op, request_id
+        for _ in range(count):
+            key, pos = _scalar(payload, pos)
+            value, pos = _scalar(payload, pos)
+            if key == b"op" and isinstance(value, bytes):
+                op = value.decode()
+            elif key == b"id" and isinstance(value, int):
+                request_id = value
+            if op and request_id is not None:
+                break
+    except (IndexError, ValueError, struct.error):  # a nested value, or cut short
+        pass
+    return op, request_id
+
+
+def _scalar(buf: bytes, pos: int) -> tuple[bytes | int | None, int]:
+    """The msgpack scalar at ``pos`` (strings and bins as bytes, ints as int,
+    others as None) and the position after it; ValueError for anything nested."""
+    head = buf[pos]
+    if head <= 0x7F or head >= 0xE0:  # fixint
+        return head if head <= 0x7F else head - 0x100, pos + 1
+    if 0xA0 <= head <= 0xBF:  # fixstr
+        start, size = pos + 1, head & 0x1F
+    elif head in _SIZED:
+        start = pos + 1 + _SIZED[head]
+        size = int.from_bytes(buf[pos + 1 : start], "big")
+    elif head in _UINT or head in _INT:
+        start, size = pos + 1, _UINT.get(head) or _INT[head]
+    elif head in _OTHER:
+        return None, pos + 1 + _OTHER[head]
+    else:
+        raise ValueError("a nested value")
+    end = start + size
+    if end > len(buf):
+        raise ValueError("cut short")
+    if head in _UINT or head in _INT:
+        return int.from_bytes(buf[start:end], "big", signed=head in _INT), end
+    return buf[start:end], end
 
 
 def ensure_private_dir(path: Path) -> None:
@@ -63,9 +134,7 @@ class Server:
         self.arena: Arena | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sock: zmq.Socket[bytes] | None = None
-        self._pub: zmq.Socket[bytes] | None = None
-        self._replay_sock: zmq.Socket[bytes] | None = None
-        self._replay = Replay(config.events.replay_batches)
+        self.publisher: Publisher | None = None
         self._lock_fd: int | None = None
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
@@ -73,6 +142,8 @@ class Server:
         self.metrics: Metrics | None = None
         self._auth: ThreadAuthenticator | None = None
         self._curve_keys: tuple[bytes, bytes] | None = None
+        self._fault_logged = -math.inf  # monotonic time of the last logged internal error
+        self._faults_unlogged = 0  # internal errors since then, not logged
         self.ready = asyncio.Event()
 
     # -- lifecycle -------------------------------------------------------------
@@ -148,7 +219,7 @@ class Server:
             self.arena.path,
             time.monotonic() - started,
         )
-        self.cache = Cache(cfg, pool_path=str(self.arena.path))
+        self.cache = Cache(cfg, pool_path=str(self.arena.path), gens=self.arena.gens)
 
     def _listen(self) -> None:
         """Bind the socket and start serving; READY goes to systemd last."""
@@ -160,10 +231,14 @@ class Server:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         sock.setsockopt(zmq.SNDHWM, cfg.server.hwm)
-        sock.setsockopt(zmq.RCVHWM, cfg.server.hwm)
+        # Queued requests are bounded in bytes per client: past queue_mib the
+        # daemon stops reading that client's connection until it catches up.
+        server = cfg.server
+        queued = max(4, (server.queue_mib << 20) // server.max_message_bytes)
+        sock.setsockopt(zmq.RCVHWM, min(server.hwm, queued))
         # Hard guard on memory: libzmq drops the peer beyond this; between
         # max_message_bytes and this the request gets a too_large reply.
-        sock.setsockopt(zmq.MAXMSGSIZE, 16 * cfg.server.max_message_bytes)
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * server.max_message_bytes)
         self._bind(sock, self.endpoint, "server.endpoint")
         self._sock = sock
         loop = asyncio.get_running_loop()
@@ -182,69 +257,19 @@ class Server:
     # -- KV events ----------------------------------------------------------------------
 
     def _start_events(self) -> None:
-        ev = self.config.events
-        assert self._ctx is not None
-        for where in (ev.endpoint, ev.replay_endpoint):
-            if where.startswith("ipc://"):
-                path = Path(where[len("ipc://") :])
-                ensure_private_dir(path.parent)
-                path.unlink(missing_ok=True)
-        pub = self._ctx.socket(zmq.PUB)
-        pub.setsockopt(zmq.LINGER, 0)
-        pub.setsockopt(zmq.SNDHWM, ev.hwm)
-        self._bind(pub, ev.endpoint, "events.endpoint")
-        self._pub = pub
-        loop = asyncio.get_running_loop()
-        if ev.replay_endpoint:
-            replay = self._ctx.socket(zmq.ROUTER)
-            replay.setsockopt(zmq.LINGER, 0)
-            self._bind(replay, ev.replay_endpoint, "events.replay_endpoint")
-            self._replay_sock = replay
-            loop.add_reader(replay.fileno(), self._serve_replay)
-        self._tasks.append(loop.create_task(self._publish_loop()))
-        log.info("KV events on %s", ev.endpoint)
+        assert self._ctx is not None and self.cache is not None
+        publisher = Publisher(self.config.events, self.cache.events, self.cache.dropped)
+        self.publisher = publisher
+        publisher.start(self._ctx, self._bind_private)
+        log.info("KV events on %s", self.config.events.endpoint)
 
-    async def _publish_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.events.flush_interval_s)
-            self._flush_events()
-
-    def _flush_events(self) -> None:
-        """Publish what the cache queued, in batches; never blocks (drops count)."""
-        cache, pub = self.cache, self._pub
-        if cache is None or pub is None:
-            return
-        topic = self.config.events.topic.encode()
-        while cache.events.pending:
-            seq, payload = self._replay.next(cache.events.take(self.config.events.batch_events))
-            try:
-                pub.send_multipart([topic, seq, payload], zmq.NOBLOCK)
-            except zmq.Again:
-                cache.count_drop("events_send")
-
-    def _serve_replay(self) -> None:
-        """[id, (b"",) start_seq] -> [id, (b"",) seq, payload] ... [id, (b"",) -1, b""]."""
-        sock = self._replay_sock
-        if sock is None:
-            return
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            envelope, body = frames[:-1], frames[-1]
-            if not envelope or len(body) != 8 or len(frames) > 3:
-                if self.cache is not None:
-                    self.cache.count_drop("bad_replay_request")
-                continue
-            start = int.from_bytes(body, "big", signed=True)
-            try:
-                for seq, payload in self._replay.since(start):
-                    sock.send_multipart([*envelope, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
-                sock.send_multipart([*envelope, END_SEQ, b""], zmq.NOBLOCK)
-            except zmq.ZMQError:
-                if self.cache is not None:
-                    self.cache.count_drop("replay_send")
+    def _bind_private(self, sock: zmq.Socket[bytes], where: str, key: str) -> None:
+        """Bind like ``_bind``, an ipc:// socket in a private directory."""
+        if where.startswith("ipc://"):
+            path = Path(where[len("ipc://") :])
+            ensure_private_dir(path.parent)
+            path.unlink(missing_ok=True)
+        self._bind(sock, where, key)
 
     async def shutdown(self) -> None:
         sd_notify("STOPPING=1")
@@ -254,16 +279,15 @@ class Server:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
-        for reader in (self._sock, self._replay_sock):
-            if reader is not None:
-                with contextlib.suppress(Exception):
-                    asyncio.get_running_loop().remove_reader(reader.fileno())
         if self._sock is not None:
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(self._sock.fileno())
             self._sock.close(linger=0)  # no new requests while L3 settles
         if self.tier is not None:
-            await self.tier.stop()
+            await self.tier.stop()  # events keep flowing: write-back acks
             self.tier = None
-        self._flush_events()  # the last events (write-back acks) still go out
+        if self.publisher is not None:
+            await self.publisher.stop()  # every queued event goes out
         if self.metrics is not None:
             self.metrics.stop()
             self.metrics = None
@@ -272,10 +296,9 @@ class Server:
 
     def _release(self) -> None:
         """Close the socket, the pool and the lock, in that order."""
-        for extra in (self._pub, self._replay_sock):
-            if extra is not None:
-                extra.close(linger=0)
-        self._pub = self._replay_sock = None
+        if self.publisher is not None:
+            self.publisher.close()  # idempotent; a context ends only with its sockets closed
+            self.publisher = None
         bound = self._sock is not None
         if self._sock is not None:
             self._sock.close(linger=0)  # idempotent
@@ -347,7 +370,10 @@ class Server:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            self._handle(frames)
+            try:
+                self._handle(frames)
+            except Exception as exc:  # a bug: this request fails, the others go on
+                self._fault(frames, exc)
         asyncio.get_running_loop().call_soon(self._drain)  # more may wait; let others run first
 
     def _handle(self, frames: list[bytes]) -> None:
@@ -372,6 +398,9 @@ class Server:
         except msgspec.MsgspecError as exc:
             self._reject(routing_id, payload, BadRequest(f"malformed request: {exc}"))
             return
+        except RecursionError:
+            self._reject(routing_id, payload, BadRequest(TOO_DEEP))
+            return
         if request.deadline_ms and request.deadline_ms < time.time() * 1000:
             cache.count_drop("past_deadline")
             return
@@ -392,8 +421,42 @@ class Server:
         except msgspec.MsgspecError:
             cache.count_drop("malformed")
             return
+        except RecursionError:  # nested too deep to skip: read the id from the map's head
+            found = peek_request(payload)[1]
+            if found is None:
+                cache.count_drop("malformed")
+                return
+            request_id = found
         cache.errors[exc.code] = cache.errors.get(exc.code, 0) + 1
         self._send(routing_id, p.Error.of(request_id, exc))
+
+    def _fault(self, frames: list[bytes], exc: Exception) -> None:
+        """A request made the daemon fail: log it, count it, and answer
+        ``internal`` when its id can be read (else drop and count it)."""
+        cache = self.cache
+        assert cache is not None
+        cache.errors["internal"] = cache.errors.get("internal", 0) + 1
+        op, request_id = peek_request(frames[-1]) if len(frames) == 2 else ("", None)
+        now = time.monotonic()
+        if now - self._fault_logged >= 1.0:  # a request that keeps failing must not flood the log
+            more = self._faults_unlogged
+            log.error(
+                "internal error on %s request (id %s)%s",
+                op if op.isidentifier() and len(op) <= 32 else "an unknown",
+                request_id,
+                f"; {more} more since the last report" if more else "",
+                exc_info=exc,
+            )
+            self._fault_logged, self._faults_unlogged = now, 0
+        else:
+            self._faults_unlogged += 1
+        if request_id is None:
+            cache.count_drop("internal")
+            return
+        try:
+            self._send(frames[0], p.Error(id=request_id, code="internal", message=INTERNAL))
+        except Exception:  # pragma: no cover - the reply itself failed
+            cache.count_drop("internal")
 
     def _send(self, routing_id: bytes, reply: p.AnyReply) -> None:
         assert self._sock is not None and self.cache is not None

@@ -92,7 +92,7 @@ def rank_workload(topo: Topology, endpoint: str, workload: Workload) -> dict[str
                 decision = coordinator.step()
             length = decision.kv_pages
             hit = client.match(ns, tokens)
-            gpu = client.read_pages(ns, hit.offsets[:length])  # L2 -> "GPU"
+            gpu = client.read_pages(hit.select(range(length)))  # L2 -> "GPU"
             client.release(hit)
             for page in range(length):  # every loaded byte is checked
                 if not np.array_equal(gpu[page], expected_page(tokens, page, shard)):

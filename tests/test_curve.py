@@ -81,7 +81,7 @@ def test_only_authorized_clients_and_subscribers_are_served(
             ns = remote.register(**NS)  # as from another host: control calls only
             assert remote.match(ns, toks, lease=False).hits == 4
             with pytest.raises(HicachedError, match="map_pool=False"):
-                remote.read_pages(ns, [0])
+                remote.read_pages(remote.match(ns, toks))
         for curve in (stranger, None):  # an unknown key, or no CURVE at all: no answer
             with (
                 pytest.raises((DeadlineExceeded, DaemonUnavailable)),

@@ -52,27 +52,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "raw_h2d_pinned_gbps": gbps(lambda: back.copy_(pinned, non_blocking=True)),
     }
     with _daemon(args.endpoint) as endpoint, Client(endpoint, timeout=10.0) as client:
-        ns, res = reserve_slots(client, "bench/cuda", pages, page_bytes)
-        offsets = res.offsets
-        shuffled = [int(x) for x in np.random.default_rng(1).permutation(offsets)]
-        orders = {"": offsets, "_scattered": shuffled}
+        ns, res, tokens = reserve_slots(client, "bench/cuda", pages, page_bytes)
+        order = np.random.default_rng(1).permutation(pages).tolist()
+        writes = {"": res, "_scattered": res.select(order)}
         for state in ("pageable", "pinned"):
             if state == "pinned":
                 client.pin_memory()
-            for tag, order in orders.items():
+            for tag, handle in writes.items():
                 figures[f"{state}_write{tag}_gbps"] = gbps(
-                    functools.partial(client.write_pages, ns, order, gpu)
+                    functools.partial(client.write_pages, handle, gpu)
                 )
+        client.write_pages(res, gpu)
+        client.commit(res)
+        hit = client.match(ns, tokens)
+        reads = {"": hit, "_scattered": hit.select(order)}
+        for state in ("pinned", "pageable"):
+            if state == "pageable":
+                client.unpin_memory()
+            for tag, got in reads.items():
                 figures[f"{state}_read{tag}_gbps"] = gbps(
-                    functools.partial(client.read_pages, ns, order, back)
+                    functools.partial(client.read_pages, got, back)
                 )
-        client.write_pages(ns, shuffled, gpu)
-        client.read_pages(ns, shuffled, back)
+        client.read_pages(hit, back)
         assert torch.equal(gpu, back), "a GPU round trip through the pool lost bytes"
-        assert torch.equal(torch.from_numpy(client.read_pages(ns, shuffled)), gpu.cpu()), (
-            "the pool holds other bytes than the GPU sent"
-        )
-        client.abort(res)
+        assert torch.equal(
+            torch.from_numpy(client.read_pages(reads["_scattered"])), gpu[order].cpu()
+        ), "the pool holds other bytes than the GPU sent"
+        client.release(hit)
     for key in list(figures):
         if key.startswith(("pinned_", "pageable_")):
             raw = figures["raw_d2h_pinned_gbps" if "_write" in key else "raw_h2d_pinned_gbps"]

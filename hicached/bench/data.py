@@ -35,8 +35,9 @@ def _gbps(nbytes: int, fn: Callable[[], object]) -> float:
 
 def reserve_slots(
     client: Client, model: str, pages: int, page_bytes: int
-) -> tuple[Namespace, Reservation]:
-    """A namespace of ``page_bytes`` pages and a reservation of ``pages`` fresh slots."""
+) -> tuple[Namespace, Reservation, np.ndarray]:
+    """A namespace of ``page_bytes`` pages, a reservation of ``pages`` fresh slots and
+    the tokens it is for."""
     ns = client.register(
         model=model,
         kv_dtype="bfloat16",
@@ -49,7 +50,7 @@ def reserve_slots(
     if len(res.offsets) < pages:
         client.abort(res)
         raise SystemExit(f"the pool gave {len(res.offsets)} of {pages} slots; use a larger pool")
-    return ns, res
+    return ns, res, tokens
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -61,29 +62,34 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     src = np.random.default_rng(0).integers(0, 256, (pages, page_bytes), dtype=np.uint8)
     dst = np.ones_like(src)
     with _daemon(args.endpoint) as endpoint, Client(endpoint, timeout=10.0) as client:
-        ns, res = reserve_slots(client, "bench/data", pages, page_bytes)
-        offsets = res.offsets
-        shuffled = list(np.random.default_rng(1).permutation(offsets))
+        ns, res, tokens = reserve_slots(client, "bench/data", pages, page_bytes)
+        order = np.random.default_rng(1).permutation(pages).tolist()
+        res_shuffled = res.select(order)
         figures = {
             "memcpy_gbps": _gbps(nbytes, lambda: np.copyto(dst, src)),
-            "slot_write_gbps": _gbps(nbytes, lambda: client.write_pages(ns, offsets, src)),
-            "slot_read_gbps": _gbps(nbytes, lambda: client.read_pages(ns, offsets, dst)),
+            "slot_write_gbps": _gbps(nbytes, lambda: client.write_pages(res, src)),
             "slot_write_scattered_gbps": _gbps(
-                nbytes, lambda: client.write_pages(ns, shuffled, src)
+                nbytes, lambda: client.write_pages(res_shuffled, src)
             ),
-            "slot_read_scattered_gbps": _gbps(nbytes, lambda: client.read_pages(ns, shuffled, dst)),
         }
+        client.write_pages(res, src)
+        client.commit(res)
+        hit = client.match(ns, tokens)
+        hit_shuffled = hit.select(order)
+        figures["slot_read_gbps"] = _gbps(nbytes, lambda: client.read_pages(hit, dst))
+        figures["slot_read_scattered_gbps"] = _gbps(
+            nbytes, lambda: client.read_pages(hit_shuffled, dst)
+        )
         if "torch" in sys.modules:  # the gather above used torch; measure numpy's too
             torch = sys.modules.pop("torch")
             try:
                 figures["slot_read_scattered_numpy_gbps"] = _gbps(
-                    nbytes, lambda: client.read_pages(ns, shuffled, dst)
+                    nbytes, lambda: client.read_pages(hit_shuffled, dst)
                 )
             finally:
                 sys.modules["torch"] = torch
-        client.write_pages(ns, offsets, src)
-        assert np.array_equal(client.read_pages(ns, offsets), src), "slot copy lost bytes"
-        client.abort(res)
+        assert np.array_equal(client.read_pages(hit), src), "slot copy lost bytes"
+        client.release(hit)
     memcpy = figures["memcpy_gbps"]
     for name in [k[: -len("_gbps")] for k in list(figures) if k.startswith("slot_")]:
         figures[f"{name}_vs_memcpy"] = round(figures[f"{name}_gbps"] / memcpy, 3)

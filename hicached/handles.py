@@ -1,0 +1,122 @@
+"""What the client hands back to its caller: namespaces, handles and results.
+
+No I/O here. A *handle* (``Reservation``, ``Hit``) is the only way to copy
+bytes into or out of the pool: it carries the daemon instance that granted
+it, the lease's deadline on this client's monotonic clock, and the slots'
+generations as they were when the daemon handed them out (pool.py). The
+copies (mapping.py) refuse a handle that is closed, from another daemon
+instance or past its deadline, and a read whose slots changed generation
+while it copied is reported as a miss (``StaleHandle``), never as bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
+
+import msgspec
+import numpy as np
+
+from hicached.namespace import NamespaceSpec
+
+H = TypeVar("H", "Reservation", "Hit")
+
+
+def _no_gens() -> np.ndarray:
+    return np.empty(0, dtype=np.uint32)
+
+
+@dataclass(slots=True, eq=False)
+class Namespace:
+    """A registered namespace; ``id`` is updated if the daemon restarts."""
+
+    spec: NamespaceSpec
+    id: int
+    digest: bytes
+
+    @property
+    def page_tokens(self) -> int:
+        return self.spec.page_tokens
+
+    @property
+    def page_bytes(self) -> int:
+        return self.spec.page_bytes
+
+
+@dataclass(slots=True, eq=False)
+class Reservation:
+    """Slots to fill for pages ``present .. present + len(offsets)`` of a sequence.
+
+    Write with ``Client.write_pages(res, pages)`` before ``deadline`` (renew
+    the lease for long copies), then ``commit``.
+    """
+
+    ns: Namespace
+    lease: int
+    present: int
+    offsets: list[int]
+    pool_full: bool
+    instance: int
+    deadline: float = float("inf")  # time.monotonic() after which copies are refused
+    gens: np.ndarray = field(default_factory=_no_gens, repr=False)
+    closed: bool = False  # committed or aborted: copies are refused
+
+    def select(self, pages: Sequence[int]) -> Reservation:
+        """A handle on some of this one's slots, in the given order (for copies)."""
+        return _select(self, pages)
+
+
+@dataclass(slots=True, eq=False)
+class Hit:
+    """The leading ``hits`` pages of a sequence, in ``offsets``, under ``lease``;
+    ``l3_hits`` more pages are known to be in L3.
+
+    Read with ``Client.read_pages(hit)`` before ``deadline``, then ``release``.
+    A hit without a lease (``match(..., lease=False)``) only counts pages.
+    """
+
+    ns: Namespace
+    hits: int
+    offsets: list[int]
+    lease: int
+    instance: int
+    l3_hits: int = 0
+    deadline: float = float("inf")
+    gens: np.ndarray = field(default_factory=_no_gens, repr=False)
+    closed: bool = False
+
+    def select(self, pages: Sequence[int]) -> Hit:
+        """A handle on some of this hit's pages, in the given order (for copies)."""
+        return _select(self, pages)
+
+
+def _select(handle: H, pages: Sequence[int]) -> H:
+    idx = list(pages)
+    offsets = handle.offsets
+    if any(not 0 <= i < len(offsets) for i in idx):
+        raise IndexError(f"pages must be in 0..{len(offsets) - 1}")
+    gens = handle.gens[idx] if len(handle.gens) else handle.gens
+    return replace(handle, offsets=[offsets[i] for i in idx], gens=gens)
+
+
+@dataclass(slots=True, eq=False)
+class Fetch:
+    """A background load from L3 of the pages after the first ``l2_hits``.
+
+    ``lease`` 0 means there was nothing to load (no L3, or all in L2).
+    """
+
+    ns: Namespace
+    lease: int
+    l2_hits: int
+    instance: int
+
+
+class FetchProgress(msgspec.Struct, frozen=True):
+    """``completed`` leading pages are in L2; see protocol.ProgressOk."""
+
+    planned: int
+    completed: int
+    done: bool
+    failed: bool

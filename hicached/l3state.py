@@ -1,0 +1,67 @@
+"""What the daemon remembers of L3: which keys it holds, bounded.
+
+The set is fed by write acknowledgements, prefetch reads and the startup
+scan, and consulted by every match (``l3_hits``) and every write decision (a
+page L3 holds is not sent again). It is a hint, never a promise: a read from
+L3 is verified whatever the set says, so forgetting a key costs at most a
+repeated write or an unreported L3 hit.
+
+Bounded in two generations: keys are added to the young one; when it holds
+half the bound, it becomes the old one and the previous old generation is
+forgotten whole. Lookups see both. That keeps the most recently learned keys
+at a cost of one set entry per key (no per-key order to maintain).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class KnownKeys:
+    """Keys L3 holds as far as this daemon knows, at most ``limit`` of them."""
+
+    __slots__ = ("_old", "_young", "forgotten", "limit")
+
+    def __init__(self, limit: int) -> None:
+        assert limit >= 2, "the bound must hold two generations"
+        self.limit = limit
+        self._young: set[bytes] = set()
+        self._old: set[bytes] = set()
+        self.forgotten = 0  # keys dropped to stay within the bound
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._young or key in self._old
+
+    def __len__(self) -> int:
+        return len(self._young) + len(self._old)
+
+    def __bool__(self) -> bool:
+        return bool(self._young) or bool(self._old)
+
+    def add(self, key: bytes) -> None:
+        if key in self._old:
+            return
+        young = self._young
+        young.add(key)
+        if len(young) >= self.limit // 2:
+            self.forgotten += len(self._old)
+            self._old = young
+            self._young = set()
+
+    def update(self, keys: Iterable[bytes]) -> None:
+        for key in keys:
+            self.add(key)
+
+    def discard(self, key: bytes) -> None:
+        self._young.discard(key)
+        self._old.discard(key)
+
+    def leading(self, keys: list[bytes], start: int) -> int:
+        """How many of ``keys[start:]``, in order, are known."""
+        n = 0
+        young, old = self._young, self._old
+        for key in keys[start:]:
+            if key not in young and key not in old:
+                break
+            n += 1
+        return n

@@ -1,0 +1,205 @@
+"""The client's mapping of the pool, and the copies through handles.
+
+A copy takes a handle (handles.py), never bare offsets, and is fenced:
+
+- before: the handle must be open, from the daemon instance this client is
+  connected to, and before its deadline (the lease's, on this client's clock,
+  less a margin); and its slots' generations must still be those it was
+  granted with;
+- after a read: the generations are read again (seqlock style); a slot that
+  changed owner while it was copied makes the copy a miss (``StaleHandle``,
+  with the count of leading pages that were intact);
+- after a write: the same check. A write cannot land in another key's page in
+  the first place: the daemon quarantines the slots of an expired write lease
+  for longer than the margin (leases.quarantine_s).
+
+Numpy arrays, CPU torch tensors (through numpy) and CUDA tensors (cuda.py)
+take the same fences.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from hicached.arena import Arena
+from hicached.errors import BadRequest, StaleHandle
+from hicached.handles import Hit, Namespace, Reservation
+
+
+def cuda_tensor(obj: object) -> bool:
+    """A torch tensor on a GPU (checked without importing torch)."""
+    return type(obj).__module__.startswith("torch") and bool(getattr(obj, "is_cuda", False))
+
+
+def _bytes_view(data: Any, pages: int, page_bytes: int) -> np.ndarray:
+    """``data`` (a numpy array or a CPU torch tensor of any dtype) as (pages,
+    page_bytes) bytes, sharing its memory."""
+    if type(data).__module__.startswith("torch"):
+        data = data.detach().contiguous().view(-1).view(sys.modules["torch"].uint8).numpy()
+    view = np.asarray(data).reshape(pages, -1).view(np.uint8)
+    if view.shape[1] != page_bytes:
+        raise ValueError(f"each page must be {page_bytes} bytes, got {view.shape[1]}")
+    return view
+
+
+def lease_margin(ttl_s: float) -> float:
+    """How long before a lease's deadline the client stops copying through it."""
+    return min(1.0, ttl_s / 10)
+
+
+class PoolMapping:
+    """One process's mapping of the daemon's pool (and its CUDA registration)."""
+
+    def __init__(
+        self,
+        arena: Arena,
+        instance: int,
+        gen_granule: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.arena = arena
+        self.instance = instance
+        self.granule = gen_granule
+        self.clock = clock  # the clock of the handles' deadlines
+        self._pinned = False
+        self._mapped: Any = None  # the pool's CUDA view, for gather/scatter kernels
+
+    # -- handles -------------------------------------------------------------------
+
+    def snapshot(self, offsets: list[int]) -> np.ndarray:
+        """The generations of ``offsets`` now (taken when a handle is made)."""
+        if not offsets:
+            return np.empty(0, dtype=self.arena.gens.dtype)
+        return self.arena.gens[np.asarray(offsets, dtype=np.int64) // self.granule]
+
+    def _fence(self, handle: Reservation | Hit, what: str) -> None:
+        if handle.closed:
+            raise StaleHandle(f"this {what} is closed (committed, aborted or released)")
+        if handle.instance != self.instance:
+            raise StaleHandle(f"the daemon restarted since this {what} was granted")
+        if self.clock() >= handle.deadline:
+            raise StaleHandle(
+                f"this {what}'s lease is at or past its deadline: renew it before long copies"
+            )
+
+    def _moved(self, handle: Reservation | Hit, gidx: np.ndarray) -> int:
+        """-1 when every slot keeps its generation, else the first that moved."""
+        moved = self.arena.gens[gidx] != handle.gens
+        return int(moved.argmax()) if moved.any() else -1
+
+    # -- copies ----------------------------------------------------------------------
+
+    def write(self, res: Reservation, data: Any) -> None:
+        """Copy ``data`` (one page per slot of ``res``) into its slots."""
+        self._fence(res, "reservation")
+        offsets = res.offsets
+        if not offsets:
+            return
+        ns = res.ns
+        idx = self._row_index(ns, offsets)
+        gidx = np.asarray(offsets, dtype=np.int64) // self.granule
+        if self._moved(res, gidx) >= 0:
+            raise StaleHandle("a slot of this reservation changed owner: reserve again")
+        rows = self.arena.rows(ns.page_bytes)
+        if cuda_tensor(data):
+            from hicached import cuda
+
+            cuda.copy(rows, idx, data, to_pool=True, mapped=self._mapped)
+        else:
+            src = _bytes_view(data, len(offsets), ns.page_bytes)
+            if len(idx) == 1:
+                rows[idx[0]] = src[0]
+            elif np.all(np.diff(idx) == 1):
+                rows[idx[0] : idx[-1] + 1] = src  # contiguous slots: one memcpy
+            else:
+                rows[idx] = src
+        moved = self._moved(res, gidx)
+        if moved >= 0:
+            raise StaleHandle(
+                "a slot changed owner during the write (the lease outlived its "
+                "quarantine): do not commit",
+                moved,
+            )
+
+    def read(self, hit: Hit, out: Any = None) -> Any:
+        """Copy the slots of ``hit`` into ``out`` (n, page_bytes), in one call."""
+        self._fence(hit, "hit")
+        if not hit.lease and hit.offsets:
+            raise BadRequest("this hit holds no lease: match with lease=True to copy its pages")
+        ns = hit.ns
+        offsets = hit.offsets
+        if not offsets:  # nothing to copy
+            return np.empty((0, ns.page_bytes), dtype=np.uint8) if out is None else out
+        idx = self._row_index(ns, offsets)
+        gidx = np.asarray(offsets, dtype=np.int64) // self.granule
+        moved = self._moved(hit, gidx)
+        if moved >= 0:
+            raise StaleHandle("a page of this hit left its slot: it is a miss now", moved)
+        rows = self.arena.rows(ns.page_bytes)
+        if cuda_tensor(out):
+            from hicached import cuda
+
+            cuda.copy(rows, idx, out, to_pool=False, mapped=self._mapped)
+        else:
+            if out is None:
+                out = np.empty((len(idx), ns.page_bytes), dtype=np.uint8)
+            dst = _bytes_view(out, len(idx), ns.page_bytes)
+            if np.all(np.diff(idx) == 1):
+                dst[...] = rows[idx[0] : idx[-1] + 1]
+            elif "torch" in sys.modules and dst.flags.c_contiguous:
+                # glibc's memcpy of single pages out of 4 KiB-page shared memory can
+                # run at a fraction of memory speed; torch's copy kernel does not
+                torch = sys.modules["torch"]
+                torch.index_select(
+                    torch.from_numpy(rows), 0, torch.from_numpy(idx), out=torch.from_numpy(dst)
+                )
+            else:
+                # indices are checked above; "clip" lets numpy gather straight into dst
+                np.take(rows, idx, axis=0, out=dst, mode="clip")
+        moved = self._moved(hit, gidx)
+        if moved >= 0:
+            raise StaleHandle("a page was reused while it was read: it is a miss", moved)
+        return out
+
+    def _row_index(self, ns: Namespace, offsets: list[int]) -> np.ndarray:
+        """Rows of ``offsets``; a cache must never lie, so every offset is checked."""
+        idx = np.asarray(offsets, dtype=np.int64)
+        pb = ns.page_bytes
+        if len(idx) and (
+            int(idx.min()) < 0 or int(idx.max()) + pb > self.arena.size or (idx % pb).any()
+        ):
+            raise ValueError(f"offsets must be slots of {pb} bytes inside the pool")
+        return idx // pb
+
+    # -- CUDA --------------------------------------------------------------------------
+
+    def pin(self) -> None:
+        """Register the mapping with CUDA as pinned memory (once)."""
+        if self._pinned:
+            return
+        from hicached import cuda
+
+        self._mapped = cuda.register(self.arena.array)
+        self._pinned = True
+
+    @property
+    def pinned(self) -> bool:
+        return self._pinned
+
+    def unpin(self) -> None:
+        """Unregister the mapping from CUDA (if pinned)."""
+        if self._pinned:
+            from hicached import cuda
+
+            self._pinned, self._mapped = False, None
+            cuda.unregister(self.arena.array)
+
+    def close(self) -> None:
+        """Unregister (if pinned), then unmap."""
+        self.unpin()
+        self.arena.close()

@@ -1,0 +1,132 @@
+"""Sessions, namespaces and leases: who holds what, and until when.
+
+Synchronous and free of I/O, owned by the event-loop thread like the rest of
+the daemon's state.
+
+- A *session* is one connected client (a ZeroMQ routing id). It ends on
+  ``goodbye``, when it has been idle for ``server.session_idle_s`` without a
+  lease, or when the session table is full and a newcomer needs its place
+  (the longest idle session that holds no lease goes first).
+- A *namespace* lives while a session has it registered, a page of it is in
+  L2, or a lease or an L3 write of it is open; then it is forgotten, so
+  ``pool.max_namespaces`` bounds the live ones, not a lifetime count.
+- A *lease* pins pages (read leases) or owns fresh slots to fill (write and
+  prefetch leases) until it is committed, released or expires. The table is
+  kept in deadline order (a renewal moves a lease to the end), so expiry
+  looks only at leases that are due.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from hicached.index import PageIndex
+from hicached.namespace import NamespaceSpec
+
+
+@dataclass(slots=True, eq=False)
+class NamespaceState:
+    id: int
+    spec: NamespaceSpec
+    digest: bytes
+    index: PageIndex
+    sessions: int = 0  # sessions that registered it
+    pages: int = 0  # its pages in L2
+    holds: int = 0  # its open leases and L3 writes
+
+    @property
+    def unused(self) -> bool:
+        return not (self.sessions or self.pages or self.holds)
+
+
+@dataclass(slots=True, eq=False)
+class Session:
+    id: int
+    routing_id: bytes
+    client: str
+    pid: int
+    last_seen: float
+    namespaces: set[int] = field(default_factory=set)
+    leases: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class PrefetchState:
+    """Progress of one prefetch; ``keys`` are the pages after the L2 hit."""
+
+    keys: list[bytes]
+    planned: int = -1  # pages being read; -1 until L3 has been asked
+    completed: int = 0  # leading pages read and verified
+    done: bool = False
+    failed: bool = False
+    running: bool = True  # the reader may still write into fresh slots
+    ended: bool = False  # the lease ended; the reader frees what is left
+
+
+@dataclass(slots=True, eq=False)
+class Lease:
+    id: int
+    session: Session
+    ns: NamespaceState
+    deadline: float
+    pinned: list[int]  # slots of indexed pages held against eviction
+    keys: list[bytes] = field(default_factory=list)  # write leases: every page's key
+    fresh: list[int] = field(default_factory=list)  # write leases: slots to fill
+    prefetch: PrefetchState | None = None
+    tokens: bytes = b""  # write leases: the sequence, for events
+
+    @property
+    def writing(self) -> bool:
+        return bool(self.keys) or self.prefetch is not None
+
+    @property
+    def client_writes(self) -> bool:
+        """The client copies into this lease's fresh slots (not the L3 reader)."""
+        return self.prefetch is None and bool(self.fresh)
+
+
+class LeaseTable:
+    """Open leases in deadline order, with ids that are hard to guess after a
+    restart (ownership is checked either way)."""
+
+    def __init__(self, first_id: int) -> None:
+        self._leases: OrderedDict[int, Lease] = OrderedDict()
+        self._next = first_id
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def __iter__(self) -> Iterator[Lease]:
+        return iter(self._leases.values())
+
+    def get(self, lease_id: int) -> Lease | None:
+        return self._leases.get(lease_id)
+
+    def next_id(self) -> int:
+        self._next = (self._next + 1) & ((1 << 63) - 1) or 1
+        return self._next
+
+    def add(self, lease: Lease) -> None:
+        self._leases[lease.id] = lease
+        lease.session.leases.add(lease.id)
+
+    def pop(self, lease: Lease) -> None:
+        del self._leases[lease.id]
+        lease.session.leases.discard(lease.id)
+
+    def renew(self, lease: Lease, deadline: float) -> None:
+        """Move the deadline on; the lease goes to the end of the order."""
+        lease.deadline = deadline
+        self._leases.move_to_end(lease.id)
+
+    def due(self, now: float) -> Iterator[Lease]:
+        """Pop and yield the leases whose deadline has passed, oldest first."""
+        leases = self._leases
+        while leases:
+            lease = leases[next(iter(leases))]
+            if lease.deadline > now:
+                return
+            self.pop(lease)
+            yield lease

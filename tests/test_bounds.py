@@ -1,0 +1,163 @@
+"""Bounded tables on a real daemon: sessions, namespaces, clients that fail fast."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+import hicached
+from hicached import protocol as p
+from hicached.errors import DaemonUnavailable
+from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
+
+
+def _hello(ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str) -> None:
+    """A client that says hello and goes away without a goodbye."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        sock.send(p.encode(p.Hello(id=1, major=p.PROTOCOL_MAJOR, minor=p.PROTOCOL_MINOR)))
+        assert sock.poll(5000), "no reply to hello"
+        assert isinstance(p.reply_decoder.decode(sock.recv()), p.HelloOk)
+    finally:
+        sock.close()
+
+
+def test_a_hello_flood_never_locks_out_status_or_an_engine(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    d = daemon_factory(extra="max_clients = 64")
+    with d.client() as engine:
+        ns = engine.register(**NS)
+        toks = np.arange(4 * PAGE_TOKENS, dtype=np.uint32)
+        engine.store(ns, toks, page_bytes_for(toks))
+        hit = engine.match(ns, toks)  # a lease: this session is never the one to go
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        try:
+            for _ in range(1100):
+                _hello(ctx, d.endpoint)
+        finally:
+            ctx.term()
+        with d.client() as status:  # what `hicached status` does
+            stats = status.stats()
+        assert stats.clients <= 64
+        assert np.array_equal(engine.read_pages(hit), page_bytes_for(toks))
+        engine.release(hit)  # the same session: its lease is still known
+        assert engine.stats().requests["hello"] >= 1101
+
+
+def test_probes_leave_the_session_count_flat(daemon: Daemon) -> None:
+    for _ in range(200):
+        with daemon.client() as probe:
+            probe.stats()
+    with daemon.client() as c:
+        stats = c.stats()
+        assert stats.clients == 1  # each probe said goodbye
+        assert stats.requests["goodbye"] >= 200
+
+
+def test_namespaces_are_reclaimed_when_nobody_uses_them(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    # 1 MiB pool: 256 pages of 4 KiB; at most 2 namespaces at once
+    d = daemon_factory(size_mib=1, extra="")
+    d.stop()
+    d.config.write_text(d.config.read_text().replace("[pool]\n", "[pool]\nmax_namespaces = 2\n"))
+    d.start()
+    for i in range(50):  # registered, unused, gone with the client
+        with d.client() as c:
+            c.register(**{**NS, "model": f"test/idle-{i}"})
+    full = np.arange(256 * PAGE_TOKENS, dtype=np.uint32)
+    pages = page_bytes_for(full)
+    for i in range(6):  # each fills the pool: the previous one's pages go, then it does
+        with d.client() as c:
+            ns = c.register(**{**NS, "model": f"test/full-{i}"})
+            assert c.store(ns, full, pages).published == 256
+    with d.client() as c:
+        assert c.stats().namespaces == 1  # the last one, kept by its pages
+        c.register(**{**NS, "model": "test/another"})
+        with pytest.raises(hicached.HicachedError, match="max_namespaces"):
+            c.register(**{**NS, "model": "test/one-too-many"})
+
+
+def test_a_call_to_a_stopped_daemon_fails_at_once(daemon: Daemon) -> None:
+    c = daemon.client(timeout=5.0)
+    try:
+        c.stats()
+        daemon.stop()
+        started = time.monotonic()
+        with pytest.raises(DaemonUnavailable):
+            c.stats()
+        assert time.monotonic() - started < 2.0, "it waited for the request timeout"
+    finally:
+        c.close()
+
+
+async def test_the_async_reader_restarts_after_a_failure(daemon: Daemon) -> None:
+    async with hicached.AsyncClient(daemon.endpoint) as c:
+        await c.stats()
+        reader = c._reader
+        assert reader is not None
+        reader.cancel()  # the reader ends (fault injection)
+        await asyncio.wait([reader])
+        assert (await c.stats()).clients == 1  # a new reader answers
+
+
+def test_replies_ignore_fields_a_newer_daemon_adds() -> None:
+    newer = msgspec.msgpack.encode(
+        {"op": "match_ok", "id": 3, "hits": 1, "offsets": [0], "lease": 9, "new_field": [1, 2]}
+    )
+    reply = p.reply_decoder.decode(newer)
+    assert isinstance(reply, p.MatchOk) and reply.lease == 9
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+
+
+def test_queued_requests_are_bounded_in_bytes(daemon_factory: Callable[..., Daemon]) -> None:
+    """1,000 requests of 1 MiB sent at once to a daemon slower than the sender: the
+    daemon reads them as it goes (backpressure), its memory does not hold them all."""
+    d = daemon_factory(size_mib=64)
+    assert d.proc is not None
+    pid = d.proc.pid
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 2000)
+    sock.connect(d.endpoint)
+    try:
+        sock.send(p.encode(p.Hello(id=1, major=p.PROTOCOL_MAJOR, minor=p.PROTOCOL_MINOR)))
+        assert sock.poll(5000)
+        sock.recv()
+        sock.send(p.encode(p.RegisterNamespace(id=2, spec=p.NamespaceSpec(**NS))))  # type: ignore[arg-type]
+        assert sock.poll(5000)
+        ok = p.reply_decoder.decode(sock.recv())
+        assert isinstance(ok, p.NamespaceOk)
+        rng = np.random.default_rng(0)
+        tokens = rng.integers(0, 1 << 30, (1 << 18) - 64, dtype=np.uint32).tobytes()
+        base = _rss_kib(pid)
+        # reserves of ~16K pages each (slow to serve), all different
+        for i in range(1000):
+            seq = tokens[: -4 * (i + 1)] + i.to_bytes(4, "little")
+            sock.send(p.encode(p.Reserve(id=10 + i, ns=ok.ns, tokens=seq)))
+        peak, answered = 0, 0
+        while answered < 1000 and sock.poll(30_000):
+            sock.recv()
+            answered += 1
+            if answered % 20 == 0:
+                peak = max(peak, _rss_kib(pid))
+        assert answered == 1000  # nothing was lost to the bound
+        grew_mib = (peak - base) / 1024
+        assert grew_mib < 200, f"the daemon grew by {grew_mib:.0f} MiB"  # unbounded: ~780
+    finally:
+        sock.close()
+        ctx.term()

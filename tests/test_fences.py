@@ -1,0 +1,235 @@
+"""The copy fences and the allocator's bounds, each from a reproduction that
+broke them: stale handles, write-back eviction, double frees, empty copies.
+
+In-process: the daemon's state (Cache) and the client's copy code
+(PoolMapping) over one real pool file, with a settable clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hicached import protocol as p
+from hicached.arena import Arena
+from hicached.cache import Cache, Lease, NamespaceState
+from hicached.config import Config, LeaseConfig, PoolConfig, StorageConfig
+from hicached.errors import StaleHandle
+from hicached.handles import Hit, Reservation
+from hicached.handles import Namespace as ClientNamespace
+from hicached.hashing import pack_tokens
+from hicached.mapping import PoolMapping, lease_margin
+from hicached.pool import GEN_GRANULE, SlotPool, SlotStateError
+
+PAGE = 64 * 1024
+SPEC = p.NamespaceSpec(model="m", kv_dtype="bf16", layout="l", page_tokens=1, page_bytes=PAGE)
+
+
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class SlowTier:
+    """Holds every write (a backend that has not answered yet); fault injection."""
+
+    def __init__(self) -> None:
+        self.pending: list[Callable[[bool], None]] = []
+
+    def write(
+        self, ns: NamespaceState, key: bytes, slot: int, done: Callable[[bool], None]
+    ) -> bool:
+        self.pending.append(done)
+        return True
+
+    def prefetch(self, lease: Lease) -> None:  # pragma: no cover
+        raise AssertionError("not used")
+
+
+class Rig:
+    """One daemon state and one client's view of the same pool file."""
+
+    def __init__(self, tmp: Path, *, size_mib: int = 1, policy: str = "") -> None:
+        self.clock = Clock()
+        self.arena = Arena.create(tmp / "pool", size_mib << 20, populate=False)
+        storage = StorageConfig(backend="memory", write_policy=policy) if policy else None
+        config = Config(
+            pool=PoolConfig(size_mib=size_mib, slab_mib=1, max_page_bytes=PAGE),
+            leases=LeaseConfig(ttl_s=10.0, quarantine_s=5.0),
+            **({"storage": storage} if storage else {}),
+        )
+        self.cache = Cache(config, pool_path="", gens=self.arena.gens, clock=self.clock)
+        if policy:
+            self.tier = SlowTier()
+            self.cache.tier = self.tier
+        self.mapping = PoolMapping(self.arena, self.cache.instance, GEN_GRANULE, self.clock)
+        self.ids = iter(range(1, 10**9))
+        self.call(p.Hello(id=0, major=p.PROTOCOL_MAJOR, minor=p.PROTOCOL_MINOR))
+        ok = self.call(p.RegisterNamespace(id=0, spec=SPEC))
+        assert isinstance(ok, p.NamespaceOk)
+        self.ns = ClientNamespace(SPEC, ok.ns, ok.digest)
+
+    def call(self, request: p.Request, rid: bytes = b"A") -> p.AnyReply:
+        request.id = next(self.ids)
+        return self.cache.handle(rid, request)
+
+    def deadline(self) -> float:
+        return self.clock.now + 10.0 - lease_margin(10.0)
+
+    def reserve(self, tokens: list[int]) -> Reservation:
+        ok = self.call(p.Reserve(id=0, ns=self.ns.id, tokens=pack_tokens(tokens)))
+        assert isinstance(ok, p.ReserveOk), ok
+        gens = self.mapping.snapshot(ok.offsets)
+        return Reservation(
+            self.ns, ok.lease, ok.present, ok.offsets, ok.pool_full, self.cache.instance,
+            self.deadline(), gens,
+        )  # fmt: skip
+
+    def store(self, tokens: list[int], fill: int) -> None:
+        res = self.reserve(tokens)
+        self.mapping.write(res, np.full((len(res.offsets), PAGE), fill, dtype=np.uint8))
+        assert isinstance(self.call(p.Commit(id=0, lease=res.lease)), p.CommitOk)
+
+    def match(self, tokens: list[int]) -> Hit:
+        ok = self.call(p.Match(id=0, ns=self.ns.id, tokens=pack_tokens(tokens)))
+        assert isinstance(ok, p.MatchOk)
+        gens = self.mapping.snapshot(ok.offsets)
+        return Hit(
+            self.ns, ok.hits, ok.offsets, ok.lease, self.cache.instance, ok.l3_hits,
+            self.deadline(), gens,
+        )  # fmt: skip
+
+    def expire(self, seconds: float) -> None:
+        self.clock.now += seconds
+        self.cache.expire()
+
+
+@pytest.fixture
+def rig(tmp_path: Path) -> Iterator[Rig]:
+    r = Rig(tmp_path)
+    yield r
+    r.arena.close()
+
+
+def test_a_read_that_raced_a_reuse_is_a_miss(rig: Rig) -> None:
+    x = list(range(16))  # the whole pool: 16 pages of 64 KiB
+    rig.store(x, 0xAA)
+    hit = rig.match(x)
+    assert hit.hits == 16
+    rig.expire(11.0)  # the read lease ends; its pages may be evicted now
+    rig.store(list(range(100, 116)), 0x55)  # another key takes every slot
+    with pytest.raises(StaleHandle, match="deadline"):
+        rig.mapping.read(hit)
+    # a copy that passed the deadline check before the reuse and ended after it
+    with pytest.raises(StaleHandle) as stale:
+        rig.mapping.read(replace(hit, deadline=float("inf")))
+    assert stale.value.valid == 0
+
+
+def test_a_late_write_never_lands_in_another_keys_page(rig: Rig) -> None:
+    res = rig.reserve(list(range(16)))
+    assert len(res.offsets) == 16
+    rig.expire(11.0)  # the write lease expires: its slots go to quarantine
+    assert rig.cache.stats().quarantined_pages == 16
+    y = rig.reserve(list(range(100, 104)))
+    assert y.offsets == [] and y.pool_full  # nothing is reused during the quarantine
+    late = replace(res, deadline=float("inf"))  # a copy still running
+    rig.mapping.write(late, np.full((16, PAGE), 0x11, dtype=np.uint8))  # lands in quarantine
+    with pytest.raises(StaleHandle):
+        rig.mapping.write(res, np.zeros((16, PAGE), dtype=np.uint8))  # past its deadline
+    rig.expire(6.0)  # the quarantine ends: the slots are free, with new generations
+    assert rig.cache.stats().quarantined_pages == 0
+    rig.store(list(range(100, 116)), 0x55)
+    with pytest.raises(StaleHandle, match="changed owner"):
+        rig.mapping.write(late, np.full((16, PAGE), 0x11, dtype=np.uint8))
+    assert (rig.mapping.read(rig.match(list(range(100, 116)))) == 0x55).all()
+
+
+def test_closed_handles_are_refused_and_empty_copies_are_noops(rig: Rig) -> None:
+    res = rig.reserve(list(range(4)))
+    rig.mapping.write(res, np.ones((4, PAGE), dtype=np.uint8))
+    rig.call(p.Commit(id=0, lease=res.lease))
+    res.closed = True  # as Client.commit leaves it
+    with pytest.raises(StaleHandle, match="closed"):
+        rig.mapping.write(res, np.ones((4, PAGE), dtype=np.uint8))
+    again = rig.reserve(list(range(4)))  # every page present: nothing to write
+    assert again.offsets == [] and again.lease == 0
+    rig.mapping.write(again, np.empty((0, PAGE), dtype=np.uint8))
+    empty = rig.match([999])
+    assert rig.mapping.read(empty).shape == (0, PAGE)
+
+
+def test_write_back_eviction_stops_at_what_it_needs(tmp_path: Path) -> None:
+    """A full pool under write_back with a slow tier: reserving one page evicts one
+    page (held for its write-back), and a second asks for pool_full instead of
+    emptying the index."""
+    rig = Rig(tmp_path, policy="write_back")
+    for i in range(8):
+        rig.store([1000 * i, 1000 * i + 1], i)  # 16 pages fill the pool
+    before = rig.cache.stats()
+    assert before.pages == 16
+    assert rig.tier.pending == []  # write_back: nothing written yet
+    first = rig.reserve([7_000_000])
+    assert len(first.offsets) == 0 and first.pool_full  # the victim is on its way to L3
+    stats = rig.cache.stats()
+    assert stats.pages == 15 and stats.writeback_pages == 1
+    again = rig.reserve([7_000_000])
+    assert again.pool_full and rig.cache.stats().pages == 15  # no more evictions
+    rig.tier.pending.pop(0)(True)  # the write-back ends: its slot is free
+    got = rig.reserve([7_000_000])
+    assert len(got.offsets) == 1 and rig.cache.stats().pages == 15
+    rig.arena.close()
+
+
+def test_double_free_and_wrong_size_free_are_caught() -> None:
+    pool = SlotPool(1 << 20, 1 << 20)
+    a, b = pool.alloc(PAGE), pool.alloc(PAGE)
+    assert a is not None and b is not None
+    gen = int(pool.gens[a // GEN_GRANULE])
+    pool.free(a, PAGE)
+    assert int(pool.gens[a // GEN_GRANULE]) == gen + 1  # a freed slot changes generation
+    with pytest.raises(SlotStateError, match="double free"):
+        pool.free(a)
+    with pytest.raises(SlotStateError, match="as 4096 bytes"):
+        pool.free(b, 4096)
+    assert pool.used_slots(PAGE) == 1 and pool.free_slabs == 0  # books unchanged
+    assert pool.alloc(PAGE) == a  # and b was never handed out again
+    pool.free(b, PAGE)
+
+
+def test_a_page_l3_dropped_is_written_again_while_it_sits_in_l2(tmp_path: Path) -> None:
+    rig = Rig(tmp_path, policy="write_through")
+    tokens = [1, 2, 3, 4]
+    rig.store(tokens, 1)
+    assert len(rig.tier.pending) == 4
+    for done in rig.tier.pending:
+        done(True)
+    rig.tier.pending.clear()
+    keys = rig.cache._keys(rig.cache.namespaces[rig.ns.id], pack_tokens(tokens))
+    assert all(key in rig.cache.l3 for key in keys)
+    rig.cache.forget_l3(keys[:2])  # the store recycled the segment holding the head
+    assert [key in rig.cache.l3 for key in keys] == [False, False, True, True]
+    assert len(rig.tier.pending) == 2  # the head goes to L3 again from L2
+    for done in rig.tier.pending:
+        done(True)
+    assert all(key in rig.cache.l3 for key in keys)
+    assert rig.cache.stats().l3["rewritten"] == 2
+    rig.arena.close()
+
+
+def test_the_keys_known_in_l3_are_bounded() -> None:
+    from hicached.l3state import KnownKeys
+
+    known = KnownKeys(10)
+    keys = [i.to_bytes(16, "little") for i in range(100)]
+    known.update(keys)
+    assert len(known) <= 10 and known.forgotten >= 90
+    assert all(key in known for key in keys[-5:])  # the newest are kept
+    assert keys[0] not in known
+    assert known.leading(keys, 95) == 5 and known.leading(keys, 0) == 0
