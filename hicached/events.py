@@ -3,11 +3,13 @@
 The cache (synchronous) appends events to an ``EventLog``, a bounded queue
 that drops and counts when full. The server's ``Publisher`` sends them in
 batches on a ZeroMQ PUB socket as frames ``[topic, seq, payload]``: seq is
-an 8-byte big-endian counter, payload a msgpack ``KVEventBatch``. It keeps
-the last batches for a replay ROUTER: a client sends ``start_seq`` (8 bytes,
-big-endian) and gets every kept batch from there as ``[seq, payload]``, then
-``[-1, b""]``. The publisher never blocks the daemon: a full socket drops the
-batch (counted) and a slow subscriber catches up through replay.
+an 8-byte big-endian counter, payload a msgpack ``KVEventBatch``. Events the
+queue dropped use up a sequence number that is never sent, so subscribers
+see a gap. The publisher keeps the last batches for a replay ROUTER: a client
+sends ``start_seq`` (8 bytes, big-endian) and gets every kept batch from
+there as ``[seq, payload]``, then ``[-1, b""]``. The publisher never blocks
+the daemon: a replay goes out in slices between which the loop runs other
+work, and a subscriber that falls behind catches up through replay.
 
 Media: ``CPU`` for L2 (the shared host pool), the backend's name in capitals
 (``FILE``, ``S3``, ``MOONCAKE``, ...) for L3. Block hashes are hicached's
@@ -17,11 +19,21 @@ page before its first block, or None at the start of a sequence.
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import contextlib
+import functools
+import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import zmq
+
+from hicached.config import EventsConfig
+
+log = logging.getLogger("hicached.events")
 
 MEDIUM_L2 = "CPU"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -63,24 +75,56 @@ batch_decoder = msgspec.msgpack.Decoder(KVEventBatch)
 _encode = msgspec.msgpack.Encoder().encode
 
 
+AnyEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+# Reason under which events the full queue refused are counted in ``dropped``.
+QUEUE_DROPS = "events_queue"
+# Replay messages sent before the loop runs other work.
+REPLAY_SLICE = 256
+# Replays served at once; a request beyond it is refused and counted (replay_busy).
+MAX_REPLAYS = 32
+# Replay requests read per wake-up before other work gets the loop.
+REPLAY_REQUESTS_PER_WAKE = 64
+
+
 class EventLog:
-    """Events waiting to be published; bounded, and a no-op when disabled."""
+    """Events waiting to be published; bounded, and a no-op when disabled.
+
+    Events that find the queue full are dropped and counted (``dropped``, and
+    under ``events_queue`` in the counters given to ``count_drops_in``); the
+    place where they would have been is remembered, and ``take`` stops there
+    so the publisher can leave a gap in the sequence numbers.
+    """
 
     def __init__(self, max_events: int, enabled: bool) -> None:
         self.enabled = enabled
         self.max_events = max_events
-        self.pending: collections.deque[BlockStored | BlockRemoved | AllBlocksCleared] = (
-            collections.deque()
-        )
+        self.pending: collections.deque[AnyEvent] = collections.deque()
         self.dropped = 0
+        self._counters: dict[str, int] | None = None
+        self._queued = 0  # events ever queued
+        self._taken = 0  # events ever taken
+        # Positions (counted in queued events) after which events were dropped.
+        self._gaps: collections.deque[int] = collections.deque()
 
-    def add(self, event: BlockStored | BlockRemoved | AllBlocksCleared) -> None:
+    def count_drops_in(self, counters: dict[str, int]) -> None:
+        """Count drops (those so far, and every later one) in ``counters``."""
+        if self.dropped:
+            counters[QUEUE_DROPS] = counters.get(QUEUE_DROPS, 0) + self.dropped
+        self._counters = counters
+
+    def add(self, event: AnyEvent) -> None:
         if not self.enabled:
             return
         if len(self.pending) >= self.max_events:
             self.dropped += 1
+            if self._counters is not None:
+                self._counters[QUEUE_DROPS] = self._counters.get(QUEUE_DROPS, 0) + 1
+            if not self._gaps or self._gaps[-1] != self._queued:
+                self._gaps.append(self._queued)  # one gap per run of drops
             return
         self.pending.append(event)
+        self._queued += 1
 
     def stored(
         self,
@@ -97,11 +141,25 @@ class EventLog:
         if self.enabled and keys:
             self.add(BlockRemoved(list(keys), medium=medium))
 
-    def take(self, n: int) -> list[BlockStored | BlockRemoved | AllBlocksCleared]:
-        out: list[BlockStored | BlockRemoved | AllBlocksCleared] = []
-        while self.pending and len(out) < n:
-            out.append(self.pending.popleft())
-        return out
+    def take(self, n: int) -> tuple[list[AnyEvent], bool]:
+        """Up to ``n`` events, oldest first, never across a gap; the flag says
+        that events were dropped right after these (the gap is then consumed)."""
+        limit = min(n, len(self.pending))
+        gaps = self._gaps
+        if gaps:
+            limit = min(limit, gaps[0] - self._taken)
+        pop = self.pending.popleft
+        out = [pop() for _ in range(limit)]
+        self._taken += limit
+        if gaps and gaps[0] == self._taken:
+            gaps.popleft()
+            return out, True
+        return out, False
+
+    @property
+    def gaps(self) -> int:
+        """Runs of dropped events not yet passed to the publisher."""
+        return len(self._gaps)
 
 
 class Replay:
@@ -118,5 +176,225 @@ class Replay:
         self.batches.append((self.seq, payload))
         return self.seq.to_bytes(8, "big"), payload
 
+    def skip(self) -> None:
+        """Use up a sequence number for events that were dropped: a gap."""
+        self.seq += 1
+
     def since(self, start: int) -> list[tuple[int, bytes]]:
-        return [(seq, payload) for seq, payload in self.batches if seq >= start]
+        """The kept batches numbered ``start`` or later, oldest first (a snapshot)."""
+        batches = self.batches
+        if not batches or start <= batches[0][0]:
+            return list(batches)
+        return [(seq, payload) for seq, payload in batches if seq >= start]
+
+
+Bind = Callable[["zmq.Socket[bytes]", str, str], None]
+
+
+class Publisher:
+    """Sends the cache's KV events and serves replays; owned by the server.
+
+    ``start`` binds the PUB socket (and the replay ROUTER when configured)
+    and publishes what the ``EventLog`` holds every ``flush_interval_s``;
+    ``stop`` publishes what is still queued and closes the sockets, giving
+    queued messages ``close_linger_s`` to leave. Drops are counted in the
+    ``dropped`` counters (the cache's, which status and metrics export).
+
+    A replay goes to its reader in slices of ``REPLAY_SLICE`` messages with
+    the loop free between them. The ROUTER refuses (never silently drops) a
+    message for a reader whose queue is full; a full replay
+    (``replay_batches`` + the end marker) always fits an empty queue, and
+    otherwise the replay waits for the reader. A reader that reads nothing
+    for ``replay_timeout_s`` gets the end marker after the last batch sent,
+    so it knows where the replay stopped; what was not sent is counted
+    (``replay_send``). Replays to one reader run one after the other.
+    """
+
+    def __init__(self, config: EventsConfig, log: EventLog, dropped: dict[str, int]) -> None:
+        self.config = config
+        self.log = log
+        self.dropped = dropped
+        self.replay = Replay(config.replay_batches)
+        self._topic = config.topic.encode()
+        self._pub: zmq.Socket[bytes] | None = None
+        self._router: zmq.Socket[bytes] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._flusher: asyncio.Task[None] | None = None
+        self._replays: dict[bytes, asyncio.Task[None]] = {}  # each reader's last replay
+        self._live: set[asyncio.Task[None]] = set()
+        log.count_drops_in(dropped)
+
+    def _count(self, reason: str, n: int = 1) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + n
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self, ctx: zmq.Context[zmq.Socket[bytes]], bind: Bind) -> None:
+        """Bind the sockets with ``bind(socket, endpoint, config key)`` and start
+        publishing; call on the event loop."""
+        cfg = self.config
+        loop = self._loop = asyncio.get_running_loop()
+        pub = ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.setsockopt(zmq.SNDHWM, cfg.hwm)
+        bind(pub, cfg.endpoint, "events.endpoint")
+        self._pub = pub
+        if cfg.replay_endpoint:
+            router = ctx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            # Refuse, never drop: a send beyond the reader's queue raises instead.
+            router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            router.setsockopt(zmq.SNDHWM, cfg.replay_batches + 1)  # a whole replay + end marker
+            bind(router, cfg.replay_endpoint, "events.replay_endpoint")
+            self._router = router
+            loop.add_reader(router.fileno(), self._on_requests)
+        self._flusher = loop.create_task(self._flush_loop())
+
+    async def stop(self) -> None:
+        """Publish every queued event, then close within ``close_linger_s``."""
+        if self._flusher is not None:
+            self._flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flusher
+            self._flusher = None
+        self._stop_reading()
+        live = list(self._live)
+        for task in live:
+            task.cancel()
+        if live:
+            await asyncio.wait(live)
+        self.flush()
+        self.close(self.config.close_linger_s)
+
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close the sockets (idempotent); queued messages get ``linger_s`` to leave."""
+        self._stop_reading()
+        linger_ms = int(linger_s * 1000)
+        for sock in (self._pub, self._router):
+            if sock is not None:
+                sock.close(linger=linger_ms)
+        self._pub = self._router = None
+
+    def _stop_reading(self) -> None:
+        if self._router is not None and self._loop is not None:
+            with contextlib.suppress(Exception):  # the loop may be closing
+                self._loop.remove_reader(self._router.fileno())
+
+    # -- publishing --------------------------------------------------------------------
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.flush_interval_s)
+            try:
+                self.flush()
+            except Exception:  # a bug: logged, and publishing goes on
+                log.exception("publishing KV events failed")
+
+    def flush(self) -> None:
+        """Publish what the log holds, in batches; never blocks."""
+        pub = self._pub
+        if pub is None:
+            return
+        log, replay, topic, size = self.log, self.replay, self._topic, self.config.batch_events
+        while True:
+            events, gap = log.take(size)
+            if events:
+                seq, payload = replay.next(events)
+                try:
+                    pub.send_multipart([topic, seq, payload], zmq.NOBLOCK)
+                except zmq.Again:
+                    self._count("events_send")
+            if gap:
+                replay.skip()
+            elif not events:
+                return
+
+    # -- replay ------------------------------------------------------------------------
+
+    def _on_requests(self) -> None:
+        """[id, (b"",) start_seq] -> [id, (b"",) seq, payload] ... [id, (b"",) -1, b""]."""
+        sock, loop = self._router, self._loop
+        if sock is None or loop is None:
+            return
+        for _ in range(REPLAY_REQUESTS_PER_WAKE):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            envelope, body = frames[:-1], frames[-1]
+            if not envelope or len(body) != 8 or len(frames) > 3:
+                self._count("bad_replay_request")
+                continue
+            if len(self._live) >= MAX_REPLAYS:
+                self._count("replay_busy")
+                continue
+            start = int.from_bytes(body, "big", signed=True)
+            reader = envelope[0]
+            task = loop.create_task(self._replay(envelope, start, self._replays.get(reader)))
+            self._replays[reader] = task
+            self._live.add(task)
+            task.add_done_callback(functools.partial(self._replay_done, reader))
+        loop.call_soon(self._on_requests)  # more may wait; let others run first
+
+    def _replay_done(self, reader: bytes, task: asyncio.Task[None]) -> None:
+        self._live.discard(task)
+        if self._replays.get(reader) is task:
+            del self._replays[reader]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("a replay failed", exc_info=task.exception())
+
+    def _poke(self) -> None:
+        """Sends can take the socket's readable signal: look for requests again."""
+        sock, loop = self._router, self._loop
+        if sock is not None and loop is not None and int(sock.get(zmq.EVENTS)) & zmq.POLLIN:
+            loop.call_soon(self._on_requests)
+
+    async def _replay(
+        self, envelope: list[bytes], start: int, before: asyncio.Task[None] | None
+    ) -> None:
+        if before is not None:
+            await asyncio.wait([before])  # the reader's earlier replay goes first
+        batches = self.replay.since(start)
+        sent = await self._send(envelope, batches)
+        if sent < len(batches):
+            self._count("replay_send", len(batches) - sent)
+        # The end marker follows the last batch sent: the reader knows where it stopped.
+        if not await self._send(envelope, [(-1, b"")]):
+            self._count("replay_send")
+
+    async def _send(self, envelope: list[bytes], batches: list[tuple[int, bytes]]) -> int:
+        """Send ``[*envelope, seq, payload]`` in order, a slice at a time, waiting
+        while the reader's queue is full; returns how many went out before the
+        reader went away or read nothing for ``replay_timeout_s``."""
+        loop = asyncio.get_running_loop()
+        timeout = self.config.replay_timeout_s
+        sent, total = 0, len(batches)
+        stalled_since = loop.time()
+        pause = 0.001
+        while sent < total:
+            sock = self._router
+            if sock is None:
+                return sent
+            before = sent
+            end = min(sent + REPLAY_SLICE, total)
+            try:
+                while sent < end:
+                    seq, payload = batches[sent]
+                    sock.send_multipart(
+                        [*envelope, seq.to_bytes(8, "big", signed=True), payload], zmq.NOBLOCK
+                    )
+                    sent += 1
+            except zmq.Again:
+                pass  # the reader's queue is full
+            except zmq.ZMQError:
+                return sent  # the reader is gone
+            self._poke()
+            if sent > before:
+                stalled_since, pause = loop.time(), 0.001
+                await asyncio.sleep(0)
+            elif loop.time() - stalled_since >= timeout:
+                return sent
+            else:
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, 0.05)
+        return sent

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import time
 from collections.abc import Callable, Iterator
 
 import msgspec
@@ -12,6 +14,7 @@ import zmq
 
 from hicached import protocol as p
 from hicached.errors import ForeignLease, UnknownLease
+from hicached.server import peek_request
 from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
 
 
@@ -141,7 +144,7 @@ def test_double_commit_and_foreign_release(small_daemon: Daemon) -> None:
         ns_a, ns_b = a.register(**NS), b.register(**NS)
         toks = np.arange(0, 2 * PAGE_TOKENS, dtype=np.uint32)
         res = a.reserve(ns_a, toks)
-        a.write_pages(ns_a, res.offsets, page_bytes_for(toks))
+        a.write_pages(res, page_bytes_for(toks))
         # B cannot end A's lease, not even by guessing its id
         with pytest.raises(ForeignLease):
             b.abort(res)
@@ -186,3 +189,61 @@ def test_garbage_over_tcp_does_not_hurt(daemon_factory: Callable[..., Daemon]) -
         with socket.create_connection((host, int(port)), timeout=2) as s:
             s.sendall(os.urandom(4096))
     still_serving(d)
+
+
+def deep(request_id: int, depth: int = 1000) -> bytes:
+    """{"op": "stats", "id": request_id, "x": [[[...]]]}: ``depth`` nested arrays."""
+    head = b"\x83\xa2op\xa5stats\xa2id" + msgspec.msgpack.encode(request_id) + b"\xa1x"
+    return head + b"\x91" * depth + b"\xc0"
+
+
+def test_deeply_nested_frame_does_not_hold_up_other_clients(small_daemon: Daemon) -> None:
+    a, b = Raw(small_daemon.endpoint), Raw(small_daemon.endpoint)
+    try:
+        a.hello()
+        b.hello()
+        assert small_daemon.proc is not None
+        for round_ in range(3):
+            # Paused, the daemon finds both messages queued when it wakes up:
+            # the nested one first, then another client's request.
+            small_daemon.proc.send_signal(signal.SIGSTOP)
+            try:
+                a.send(deep(100 + round_))
+                time.sleep(0.05)
+                b.send(msgspec.msgpack.encode(p.Stats(id=200 + round_)))
+                time.sleep(0.2)
+            finally:
+                small_daemon.proc.send_signal(signal.SIGCONT)
+            reply = b.recv(2000)
+            assert isinstance(reply, p.StatsOk) and reply.id == 200 + round_
+            # its id is at the head of the map: the nested frame is answered too
+            error = a.recv(2000)
+            assert isinstance(error, p.Error) and error.id == 100 + round_
+            assert error.code == "bad_request"
+        # nested deeper still, beyond the size limit, and with no id before the nesting
+        a.send(deep(7, depth=100_000))
+        assert isinstance(reply := a.recv(2000), p.Error) and reply.code == "too_large"
+        a.send(b"\x82\xa1x" + b"\x91" * 1000 + b"\xc0" + b"\xa2id\x08")
+        a.send(b"\x82\xa2id\x09\xa1x" + b"\x91" * 1000 + b"\xc0")  # no op
+        assert isinstance(reply := a.recv(2000), p.Error) and reply.id == 9
+        assert reply.code == "bad_request" and "nested" in reply.message
+        stats = still_serving(small_daemon)
+        assert stats.dropped["malformed"] == 1 and stats.errors["bad_request"] == 4
+        assert "internal" not in stats.errors
+    finally:
+        a.close()
+        b.close()
+
+
+def test_peek_request_reads_the_head_of_a_map_only() -> None:
+    assert peek_request(p.encode(p.Stats(id=5))) == ("stats", 5)
+    assert peek_request(p.encode(p.Release(id=2**40, lease=3))) == ("release", 2**40)
+    assert peek_request(msgspec.msgpack.encode({"id": -3, "op": "match"})) == ("match", -3)
+    assert peek_request(deep(12)) == ("stats", 12)
+    assert peek_request(msgspec.msgpack.encode({"x": [1], "id": 4})) == ("", None)
+    assert peek_request(msgspec.msgpack.encode({"pad": b"y" * 300, "id": 4})) == ("", 4)
+    assert peek_request(msgspec.msgpack.encode({"id": "4"})) == ("", None)
+    whole = msgspec.msgpack.encode({"op": "stats", "id": 70000})
+    for cut in range(len(whole)):
+        assert peek_request(whole[:cut])[1] is None
+    assert peek_request(b"") == peek_request(b"\x93\x01\x02\x03") == ("", None)

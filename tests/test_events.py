@@ -2,16 +2,30 @@
 
 from __future__ import annotations
 
+import shutil
+import signal
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
+import pytest
 import zmq
 
-from hicached.events import END_SEQ, BlockRemoved, BlockStored, KVEventBatch, batch_decoder
+from hicached import Client, Namespace
+from hicached.events import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventLog,
+    KVEventBatch,
+    batch_decoder,
+)
 from hicached.hashing import pack_tokens, page_keys
 from tests.l3util import evict_everything, l3_count, wait_for
-from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
+from tests.support import NS, PAGE_BYTES, PAGE_TOKENS, Daemon, page_bytes_for
 
 
 def collect(
@@ -20,7 +34,7 @@ def collect(
     got: list[tuple[int, KVEventBatch]] = []
     deadline = time.monotonic() + 15
     while not until(got):
-        assert time.monotonic() < deadline, f"events did not arrive: {got}"
+        assert time.monotonic() < deadline, f"events did not arrive: {[s for s, _ in got]}"
         if sub.poll(100):
             topic, seq, payload = sub.recv_multipart()
             assert topic == b"kv-events"
@@ -90,6 +104,229 @@ def test_events_follow_l2_and_l3_and_can_be_replayed(daemon_factory: Callable[..
         assert [s for s, _ in replayed][: len(seqs)] == list(range(len(replayed)))[: len(seqs)]
         assert replayed[0][0] == 0 and type(replayed[0][1].events[0]).__name__ == "AllBlocksCleared"
         assert {s for s, _ in got} <= {s for s, _ in replayed}
+    finally:
+        for sock in sockets:
+            sock.close()
+        ctx.term()
+
+
+# -- the publisher under pressure ------------------------------------------------------
+
+
+@pytest.fixture
+def events_dir() -> Iterator[Path]:
+    """A private directory (0700) for ipc event sockets."""
+    path = Path(tempfile.mkdtemp(prefix="hc-ev-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def events_daemon(
+    factory: Callable[..., Daemon], where: Path, events: str = "", **kwargs: object
+) -> tuple[Daemon, str, str]:
+    """A daemon publishing on ipc sockets in ``where``; returns it, its PUB and
+    its replay endpoint."""
+    pub, replay = f"ipc://{where}/events.sock", f"ipc://{where}/replay.sock"
+    tail = f'[events]\nendpoint = "{pub}"\nreplay_endpoint = "{replay}"\n{events}'
+    return factory(tail=tail, **kwargs), pub, replay
+
+
+def subscriber(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    time.sleep(0.5)  # let the subscription reach the publisher
+    return sub
+
+
+def store_one_page_each(c: Client, ns: Namespace, count: int, first: int = 0) -> list[bytes]:
+    """``count`` one-page sequences (one commit, one event each); their page keys."""
+    keys = []
+    for i in range(first, first + count):
+        toks = np.arange(i * PAGE_TOKENS, (i + 1) * PAGE_TOKENS, dtype=np.uint32)
+        c.store(ns, toks, np.zeros((1, PAGE_BYTES), np.uint8))
+        keys += page_keys(ns.digest, pack_tokens(toks), PAGE_TOKENS)
+    return keys
+
+
+def read_replay(sock: zmq.Socket, pause_every: int = 0, pause_s: float = 0.0) -> list[int]:
+    """Every seq of one replay up to its end marker, reading as slowly as asked."""
+    seqs: list[int] = []
+    while True:
+        assert sock.poll(10_000), f"replay stalled after {len(seqs)} batches"
+        _, seq, payload = sock.recv_multipart()
+        if seq == END_SEQ:
+            assert payload == b""
+            return seqs
+        batch_decoder.decode(payload)
+        seqs.append(int.from_bytes(seq, "big"))
+        if pause_every and len(seqs) % pause_every == 0:
+            time.sleep(pause_s)
+
+
+def test_event_log_leaves_one_gap_per_run_of_drops() -> None:
+    log = EventLog(max_events=2, enabled=True)
+    counters: dict[str, int] = {}
+    log.add(AllBlocksCleared())
+    log.count_drops_in(counters)
+    for i in range(5):  # one more fits, four are dropped: one gap after it
+        log.removed([bytes([i])], "CPU")
+    assert log.dropped == 4 and counters == {"events_queue": 4}
+    events, gap = log.take(10)
+    assert [type(e).__name__ for e in events] == ["AllBlocksCleared", "BlockRemoved"]
+    assert gap and log.gaps == 0
+    log.removed([b"x"], "CPU")
+    log.removed([b"y"], "CPU")
+    log.removed([b"z"], "CPU")  # dropped: a second gap, after y
+    assert log.take(1) == ([BlockRemoved([b"x"], medium="CPU")], False)
+    assert log.take(5) == ([BlockRemoved([b"y"], medium="CPU")], True)
+    assert log.take(5) == ([], False)
+    assert counters == {"events_queue": 5}
+
+
+def test_replay_of_many_batches_to_a_slow_reader_is_complete(
+    daemon_factory: Callable[..., Daemon], events_dir: Path
+) -> None:
+    pages = 5200  # one event per page's L3 write: more than 5,000 batches
+    d, _, replay_at = events_daemon(
+        daemon_factory,
+        events_dir,
+        "batch_events = 1\n",
+        size_mib=48,
+        storage='backend = "memory"\n',
+    )
+    with d.client() as c:
+        ns = c.register(**NS)
+        toks = np.arange(pages * PAGE_TOKENS, dtype=np.uint32)
+        c.store(ns, toks, np.zeros((pages, PAGE_BYTES), np.uint8))
+        wait_for(lambda: l3_count(c, "written") == pages)
+        wait_for(lambda: c.stats().events_pending == 0)
+        time.sleep(0.2)  # the last flush
+    ctx = zmq.Context()
+    reader = ctx.socket(zmq.DEALER)
+    try:
+        reader.setsockopt(zmq.LINGER, 0)
+        reader.setsockopt(zmq.RCVHWM, 10)  # a slow reader holds little
+        reader.connect(replay_at)
+        reader.send_multipart([b"", (0).to_bytes(8, "big")])
+        seqs = read_replay(reader, pause_every=500, pause_s=0.1)
+        assert len(seqs) >= pages + 2  # AllBlocksCleared, the L2 commit, every L3 write
+        assert seqs == list(range(len(seqs)))
+        with d.client() as c:
+            assert not {k for k in c.stats().dropped if k.startswith("replay")}
+    finally:
+        reader.close()
+        ctx.term()
+
+
+def test_a_slow_reader_asking_twice_gets_two_complete_replays(
+    daemon_factory: Callable[..., Daemon], events_dir: Path
+) -> None:
+    # The second replay does not fit the reader's queue: it waits for room.
+    d, _, replay_at = events_daemon(
+        daemon_factory, events_dir, "batch_events = 1\nreplay_batches = 600\n", size_mib=8
+    )
+    with d.client() as c:
+        ns = c.register(**NS)
+        store_one_page_each(c, ns, 700)
+        wait_for(lambda: c.stats().events_pending == 0)
+        time.sleep(0.2)
+    ctx = zmq.Context()
+    reader = ctx.socket(zmq.DEALER)
+    try:
+        reader.setsockopt(zmq.LINGER, 0)
+        reader.setsockopt(zmq.RCVHWM, 10)
+        reader.connect(replay_at)
+        reader.send_multipart([b"", (0).to_bytes(8, "big")])
+        reader.send_multipart([b"", (0).to_bytes(8, "big")])
+        time.sleep(0.5)  # both asked before reading anything
+        first = read_replay(reader, pause_every=100, pause_s=0.05)
+        second = read_replay(reader)
+        assert len(first) == 600 and first == list(range(first[0], first[0] + 600))
+        assert second == first
+        with d.client() as c:
+            assert not {k for k in c.stats().dropped if k.startswith("replay")}
+    finally:
+        reader.close()
+        ctx.term()
+
+
+def test_events_committed_right_before_a_graceful_stop_reach_subscribers(
+    daemon_factory: Callable[..., Daemon], events_dir: Path
+) -> None:
+    # Nothing is published on a timer here: every event goes out during the
+    # stop, more bytes of them than the socket buffers hold.
+    d, pub, _ = events_daemon(
+        daemon_factory,
+        events_dir,
+        "batch_events = 1\nflush_interval_s = 600.0\n",
+        size_mib=32,
+        metrics="enabled = false",
+    )
+    ctx = zmq.Context()
+    sub = subscriber(ctx, pub)
+    try:
+        keys: list[bytes] = []
+        with d.client() as c:
+            ns = c.register(**NS)
+            for i in range(100):
+                toks = np.arange(i * 64 * PAGE_TOKENS, (i + 1) * 64 * PAGE_TOKENS, dtype=np.uint32)
+                c.store(ns, toks, np.zeros((64, PAGE_BYTES), np.uint8))
+                keys += page_keys(ns.digest, pack_tokens(toks), PAGE_TOKENS)
+        assert d.proc is not None
+        d.proc.send_signal(signal.SIGTERM)
+        got = collect(
+            sub,
+            lambda g: (
+                sum(len(e.block_hashes) for e in flat(g) if isinstance(e, BlockStored)) >= len(keys)
+            ),
+        )
+        stored = [k for e in flat(got) if isinstance(e, BlockStored) for k in e.block_hashes]
+        assert stored == keys
+        seqs = [s for s, _ in got]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+        assert d.proc.wait(15) == 0  # a clean exit (a second signal would force one)
+    finally:
+        sub.close()
+        ctx.term()
+
+
+def test_a_queue_overflow_is_counted_and_leaves_a_seq_gap(
+    daemon_factory: Callable[..., Daemon], events_dir: Path
+) -> None:
+    d, pub, replay_at = events_daemon(
+        daemon_factory, events_dir, "queue_events = 4\nflush_interval_s = 0.5\n"
+    )
+    ctx = zmq.Context()
+    sub = subscriber(ctx, pub)
+    sockets = [sub]
+    try:
+        with d.client() as c:
+            ns = c.register(**NS)
+            keys = store_one_page_each(c, ns, 20)  # far more than 4 between two flushes
+            time.sleep(1.0)
+            keys += store_one_page_each(c, ns, 1, first=20)  # published after the gap
+            got = collect(
+                sub,
+                lambda g: any(
+                    isinstance(e, BlockStored) and keys[-1] in e.block_hashes for e in flat(g)
+                ),
+            )
+            dropped = c.stats().dropped.get("events_queue", 0)
+        stored = [k for e in flat(got) if isinstance(e, BlockStored) for k in e.block_hashes]
+        assert dropped > 0 and len(stored) + dropped == len(keys)
+        assert stored == [k for k in keys if k in set(stored)]  # in order, some missing
+        seqs = [s for s, _ in got]
+        missing = set(range(seqs[0], seqs[-1])) - set(seqs)
+        assert 1 <= len(missing) <= dropped
+        # the gap is real: replay has nothing for it either
+        replay = ctx.socket(zmq.DEALER)
+        sockets.append(replay)
+        replay.setsockopt(zmq.LINGER, 0)
+        replay.connect(replay_at)
+        replay.send_multipart([b"", seqs[0].to_bytes(8, "big")])
+        assert read_replay(replay) == seqs
     finally:
         for sock in sockets:
             sock.close()

@@ -1,0 +1,146 @@
+"""The event publisher on this test's event loop: replays in slices, and a
+reader that stops reading gets an end marker where its replay stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from hicached.config import EventsConfig
+from hicached.events import END_SEQ, REPLAY_SLICE, EventLog, Publisher, batch_decoder
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Setup:
+    def __init__(self, where: Path, **config: Any) -> None:
+        self.config = EventsConfig(
+            endpoint=f"ipc://{where}/events.sock",
+            replay_endpoint=f"ipc://{where}/replay.sock",
+            batch_events=1,
+            flush_interval_s=600.0,  # flushed by hand
+            **config,
+        )
+        self.log = EventLog(100_000, enabled=True)
+        self.dropped: dict[str, int] = {}
+        self.publisher = Publisher(self.config, self.log, self.dropped)
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.readers: list[zmq.Socket[Any]] = []
+
+    def publish(self, batches: int, tokens: int = 16) -> None:
+        for i in range(batches):
+            self.log.stored([i.to_bytes(16, "big")], None, list(range(tokens)), 16, "CPU")
+        self.publisher.flush()
+
+    def reader(self, hwm: int = 1000) -> zmq.Socket[Any]:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, hwm)
+        sock.connect(self.config.replay_endpoint)
+        self.readers.append(sock)
+        return sock
+
+
+def bind(sock: zmq.Socket[bytes], endpoint: str, key: str) -> None:
+    sock.bind(endpoint)
+
+
+@pytest.fixture
+async def setup(request: pytest.FixtureRequest) -> AsyncIterator[Setup]:
+    where = Path(tempfile.mkdtemp(prefix="hc-pub-", dir="/tmp"))
+    s = Setup(where, **getattr(request, "param", {}))
+    s.publisher.start(s.ctx, bind)
+    try:
+        yield s
+    finally:
+        await s.publisher.stop()
+        for sock in s.readers:
+            sock.close()
+        s.ctx.term()
+        shutil.rmtree(where, ignore_errors=True)
+
+
+async def recv(sock: zmq.Socket[Any], timeout: float = 10.0) -> list[bytes]:
+    """The next message, letting the loop run while it is awaited."""
+    deadline = time.monotonic() + timeout
+    while not sock.poll(0):
+        assert time.monotonic() < deadline, "nothing arrived"
+        await asyncio.sleep(0.002)
+    return sock.recv_multipart()
+
+
+async def read_replay(sock: zmq.Socket[Any]) -> list[int]:
+    """One replay's seqs up to its end marker."""
+    seqs: list[int] = []
+    while True:
+        _, seq, payload = await recv(sock)
+        if seq == END_SEQ:
+            return seqs
+        batch_decoder.decode(payload)
+        seqs.append(int.from_bytes(seq, "big"))
+
+
+async def test_a_long_replay_goes_out_in_slices_with_the_loop_free_between(
+    setup: Setup,
+) -> None:
+    setup.publish(10_000)
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    other = asyncio.create_task(ticker())
+    try:
+        reader = setup.reader()
+        reader.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert await read_replay(reader) == list(range(10_000))
+    finally:
+        other.cancel()
+    assert ticks >= 10_000 // REPLAY_SLICE
+    assert setup.dropped == {}
+
+
+@pytest.mark.parametrize("setup", [{"replay_batches": 100, "replay_timeout_s": 1.0}], indirect=True)
+async def test_a_reader_that_stops_reading_gets_an_end_marker_where_its_replay_stopped(
+    setup: Setup,
+) -> None:
+    setup.publish(100, tokens=4000)  # ~20 KB each: more than the socket buffers hold
+    reader = setup.reader(hwm=1)
+    reader.send_multipart([b"", (0).to_bytes(8, "big")])
+    reader.send_multipart([b"", (0).to_bytes(8, "big")])
+    # Reads nothing for longer than replay_timeout_s: the first replay fits its
+    # queue, the second waits for room, then is cut; its end marker waits.
+    await asyncio.sleep(1.5)
+    first = await read_replay(reader)
+    second = await read_replay(reader)
+    assert first == list(range(100))
+    assert len(second) < 100 and second == first[: len(second)]
+    assert setup.dropped == {"replay_send": 100 - len(second)}
+
+
+async def test_queue_drops_use_up_a_sequence_number(setup: Setup) -> None:
+    sub = setup.ctx.socket(zmq.SUB)
+    setup.readers.append(sub)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(setup.config.endpoint)
+    await asyncio.sleep(0.3)
+    setup.log.max_events = 2
+    setup.publish(5)  # two queued, three dropped
+    setup.publish(1)
+    seqs: list[int] = []
+    while len(seqs) < 3:
+        seqs.append(int.from_bytes((await recv(sub))[1], "big"))
+    assert seqs == [0, 1, 3]
+    assert setup.dropped == {"events_queue": 3}
