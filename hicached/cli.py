@@ -31,7 +31,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
     config = load_config(args.path)
-    if config.storage.backend:  # the backend must be installed and its options valid
+    if config.storage.backend:
+        # the backend must be installed, and its options valid as a whole: what
+        # its start would refuse (a missing bucket, ...) fails here already
         from hicached.storage import backend_options
         from hicached_backends import load_backend_class
 

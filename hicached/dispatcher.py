@@ -1,8 +1,14 @@
 """Runs every L3 operation of one backend, so the event loop never blocks on it.
 
-- Writes wait in a bounded queue (``storage.queue_pages``); a full queue drops
-  and counts. Writers take batches of up to ``batch_pages`` pages of one
-  namespace; ``concurrency`` bounds the backend calls in flight.
+- Writes wait in a bounded queue: pages queued plus pages in flight (taken by
+  a writer and not finished, hung calls included) are at most
+  ``storage.queue_pages``, so a hung backend pins at most that many L2 slots;
+  beyond it a write is dropped and counted. Writers take batches of up to
+  ``batch_pages`` pages of one namespace.
+- ``concurrency`` call slots bound the backend calls running at once. A call
+  keeps its slot until it really ends, even past its timeout; a call that
+  finds no free slot within ``op_timeout_s`` fails (and counts toward the
+  breaker), so a hung backend holds at most ``concurrency`` calls.
 - A retriable failure (or a timeout) is retried with exponential backoff,
   ``retries`` times; then the call fails.
 - A circuit breaker: ``breaker_failures`` failed calls in a row mark the
@@ -11,7 +17,9 @@
   probe (``health``) decides whether it is up again.
 - A call that times out is *not* abandoned: its completion callback runs
   when the backend finally returns, so the pool slots it reads or writes stay
-  held until then.
+  held until then; meanwhile it counts in ``hung_calls``.
+- Stopping has one deadline (``stop_by``): queued writes get until then, and a
+  cancelled call waits for its backend task no longer than that.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import collections
 import contextlib
 import functools
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -54,14 +63,19 @@ class Dispatcher:
         self.name = name
         self._queue: collections.deque[WriteJob] = collections.deque()
         self._wake = asyncio.Event()
-        self._slots = asyncio.Semaphore(config.concurrency)
+        self._room = asyncio.Event()  # set when written pages leave the bound
+        self._free_slots = config.concurrency
+        self._slot_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._hung: set[asyncio.Future[Any]] = set()  # calls past their timeout, still running
         self._tasks: list[asyncio.Task[None]] = []
         self._accepting = False
         self._failures = 0
         self._down_until = 0.0
-        self.running = 0  # backend calls in progress
+        #: monotonic time by which a stop must be done; inf while serving
+        self.stop_by = math.inf
+        self.running = 0  # backend calls in progress, hung ones included
         self.writing = 0  # pages taken from the queue and not finished
-        #: called with (operation, seconds) after every backend call attempt
+        #: called with (operation, seconds) when a backend call attempt ends
         self.on_call: Callable[[str, float], None] | None = None
         self.counters: collections.Counter[str] = collections.Counter()
 
@@ -73,13 +87,14 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._writer()) for _ in range(self.config.concurrency)]
 
-    async def stop(self, deadline_s: float) -> None:
-        """Finish queued writes within ``deadline_s``, then close the backend."""
+    async def stop(self, until: float) -> None:
+        """Finish queued and in-flight writes until ``until`` (monotonic), drop
+        what is left, then close the backend."""
         self._accepting = False
-        end = time.monotonic() + deadline_s
-        while (self._queue or self.writing) and time.monotonic() < end:
+        self.stop_by = min(self.stop_by, until)
+        while (self._queue or self.writing) and time.monotonic() < until:
             self._wake.set()
-            await asyncio.sleep(0.01)
+            await self.wait_room(min(0.05, max(0.0, until - time.monotonic())))
         dropped = len(self._queue)
         while self._queue:
             self._queue.popleft().done(False)
@@ -92,6 +107,13 @@ class Dispatcher:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
+        if self.running:
+            log.warning(
+                "%s: %d backend calls (%d past their timeout) still running at the stop deadline",
+                self.name,
+                self.running,
+                len(self._hung),
+            )
         await self.backend.close()
 
     @property
@@ -99,8 +121,24 @@ class Dispatcher:
         return len(self._queue)
 
     @property
+    def hung_calls(self) -> int:
+        """Calls past ``op_timeout_s`` whose backend task is still running."""
+        return len(self._hung)
+
+    @property
+    def room(self) -> int:
+        """Pages that may still be queued: the bound less queued and in-flight pages."""
+        return self.config.queue_pages - len(self._queue) - self.writing
+
+    @property
     def state(self) -> str:
         return "down" if time.monotonic() < self._down_until else "up"
+
+    async def wait_room(self, timeout: float) -> None:
+        """Return when written pages leave the queue bound, or after ``timeout``."""
+        self._room.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._room.wait(), timeout)
 
     # -- writes ----------------------------------------------------------------------
 
@@ -112,7 +150,7 @@ class Dispatcher:
         if self.state == "down":
             self.counters["write_skipped_down"] += 1
             return False
-        if len(self._queue) >= self.config.queue_pages:
+        if self.room <= 0:
             self.counters["write_dropped_full"] += 1
             return False
         self._queue.append(job)
@@ -149,10 +187,89 @@ class Dispatcher:
 
     def _finish(self, batch: list[WriteJob], results: Sequence[bool] | BaseException) -> None:
         self.writing -= len(batch)
+        self._room.set()
         ok_list = results if not isinstance(results, BaseException) else [False] * len(batch)
         for job, ok in zip(batch, ok_list, strict=True):
             self.counters["pages_written" if ok else "write_failed"] += 1
             job.done(bool(ok))
+
+    # -- call slots ------------------------------------------------------------------
+
+    async def _take_slot(self) -> bool:
+        """One of ``concurrency`` call slots, waiting at most ``op_timeout_s``."""
+        if self._free_slots > 0 and not self._slot_waiters:
+            self._free_slots -= 1
+            return True
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._slot_waiters.append(waiter)
+        try:
+            await asyncio.wait({waiter}, timeout=self.config.op_timeout_s)
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                self._give_slot()  # handed over just as we were cancelled
+            else:
+                self._drop_waiter(waiter)
+            raise
+        if waiter.done():
+            return True
+        self._drop_waiter(waiter)
+        return False
+
+    def _drop_waiter(self, waiter: asyncio.Future[None]) -> None:
+        waiter.cancel()
+        with contextlib.suppress(ValueError):
+            self._slot_waiters.remove(waiter)
+
+    def _give_slot(self) -> None:
+        while self._slot_waiters:
+            waiter = self._slot_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self._free_slots += 1
+
+    def _ended(self, what: str, started: float, task: asyncio.Future[Any]) -> None:
+        """A backend task ended (in time or not): its slot is free only now."""
+        self.running -= 1
+        self._hung.discard(task)
+        self._give_slot()
+        if not task.cancelled():
+            task.exception()  # retrieved here; the caller or _Late reads it too
+        if self.on_call is not None:
+            self.on_call(what, time.monotonic() - started)
+
+    def _grace(self) -> float:
+        """How long a cancelled call waits for its backend task."""
+        return max(0.0, min(self.config.op_timeout_s, self.stop_by - time.monotonic()))
+
+    async def _attempt(
+        self, fn: Callable[..., Awaitable[T]], args: tuple[object, ...], what: str
+    ) -> asyncio.Future[T]:
+        """Start ``fn(*args)`` in a call slot and wait up to ``op_timeout_s``; the
+        returned task may still be running (then it is hung and keeps its slot)."""
+        if not await self._take_slot():
+            self.counters["slot_timeouts"] += 1
+            self._failed(f"{what}: no call slot came free within op_timeout_s")
+            raise Unavailable(f"{self.name}: every call slot is busy")
+        self.running += 1
+        started = time.monotonic()
+        try:
+            task = asyncio.ensure_future(fn(*args))
+        except BaseException:
+            self.running -= 1
+            self._give_slot()
+            raise
+        task.add_done_callback(functools.partial(self._ended, what, started))
+        try:
+            await asyncio.wait({task}, timeout=self.config.op_timeout_s)
+        except asyncio.CancelledError:
+            # the call may be writing into pool slots: let it end first
+            await asyncio.wait({task}, timeout=self._grace())
+            raise
+        finally:
+            if not task.done():
+                self._hung.add(task)
+        return task
 
     # -- calls -----------------------------------------------------------------------
 
@@ -161,28 +278,15 @@ class Dispatcher:
 
         Raises Unavailable when the backend is down or every attempt failed.
         A timed-out attempt is not retried (it may still own its buffers): it
-        raises _Late, whose task is still running.
+        raises _Late, whose task is still running and holds its call slot.
         """
         if self.state == "down" and not await self._probe():
             raise Unavailable(f"{self.name} is down")
         what = getattr(fn, "__name__", "call")
         attempts = self.config.retries + 1
         for attempt in range(attempts):
-            async with self._slots:
-                self.running += 1
-                started = time.monotonic()
-                task = asyncio.ensure_future(fn(*args))
-                try:
-                    done, _ = await asyncio.wait({task}, timeout=self.config.op_timeout_s)
-                except asyncio.CancelledError:
-                    # the call may be writing into pool slots: let it end first
-                    await asyncio.wait({task}, timeout=self.config.op_timeout_s)
-                    raise
-                finally:
-                    self.running -= 1
-                    if self.on_call is not None:
-                        self.on_call(what, time.monotonic() - started)
-            if not done:
+            task = await self._attempt(fn, args, what)
+            if not task.done():
                 self.counters["timeouts"] += 1
                 self._failed(f"{what} timed out")
                 raise _Late(task)
@@ -259,6 +363,9 @@ class _Late(Exception):
 
     def then(self, callback: Callable[[Sequence[bool] | BaseException], None]) -> None:
         def finished(task: asyncio.Future[Any]) -> None:
+            if task.cancelled():
+                callback(asyncio.CancelledError())
+                return
             exc = task.exception()
             callback(exc if exc is not None else task.result())
 

@@ -66,6 +66,8 @@ class _Snapshot(Collector):
         pages.add_metric(["indexed"], s.pages)
         pages.add_metric(["pinned"], s.pinned_pages)
         pages.add_metric(["reserved"], s.reserved_pages)
+        pages.add_metric(["quarantined"], s.quarantined_pages)
+        pages.add_metric(["writeback"], s.writeback_pages)
         yield pages
         yield _gauge("hicached_namespaces", "Namespaces in use.", s.namespaces)
         yield _gauge("hicached_clients", "Connected client sessions.", s.clients)
@@ -97,7 +99,7 @@ class _Snapshot(Collector):
                 "1 while the L3 backend serves, 0 while marked down.",
                 labels=["backend"],
             )
-            up.add_metric([s.l3_backend], 1 if s.l3_state == "up" else 0)
+            up.add_metric([s.l3_backend], 0 if s.l3_state == "down" else 1)  # or scanning
             yield up
             yield _gauge(
                 "hicached_l3_pages_known", "Pages the index knows L3 holds.", s.l3_pages_known
@@ -114,7 +116,15 @@ class _Snapshot(Collector):
 
 
 # L3 figures that go up and down; every other L3 figure only grows.
-_L3_GAUGES = {"queued", "store_pages", "store_bytes_used"}
+_L3_GAUGES = {
+    "queued",
+    "queued_pages",
+    "in_flight_pages",
+    "hung_calls",
+    "scanning",
+    "store_pages",
+    "store_bytes_used",
+}
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -3,21 +3,25 @@
 The cache (synchronous) decides which pages to write and which to prefetch;
 this module turns those decisions into backend calls and feeds the results
 back into the cache on the event loop. It also loads the configured backend,
-learns at startup what the store holds, and flushes at a graceful stop.
+learns what the store holds (a scan at start, in the background by default,
+so the daemon serves meanwhile), and flushes at a graceful stop: under one
+deadline, in steps as the write queue drains.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from hicached.arena import Arena
-from hicached.cache import Cache, Lease, Namespace
+from hicached.cache import Cache, Lease, NamespaceState
 from hicached.config import Config, data_dir
 from hicached.dispatcher import Dispatcher, WriteJob
 from hicached.errors import ConfigError
@@ -25,23 +29,53 @@ from hicached_backends import Backend, BackendEnv, PageRef, load_backend_class
 
 log = logging.getLogger("hicached.storage")
 
+_SCAN_YIELD_PAGES = 4096  # the startup scan lets requests in after this many pages
+
 
 def backend_options(config: Config, cls: type[Backend]) -> Any:
-    """The backend's typed options: its [storage.<name>] table, or [storage.extra]."""
+    """The backend's typed options, [storage.<name>] or [storage.extra], checked
+    whole (``Backend.check_options``): what a start would refuse fails here."""
     name = config.storage.backend
     table = getattr(config.storage, name, None)
     if isinstance(table, cls.options_type):
-        return table
+        options: Any = table
+        where = f"storage.{name}"
+    else:
+        where = "storage.extra"
+        try:
+            options = msgspec.convert(config.storage.extra, cls.options_type)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"{where} (options of backend {name!r}): {exc}") from None
     try:
-        return msgspec.convert(config.storage.extra, cls.options_type)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(f"storage.extra (options of backend {name!r}): {exc}") from None
+        cls.check_options(options)
+    except ValueError as exc:
+        message = str(exc)
+        field = message.split(" ", 1)[0].rstrip(":")  # checks start with the option's name
+        where = f"{where}.{field}" if field.isidentifier() else where
+        raise ConfigError(f"{where}: {message}") from None
+    return options
 
 
 def make_backend(config: Config, pool: memoryview | None) -> Backend:
     cls = load_backend_class(config.storage.backend)
     env = BackendEnv(data_dir=data_dir(config), pool=pool)
     return cls(backend_options(config, cls), env)
+
+
+@dataclass(slots=True)
+class FlushCounts:
+    """What one write-back flush did, logged at the stop."""
+
+    pages: int = 0  # L2 pages L3 lacked when the flush began
+    queued: int = 0
+    written: int = 0
+    failed: int = 0  # queued, but the backend refused or failed them
+    skipped: int = 0  # written meanwhile by another path, or gone from L2
+
+    @property
+    def left(self) -> int:
+        """Pages not written by the deadline (never queued, or still queued or in flight)."""
+        return self.pages - self.written - self.failed - self.skipped
 
 
 class Tier:
@@ -54,53 +88,152 @@ class Tier:
         self.backend = backend
         self.dispatcher = Dispatcher(backend, self.config, f"backend {self.config.backend!r}")
         self._prefetches: set[asyncio.Task[None]] = set()
+        self._scan: asyncio.Task[None] | None = None
+        self.scanning = False
+        self.scan_pages = 0  # pages the startup scan has found so far
+        self._flush: FlushCounts | None = None  # while a write-back flush counts its pages
         backend.on_forget = lambda _ns, keys: cache.forget_l3(keys)
 
     # -- lifecycle -----------------------------------------------------------------
 
     async def start(self) -> None:
+        """Open the backend; learn what the store holds, in the background
+        (storage.scan_in_background) or before returning."""
         await self.dispatcher.start()
-        if self.config.scan_on_start:
-            started = time.monotonic()
-            n = 0
+        if not self.config.scan_on_start:
+            return
+        self.scanning = True
+        if self.config.scan_in_background:
+            self._scan = asyncio.get_running_loop().create_task(self._scan_store())
+        else:
+            await self._scan_store()
+
+    async def _scan_store(self) -> None:
+        """Add every key the store lists to the cache's L3 set as it is found, so
+        matches see it at once; yields to requests every few thousand pages."""
+        started = time.monotonic()
+        l3 = self.cache.l3
+        try:
             async for _ns, key in self.backend.scan():
-                self.cache.l3.add(key)
-                n += 1
-                if n % 1_000_000 == 0:
-                    log.info("L3 scan: %d pages so far", n)
-            log.info("L3 holds %d pages (scanned in %.2fs)", n, time.monotonic() - started)
+                l3.add(key)
+                self.scan_pages += 1
+                if self.scan_pages % _SCAN_YIELD_PAGES == 0:
+                    await asyncio.sleep(0)
+                    if self.scan_pages % 1_000_000 == 0:
+                        log.info("L3 scan: %d pages so far", self.scan_pages)
+        except asyncio.CancelledError:
+            log.info("L3 scan stopped after %d pages", self.scan_pages)
+            raise
+        except Exception:
+            self.dispatcher.counters["scan_failed"] += 1
+            log.exception("L3 scan failed after %d pages", self.scan_pages)
+        else:
+            log.info(
+                "L3 holds %d pages (scanned in %.2fs)", self.scan_pages, time.monotonic() - started
+            )
+        finally:
+            self.scanning = False
 
     async def stop(self) -> None:
-        """Under write_back, write what L3 lacks; then finish queued writes, all
-        within storage.flush_deadline_s, and close the backend."""
-        deadline = self.config.flush_deadline_s
-        if self.config.write_policy == "write_back":
-            queued = self.cache.flush()
-            log.info("write-back flush: %d pages queued", queued)
+        """Stop within storage.flush_deadline_s, all steps together: end the scan
+        and prefetches, under write_back write what L3 lacks (in steps as the
+        queue drains), finish queued writes, close the backend."""
+        end = time.monotonic() + self.config.flush_deadline_s
+        self.dispatcher.stop_by = end
+        if self._scan is not None:
+            self._scan.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._scan
+            self._scan = None
         for task in list(self._prefetches):
             task.cancel()
         if self._prefetches:
-            await asyncio.wait(self._prefetches, timeout=deadline)
-        await self.dispatcher.stop(deadline)
+            await asyncio.wait(self._prefetches, timeout=max(0.0, end - time.monotonic()))
+        counts = None
+        if self.config.write_policy == "write_back":
+            counts = await self._flush_write_back(end)
+        await self.dispatcher.stop(end)
+        if counts is not None:
+            log_at = logging.WARNING if counts.left or counts.failed else logging.INFO
+            log.log(
+                log_at,
+                "write-back flush: %d pages L3 lacked; %d queued, %d written, %d failed, "
+                "%d left (not written by the deadline)",
+                counts.pages,
+                counts.queued,
+                counts.written,
+                counts.failed,
+                counts.left,
+            )
+
+    async def _flush_write_back(self, end: float) -> FlushCounts:
+        """Write every L2 page L3 lacks, queueing as many as the write queue has
+        room for and more as it drains, until done or ``end``; then wait for
+        them until ``end``. No page is dropped for lack of queue room."""
+        dispatcher = self.dispatcher
+        pages = self.cache.unwritten_pages()
+        counts = self._flush = FlushCounts(pages=len(pages))
+        try:
+            i = 0
+            while i < len(pages) and (now := time.monotonic()) < end:
+                room = dispatcher.room
+                if room <= 0 or dispatcher.state == "down":
+                    await dispatcher.wait_room(min(0.05, end - now))
+                    continue
+                step = pages[i : i + room]
+                i += len(step)
+                queued = self.cache.write_back(step)
+                counts.queued += queued
+                counts.skipped += len(step) - queued  # written meanwhile, or gone from L2
+                await asyncio.sleep(0)  # let the writers take what was queued
+            while counts.written + counts.failed < counts.queued and (
+                (now := time.monotonic()) < end
+            ):
+                await dispatcher.wait_room(min(0.05, end - now))
+        finally:
+            self._flush = None  # writes dropped at the deadline are "left", not "failed"
+        return counts
 
     @property
     def state(self) -> str:
-        return self.dispatcher.state
+        """up, down (breaker open), or scanning (up, startup scan still running)."""
+        state = self.dispatcher.state
+        return "scanning" if state == "up" and self.scanning else state
 
     @property
     def counters(self) -> dict[str, int]:
+        d = self.dispatcher
         return {
-            **self.dispatcher.counters,
-            "queued": self.dispatcher.queued,
+            **d.counters,
+            "queued": d.queued,
+            "queued_pages": d.queued,
+            "in_flight_pages": d.writing,
+            "hung_calls": d.hung_calls,
+            "scan_pages": self.scan_pages,
+            "scanning": int(self.scanning),
             **{f"store_{k}": v for k, v in self.backend.stats().items()},
         }
 
     # -- the cache's port --------------------------------------------------------------
 
-    def _view(self, ns: Namespace, slot: int) -> memoryview:
+    def _view(self, ns: NamespaceState, slot: int) -> memoryview:
         return self.arena.array.data[slot : slot + ns.spec.page_bytes]
 
-    def write(self, ns: Namespace, key: bytes, slot: int, done: Callable[[bool], None]) -> bool:
+    def write(
+        self, ns: NamespaceState, key: bytes, slot: int, done: Callable[[bool], None]
+    ) -> bool:
+        counts = self._flush
+        if counts is not None:  # a write-back flush: count how it ends
+            inner = done
+
+            def done(ok: bool) -> None:
+                if self._flush is counts:
+                    if ok:
+                        counts.written += 1
+                    else:
+                        counts.failed += 1
+                inner(ok)
+
         return self.dispatcher.submit_write(WriteJob(ns.digest, key, self._view(ns, slot), done))
 
     def prefetch(self, lease: Lease) -> None:

@@ -60,6 +60,19 @@ class Backend(ABC):
     #: the typed options table this backend reads from the config
     options_type: ClassVar[type[msgspec.Struct]] = NoOptions
 
+    @classmethod
+    def check_options(cls, options: Any) -> None:
+        """Refuse options that a start would refuse, before anything is opened.
+
+        ``hicached check-config`` and the daemon's start both run this on the
+        decoded ``options_type`` table (whose own ``__post_init__`` has already
+        checked each value): override it for what a default cannot give, such
+        as a required name, or for options that only make sense together.
+        Raise ValueError whose message starts with the option's name; it is
+        reported as ``storage.<backend>.<name>: ...``.
+        """
+        return None
+
     def __init__(self, options: Any, env: BackendEnv) -> None:
         self.options = options
         self.env = env

@@ -1,16 +1,23 @@
 """Fault injection, for tests only: a backend that wraps another one and
-slows or fails reads for chosen namespaces.
+slows, hangs or fails its calls.
 
-Options (in ``[storage.extra]``): ``inner`` names the real backend (its own
-options are the defaults); ``read_delay_s`` maps a namespace digest (hex) to
-seconds added to every read of it; ``readable_pages`` maps a namespace digest
-to how many pages of it may be read in total before every further read fails.
+Options (in ``[storage.extra]``): ``inner`` names the real backend and
+``inner_options`` its options table (its defaults when empty);
+``read_delay_s`` maps a namespace digest (hex) to seconds added to every read
+of it; ``readable_pages`` maps a namespace digest to how many pages of it may
+be read in total before every further read fails; ``write_delay_s`` is added
+to every write (a backend that hangs past ``storage.op_timeout_s``);
+``scan_delay_s`` is added per page the startup scan lists (a slow listing).
+
+Its stats add ``calls_running`` and ``peak_calls``: the backend calls inside
+it at once, now and at most, so a test can see the dispatcher's bound hold.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import msgspec
 
@@ -19,20 +26,47 @@ from hicached_backends.base import Backend, BackendEnv, PageRef
 
 class FaultyOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     inner: str = "memory"
+    inner_options: dict[str, Any] = {}
     read_delay_s: dict[str, float] = {}
     readable_pages: dict[str, int] = {}
+    write_delay_s: float = 0.0
+    scan_delay_s: float = 0.0
+
+
+def _inner_options(options: FaultyOptions) -> tuple[type[Backend], Any]:
+    from hicached.errors import ConfigError
+    from hicached_backends import load_backend_class
+
+    try:
+        cls = load_backend_class(options.inner)
+    except ConfigError as exc:
+        raise ValueError(f"inner names no usable backend: {exc.message}") from None
+    try:
+        inner = msgspec.convert(options.inner_options, cls.options_type)
+        cls.check_options(inner)
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise ValueError(f"inner_options of {options.inner!r}: {exc}") from None
+    return cls, inner
 
 
 class FaultyBackend(Backend):
     options_type = FaultyOptions
 
+    @classmethod
+    def check_options(cls, options: FaultyOptions) -> None:
+        _inner_options(options)
+
     def __init__(self, options: FaultyOptions, env: BackendEnv) -> None:
         super().__init__(options, env)
-        from hicached_backends import load_backend_class
-
-        cls = load_backend_class(options.inner)
-        self.inner = cls(cls.options_type(), env)
+        cls, inner_options = _inner_options(options)
+        self.inner = cls(inner_options, env)
         self.read_left = dict(options.readable_pages)
+        self.calls = 0
+        self.peak_calls = 0
+
+    def _enter(self) -> None:
+        self.calls += 1
+        self.peak_calls = max(self.peak_calls, self.calls)
 
     async def open(self) -> None:
         self.inner.on_forget = self.on_forget
@@ -45,26 +79,53 @@ class FaultyBackend(Backend):
         await self.inner.health()
 
     async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int:
-        return await self.inner.exists(ns, keys)
+        self._enter()
+        try:
+            return await self.inner.exists(ns, keys)
+        finally:
+            self.calls -= 1
 
     async def get(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
-        delay = self.options.read_delay_s.get(ns.hex(), 0.0)
-        if delay:
-            await asyncio.sleep(delay)
-        left = self.read_left.get(ns.hex())
-        if left is None:
-            return await self.inner.get(ns, pages)
-        allowed = list(pages[:left])
-        self.read_left[ns.hex()] = left - len(allowed)
-        got = await self.inner.get(ns, allowed) if allowed else []
-        return got + [False] * (len(pages) - len(allowed))
+        self._enter()
+        try:
+            delay = self.options.read_delay_s.get(ns.hex(), 0.0)
+            if delay:
+                await asyncio.sleep(delay)
+            left = self.read_left.get(ns.hex())
+            if left is None:
+                return await self.inner.get(ns, pages)
+            allowed = list(pages[:left])
+            self.read_left[ns.hex()] = left - len(allowed)
+            got = await self.inner.get(ns, allowed) if allowed else []
+            return got + [False] * (len(pages) - len(allowed))
+        finally:
+            self.calls -= 1
 
     async def put(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
-        return await self.inner.put(ns, pages)
+        self._enter()
+        try:
+            if self.options.write_delay_s:
+                await asyncio.sleep(self.options.write_delay_s)
+            return await self.inner.put(ns, pages)
+        finally:
+            self.calls -= 1
 
     async def delete(self, ns: bytes, keys: Sequence[bytes]) -> None:
-        await self.inner.delete(ns, keys)
+        self._enter()
+        try:
+            await self.inner.delete(ns, keys)
+        finally:
+            self.calls -= 1
 
     async def scan(self) -> AsyncIterator[tuple[bytes, bytes]]:
         async for item in self.inner.scan():
+            if self.options.scan_delay_s:
+                await asyncio.sleep(self.options.scan_delay_s)
             yield item
+
+    def stats(self) -> dict[str, int]:
+        return {
+            **self.inner.stats(),
+            "calls_running": self.calls,
+            "peak_calls": self.peak_calls,
+        }

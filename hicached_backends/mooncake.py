@@ -47,6 +47,10 @@ def _address(buf: memoryview) -> int:
 class MooncakeBackend(Backend):
     options_type = MooncakeOptions
 
+    @classmethod
+    def check_options(cls, options: MooncakeOptions) -> None:
+        options.check_required()
+
     def __init__(self, options: MooncakeOptions, env: BackendEnv) -> None:
         super().__init__(options, env)
         self._store: Any = None

@@ -73,6 +73,18 @@ class S3Options(msgspec.Struct, **_Table):
     # "path" or "virtual" bucket addressing; "" = boto3's default.
     addressing_style: str = ""
 
+    def check_required(self) -> None:
+        """What a start with this backend needs beyond the defaults (check_options)."""
+        if not self.bucket:
+            raise ValueError("bucket is empty: name the bucket that holds the pages")
+        if self.endpoint_url and not self.endpoint_url.startswith(("http://", "https://")):
+            raise ValueError("endpoint_url must start with http:// or https://")
+        if bool(self.access_key_id) != bool(self.secret_access_key):
+            raise ValueError(
+                "access_key_id and secret_access_key go together: set both, or neither "
+                "to use the standard credential chain"
+            )
+
     def __post_init__(self) -> None:
         positive(self, "threads", "max_attempts", "connect_timeout_s", "read_timeout_s")
         if self.addressing_style not in ("", "path", "virtual"):
@@ -103,6 +115,18 @@ class MooncakeOptions(msgspec.Struct, **_Table):
     # Threads that checksum the pages of one read batch in parallel, beside the
     # thread that read them (0 = that thread alone).
     verify_threads: int = 4
+
+    def check_required(self) -> None:
+        """What a start with this backend needs beyond the defaults (check_options)."""
+        host, sep, port = self.master.rpartition(":")
+        if not (sep and host and port.isdigit()):
+            raise ValueError(f"master must be host:port, got {self.master!r}")
+        if not self.metadata_server:
+            raise ValueError(
+                "metadata_server is empty: give http://host:port/metadata or P2PHANDSHAKE"
+            )
+        if not self.local_hostname:
+            raise ValueError("local_hostname is empty: name this host as other clients reach it")
 
     def __post_init__(self) -> None:
         if self.protocol not in ("tcp", "rdma"):

@@ -36,6 +36,10 @@ _MISSING = {"404", "NoSuchKey", "NotFound"}
 class S3Backend(Backend):
     options_type = S3Options
 
+    @classmethod
+    def check_options(cls, options: S3Options) -> None:
+        options.check_required()
+
     def __init__(self, options: S3Options, env: BackendEnv) -> None:
         super().__init__(options, env)
         if not options.bucket:

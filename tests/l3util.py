@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hicached import Client, Namespace, Prefetch, Progress
+from hicached import Client, Fetch, FetchProgress, Namespace
 from hicached.hashing import pack_tokens, page_keys
 from tests.support import PAGE_BYTES, PAGE_TOKENS
 
@@ -47,7 +47,7 @@ def evict_everything(c: Client, ns: Namespace, salt: int = 7) -> None:
     settle_writes(c)
 
 
-def wait_prefetch(c: Client, pf: Prefetch, timeout: float = 15.0) -> Progress:
+def wait_prefetch(c: Client, pf: Fetch, timeout: float = 15.0) -> FetchProgress:
     return wait_for(lambda: (p := c.progress(pf)).done and p, timeout)  # type: ignore[return-value]
 
 

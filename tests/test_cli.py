@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -12,8 +13,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from hicached.arena import arena_path
+from hicached.config import Config, load_config
 from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -156,3 +159,84 @@ def test_bench_commands_print_json_figures(daemon_factory: object) -> None:
         assert figures["echo_p50_us_4c"] > 0 and figures["match_rps_4c"] > 0
     finally:
         d.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("toml", "key"),
+    [
+        ('backend = "s3"\n', "storage.s3.bucket"),
+        (
+            'backend = "s3"\n[storage.s3]\nbucket = "b"\nendpoint_url = "127.0.0.1:9000"\n',
+            "storage.s3.endpoint_url",
+        ),
+        (
+            'backend = "s3"\n[storage.s3]\nbucket = "b"\naccess_key_id = "AK"\n',
+            "storage.s3.access_key_id",
+        ),
+        ('backend = "mooncake"\n[storage.mooncake]\nmaster = ""\n', "storage.mooncake.master"),
+        (
+            'backend = "mooncake"\n[storage.mooncake]\nmetadata_server = ""\n',
+            "storage.mooncake.metadata_server",
+        ),
+        (
+            'backend = "mooncake"\n[storage.mooncake]\nlocal_hostname = ""\n',
+            "storage.mooncake.local_hostname",
+        ),
+        ('backend = "faulty"\n[storage.extra]\ninner = "s3"\n', "storage.extra.inner_options"),
+        ('backend = "faulty"\n[storage.extra]\ninner = "nosuch"\n', "storage.extra.inner"),
+        ('backend = "nosuch"\n', "storage.backend"),
+    ],
+)
+def test_check_config_checks_the_backend_options_whole(tmp_path: Path, toml: str, key: str) -> None:
+    """What the backend would refuse at start (a missing bucket, ...) fails here."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"[storage]\n{toml}")
+    out = hicached("check-config", str(cfg))
+    assert out.returncode == 2, out.stdout
+    assert f"{key}: " in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(
+    "toml",
+    [
+        'backend = "memory"\n',
+        'backend = "file"\n',
+        'backend = "s3"\n[storage.s3]\nbucket = "pages"\nendpoint_url = "http://127.0.0.1:9"\n',
+        'backend = "mooncake"\n',
+        'backend = "faulty"\n[storage.extra]\ninner = "s3"\ninner_options = { bucket = "b" }\n',
+    ],
+)
+def test_check_config_passes_every_built_in_backend_with_its_required_options(
+    tmp_path: Path, toml: str
+) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"[storage]\n{toml}")
+    out = hicached("check-config", str(cfg))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"{cfg}: ok"
+
+
+def test_s3_without_a_bucket_fails_at_start_with_the_same_message(tmp_path: Path) -> None:
+    runtime = Path("/tmp") / f"hc-nob-{os.getpid()}"
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        f'[server]\nruntime_dir = "{runtime}"\n[pool]\nsize_mib = 1\nslab_mib = 1\n'
+        f'max_page_bytes = 65536\n[metrics]\nenabled = false\n[storage]\nbackend = "s3"\n'
+    )
+    try:
+        out = hicached("serve", "--config", str(cfg))
+        assert out.returncode == 2
+        assert "storage.s3.bucket: bucket is empty" in out.stderr
+    finally:
+        subprocess.run(["rm", "-rf", str(runtime)], check=False)
+
+
+def test_the_stop_deadline_fits_in_the_units_stop_timeout() -> None:
+    """The write-back flush must end before systemd's SIGKILL, with room for
+    the rest of the shutdown."""
+    unit = (ROOT / "systemd" / "hicached.service").read_text()
+    found = re.search(r"^TimeoutStopSec=(\d+)$", unit, re.MULTILINE)
+    assert found, "the unit sets TimeoutStopSec"
+    stop_timeout = float(found.group(1))
+    for config in (Config(), load_config(ROOT / "config" / "hicached.toml")):
+        assert config.storage.flush_deadline_s + 10 <= stop_timeout

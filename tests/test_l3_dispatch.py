@@ -1,0 +1,136 @@
+"""The dispatcher's bounds with a backend that hangs past op_timeout_s.
+
+In process, on one event loop: a backend whose calls wait on a gate stands
+in for a hung store (fault injection), so the test decides when calls end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+
+from hicached.config import StorageConfig
+from hicached.dispatcher import Dispatcher, WriteJob
+from hicached_backends.base import BackendEnv, PageRef
+from hicached_backends.memory import MemoryBackend
+from hicached_backends.options import MemoryOptions
+
+NS = bytes(16)
+
+
+class GatedBackend(MemoryBackend):
+    """A memory backend whose puts and gets wait for ``gate``: hung until it opens."""
+
+    def __init__(self, tmp: Path) -> None:
+        super().__init__(MemoryOptions(), BackendEnv(data_dir=tmp))
+        self.gate = asyncio.Event()
+        self.calls = 0
+        self.peak = 0
+        self.started = 0
+
+    async def _hang(self) -> None:
+        self.calls += 1
+        self.started += 1
+        self.peak = max(self.peak, self.calls)
+        try:
+            await self.gate.wait()
+        finally:
+            self.calls -= 1
+
+    async def put(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
+        await self._hang()
+        return await super().put(ns, pages)
+
+    async def get(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
+        await self._hang()
+        return await super().get(ns, pages)
+
+
+def config(**kw: object) -> StorageConfig:
+    base = dict(
+        backend="memory",
+        op_timeout_s=0.05,
+        concurrency=2,
+        batch_pages=2,
+        queue_pages=8,
+        retries=0,
+        breaker_failures=10**6,  # keep calling: the bounds, not the breaker, are tested
+    )
+    return msgspec.convert({**base, **kw}, StorageConfig)
+
+
+def job(i: int, done: list[bool]) -> WriteJob:
+    return WriteJob(NS, i.to_bytes(16, "big"), memoryview(bytearray(64)), done.append)
+
+
+async def test_hung_calls_keep_their_slots_and_pages_in_flight_count(tmp_path: Path) -> None:
+    backend = GatedBackend(tmp_path)
+    d = Dispatcher(backend, config(), "gated")
+    await d.start()
+    done: list[bool] = []
+    accepted = sum(d.submit_write(job(i, done)) for i in range(30))
+    assert accepted == 8 and d.counters["write_dropped_full"] == 22
+    for _ in range(40):  # 16 timeouts' worth: hung calls must not let more calls in
+        await asyncio.sleep(0.02)
+        assert d.queued + d.writing <= 8
+        assert backend.calls <= 2
+    assert backend.peak == 2 and backend.started == 2  # no call beyond the slots
+    assert d.hung_calls == 2 and d.running == 2
+    assert d.counters["timeouts"] == 2 and d.counters["slot_timeouts"] == 2
+    # batches that found no slot failed and left the bound; the hung ones hold theirs
+    assert d.writing == 4 and done.count(False) == 4 and d.queued == 0
+    assert d.room == 4
+    backend.gate.set()  # the store answers at last
+    await asyncio.sleep(0.05)
+    assert d.hung_calls == 0 and d.running == 0 and d.writing == 0
+    assert done.count(True) == 4  # the late calls finished their pages
+    assert d.room == 8 and d.submit_write(job(200, done))
+    await d.stop(time.monotonic() + 1.0)
+    assert backend.records  # the last write went through before the stop
+
+
+async def test_a_cancelled_read_waits_for_its_call_no_longer_than_the_stop(
+    tmp_path: Path,
+) -> None:
+    backend = GatedBackend(tmp_path)
+    d = Dispatcher(backend, config(op_timeout_s=30.0), "gated")
+    await d.start()
+    reader = asyncio.ensure_future(d.get(NS, [PageRef(bytes(16), memoryview(bytearray(64)))]))
+    await asyncio.sleep(0.05)
+    assert d.running == 1
+    started = time.monotonic()
+    d.stop_by = started + 0.2
+    reader.cancel()
+    await asyncio.gather(reader, return_exceptions=True)
+    await d.stop(started + 0.2)
+    assert time.monotonic() - started < 1.0  # not op_timeout_s
+    assert d.running == 1 and d.hung_calls == 1  # still running: its slot stays taken
+    backend.gate.set()
+    await asyncio.sleep(0.01)
+    assert d.running == 0 and d.hung_calls == 0
+
+
+async def test_stop_drains_in_flight_writes_within_its_deadline(tmp_path: Path) -> None:
+    backend = GatedBackend(tmp_path)
+    d = Dispatcher(backend, config(op_timeout_s=5.0), "gated")
+    await d.start()
+    done: list[bool] = []
+    for i in range(6):
+        d.submit_write(job(i, done))
+    await asyncio.sleep(0.01)
+
+    async def open_gate() -> None:
+        await asyncio.sleep(0.2)
+        backend.gate.set()
+
+    opener = asyncio.ensure_future(open_gate())
+    started = time.monotonic()
+    await d.stop(started + 3.0)
+    await opener
+    assert time.monotonic() - started < 2.0
+    assert d.writing == 0 and d.queued == 0
+    assert done == [True] * 6 and d.counters["write_dropped_stop"] == 0
