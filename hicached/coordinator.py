@@ -6,27 +6,33 @@ sidecar pools: a sliding-window pool and a Mamba-style state pool) and calls
 collective (dist.Agreement):
 
 - MIN: the KV pages ready (L2 hit + verified prefetched pages), and each
-  sidecar pool's hit pages, in a fixed named order (``PoolSpec.name``);
+  sidecar pool's ready pages, in a fixed named order (``PoolSpec.name``);
 - MAX: must-not-terminate, terminated (report 004).
 
 A rank may end a prefetch only when its stop policy allows it AND every
-sidecar transfer is done; the prefetch ends when no rank must go on, or when
-any rank has already ended. Then every rank commits exactly the agreed KV
-length, and each sidecar all-or-nothing: a pool is committed only if every
-rank loaded all the pages it needs (a full window, the state), else it is
-released on every rank (report 001). A pool whose result is missing (the
-daemon said no, or errored) counts as 0 pages: handled, not a crash.
+sidecar transfer is done (a window pool's counts as done once it holds every
+page up to this rank's ready KV pages, all a decision can ask of it); the
+prefetch ends when no rank must go on, or as soon as any rank has already
+ended it: ``terminate()`` was called there, or its KV prefetch is gone (never
+started, or the daemon ended it). Then every rank commits exactly the agreed
+KV length L, and each sidecar all-or-nothing (report 001): a window pool is
+committed only if every rank holds the window that ends at L (the pool's
+pages before it come along, as the daemon's index keeps prefixes whole), a
+state pool only if every rank loaded the state; else the pool is released on
+every rank. A pool whose result is missing (the daemon said no, or errored)
+counts as 0 pages: handled, not a crash.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from hicached.client import Client, Namespace, Prefetch
+from hicached.client import Client, Fetch, Namespace
 from hicached.dist import Agreement, Fields, Topology
 from hicached.errors import HicachedError
 
@@ -57,7 +63,13 @@ class StopPolicy:
 class PoolSpec:
     """A sidecar pool: its agreement field name, this rank's namespace, and how
     many pages it must load to be usable (a window: ceil(window / page_tokens);
-    a state: 1). Sidecars are reduced in the order given, by name."""
+    a state: 1). Sidecars are reduced in the order given, by name.
+
+    A window pool is usable at the agreed length L when it holds the ``pages``
+    pages ending at L (all L of them when L is shorter): its prefetch reads
+    every page after its L2 hit, since the window's place is known only when
+    the KV length is agreed, and the daemon indexes a page only with its whole
+    prefix. A state pool loads ``pages`` pages after its L2 hit."""
 
     name: str
     ns: Namespace
@@ -86,9 +98,11 @@ class Decision:
 class _Running:
     tokens: int
     started: float
-    kv: Prefetch | None
-    sidecars: dict[str, Prefetch | None] = field(default_factory=dict)
+    kv: Fetch | None
+    sidecars: dict[str, Fetch | None] = field(default_factory=dict)
     steps: int = 0
+    ended: bool = False  # this rank ended it: every rank ends it at the next agreement
+    lost: set[str] = field(default_factory=set)  # pools ("kv" too) whose prefetch is gone
 
 
 class PrefetchCoordinator:
@@ -126,11 +140,22 @@ class PrefetchCoordinator:
             raise RuntimeError("a prefetch is already running: step() it to the end first")
         n_tokens = len(tokens)
         run = _Running(n_tokens, time.monotonic(), self._safe_prefetch(self.kv_ns, tokens, -1))
+        run.ended = run.kv is None  # nothing can be committed: no reason to wait for others
         for pool in self.sidecars:
-            run.sidecars[pool.name] = self._safe_prefetch(pool.ns, tokens, pool.pages)
+            # a window's place is known only once the KV length is agreed: read on
+            cap = -1 if pool.kind == "window" else pool.pages
+            run.sidecars[pool.name] = self._safe_prefetch(pool.ns, tokens, cap)
         self._run = run
 
-    def _safe_prefetch(self, ns: Namespace, tokens: Any, max_pages: int) -> Prefetch | None:
+    def terminate(self) -> None:
+        """End the running prefetch on this rank (the request was aborted here,
+        say): the next ``step()`` returns the Decision on every rank, all
+        committing the same agreed pages (what every rank holds by then)."""
+        if self._run is None:
+            raise RuntimeError("no prefetch is running: call start() first")
+        self._run.ended = True
+
+    def _safe_prefetch(self, ns: Namespace, tokens: Any, max_pages: int) -> Fetch | None:
         try:
             return self.client.prefetch(ns, tokens, max_pages=max_pages)
         except HicachedError as exc:
@@ -138,15 +163,20 @@ class PrefetchCoordinator:
             self.missing_results += 1
             return None
 
-    def _progress(self, pf: Prefetch | None) -> tuple[int, bool]:
-        """(pages ready in L2 for this pool, transfer done); a missing result is (0, done)."""
-        if pf is None:
+    def _progress(self, run: _Running, name: str, pf: Fetch | None) -> tuple[int, bool]:
+        """(pages ready in L2 for this pool, transfer done); a missing result is (0, done).
+
+        A prefetch whose progress cannot be read is treated as gone from then on
+        (its lease ended, or the daemon restarted): its pins cannot be trusted.
+        """
+        if pf is None or name in run.lost:
             return 0, True
         try:
             p = self.client.progress(pf)
         except HicachedError as exc:
-            log.warning("prefetch progress missing: %s", exc)
+            log.warning("prefetch progress in %s missing: %s", name, exc)
             self.missing_results += 1
+            run.lost.add(name)
             return 0, True
         return pf.l2_hits + p.completed, p.done
 
@@ -156,14 +186,20 @@ class PrefetchCoordinator:
         if run is None:
             raise RuntimeError("no prefetch is running: call start() first")
         run.steps += 1
-        kv_ready, kv_done = self._progress(run.kv)
+        kv_ready, kv_done = self._progress(run, "kv", run.kv)
+        if "kv" in run.lost:
+            run.ended = True  # the daemon ended it here: nothing more to wait for
         values: dict[str, int] = {"kv": kv_ready}
         sidecars_done = True
         for pool in self.sidecars:
-            pf = run.sidecars[pool.name]
-            ready, done = self._progress(pf)
-            # all or nothing: a pool reports its pages only once it has all it needs
-            values[pool.name] = pool.pages if ready >= pool.pages else 0
+            ready, done = self._progress(run, pool.name, run.sidecars[pool.name])
+            if pool.kind == "window":
+                # its leading pages: the window ending at the agreed length needs them all
+                values[pool.name] = ready
+                done = done or ready >= kv_ready  # holds all an agreed length can ask for
+            else:
+                # all or nothing: a pool reports its pages only once it has all it needs
+                values[pool.name] = pool.pages if ready >= pool.pages else 0
             sidecars_done &= done
         waited = time.monotonic() - run.started
         kind = self.policy.kind
@@ -176,7 +212,7 @@ class PrefetchCoordinator:
         # report 004: never end while a sidecar transfer (e.g. a Mamba state) is still running
         can_end = willing and sidecars_done
         values["must_not_terminate"] = 0 if can_end else 1
-        values["terminated"] = 0
+        values["terminated"] = int(run.ended)
         agreed = self.agreement.agree("prefetch.step", **values)
         if agreed["must_not_terminate"] and not agreed["terminated"]:
             return None
@@ -185,21 +221,35 @@ class PrefetchCoordinator:
     def _finish(self, run: _Running, agreed: dict[str, int], waited: float) -> Decision:
         self._run = None
         length = agreed["kv"]
-        if run.kv is not None:
-            self.client.commit(run.kv, pages=max(0, length - run.kv.l2_hits))
+        self._settle(run, "kv", run.kv, max(0, length - run.kv.l2_hits) if run.kv else None)
         committed = {}
         for pool in self.sidecars:
             pf = run.sidecars[pool.name]
-            keep = agreed[pool.name] >= pool.pages  # every rank has all of it
-            if pf is not None:
-                if keep:
-                    self.client.commit(pf, pages=max(0, pool.pages - pf.l2_hits))
-                else:
-                    self.client.cancel(pf)  # a partial window is released, never committed
+            if pool.kind == "window":
+                # every rank holds the window ending at the agreed length (and all before it)
+                keep = length > 0 and agreed[pool.name] >= length
+                end = length
+            else:
+                keep = agreed[pool.name] >= pool.pages  # every rank has all of it
+                end = pool.pages
+            # a partial window is released, never committed
+            self._settle(run, pool.name, pf, max(0, end - pf.l2_hits) if pf and keep else None)
             committed[pool.name] = keep
-        reason = "willing" if agreed["must_not_terminate"] == 0 else "ended by a rank"
+        reason = "ended by a rank" if agreed["terminated"] else "willing"
         l2 = min(length, run.kv.l2_hits) if run.kv is not None else 0
         return Decision(length, committed, run.steps, f"{self.policy.kind}: {reason}", waited, l2)
+
+    def _settle(self, run: _Running, name: str, pf: Fetch | None, pages: int | None) -> None:
+        """Commit ``pages`` of a prefetch, or release it (None)."""
+        if pf is None:
+            return
+        if name in run.lost:  # its lease is most likely gone already; release what may be left
+            with contextlib.suppress(HicachedError):
+                self.client.cancel(pf)
+        elif pages is None:
+            self.client.cancel(pf)
+        else:
+            self.client.commit(pf, pages=pages)
 
     def close(self) -> None:
         self.agreement.close()

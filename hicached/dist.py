@@ -25,6 +25,11 @@ views into one answer per step:
   different fingerprints; every rank raises RankMismatch naming them. A dead
   rank makes the others raise RankFailure at once; a stuck one within the
   group timeout.
+- CPU only: the packed tensor stays on the CPU, so every group it crosses
+  must reduce CPU tensors (gloo, or a group with a CPU backend beside its
+  CUDA one). A group that only has a CUDA backend is refused when the
+  Topology is built: a CUDA collective with a dead peer blocks a stream, not
+  this thread, so no timeout could turn it into an error here.
 """
 
 from __future__ import annotations
@@ -55,13 +60,36 @@ class RankMismatch(HicachedError):
     code = "rank_mismatch"
 
 
+def _cpu_capable(group: dist.ProcessGroup | None) -> tuple[bool, str]:
+    """(whether ``group`` (None: the default group) reduces CPU tensors, its backend)."""
+    config = str(dist.get_backend_config(group))
+    if ":" in config:  # "cpu:gloo,cuda:nccl"
+        devices = {part.split(":", 1)[0].strip() for part in config.split(",")}
+    else:  # a bare backend name
+        devices = set(dist.Backend.backend_capability.get(config.lower(), ()))
+    return "cpu" in devices, config
+
+
+def _require_cpu(group: dist.ProcessGroup | None, what: str) -> None:
+    ok, config = _cpu_capable(group)
+    if not ok:
+        raise RankFailure(
+            f"{what} has backend {config!r}, which cannot reduce CPU tensors; rank agreement "
+            "runs on the CPU so that a dead peer is an error within the timeout, not a hang: "
+            "pass a gloo group over the same ranks (an engine's CPU group, or "
+            "torch.distributed.new_group(ranks, backend='gloo'))"
+        )
+
+
 @dataclass
 class Topology:
     """This rank's place in one model instance, and the groups it syncs over.
 
     ``stage_group`` holds every rank of this PP stage (all TP x CP ranks);
     ``pp_prev``/``pp_next`` are the global ranks at the same TP/CP place in the
-    neighbouring stages (None at the ends).
+    neighbouring stages (None at the ends); the relay along PP sends over
+    ``relay_group`` (None: the default group). Every group used must reduce
+    CPU tensors: one that cannot raises RankFailure here (``check``).
     """
 
     rank: int
@@ -76,6 +104,20 @@ class Topology:
     pp_prev: int | None = None
     pp_next: int | None = None
     timeout: timedelta = timedelta(seconds=30)
+    relay_group: dist.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Refuse, before any collective, a group that cannot carry CPU tensors."""
+        if self.stage_group is not None:
+            _require_cpu(self.stage_group, "the stage (attention) group")
+        for group in self.stage_groups:
+            _require_cpu(group, "a TP or CP group")
+        if self.pp_size > 1:
+            what = "the PP relay group" if self.relay_group is not None else "the default group"
+            _require_cpu(self.relay_group, f"{what} (it carries the PP relay)")
 
     @property
     def stage_size(self) -> int:
@@ -87,6 +129,9 @@ class Topology:
 
         Rank layout: ``rank = pp_rank * (cp * tp) + cp_rank * tp + tp_rank``.
         Every rank must call this, in the same order as any other new_group.
+        The groups are gloo groups whatever the default backend is; with PP over
+        a default group that cannot carry CPU tensors (NCCL alone), a gloo group
+        over the whole world is made for the relay too.
         """
         if not dist.is_initialized():
             raise RankFailure("torch.distributed is not initialized")
@@ -100,12 +145,15 @@ class Topology:
         mine = None
         for s in range(pp):  # every rank creates every group, in the same order
             group = (
-                dist.new_group(list(range(s * stage, (s + 1) * stage)), timeout=td)
+                dist.new_group(list(range(s * stage, (s + 1) * stage)), timeout=td, backend="gloo")
                 if stage > 1
                 else None
             )
             if s == pp_rank:
                 mine = group
+        relay = None
+        if pp > 1 and not _cpu_capable(None)[0]:  # same answer on every rank: all create it
+            relay = dist.new_group(list(range(world)), timeout=td, backend="gloo")
         return cls(
             rank=rank,
             tp_rank=tp_rank,
@@ -118,6 +166,7 @@ class Topology:
             pp_prev=rank - stage if pp_rank > 0 else None,
             pp_next=rank + stage if pp_rank < pp - 1 else None,
             timeout=td,
+            relay_group=relay,
         )
 
     @classmethod
@@ -131,15 +180,24 @@ class Topology:
         pp_size: int = 1,
         pp_prev: int | None = None,
         pp_next: int | None = None,
+        pp_group: dist.ProcessGroup | None = None,
         timeout: float = 30.0,
     ) -> Topology:
         """Wrap an engine's own groups. ``attn_group`` (all TP x CP ranks of the
         stage) gives one collective; without it, every group of size > 1 is
-        reduced in turn."""
+        reduced in turn. ``pp_group`` (holding this rank and ``pp_prev`` /
+        ``pp_next``, which stay global ranks) carries the PP relay; None: the
+        default group. Every group must reduce CPU tensors (gloo): an NCCL-only
+        group raises RankFailure here, before any collective."""
         size = dist.get_world_size
         tp_size = size(tp_group) if tp_group is not None else 1
         cp_size = size(cp_group) if cp_group is not None else 1
         groups = [g for g in (tp_group, cp_group) if g is not None and size(g) > 1]
+        if attn_group is not None and size(attn_group) != tp_size * cp_size:
+            raise ValueError(
+                f"attn_group has {size(attn_group)} ranks, but tp x cp = {tp_size} x {cp_size}: "
+                "pass the TP and CP groups it is made of"
+            )
         return cls(
             rank=dist.get_rank(),
             tp_rank=dist.get_rank(tp_group) if tp_group is not None else 0,
@@ -153,6 +211,7 @@ class Topology:
             pp_prev=pp_prev,
             pp_next=pp_next,
             timeout=timedelta(seconds=timeout),
+            relay_group=pp_group,
         )
 
 
@@ -292,13 +351,13 @@ class Agreement:
         return self._first_stage() + (self.topo.pp_size - 1) * self.topo.stage_size
 
     def _send(self, values: list[int], dst: int) -> None:
-        work = dist.isend(torch.tensor(values, dtype=torch.int64), dst)
+        work = dist.isend(torch.tensor(values, dtype=torch.int64), dst, group=self.topo.relay_group)
         assert work is not None, "isend returns a handle for a peer rank"
         self.pending.append(work)
 
     def _recv(self, src: int, width: int) -> list[int]:
         buf = torch.empty(width, dtype=torch.int64)
-        work = dist.irecv(buf, src)
+        work = dist.irecv(buf, src, group=self.topo.relay_group)
         assert work is not None, "irecv returns a handle for a peer rank"
         if not work.wait(self.topo.timeout):
             raise RankFailure(

@@ -4,7 +4,9 @@ A test and benchmark harness: ``launch(fn, tp=, cp=, pp=)`` starts
 tp x cp x pp processes, initializes torch.distributed over loopback,
 builds each rank's Topology and calls ``fn(topology, *args)`` there; it
 returns every rank's result in rank order, or raises if any rank failed or
-the whole run outlived its deadline (stragglers are killed).
+the whole run outlived its deadline (stragglers are killed). ``backend``
+names the default group's backend (gloo unless a test asks for another that
+the module of ``fn`` registers when it is imported).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def _rank_main(
     port: int,
     timeout: float,
     out: Any,
+    backend: str = "gloo",
 ) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
@@ -43,7 +46,7 @@ def _rank_main(
             "127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=timeout)
         )
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout)
+            backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout)
         )
         topo = Topology.create(tp, cp, pp, timeout=timeout)
         out.put((rank, "ready", None))
@@ -77,11 +80,13 @@ def launch(
     timeout: float = 20.0,
     deadline: float = 120.0,
     kill: dict[int, float] | None = None,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn(topology, *args)`` on every rank; results in rank order.
 
     ``kill`` maps ranks to seconds after every rank is ready at which the
-    harness SIGKILLs them (fault injection: a rank dying mid-run).
+    harness SIGKILLs them (fault injection: a rank dying mid-run). ``backend``
+    is the default group's backend.
     """
     import torch.distributed as dist
 
@@ -92,7 +97,7 @@ def launch(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, args, r, (tp, cp, pp), store.port, timeout, out),
+            args=(fn, args, r, (tp, cp, pp), store.port, timeout, out, backend),
             daemon=True,
         )
         for r in range(world)

@@ -73,6 +73,7 @@ def sleep_then_agree(topo: Topology) -> str:
 PAGE_TOKENS = 16
 PAGES = 12
 WINDOW_TOKENS = 32  # two pages
+WINDOW_PAGES = 2
 
 
 def spec_fields(topo_like: Any, pool: str) -> dict[str, Any]:
@@ -99,8 +100,14 @@ def coordinated_prefetch(
     endpoint: str,
     policy: dict[str, Any],
     die_at_step: tuple[int, int] | None = None,
+    end_at: tuple[int, int, str] | None = None,
 ) -> dict[str, Any]:
-    """``die_at_step = (rank, step)``: that rank SIGKILLs itself mid-prefetch."""
+    """``die_at_step = (rank, step)``: that rank SIGKILLs itself mid-prefetch.
+
+    ``end_at = (rank, pages, how)``: once that rank's KV prefetch has read
+    ``pages`` pages, it ends the prefetch there: ``"terminate"`` through the
+    coordinator, ``"cancel"`` by cancelling its daemon prefetch behind the
+    coordinator's back (as if the daemon had ended it)."""
     import numpy as np
     import torch.distributed as dist
 
@@ -135,8 +142,17 @@ def coordinated_prefetch(
     )
     coordinator.start(toks)
     decision = None
+    ended_after = None  # steps this rank had taken when it ended the prefetch
     while decision is None:
         run = coordinator._run
+        if end_at is not None and end_at[0] == topo.rank and run and ended_after is None:
+            assert run.kv is not None
+            if client.progress(run.kv).completed >= end_at[1]:
+                if end_at[2] == "terminate":
+                    coordinator.terminate()
+                else:
+                    client.cancel(run.kv)
+                ended_after = run.steps
         if (
             die_at_step is not None
             and die_at_step[0] == topo.rank
@@ -152,13 +168,20 @@ def coordinated_prefetch(
     length = decision.kv_pages
     hit = client.match(pools["kv"], toks)
     assert hit.hits >= length, "the agreed pages are not all in L2"
-    got = client.read_pages(pools["kv"], hit.offsets[:length])
+    got = client.read_pages(hit.select(range(length)))
     assert np.array_equal(got, data["kv"][:length]), "wrong bytes in an agreed page"
     client.release(hit)
     in_l2 = {}
     for name in ("swa", "state"):
         side = client.match(pools[name], toks, lease=False)
         in_l2[name] = side.hits
+    if decision.sidecars["swa"]:  # the window that ends at the agreed length, byte for byte
+        side = client.match(pools["swa"], toks)
+        window = range(max(0, length - WINDOW_PAGES), length)
+        assert side.hits >= length, "the agreed window is not all in L2"
+        got = client.read_pages(side.select(window))
+        assert np.array_equal(got, data["swa"][window.start : window.stop]), "wrong window"
+        client.release(side)
     coordinator.close()
     dist.barrier()
     client.close()
@@ -169,6 +192,8 @@ def coordinated_prefetch(
         "waited": decision.waited_s,
         "in_l2": in_l2,
         "missing": coordinator.missing_results,
+        "reason": decision.reason,
+        "ended_after": ended_after,
     }
 
 
@@ -187,3 +212,16 @@ def engine_groups(topo: Topology) -> dict[str, int]:
     out = agreement.agree("engine", pages=10 + topo.rank, busy=int(topo.rank == 3))
     agreement.close()
     return {**out, "collectives": agreement.collectives}
+
+
+def inconsistent_attn_group(topo: Topology) -> str:
+    """An attention group over both TP ranks, but no TP group: refused, as the PP
+    ring's ends are found from tp x cp."""
+    import torch.distributed as dist
+
+    stage = dist.new_group([0, 1], backend="gloo")
+    try:
+        Topology.from_groups(tp_group=None, attn_group=stage)
+    except ValueError as exc:
+        return str(exc)
+    return "accepted"

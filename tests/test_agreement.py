@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hicached.ranks import RankError, launch
-from tests import rankfns
+from tests import cudaonly, rankfns
 from tests.support import LAYOUTS
 
 
@@ -58,3 +58,36 @@ def test_an_engines_own_tp_and_cp_groups_are_both_reduced() -> None:
     results = launch(rankfns.engine_groups, tp=2, cp=2, timeout=15)
     # rank 0 holds the minimum, rank 3 the flag: only reducing over TP *and* CP reaches both
     assert all(r == {"pages": 10, "busy": 1, "collectives": 2} for r in results), results
+
+
+def test_an_attention_group_that_is_not_tp_x_cp_is_refused() -> None:
+    results = launch(rankfns.inconsistent_attn_group, tp=2, timeout=15)
+    assert all("attn_group has 2 ranks, but tp x cp = 1 x 1" in r for r in results), results
+
+
+# No GPU here, so no NCCL group can be made: tests/cudaonly.py registers a backend
+# that declares CUDA as its only device, as NCCL does, which is all the check reads.
+
+REFUSED = "has backend 'cuda:cudaonly', which cannot reduce CPU tensors"
+
+
+def test_a_cuda_only_engine_group_is_refused_up_front_and_a_mixed_one_works() -> None:
+    results = launch(cudaonly.engine_groups, tp=2, timeout=15)
+    for r in results:
+        assert r["attn"].startswith("the stage (attention) group " + REFUSED), r["attn"]
+        assert r["tp"].startswith("a TP or CP group " + REFUSED), r["tp"]
+        assert "backend='gloo'" in r["attn"]  # says what to pass instead
+        assert r["mixed"] == {"pages": 10, "busy": 1}  # cpu:gloo,cuda:... carries CPU tensors
+
+
+def test_under_a_cuda_only_default_group_the_relay_goes_over_gloo() -> None:
+    results = launch(
+        cudaonly.cuda_only_default, tp=2, pp=2, timeout=15, deadline=90, backend=cudaonly.NAME
+    )
+    for r in results:
+        assert r["default_backend"] == "cuda:cudaonly"
+        # Topology.create made its own gloo groups, and a gloo relay group for PP
+        assert r["has_relay_group"] and r["created"] == {"pages": 10, "busy": 1}
+        assert r["stage_group"].startswith("the stage (attention) group " + REFUSED)
+        assert r["no_relay_group"].startswith("the default group (it carries the PP relay) ")
+        assert r["with_relay_group"] == {"pages": 10, "busy": 1}

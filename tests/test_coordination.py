@@ -60,7 +60,7 @@ def test_slow_and_failing_ranks_commit_the_same_length(
 
 
 def test_a_partial_window_is_released_on_every_rank(daemon_factory: Callable[..., Daemon]) -> None:
-    d = faulty_daemon(daemon_factory, readable={digest(TP2[1], "swa"): 1})  # 1 of 2 window pages
+    d = faulty_daemon(daemon_factory, readable={digest(TP2[1], "swa"): 1})  # rank 1 reads 1 page
     results = run(d, {"kind": "wait_complete"}, tp=2)
     assert [r["kv"] for r in results] == [rankfns.PAGES] * 2
     for r in results:
@@ -108,6 +108,94 @@ def test_pipeline_stages_commit_the_same_length(
     d = faulty_daemon(daemon_factory, readable={digest(last, "kv"): 7})
     results = run(d, {"kind": "wait_complete"}, **layout)
     assert {r["kv"] for r in results} == {7}
+    assert all(r["sidecars"]["swa"] and r["in_l2"]["swa"] == 7 for r in results)
+
+
+@pytest.mark.parametrize("cut", [None, 7], ids=["whole", "cut_at_7"])
+def test_a_window_pool_holds_the_window_that_ends_at_the_agreed_length(
+    daemon_factory: Callable[..., Daemon], cut: int | None
+) -> None:
+    """Report 001: the window is the ``WINDOW_PAGES`` pages that end at the agreed
+    length (checked byte for byte on every rank), not the first pages after the
+    pool's L2 hit; the pages before it come along, as the index keeps prefixes."""
+    readable = {digest(TP2[1], "kv"): cut} if cut else {}  # rank 1's KV fails after `cut`
+    d = faulty_daemon(daemon_factory, readable=readable)
+    results = run(d, {"kind": "wait_complete"}, tp=2)
+    length = cut or rankfns.PAGES
+    for r in results:
+        assert r["kv"] == length
+        assert r["sidecars"] == {"swa": True, "state": True}
+        assert r["in_l2"]["swa"] == length, "the window does not end at the agreed length"
+
+
+def test_a_window_short_of_the_agreed_length_is_released_on_every_rank(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """Rank 1 loads every window page but the last one before the agreed length:
+    a partial window, released everywhere (the first two pages were all there)."""
+    d = faulty_daemon(daemon_factory, readable={digest(TP2[1], "swa"): rankfns.PAGES - 1})
+    results = run(d, {"kind": "wait_complete"}, tp=2)
+    for r in results:
+        assert r["kv"] == rankfns.PAGES
+        assert r["sidecars"] == {"swa": False, "state": True}
+        assert r["in_l2"]["swa"] == 0, "a partial window was committed"
+
+
+def test_a_slow_window_holds_the_end_only_until_it_covers_the_kv(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """Report 004 still holds (no end while a pool lacks pages a decision needs),
+    but a window pool that already holds every page up to the KV length does not
+    keep everyone waiting for the rest of its read."""
+    d = faulty_daemon(
+        daemon_factory,
+        delays={digest(c, "swa"): 0.2 for c in TP2},  # 2 pages per 0.2 s: 1.2 s for all 12
+        readable={digest(c, "kv"): 4 for c in TP2},  # the KV stops at 4 pages, at once
+    )
+    results = run(d, {"kind": "wait_complete"}, tp=2)
+    for r in results:
+        assert r["kv"] == 4 and r["sidecars"]["swa"] and r["in_l2"]["swa"] == 4
+        assert 0.35 <= r["waited"] < 1.0, r["waited"]  # the window's 4 pages: ~0.4 s
+
+
+@pytest.mark.parametrize("how", ["terminate", "cancel"])
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, pp=2)], ids=["tp2", "tp2xpp2"])
+def test_a_rank_that_ends_its_prefetch_ends_it_on_every_rank_in_the_same_step(
+    daemon_factory: Callable[..., Daemon], layout: dict[str, int], how: str
+) -> None:
+    """Report 004's MAX of ``terminated``: the last rank (with PP, on the last
+    stage) ends its prefetch once it has read 4 pages, while it is still
+    loading and every other rank waits for it (wait_complete). Every rank ends
+    in the same step, the next one (with PP one more: the last stage's word
+    reaches stage 0 a step late), and commits the same length: what the ender
+    held (``terminate``), or nothing when its daemon prefetch is gone
+    (``cancel``)."""
+    tp, pp = 2, layout.get("pp", 1)
+    ender = tp * pp - 1
+    slow = {digest((tp - 1, tp, pp - 1, pp), "kv"): 0.1}  # 2 pages per 0.1 s: 0.6 s for all
+    d = faulty_daemon(daemon_factory, delays=slow)
+    results = launch(
+        rankfns.coordinated_prefetch,
+        d.endpoint,
+        {"kind": "wait_complete"},
+        None,
+        (ender, 4, how),
+        **layout,
+        timeout=20,
+        deadline=120,
+    )
+    ended_after = results[ender]["ended_after"]
+    assert ended_after is not None
+    assert [r["steps"] for r in results] == [ended_after + pp] * (tp * pp)
+    assert all(r["reason"] == "wait_complete: ended by a rank" for r in results)
+    lengths = {r["kv"] for r in results}
+    assert len(lengths) == 1, results
+    length = lengths.pop()
+    if how == "terminate":
+        assert 4 <= length < rankfns.PAGES  # wait_complete alone would have loaded all 12
+    else:
+        assert length == 0  # the ender's pages went with its prefetch
+        assert all(r["missing"] == (1 if i == ender else 0) for i, r in enumerate(results))
 
 
 def test_a_rank_killed_mid_prefetch_makes_the_others_raise(
