@@ -48,7 +48,7 @@ from hicached.errors import (
     UnknownLease,
     VersionMismatch,
 )
-from hicached.handles import Fetch, FetchProgress, Hit, Namespace, Reservation
+from hicached.handles import Fetch, FetchProgress, Hit, LeaseState, Namespace, Reservation
 from hicached.hashing import pack_tokens
 from hicached.mapping import PoolMapping, cuda_tensor, lease_margin
 from hicached.namespace import NamespaceSpec
@@ -66,6 +66,9 @@ __all__ = [
 ]
 
 R = TypeVar("R", bound=p.Reply)
+# Tries of a request whose session the daemon forgot (restart, or a full session
+# table that made room): each says hello again first.
+_SESSION_TRIES = 3
 Exchange = Generator[p.Request, p.AnyReply, Any]
 
 
@@ -128,12 +131,12 @@ class _Core:
         self, make: Callable[[], p.Request], expect: type[R]
     ) -> Generator[p.Request, p.AnyReply, R]:
         """Send ``make()``; re-hello and retry once if the daemon forgot this client."""
-        for attempt in range(2):
+        for attempt in range(_SESSION_TRIES):
             if self._hello is None:
                 yield from self._handshake()
             reply = yield make()
             if isinstance(reply, p.Error):
-                if reply.code == SessionLost.code and attempt == 0:
+                if reply.code == SessionLost.code and attempt < _SESSION_TRIES - 1:
                     self._hello = None
                     continue
                 raise reply.to_exception()
@@ -214,13 +217,14 @@ class _Core:
             ok.offsets,
             ok.pool_full,
             self._instance,
-            self._deadline(sent),
+            LeaseState(self._deadline(sent)),
             self._gens(ok.offsets),
         )
 
     def _commit(self, res: Reservation | Fetch, pages: int | None) -> Exchange:
         if isinstance(res, Reservation):
-            res.closed = True
+            _own(res, "commit")
+            res.state.closed = True
         if not res.lease:
             return p.CommitOk(id=0, published=0, duplicates=0)
         if res.instance != self._instance:
@@ -247,7 +251,7 @@ class _Core:
             ok.lease,
             self._instance,
             ok.l3_hits,
-            self._deadline(sent),
+            LeaseState(self._deadline(sent)),
             self._gens(ok.offsets),
         )
 
@@ -256,7 +260,7 @@ class _Core:
             raise UnknownLease("this handle holds no open lease to renew")
         sent = time.monotonic()
         ok = yield from self._exchange(lambda: p.Renew(id=0, lease=handle.lease), p.RenewOk)
-        handle.deadline = sent + ok.ttl_s - self._margin
+        handle.state.deadline = sent + ok.ttl_s - self._margin  # for every view of it too
         return None
 
     def _prefetch(self, ns: Namespace, tokens: Any, max_pages: int) -> Exchange:
@@ -275,6 +279,8 @@ class _Core:
         return FetchProgress(ok.planned, ok.completed, ok.done, ok.failed)
 
     def _release(self, handle: Reservation | Hit | Fetch) -> Exchange:
+        if not isinstance(handle, Fetch):
+            _own(handle, "release")
         ours = True
         try:
             if handle.lease and handle.instance == self._instance:
@@ -285,7 +291,7 @@ class _Core:
             raise
         finally:
             if ours and not isinstance(handle, Fetch):
-                handle.closed = True  # ended here, or already ended before
+                handle.state.closed = True  # ended here, or already ended before
         return None
 
     def _stats(self) -> Exchange:
@@ -379,6 +385,12 @@ class _Core:
         if self._mapping is not None:
             mapping, self._mapping = self._mapping, None
             mapping.close()
+
+
+def _own(handle: Reservation | Hit, what: str) -> None:
+    """Views made by select() copy; only the handle the daemon gave ends its lease."""
+    if handle.view:
+        raise BadRequest(f"{what} the handle the daemon gave, not a view made by select()")
 
 
 def _run(gen: Exchange, roundtrip: Callable[[p.Request], p.AnyReply]) -> Any:
@@ -538,7 +550,8 @@ class Client(_Core):
 
 
 class AsyncClient(_Core):
-    """asyncio client; many requests may be in flight at once."""
+    """asyncio client; many requests may be in flight at once (``max_in_flight``;
+    more wait in the client, as the daemon keeps a bounded number of replies)."""
 
     def __init__(
         self,
@@ -549,8 +562,11 @@ class AsyncClient(_Core):
         curve: CurveKeys | None = None,
         map_pool: bool = True,
         connect_timeout: float = 0.5,
+        max_in_flight: int = 64,
     ) -> None:
         super().__init__(endpoint, timeout, name, curve, map_pool, connect_timeout)
+        self.max_in_flight = max_in_flight  # requests awaiting replies; more wait here
+        self._slots: asyncio.Semaphore | None = None
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._configure(self._sock)
@@ -598,6 +614,13 @@ class AsyncClient(_Core):
                 future.set_result(reply)
 
     async def _roundtrip(self, request: p.Request, timeout: float | None = None) -> p.AnyReply:
+        # The daemon holds a bounded number of replies per client: never ask for more.
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_in_flight)
+        async with self._slots:
+            return await self._roundtrip_now(request, timeout)
+
+    async def _roundtrip_now(self, request: p.Request, timeout: float | None) -> p.AnyReply:
         loop = asyncio.get_running_loop()
         if self._reader is None or self._reader.done():  # first call, or the reader failed
             if self._reader is not None:

@@ -45,10 +45,20 @@ class Namespace:
 
 
 @dataclass(slots=True, eq=False)
+class LeaseState:
+    """What every handle on one lease shares: its deadline on this client's
+    monotonic clock (copies stop there; ``renew`` moves it) and whether it has
+    ended here (committed, aborted, released)."""
+
+    deadline: float = float("inf")
+    closed: bool = False
+
+
+@dataclass(slots=True, eq=False)
 class Reservation:
     """Slots to fill for pages ``present .. present + len(offsets)`` of a sequence.
 
-    Write with ``Client.write_pages(res, pages)`` before ``deadline`` (renew
+    Write with ``Client.write_pages(res, pages)`` before its deadline (renew
     the lease for long copies), then ``commit``.
     """
 
@@ -58,12 +68,21 @@ class Reservation:
     offsets: list[int]
     pool_full: bool
     instance: int
-    deadline: float = float("inf")  # time.monotonic() after which copies are refused
+    state: LeaseState = field(default_factory=LeaseState)
     gens: np.ndarray = field(default_factory=_no_gens, repr=False)
-    closed: bool = False  # committed or aborted: copies are refused
+    view: bool = False  # made by select(): copies only, the lease is its parent's
+
+    @property
+    def deadline(self) -> float:
+        return self.state.deadline
+
+    @property
+    def closed(self) -> bool:
+        return self.state.closed
 
     def select(self, pages: Sequence[int]) -> Reservation:
-        """A handle on some of this one's slots, in the given order (for copies)."""
+        """A view on some of this reservation's slots, in the given order, for
+        copies; it shares the lease (its deadline, its end) with this one."""
         return _select(self, pages)
 
 
@@ -72,7 +91,7 @@ class Hit:
     """The leading ``hits`` pages of a sequence, in ``offsets``, under ``lease``;
     ``l3_hits`` more pages are known to be in L3.
 
-    Read with ``Client.read_pages(hit)`` before ``deadline``, then ``release``.
+    Read with ``Client.read_pages(hit)`` before its deadline, then ``release``.
     A hit without a lease (``match(..., lease=False)``) only counts pages.
     """
 
@@ -82,12 +101,21 @@ class Hit:
     lease: int
     instance: int
     l3_hits: int = 0
-    deadline: float = float("inf")
+    state: LeaseState = field(default_factory=LeaseState)
     gens: np.ndarray = field(default_factory=_no_gens, repr=False)
-    closed: bool = False
+    view: bool = False
+
+    @property
+    def deadline(self) -> float:
+        return self.state.deadline
+
+    @property
+    def closed(self) -> bool:
+        return self.state.closed
 
     def select(self, pages: Sequence[int]) -> Hit:
-        """A handle on some of this hit's pages, in the given order (for copies)."""
+        """A view on some of this hit's pages, in the given order, for copies;
+        it shares the lease (its deadline, its end) with this one."""
         return _select(self, pages)
 
 
@@ -97,7 +125,7 @@ def _select(handle: H, pages: Sequence[int]) -> H:
     if any(not 0 <= i < len(offsets) for i in idx):
         raise IndexError(f"pages must be in 0..{len(offsets) - 1}")
     gens = handle.gens[idx] if len(handle.gens) else handle.gens
-    return replace(handle, offsets=[offsets[i] for i in idx], gens=gens)
+    return replace(handle, offsets=[offsets[i] for i in idx], gens=gens, view=True)
 
 
 @dataclass(slots=True, eq=False)

@@ -206,6 +206,31 @@ class PageIndex:
         self.pages -= len(out)
         return out
 
+    def drop_owner(self, owner: int, pins: Mapping[int, int]) -> list[tuple[bytes, int, int]]:
+        """Remove every page of namespace ``owner`` that no pin holds (a namespace's
+        pages form whole subtrees under the root: its digest seeds every key).
+
+        Returns their (key, slot, owner), deepest first; the caller frees the slots.
+        """
+        out: list[tuple[bytes, int, int]] = []
+        for first, top in list(self.root.children.items()):
+            if top.owner != owner:
+                continue
+            subtree = [top]
+            for node in subtree:  # grows while it is walked: breadth first
+                subtree.extend(node.children.values())
+            if any(slot in pins for node in subtree for slot in node.slots):
+                continue  # a lease holds part of it: it stays, whole
+            for node in reversed(subtree):
+                for key, slot in zip(reversed(node.keys), reversed(node.slots), strict=True):
+                    del self.node_of[slot]
+                    out.append((key, slot, owner))
+                node.alive = False
+                node.parent = None
+            del self.root.children[first]
+        self.pages -= len(out)
+        return out
+
     def _remove(self, node: Node, first: bytes) -> None:
         parent = node.parent
         assert parent is not None, "the root is never removed"

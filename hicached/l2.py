@@ -3,12 +3,14 @@ slots on their way back.
 
 Synchronous and free of I/O. The pool (pool.py) hands out slots; the page
 indexes (index.py, one per page size, on one shared recency clock) say which
-pages to evict. This module decides how many: an allocation evicts only as
-many pages as it still needs, counting the slots already on their way back
-(evicted pages whose write-back to L3 is in flight, and quarantined slots of
-expired write leases). When nothing more can be freed now it stops short,
-and the caller answers ``pool_full``; it never empties the index to serve
-one request.
+pages to evict. This module decides how many: an allocation evicts at most
+as many pages as it asked slots for. An evicted page that keeps its slot for
+a while (its write-back to L3 is in flight) counts against that budget, so
+the request stops short and the caller answers ``pool_full``; it never
+empties the index to serve one request. Slots on their way back (write-backs
+in flight, quarantined slots of expired write leases) are not counted as
+coming back: a hung L3 store or a long quarantine must not starve L2, and
+the write queue's bound (storage.queue_pages) caps what write-backs hold.
 
 What happens to an evicted page (freed at once, or held for a write-back) is
 the cache's policy: it is handed to ``on_evict``, which frees each slot or
@@ -99,6 +101,7 @@ class L2:
         """
         pool = self.pool
         out: list[int] = []
+        budget = count  # pages this request may evict of its own size
         reclaim = True  # give up taking slabs once an attempt frees none
         while len(out) < count:
             slot = pool.alloc(page_bytes)
@@ -109,13 +112,13 @@ class L2:
             if other is not None:
                 reclaim = self._reclaim_slab(other)
                 continue
-            # slots already on their way back will serve the next request
-            want = count - len(out) - self.returning.get(page_bytes, 0)
+            want = min(budget, count - len(out))
             if want <= 0:
                 break
             victims = index.evict(want, pool.pins)
             if not victims:
                 break
+            budget -= len(victims)
             self._evicted(victims)
         return out
 

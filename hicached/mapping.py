@@ -36,15 +36,29 @@ def cuda_tensor(obj: object) -> bool:
     return type(obj).__module__.startswith("torch") and bool(getattr(obj, "is_cuda", False))
 
 
-def _bytes_view(data: Any, pages: int, page_bytes: int) -> np.ndarray:
+def _source(data: Any, pages: int, page_bytes: int) -> np.ndarray:
     """``data`` (a numpy array or a CPU torch tensor of any dtype) as (pages,
-    page_bytes) bytes, sharing its memory."""
+    page_bytes) bytes; a copy if it is not contiguous."""
     if type(data).__module__.startswith("torch"):
         data = data.detach().contiguous().view(-1).view(sys.modules["torch"].uint8).numpy()
-    view = np.asarray(data).reshape(pages, -1).view(np.uint8)
+    view = np.ascontiguousarray(data).reshape(pages, -1).view(np.uint8)
     if view.shape[1] != page_bytes:
         raise ValueError(f"each page must be {page_bytes} bytes, got {view.shape[1]}")
     return view
+
+
+def _destination(out: Any, pages: int, page_bytes: int) -> np.ndarray:
+    """``out`` as (pages, page_bytes) bytes sharing its memory, never a copy (a
+    copy would leave ``out`` as it was)."""
+    if type(out).__module__.startswith("torch"):
+        if not out.is_contiguous():
+            raise ValueError("out must be a contiguous tensor")
+        out = out.detach().view(-1).view(sys.modules["torch"].uint8).numpy()
+    if not isinstance(out, np.ndarray) or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError("out must be a writable, C-contiguous array")
+    if out.nbytes != pages * page_bytes:
+        raise ValueError(f"out must hold {pages} pages of {page_bytes} bytes, not {out.nbytes}")
+    return out.reshape(-1).view(np.uint8).reshape(pages, page_bytes)
 
 
 def lease_margin(ttl_s: float) -> float:
@@ -96,22 +110,27 @@ class PoolMapping:
 
     def write(self, res: Reservation, data: Any) -> None:
         """Copy ``data`` (one page per slot of ``res``) into its slots."""
-        self._fence(res, "reservation")
+        if not isinstance(res, Reservation):
+            raise BadRequest("write_pages takes a Reservation (from reserve), not a Hit")
         offsets = res.offsets
         if not offsets:
+            self._fence(res, "reservation")
             return
         ns = res.ns
+        on_gpu = cuda_tensor(data)
+        # the source is ready before the fences: nothing slow runs between them and the copy
+        src = data if on_gpu else _source(data, len(offsets), ns.page_bytes)
+        self._fence(res, "reservation")
         idx = self._row_index(ns, offsets)
         gidx = np.asarray(offsets, dtype=np.int64) // self.granule
         if self._moved(res, gidx) >= 0:
             raise StaleHandle("a slot of this reservation changed owner: reserve again")
         rows = self.arena.rows(ns.page_bytes)
-        if cuda_tensor(data):
+        if on_gpu:
             from hicached import cuda
 
             cuda.copy(rows, idx, data, to_pool=True, mapped=self._mapped)
         else:
-            src = _bytes_view(data, len(offsets), ns.page_bytes)
             if len(idx) == 1:
                 rows[idx[0]] = src[0]
             elif np.all(np.diff(idx) == 1):
@@ -128,6 +147,8 @@ class PoolMapping:
 
     def read(self, hit: Hit, out: Any = None) -> Any:
         """Copy the slots of ``hit`` into ``out`` (n, page_bytes), in one call."""
+        if not isinstance(hit, Hit):
+            raise BadRequest("read_pages takes a Hit (from a leased match), not a Reservation")
         self._fence(hit, "hit")
         if not hit.lease and hit.offsets:
             raise BadRequest("this hit holds no lease: match with lease=True to copy its pages")
@@ -148,10 +169,10 @@ class PoolMapping:
         else:
             if out is None:
                 out = np.empty((len(idx), ns.page_bytes), dtype=np.uint8)
-            dst = _bytes_view(out, len(idx), ns.page_bytes)
+            dst = _destination(out, len(idx), ns.page_bytes)
             if np.all(np.diff(idx) == 1):
                 dst[...] = rows[idx[0] : idx[-1] + 1]
-            elif "torch" in sys.modules and dst.flags.c_contiguous:
+            elif "torch" in sys.modules:
                 # glibc's memcpy of single pages out of 4 KiB-page shared memory can
                 # run at a fraction of memory speed; torch's copy kernel does not
                 torch = sys.modules["torch"]

@@ -83,8 +83,10 @@ def test_namespaces_are_reclaimed_when_nobody_uses_them(
     with d.client() as c:
         assert c.stats().namespaces == 1  # the last one, kept by its pages
         c.register(**{**NS, "model": "test/another"})
+        c.register(**{**NS, "model": "test/and-another"})  # the unused one makes way
+        assert c.stats().namespaces == 2
         with pytest.raises(hicached.HicachedError, match="max_namespaces"):
-            c.register(**{**NS, "model": "test/one-too-many"})
+            c.register(**{**NS, "model": "test/one-too-many"})  # both are in use
 
 
 def test_a_call_to_a_stopped_daemon_fails_at_once(daemon: Daemon) -> None:
@@ -161,3 +163,82 @@ def test_queued_requests_are_bounded_in_bytes(daemon_factory: Callable[..., Daem
     finally:
         sock.close()
         ctx.term()
+
+
+def test_pages_of_departed_clients_never_lock_out_a_new_namespace(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    d = daemon_factory(size_mib=4, extra="")
+    d.stop()
+    d.config.write_text(d.config.read_text().replace("[pool]\n", "[pool]\nmax_namespaces = 2\n"))
+    d.start()
+    toks = np.arange(4 * PAGE_TOKENS, dtype=np.uint32)
+    for i in range(6):  # each leaves its pages behind in a pool with room to spare
+        with d.client() as c:
+            ns = c.register(**{**NS, "model": f"test/gone-{i}"})
+            assert c.store(ns, toks, page_bytes_for(toks)).published == 4
+    with d.client() as c:
+        stats = c.stats()
+        assert stats.namespaces <= 2 and stats.pages <= 8  # the oldest made way
+        ns = c.register(**{**NS, "model": "test/newest"})
+        assert c.store(ns, toks, page_bytes_for(toks)).published == 4
+
+
+async def test_an_async_burst_larger_than_the_reply_queue_loses_nothing(daemon: Daemon) -> None:
+    async with hicached.AsyncClient(daemon.endpoint, timeout=30.0) as c:
+        ns = await c.register(**NS)
+        toks = np.arange(4 * PAGE_TOKENS, dtype=np.uint32)
+        await c.store(ns, toks, page_bytes_for(toks))
+        hits = await asyncio.gather(*(c.match(ns, toks) for _ in range(3000)))
+        assert all(hit.hits == 4 for hit in hits)
+        await asyncio.gather(*(c.release(hit) for hit in hits))
+        stats = await c.stats()
+        assert stats.leases == 0 and stats.dropped.get("send_full", 0) == 0
+
+
+def test_replies_a_client_never_reads_are_bounded_and_release_their_leases(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    d = daemon_factory(size_mib=64)
+    assert d.proc is not None
+    pid = d.proc.pid
+    with d.client() as c:
+        ns = c.register(**NS)
+        toks = np.arange(16000 * PAGE_TOKENS, dtype=np.uint32)  # 16,000 pages: long replies
+        c.store(ns, toks, np.zeros((16000, 4096), dtype=np.uint8))
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 1)  # this client reads nothing back
+    sock.connect(d.endpoint)
+    try:
+        sock.send(p.encode(p.Hello(id=1, major=p.PROTOCOL_MAJOR, minor=p.PROTOCOL_MINOR)))
+        assert sock.poll(5000)
+        sock.recv()
+        sock.send(p.encode(p.RegisterNamespace(id=2, spec=p.NamespaceSpec(**NS))))  # type: ignore[arg-type]
+        assert sock.poll(5000)
+        ok = p.reply_decoder.decode(sock.recv())
+        assert isinstance(ok, p.NamespaceOk)
+        base = _rss_kib(pid)
+        packed = toks.tobytes()
+        sock.setsockopt(zmq.SNDTIMEO, 2000)
+        sent = 0
+        for i in range(3000):
+            try:
+                sock.send(p.encode(p.Match(id=10 + i, ns=ok.ns, tokens=packed)))
+            except zmq.Again:
+                break  # the daemon reads this client no further: backpressure
+            sent += 1
+        time.sleep(2.0)
+        grew_mib = (_rss_kib(pid) - base) / 1024
+    finally:
+        sock.close()
+        ctx.term()
+    with d.client() as c:
+        deadline = time.monotonic() + 10
+        while (stats := c.stats()).dropped.get("send_full", 0) == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert sent > 1000 and stats.dropped.get("send_full", 0) > 0
+        # the leases of replies that could not be sent ended with them
+        assert stats.leases <= sent - stats.dropped["send_full"]
+    assert grew_mib < 200, f"the daemon grew by {grew_mib:.0f} MiB"

@@ -48,7 +48,7 @@ from hicached.arena import Arena
 from hicached.cache import Cache, Lease, NamespaceState
 from hicached.config import Config, LeaseConfig, PoolConfig, StorageConfig
 from hicached.errors import StaleHandle
-from hicached.handles import Hit, Reservation
+from hicached.handles import Hit, LeaseState, Reservation
 from hicached.handles import Namespace as ClientNamespace
 from hicached.hashing import pack_tokens, page_keys
 from hicached.index import PageIndex
@@ -187,7 +187,7 @@ class CacheMachine(RuleBasedStateMachine):
                 reply.offsets,
                 reply.pool_full,
                 self.cache.instance,
-                self.deadline(),
+                LeaseState(self.deadline()),
                 self.mapping.snapshot(reply.offsets),
             )
             self.writes.append((rid, res, keys))
@@ -206,7 +206,7 @@ class CacheMachine(RuleBasedStateMachine):
         """A copy that began before its deadline and ran on for up to the
         quarantine (a stalled process): it must not land in another key's page."""
         _, res, keys = data.draw(st.sampled_from(self.writes))
-        self.write_res(replace(res, deadline=res.deadline + QUARANTINE), keys)
+        self.write_res(replace(res, state=LeaseState(res.deadline + QUARANTINE)), keys)
 
     @precondition(lambda self: self.writes)
     @rule(data=st.data())
@@ -256,7 +256,7 @@ class CacheMachine(RuleBasedStateMachine):
                 reply.lease,
                 self.cache.instance,
                 reply.l3_hits,
-                self.deadline(),
+                LeaseState(self.deadline()),
                 self.mapping.snapshot(reply.offsets),
             )
             self.reads.append((rid, hit, keys[: reply.hits]))
@@ -286,7 +286,7 @@ class CacheMachine(RuleBasedStateMachine):
         """A copy that began before its deadline and ended long after (a stalled
         process): the slots' generations must catch a page that moved meanwhile."""
         _, hit, keys = data.draw(st.sampled_from(self.reads))
-        self.read_hit(replace(hit, deadline=float("inf")), keys)
+        self.read_hit(replace(hit, state=LeaseState()), keys)
 
     @precondition(lambda self: self.reads)
     @rule(data=st.data())
@@ -305,7 +305,7 @@ class CacheMachine(RuleBasedStateMachine):
         sent = self.clock.now
         reply = self.call(rid, p.Renew(id=0, lease=handle.lease))
         if isinstance(reply, p.RenewOk):
-            handle.deadline = sent + reply.ttl_s - lease_margin(TTL)
+            handle.state.deadline = sent + reply.ttl_s - lease_margin(TTL)
         else:
             assert reply.code == "unknown_lease"
 

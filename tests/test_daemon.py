@@ -372,3 +372,23 @@ def test_a_lease_past_its_deadline_refuses_copies_unless_renewed(
             c.renew(late)  # the daemon let it go too
         c.write_pages(kept, np.zeros((2, PAGE_BYTES), dtype=np.uint8))
         assert c.commit(kept).published == 2
+
+
+def test_views_copy_but_only_their_handle_ends_the_lease(daemon: Daemon) -> None:
+    toks = np.arange(0, 4 * PAGE_TOKENS, dtype=np.uint32)
+    with daemon.client() as c:
+        ns = c.register(**NS)
+        res = c.reserve(ns, toks)
+        part = res.select([3, 1])
+        c.write_pages(part, page_bytes_for(toks)[[3, 1]])
+        c.write_pages(res.select([0, 2]), page_bytes_for(toks)[[0, 2]])
+        with pytest.raises(hicached.HicachedError, match="not a view"):
+            c.commit(part)
+        assert c.commit(res).published == 4
+        with pytest.raises(StaleHandle, match="closed"):
+            c.write_pages(part, page_bytes_for(toks)[[3, 1]])  # the view ended with it
+        hit = c.match(ns, toks)
+        assert np.array_equal(c.read_pages(hit.select([1])), page_bytes_for(toks)[[1]])
+        c.release(hit)
+        with pytest.raises(StaleHandle, match="closed"):
+            c.read_pages(hit.select([0]))

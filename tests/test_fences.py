@@ -18,8 +18,8 @@ from hicached import protocol as p
 from hicached.arena import Arena
 from hicached.cache import Cache, Lease, NamespaceState
 from hicached.config import Config, LeaseConfig, PoolConfig, StorageConfig
-from hicached.errors import StaleHandle
-from hicached.handles import Hit, Reservation
+from hicached.errors import BadRequest, StaleHandle
+from hicached.handles import Hit, LeaseState, Reservation
 from hicached.handles import Namespace as ClientNamespace
 from hicached.hashing import pack_tokens
 from hicached.mapping import PoolMapping, lease_margin
@@ -88,7 +88,7 @@ class Rig:
         gens = self.mapping.snapshot(ok.offsets)
         return Reservation(
             self.ns, ok.lease, ok.present, ok.offsets, ok.pool_full, self.cache.instance,
-            self.deadline(), gens,
+            LeaseState(self.deadline()), gens,
         )  # fmt: skip
 
     def store(self, tokens: list[int], fill: int) -> None:
@@ -102,7 +102,7 @@ class Rig:
         gens = self.mapping.snapshot(ok.offsets)
         return Hit(
             self.ns, ok.hits, ok.offsets, ok.lease, self.cache.instance, ok.l3_hits,
-            self.deadline(), gens,
+            LeaseState(self.deadline()), gens,
         )  # fmt: skip
 
     def expire(self, seconds: float) -> None:
@@ -128,7 +128,7 @@ def test_a_read_that_raced_a_reuse_is_a_miss(rig: Rig) -> None:
         rig.mapping.read(hit)
     # a copy that passed the deadline check before the reuse and ended after it
     with pytest.raises(StaleHandle) as stale:
-        rig.mapping.read(replace(hit, deadline=float("inf")))
+        rig.mapping.read(replace(hit, state=LeaseState()))
     assert stale.value.valid == 0
 
 
@@ -139,7 +139,7 @@ def test_a_late_write_never_lands_in_another_keys_page(rig: Rig) -> None:
     assert rig.cache.stats().quarantined_pages == 16
     y = rig.reserve(list(range(100, 104)))
     assert y.offsets == [] and y.pool_full  # nothing is reused during the quarantine
-    late = replace(res, deadline=float("inf"))  # a copy still running
+    late = replace(res, state=LeaseState())  # a copy still running
     rig.mapping.write(late, np.full((16, PAGE), 0x11, dtype=np.uint8))  # lands in quarantine
     with pytest.raises(StaleHandle):
         rig.mapping.write(res, np.zeros((16, PAGE), dtype=np.uint8))  # past its deadline
@@ -155,7 +155,7 @@ def test_closed_handles_are_refused_and_empty_copies_are_noops(rig: Rig) -> None
     res = rig.reserve(list(range(4)))
     rig.mapping.write(res, np.ones((4, PAGE), dtype=np.uint8))
     rig.call(p.Commit(id=0, lease=res.lease))
-    res.closed = True  # as Client.commit leaves it
+    res.state.closed = True  # as Client.commit leaves it
     with pytest.raises(StaleHandle, match="closed"):
         rig.mapping.write(res, np.ones((4, PAGE), dtype=np.uint8))
     again = rig.reserve(list(range(4)))  # every page present: nothing to write
@@ -166,25 +166,73 @@ def test_closed_handles_are_refused_and_empty_copies_are_noops(rig: Rig) -> None
 
 
 def test_write_back_eviction_stops_at_what_it_needs(tmp_path: Path) -> None:
-    """A full pool under write_back with a slow tier: reserving one page evicts one
-    page (held for its write-back), and a second asks for pool_full instead of
-    emptying the index."""
+    """A full pool under write_back with a slow tier: a reservation evicts only as
+    many pages as it asks for (held for their write-back), gets pool_full, and
+    the rest of the index stays; a slow tier never starves later requests."""
     rig = Rig(tmp_path, policy="write_back")
     for i in range(8):
         rig.store([1000 * i, 1000 * i + 1], i)  # 16 pages fill the pool
-    before = rig.cache.stats()
-    assert before.pages == 16
     assert rig.tier.pending == []  # write_back: nothing written yet
     first = rig.reserve([7_000_000])
     assert len(first.offsets) == 0 and first.pool_full  # the victim is on its way to L3
     stats = rig.cache.stats()
     assert stats.pages == 15 and stats.writeback_pages == 1
-    again = rig.reserve([7_000_000])
-    assert again.pool_full and rig.cache.stats().pages == 15  # no more evictions
-    rig.tier.pending.pop(0)(True)  # the write-back ends: its slot is free
-    got = rig.reserve([7_000_000])
-    assert len(got.offsets) == 1 and rig.cache.stats().pages == 15
+    three = rig.reserve([7_100_000, 7_100_001, 7_100_002])
+    assert three.pool_full and rig.cache.stats().pages == 12  # three more, no more
+    for done in rig.tier.pending:  # the write-backs end: their slots are free
+        done(True)
+    got = rig.reserve([7_200_000, 7_200_001, 7_200_002, 7_200_003])
+    assert len(got.offsets) == 4 and rig.cache.stats().pages == 12  # no eviction needed
     rig.arena.close()
+
+
+def test_quarantined_slots_do_not_starve_allocation(rig: Rig) -> None:
+    rig.store(list(range(8)), 1)  # 8 pages indexed
+    res = rig.reserve(list(range(100, 108)))  # the other 8 slots, then abandoned
+    assert len(res.offsets) == 8
+    rig.expire(11.0)  # lease expired: its 8 slots sit in quarantine for 5 s
+    got = rig.reserve(list(range(200, 204)))
+    assert len(got.offsets) == 4 and not got.pool_full  # LRU pages make room meanwhile
+    assert rig.cache.stats().quarantined_pages == 8
+
+
+def test_copies_check_their_handle_kind_and_never_fill_a_copy_of_out(rig: Rig) -> None:
+    rig.store(list(range(4)), 0x42)
+    hit = rig.match(list(range(4)))
+    res = rig.reserve(list(range(50, 54)))
+    with pytest.raises(BadRequest, match="takes a Reservation"):
+        rig.mapping.write(hit, np.zeros((4, PAGE), dtype=np.uint8))  # type: ignore[arg-type]
+    with pytest.raises(BadRequest, match="takes a Hit"):
+        rig.mapping.read(res)  # type: ignore[arg-type]
+    transposed = np.zeros((PAGE, 4), dtype=np.uint8).T  # not contiguous: a copy would be filled
+    with pytest.raises(ValueError, match="C-contiguous"):
+        rig.mapping.read(hit, transposed)
+    assert (rig.mapping.read(hit) == 0x42).all()
+
+
+def test_the_source_is_ready_before_the_fences_are_checked(rig: Rig) -> None:
+    """A source that is slow to hand over its bytes (here: it lets the lease run
+    out) is converted before the fences, so the late copy is refused."""
+    res = rig.reserve(list(range(4)))
+
+    class Slow:
+        def __array__(self, dtype: object = None, copy: object = None) -> np.ndarray:
+            rig.expire(11.0)  # the lease ends while the source is produced
+            return np.zeros((4, PAGE), dtype=np.uint8)
+
+    with pytest.raises(StaleHandle, match="deadline"):
+        rig.mapping.write(res, Slow())
+
+
+def test_views_made_by_select_share_their_lease(rig: Rig) -> None:
+    res = rig.reserve(list(range(4)))
+    part = res.select([2, 0])
+    assert part.view and not res.view
+    res.state.closed = True  # as Client.commit leaves it
+    with pytest.raises(StaleHandle, match="closed"):
+        rig.mapping.write(part, np.zeros((2, PAGE), dtype=np.uint8))
+    res.state.deadline = -1.0  # a renewal (or its lapse) reaches every view
+    assert part.deadline == -1.0
 
 
 def test_double_free_and_wrong_size_free_are_caught() -> None:
