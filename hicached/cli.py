@@ -1,4 +1,4 @@
-"""The ``hicached`` command: serve, status, check-config, keygen, bench."""
+"""The ``hicached`` command: serve, status, events, check-config, keygen, bench."""
 
 from __future__ import annotations
 
@@ -86,6 +86,147 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_events(args: argparse.Namespace) -> int:
+    """Print the KV event stream; replay from ``--from`` first, and replay any gap
+    the live stream shows (when a replay endpoint is known)."""
+    import time
+
+    import zmq
+
+    from hicached.events import END_SEQ, decode_batch
+
+    events = load_config(args.config).events
+    endpoint = args.endpoint or events.endpoint
+    replay_at = args.replay_endpoint if args.replay_endpoint is not None else events.replay_endpoint
+    layout = args.format or events.format
+    if not endpoint:
+        raise SystemExit("hicached events: no endpoint: give --endpoint, or --config with one")
+    if args.from_seq is not None and not replay_at:
+        raise SystemExit("hicached events: --from needs a replay endpoint (--replay-endpoint)")
+    curve = None
+    if args.curve_server_key or args.curve_key:
+        from hicached.client import CurveKeys
+
+        if not (args.curve_server_key and args.curve_key):
+            raise SystemExit("--curve-server-key and --curve-key go together")
+        curve = CurveKeys.load(args.curve_server_key, args.curve_key)
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+
+    def socket(kind: int, where: str) -> zmq.Socket[bytes]:
+        sock = ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            sock.curve_serverkey = curve.server_public
+            sock.curve_publickey = curve.public
+            sock.curve_secretkey = curve.secret
+        sock.connect(where)
+        return sock
+
+    printed = 0
+    last = -1
+
+    def show(topic: bytes, seq_frame: bytes, payload: bytes) -> None:
+        nonlocal printed, last
+        seq = int.from_bytes(seq_frame, "big")
+        if seq <= last:
+            return  # already shown (a replay and the live stream overlap)
+        batch = decode_batch(payload, layout)
+        name = topic.decode(errors="replace")
+        decoded = [_event_json(e) for e in batch.events]
+        if args.json:
+            line = {
+                "seq": seq,
+                "topic": name,
+                "ts": batch.ts,
+                "data_parallel_rank": batch.data_parallel_rank,
+                "events": decoded,
+            }
+            print(json.dumps(line), flush=True)
+        else:
+            print(f"#{seq} {name} ts={batch.ts:.6f} dp={batch.data_parallel_rank}")
+            for event in decoded:
+                print("  " + _event_text(event))
+            sys.stdout.flush()
+        printed += 1
+        last = seq
+
+    def replay(start: int) -> None:
+        sock = socket(zmq.DEALER, replay_at)
+        try:
+            sock.send_multipart([b"", start.to_bytes(8, "big")])
+            while not (args.count and printed >= args.count):
+                if not sock.poll(int(args.replay_timeout * 1000)):
+                    print(f"hicached events: replay from {start} stopped", file=sys.stderr)
+                    return
+                frames = sock.recv_multipart()
+                if len(frames) != 4 or frames[2] == END_SEQ:
+                    return
+                show(*frames[1:])
+        finally:
+            sock.close()
+
+    sub = socket(zmq.SUB, endpoint)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, args.topic.encode())
+        if args.from_seq is not None:
+            time.sleep(0.2)  # let the subscription reach the daemon: nothing falls between
+            replay(args.from_seq)
+        idle_since = time.monotonic()
+        while not (args.count and printed >= args.count):
+            if not sub.poll(100):
+                if args.idle_exit and time.monotonic() - idle_since >= args.idle_exit:
+                    break
+                continue
+            idle_since = time.monotonic()
+            topic, seq_frame, payload = sub.recv_multipart()
+            seq = int.from_bytes(seq_frame, "big")
+            if last >= 0 and seq > last + 1:
+                print(f"hicached events: batches {last + 1}..{seq - 1} missed", file=sys.stderr)
+                if replay_at:
+                    replay(last + 1)
+            show(topic, seq_frame, payload)
+    finally:
+        sub.close()
+        ctx.term()
+    return 0
+
+
+def _hash_json(value: object) -> object:
+    return value.hex() if isinstance(value, bytes) else value
+
+
+def _event_json(event: msgspec.Struct) -> dict[str, object]:
+    """An event as a JSON object: {"type": ..., field: value, ...}; byte hashes in hex."""
+    out: dict[str, object] = {"type": event.__struct_config__.tag}
+    for field in msgspec.structs.fields(event):
+        name = field.name
+        value = getattr(event, name)
+        if name == "block_hashes":
+            value = [_hash_json(h) for h in value]
+        elif name == "parent_block_hash":
+            value = _hash_json(value)
+        out[name] = value
+    return out
+
+
+def _event_text(event: dict[str, object]) -> str:
+    kind = event["type"]
+    if kind == "AllBlocksCleared":
+        return str(kind)
+    hashes = event["block_hashes"]
+    assert isinstance(hashes, list)
+    text = f"{kind} {event['medium']} {len(hashes)} blocks {hashes}"
+    if kind == "BlockStored":
+        tokens = event["token_ids"]
+        assert isinstance(tokens, list)
+        text += (
+            f" parent={event['parent_block_hash']} block_size={event['block_size']}"
+            f" tokens={len(tokens)}"
+        )
+    return text
+
+
 def _cmd_keygen(args: argparse.Namespace) -> int:
     import zmq.auth
 
@@ -134,6 +275,31 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--curve-server-key", help="the daemon's public CURVE certificate (.key)")
     status.add_argument("--curve-key", help="this client's secret CURVE certificate (.key_secret)")
     status.set_defaults(func=_cmd_status)
+
+    events = sub.add_parser(
+        "events", help="print the KV event stream (docs/events.md), replayed from --from"
+    )
+    events.add_argument("--config", help="take the endpoints and format from this config file")
+    events.add_argument("--endpoint", help="the PUB endpoint (default: events.endpoint)")
+    events.add_argument(
+        "--replay-endpoint", help="the replay endpoint (default: events.replay_endpoint)"
+    )
+    events.add_argument(
+        "--from", dest="from_seq", type=int, help="replay from this sequence number first"
+    )
+    events.add_argument("--json", action="store_true", help="one JSON object per batch")
+    events.add_argument("--format", choices=["map", "array"], help="default: events.format")
+    events.add_argument("--topic", default="", help="subscribe to topics starting with this")
+    events.add_argument("--count", type=int, default=0, help="stop after this many batches")
+    events.add_argument(
+        "--idle-exit", type=float, default=0.0, help="stop after this many seconds without one"
+    )
+    events.add_argument(
+        "--replay-timeout", type=float, default=10.0, help="seconds a replay may stay silent"
+    )
+    events.add_argument("--curve-server-key", help="the daemon's public CURVE certificate (.key)")
+    events.add_argument("--curve-key", help="this client's secret CURVE certificate (.key_secret)")
+    events.set_defaults(func=_cmd_events)
 
     keygen = sub.add_parser(
         "keygen", help="write a CURVE key pair: NAME.key (public) and NAME.key_secret"

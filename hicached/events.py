@@ -3,18 +3,22 @@
 The cache (synchronous) appends events to an ``EventLog``, a bounded queue
 that drops and counts when full. The server's ``Publisher`` sends them in
 batches on a ZeroMQ PUB socket as frames ``[topic, seq, payload]``: seq is
-an 8-byte big-endian counter, payload a msgpack ``KVEventBatch``. Events the
-queue dropped use up a sequence number that is never sent, so subscribers
-see a gap. The publisher keeps the last batches for a replay ROUTER: a client
-sends ``start_seq`` (8 bytes, big-endian) and gets every kept batch from
-there as ``[seq, payload]``, then ``[-1, b""]``. The publisher never blocks
-the daemon: a replay goes out in slices between which the loop runs other
-work, and a subscriber that falls behind catches up through replay.
+an 8-byte big-endian counter, payload a msgpack ``KVEventBatch`` encoded as
+vLLM encodes it now (events as maps; ``events.format = "array"`` gives the
+older positional layout). Events the queue dropped use up a sequence number
+that is never sent, so subscribers see a gap. The publisher keeps the last
+batches for a replay ROUTER, which answers as vLLM's does: a client sends
+``start_seq`` (8 bytes, big-endian) and gets every kept batch from there as
+``[topic, seq, payload]``, then ``[b"", END_SEQ, b""]``. The publisher never
+blocks the daemon: a replay goes out in slices between which the loop runs
+other work, and a subscriber that falls behind catches up through replay.
 
 Media: ``CPU`` for L2 (the shared host pool), the backend's name in capitals
-(``FILE``, ``S3``, ``MOONCAKE``, ...) for L3. Block hashes are hicached's
-16-byte page keys (docs/keys.md); a BlockStored's parent is the key of the
-page before its first block, or None at the start of a sequence.
+(``FILE``, ``S3``, ``MOONCAKE``, ...) for L3. The cache records events with
+hicached's 16-byte page keys (docs/keys.md); on the wire a block hash is, by
+default, vLLM's 64-bit integer form of the key (``block_hash``). A
+BlockStored's parent is the key of the page before its first block, or None
+at the start of a sequence (and where it is not known).
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ import asyncio
 import collections
 import contextlib
 import functools
+import itertools
 import logging
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +43,44 @@ log = logging.getLogger("hicached.events")
 
 MEDIUM_L2 = "CPU"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+_LOW64 = (1 << 64) - 1
+
+
+# -- what the cache records: hicached's keys, and the namespace's model ----------------
+
+
+class Stored(msgspec.Struct, gc=False):
+    """Pages became available in ``medium``; ``keys`` are consecutive pages of one
+    sequence, ``parent`` the key before the first (None at the start, or unknown)."""
+
+    keys: list[bytes]
+    parent: bytes | None
+    tokens: list[int]  # the pages' token ids; [] where not known
+    block_size: int  # the namespace's page_tokens; 0 where not known
+    medium: str
+    model: str = ""  # the namespace's model ("" where not known): the topic's {model}
+
+
+class Removed(msgspec.Struct, gc=False):
+    """Pages left ``medium``."""
+
+    keys: list[bytes]
+    medium: str
+    model: str = ""
+
+
+class Cleared(msgspec.Struct, gc=False):
+    """Everything this daemon announced before is gone (sent once, at start)."""
+
+    model: str = ""
+
+
+AnyEvent = Stored | Removed | Cleared
+
+
+# -- the wire: vLLM's structs (vllm/distributed/kv_events.py), field for field --------
+
+BlockHash = int | bytes
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -45,22 +89,23 @@ class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """Base class of the events."""
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """An event as vLLM encodes it now: a map tagged ``type``."""
 
 
 class BlockStored(KVCacheEvent):
-    block_hashes: list[bytes]
-    parent_block_hash: bytes | None
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
     token_ids: list[int]
     block_size: int
-    lora_id: int | None = None
-    medium: str | None = None
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
 
 
 class BlockRemoved(KVCacheEvent):
-    block_hashes: list[bytes]
-    medium: str | None = None
+    block_hashes: list[BlockHash]
+    medium: str | None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -71,11 +116,116 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
+class ArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """An event in the older positional layout: ``[tag, field, ...]``."""
+
+
+class ArrayBlockStored(ArrayEvent, tag="BlockStored"):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class ArrayBlockRemoved(ArrayEvent, tag="BlockRemoved"):
+    block_hashes: list[BlockHash]
+    medium: str | None
+
+
+class ArrayAllBlocksCleared(ArrayEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class ArrayKVEventBatch(EventBatch):
+    events: list[ArrayBlockStored | ArrayBlockRemoved | ArrayAllBlocksCleared]
+
+
+WireBatch = KVEventBatch | ArrayKVEventBatch
+
 batch_decoder = msgspec.msgpack.Decoder(KVEventBatch)
-_encode = msgspec.msgpack.Encoder().encode
+_array_decoder = msgspec.msgpack.Decoder(ArrayKVEventBatch)
 
 
-AnyEvent = BlockStored | BlockRemoved | AllBlocksCleared
+def decode_batch(payload: bytes, layout: str = "map") -> WireBatch:
+    """A payload as hicached's own subscriber tools read it (``events.format``)."""
+    return _array_decoder.decode(payload) if layout == "array" else batch_decoder.decode(payload)
+
+
+def block_hash(key: bytes, form: str = "int") -> BlockHash:
+    """The wire form of a page key: vLLM's 64-bit integer (the key's last 8 bytes,
+    big-endian, unsigned; vLLM's ``int.from_bytes(h, "big") & (2**64 - 1)``), or
+    the key itself (``events.block_hashes = "bytes"``)."""
+    return int.from_bytes(key, "big") & _LOW64 if form == "int" else key
+
+
+class WireFormat:
+    """Turns recorded events into one encoded ``KVEventBatch`` (``events.format``,
+    ``events.block_hashes``, ``events.data_parallel_rank``)."""
+
+    def __init__(self, config: EventsConfig) -> None:
+        array = config.format == "array"
+        self._stored = ArrayBlockStored if array else BlockStored
+        self._removed = ArrayBlockRemoved if array else BlockRemoved
+        self._cleared = ArrayAllBlocksCleared() if array else AllBlocksCleared()
+        self._batch = ArrayKVEventBatch if array else KVEventBatch
+        self._ints = config.block_hashes == "int"
+        self.rank = config.data_parallel_rank
+        self._encode = msgspec.msgpack.Encoder().encode
+
+    def _hashes(self, keys: list[bytes]) -> list[BlockHash]:
+        if not self._ints:
+            return list(keys)
+        frombytes = int.from_bytes
+        return [frombytes(k[-8:], "big") for k in keys]
+
+    def wire(self, event: AnyEvent) -> Any:
+        if isinstance(event, Stored):
+            parent: BlockHash | None = event.parent
+            if event.parent is not None and self._ints:
+                parent = int.from_bytes(event.parent[-8:], "big")
+            return self._stored(
+                self._hashes(event.keys),
+                parent,
+                event.tokens,
+                event.block_size,
+                None,
+                event.medium,
+                None,
+            )
+        if isinstance(event, Removed):
+            return self._removed(self._hashes(event.keys), event.medium)
+        return self._cleared
+
+    def encode(self, events: list[AnyEvent]) -> bytes:
+        wire = self.wire
+        batch = self._batch(time.time(), [wire(e) for e in events], self.rank)
+        return self._encode(batch)
+
+
+def topic_template(config: EventsConfig) -> Callable[[str], bytes]:
+    """``model -> topic frame`` for ``events.topic``, with {host} filled in."""
+    host = socket.gethostname()
+    template = config.topic
+    if "{model}" not in template:
+        fixed = template.format(host=host).encode()
+        return lambda _model: fixed
+    cache: dict[str, bytes] = {}
+
+    def topic(model: str) -> bytes:
+        frame = cache.get(model)
+        if frame is None:
+            frame = cache[model] = template.format(host=host, model=model).encode()
+        return frame
+
+    return topic
+
+
+def _model(event: AnyEvent) -> str:
+    return event.model
+
 
 # Reason under which events the full queue refused are counted in ``dropped``.
 QUEUE_DROPS = "events_queue"
@@ -133,13 +283,14 @@ class EventLog:
         tokens: list[int],
         page_tokens: int,
         medium: str,
+        model: str = "",
     ) -> None:
         if self.enabled and keys:
-            self.add(BlockStored(list(keys), parent, tokens, page_tokens, medium=medium))
+            self.add(Stored(list(keys), parent, tokens, page_tokens, medium, model))
 
-    def removed(self, keys: list[bytes], medium: str) -> None:
+    def removed(self, keys: list[bytes], medium: str, model: str = "") -> None:
         if self.enabled and keys:
-            self.add(BlockRemoved(list(keys), medium=medium))
+            self.add(Removed(list(keys), medium, model))
 
     def take(self, n: int) -> tuple[list[AnyEvent], bool]:
         """Up to ``n`` events, oldest first, never across a gap; the flag says
@@ -163,29 +314,28 @@ class EventLog:
 
 
 class Replay:
-    """The last published batches, for the replay socket."""
+    """The last published batches, for the replay socket: (seq, topic, payload)."""
 
     def __init__(self, keep: int) -> None:
-        self.batches: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=keep)
+        self.batches: collections.deque[tuple[int, bytes, bytes]] = collections.deque(maxlen=keep)
         self.seq = -1
 
-    def next(self, events: list[Any]) -> tuple[bytes, bytes]:
-        """Number and encode a batch; returns (seq bytes, payload)."""
+    def next(self, topic: bytes, payload: bytes) -> bytes:
+        """Number a batch and keep it; returns its seq frame."""
         self.seq += 1
-        payload = _encode(KVEventBatch(ts=time.time(), events=events))
-        self.batches.append((self.seq, payload))
-        return self.seq.to_bytes(8, "big"), payload
+        self.batches.append((self.seq, topic, payload))
+        return self.seq.to_bytes(8, "big")
 
     def skip(self) -> None:
         """Use up a sequence number for events that were dropped: a gap."""
         self.seq += 1
 
-    def since(self, start: int) -> list[tuple[int, bytes]]:
+    def since(self, start: int) -> list[tuple[int, bytes, bytes]]:
         """The kept batches numbered ``start`` or later, oldest first (a snapshot)."""
         batches = self.batches
         if not batches or start <= batches[0][0]:
             return list(batches)
-        return [(seq, payload) for seq, payload in batches if seq >= start]
+        return [batch for batch in batches if batch[0] >= start]
 
 
 Bind = Callable[["zmq.Socket[bytes]", str, str], None]
@@ -215,7 +365,9 @@ class Publisher:
         self.log = log
         self.dropped = dropped
         self.replay = Replay(config.replay_batches)
-        self._topic = config.topic.encode()
+        self.wire = WireFormat(config)
+        self.topic = topic_template(config)
+        self._by_model = "{model}" in config.topic
         self._pub: zmq.Socket[bytes] | None = None
         self._router: zmq.Socket[bytes] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -295,24 +447,33 @@ class Publisher:
         pub = self._pub
         if pub is None:
             return
-        log, replay, topic, size = self.log, self.replay, self._topic, self.config.batch_events
+        log, size = self.log, self.config.batch_events
         while True:
             events, gap = log.take(size)
             if events:
-                seq, payload = replay.next(events)
-                try:
-                    pub.send_multipart([topic, seq, payload], zmq.NOBLOCK)
-                except zmq.Again:
-                    self._count("events_send")
+                if self._by_model:
+                    for model, run in itertools.groupby(events, _model):
+                        self._publish(pub, model, list(run))
+                else:
+                    self._publish(pub, "", events)
             if gap:
-                replay.skip()
+                self.replay.skip()
             elif not events:
                 return
+
+    def _publish(self, pub: zmq.Socket[bytes], model: str, events: list[AnyEvent]) -> None:
+        topic, payload = self.topic(model), self.wire.encode(events)
+        seq = self.replay.next(topic, payload)
+        try:
+            pub.send_multipart([topic, seq, payload], zmq.NOBLOCK)
+        except zmq.Again:
+            self._count("events_send")
 
     # -- replay ------------------------------------------------------------------------
 
     def _on_requests(self) -> None:
-        """[id, (b"",) start_seq] -> [id, (b"",) seq, payload] ... [id, (b"",) -1, b""]."""
+        """[id, (b"",) start_seq] -> [id, (b"",) topic, seq, payload] ...
+        [id, (b"",) b"", END_SEQ, b""], as vLLM's replay socket answers."""
         sock, loop = self._router, self._loop
         if sock is None or loop is None:
             return
@@ -359,11 +520,11 @@ class Publisher:
         if sent < len(batches):
             self._count("replay_send", len(batches) - sent)
         # The end marker follows the last batch sent: the reader knows where it stopped.
-        if not await self._send(envelope, [(-1, b"")]):
+        if not await self._send(envelope, [(-1, b"", b"")]):
             self._count("replay_send")
 
-    async def _send(self, envelope: list[bytes], batches: list[tuple[int, bytes]]) -> int:
-        """Send ``[*envelope, seq, payload]`` in order, a slice at a time, waiting
+    async def _send(self, envelope: list[bytes], batches: list[tuple[int, bytes, bytes]]) -> int:
+        """Send ``[*envelope, topic, seq, payload]`` in order, a slice at a time, waiting
         while the reader's queue is full; returns how many went out before the
         reader went away or read nothing for ``replay_timeout_s``."""
         loop = asyncio.get_running_loop()
@@ -379,9 +540,10 @@ class Publisher:
             end = min(sent + REPLAY_SLICE, total)
             try:
                 while sent < end:
-                    seq, payload = batches[sent]
+                    seq, topic, payload = batches[sent]
                     sock.send_multipart(
-                        [*envelope, seq.to_bytes(8, "big", signed=True), payload], zmq.NOBLOCK
+                        [*envelope, topic, seq.to_bytes(8, "big", signed=True), payload],
+                        zmq.NOBLOCK,
                     )
                     sent += 1
             except zmq.Again:

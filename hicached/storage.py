@@ -92,7 +92,7 @@ class Tier:
         self.scanning = False
         self.scan_pages = 0  # pages the startup scan has found so far
         self._flush: FlushCounts | None = None  # while a write-back flush counts its pages
-        backend.on_forget = lambda _ns, keys: cache.forget_l3(keys)
+        backend.on_forget = lambda ns, keys: cache.forget_l3(keys, ns)
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -110,14 +110,27 @@ class Tier:
 
     async def _scan_store(self) -> None:
         """Add every key the store lists to the cache's L3 set as it is found, so
-        matches see it at once; yields to requests every few thousand pages."""
+        matches see it at once, and announce it (BlockStored, per namespace, after
+        the start's AllBlocksCleared); yields to requests every few thousand pages."""
         started = time.monotonic()
-        l3 = self.cache.l3
+        cache = self.cache
+        l3 = cache.l3
+        found: dict[bytes, list[bytes]] = {}  # namespace -> keys not yet announced
+
+        def announce() -> None:
+            for ns, keys in found.items():
+                # a key forgotten meanwhile had its BlockRemoved already: not announced
+                cache.announce_l3(ns, [key for key in keys if key in l3])
+            found.clear()
+
         try:
-            async for _ns, key in self.backend.scan():
-                l3.add(key)
+            async for ns, key in self.backend.scan():
+                if key not in l3:  # not written (and announced) since the start
+                    l3.add(key)
+                    found.setdefault(ns, []).append(key)
                 self.scan_pages += 1
                 if self.scan_pages % _SCAN_YIELD_PAGES == 0:
+                    announce()
                     await asyncio.sleep(0)
                     if self.scan_pages % 1_000_000 == 0:
                         log.info("L3 scan: %d pages so far", self.scan_pages)
@@ -132,6 +145,7 @@ class Tier:
                 "L3 holds %d pages (scanned in %.2fs)", self.scan_pages, time.monotonic() - started
             )
         finally:
+            announce()  # what was found before a stop or a failure is in L3 all the same
             self.scanning = False
 
     async def stop(self) -> None:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -14,14 +18,21 @@ import pytest
 import zmq
 
 from hicached import Client, Namespace
+from hicached.config import EventsConfig, parse_config
+from hicached.errors import ConfigError
 from hicached.events import (
     END_SEQ,
-    AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    Cleared,
     EventLog,
     KVEventBatch,
+    Removed,
+    Stored,
+    WireFormat,
     batch_decoder,
+    block_hash,
+    topic_template,
 )
 from hicached.hashing import pack_tokens, page_keys
 from tests.l3util import evict_everything, l3_count, wait_for
@@ -37,9 +48,14 @@ def collect(
         assert time.monotonic() < deadline, f"events did not arrive: {[s for s, _ in got]}"
         if sub.poll(100):
             topic, seq, payload = sub.recv_multipart()
-            assert topic == b"kv-events"
+            assert topic.startswith(b"kv@")  # kv@<host>@<model>, as routers filter
             got.append((int.from_bytes(seq, "big"), batch_decoder.decode(payload)))
     return got
+
+
+def hk(keys: list[bytes]) -> list[int | bytes]:
+    """Page keys as block hashes on the wire (vLLM's 64-bit integers)."""
+    return [block_hash(k) for k in keys]
 
 
 def flat(batches: list[tuple[int, KVEventBatch]]) -> list[object]:
@@ -72,20 +88,21 @@ def test_events_follow_l2_and_l3_and_can_be_replayed(daemon_factory: Callable[..
             keys = page_keys(ns.digest, pack_tokens(toks), PAGE_TOKENS)
             got = collect(sub, lambda g: sum(isinstance(e, BlockStored) for e in flat(g)) >= 4)
             stored = [e for e in flat(got) if isinstance(e, BlockStored)]
-            assert stored[0].medium == "CPU" and stored[0].block_hashes == keys
+            assert stored[0].medium == "CPU" and stored[0].block_hashes == hk(keys)
             assert stored[0].parent_block_hash is None and stored[0].token_ids == toks.tolist()
             assert stored[0].block_size == PAGE_TOKENS
             l3 = [e for e in stored if e.medium == "MEMORY"]
-            assert sorted(e.block_hashes[0] for e in l3) == sorted(keys)
+            assert sorted(e.block_hashes[0] for e in l3) == sorted(hk(keys))
             evict_everything(c, ns)
             got += collect(
                 sub,
                 lambda g: any(
-                    isinstance(e, BlockRemoved) and keys[0] in e.block_hashes for e in flat(g)
+                    isinstance(e, BlockRemoved) and block_hash(keys[0]) in e.block_hashes
+                    for e in flat(g)
                 ),
             )
             removed = {k for e in flat(got) if isinstance(e, BlockRemoved) for k in e.block_hashes}
-            assert set(keys) <= removed
+            assert set(hk(keys)) <= removed
             seqs = [s for s, _ in got]
             assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
         # a late subscriber catches up through replay, from any sequence number
@@ -97,7 +114,7 @@ def test_events_follow_l2_and_l3_and_can_be_replayed(daemon_factory: Callable[..
         replayed = []
         while True:
             assert replay.poll(5000)
-            _, seq, payload = replay.recv_multipart()
+            _, _topic, seq, payload = replay.recv_multipart()
             if seq == END_SEQ:
                 break
             replayed.append((int.from_bytes(seq, "big"), batch_decoder.decode(payload)))
@@ -155,7 +172,7 @@ def read_replay(sock: zmq.Socket, pause_every: int = 0, pause_s: float = 0.0) ->
     seqs: list[int] = []
     while True:
         assert sock.poll(10_000), f"replay stalled after {len(seqs)} batches"
-        _, seq, payload = sock.recv_multipart()
+        _, _topic, seq, payload = sock.recv_multipart()
         if seq == END_SEQ:
             assert payload == b""
             return seqs
@@ -168,19 +185,19 @@ def read_replay(sock: zmq.Socket, pause_every: int = 0, pause_s: float = 0.0) ->
 def test_event_log_leaves_one_gap_per_run_of_drops() -> None:
     log = EventLog(max_events=2, enabled=True)
     counters: dict[str, int] = {}
-    log.add(AllBlocksCleared())
+    log.add(Cleared())
     log.count_drops_in(counters)
     for i in range(5):  # one more fits, four are dropped: one gap after it
         log.removed([bytes([i])], "CPU")
     assert log.dropped == 4 and counters == {"events_queue": 4}
     events, gap = log.take(10)
-    assert [type(e).__name__ for e in events] == ["AllBlocksCleared", "BlockRemoved"]
+    assert [type(e).__name__ for e in events] == ["Cleared", "Removed"]
     assert gap and log.gaps == 0
     log.removed([b"x"], "CPU")
     log.removed([b"y"], "CPU")
     log.removed([b"z"], "CPU")  # dropped: a second gap, after y
-    assert log.take(1) == ([BlockRemoved([b"x"], medium="CPU")], False)
-    assert log.take(5) == ([BlockRemoved([b"y"], medium="CPU")], True)
+    assert log.take(1) == ([Removed([b"x"], "CPU")], False)
+    assert log.take(5) == ([Removed([b"y"], "CPU")], True)
     assert log.take(5) == ([], False)
     assert counters == {"events_queue": 5}
 
@@ -283,7 +300,7 @@ def test_events_committed_right_before_a_graceful_stop_reach_subscribers(
             ),
         )
         stored = [k for e in flat(got) if isinstance(e, BlockStored) for k in e.block_hashes]
-        assert stored == keys
+        assert stored == hk(keys)
         seqs = [s for s, _ in got]
         assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
         assert d.proc.wait(15) == 0  # a clean exit (a second signal would force one)
@@ -310,13 +327,14 @@ def test_a_queue_overflow_is_counted_and_leaves_a_seq_gap(
             got = collect(
                 sub,
                 lambda g: any(
-                    isinstance(e, BlockStored) and keys[-1] in e.block_hashes for e in flat(g)
+                    isinstance(e, BlockStored) and block_hash(keys[-1]) in e.block_hashes
+                    for e in flat(g)
                 ),
             )
             dropped = c.stats().dropped.get("events_queue", 0)
         stored = [k for e in flat(got) if isinstance(e, BlockStored) for k in e.block_hashes]
         assert dropped > 0 and len(stored) + dropped == len(keys)
-        assert stored == [k for k in keys if k in set(stored)]  # in order, some missing
+        assert stored == [k for k in hk(keys) if k in set(stored)]  # in order, some missing
         seqs = [s for s, _ in got]
         missing = set(range(seqs[0], seqs[-1])) - set(seqs)
         assert 1 <= len(missing) <= dropped
@@ -331,3 +349,97 @@ def test_a_queue_overflow_is_counted_and_leaves_a_seq_gap(
         for sock in sockets:
             sock.close()
         ctx.term()
+
+
+# -- the events command -----------------------------------------------------------------
+
+HOST = socket.gethostname()
+MODEL = str(NS["model"])
+
+
+def test_hicached_events_prints_the_stream_from_a_sequence_number(
+    daemon_factory: Callable[..., Daemon], events_dir: Path
+) -> None:
+    d, _, _ = events_daemon(daemon_factory, events_dir, size_mib=1)
+    with d.client() as c:
+        ns = c.register(**NS)
+        toks = np.arange(2 * PAGE_TOKENS, dtype=np.uint32)
+        c.store(ns, toks, np.zeros((2, PAGE_BYTES), np.uint8))
+        keys = page_keys(ns.digest, pack_tokens(toks), PAGE_TOKENS)
+        wait_for(lambda: c.stats().events_pending == 0)
+    time.sleep(0.2)
+    args = ["--endpoint", f"ipc://{events_dir}/events.sock"]
+    args += ["--replay-endpoint", f"ipc://{events_dir}/replay.sock"]
+    out = _cli("events", *args, "--from", "0", "--json", "--count", "2")
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert [line["seq"] for line in lines] == [0, 1]
+    assert lines[0]["events"] == [{"type": "AllBlocksCleared"}]
+    assert lines[1]["topic"] == f"kv@{HOST}@{MODEL}" and lines[1]["data_parallel_rank"] == 0
+    assert lines[1]["events"][0]["block_hashes"] == hk(keys)
+    text = _cli("events", *args, "--from", "1", "--count", "1")
+    assert text.startswith(f"#1 kv@{HOST}@{MODEL}") and "BlockStored CPU 2 blocks" in text
+    # live: what happens from now on
+    live = subprocess.Popen(
+        [sys.executable, "-m", "hicached", "events", *args, "--json", "--count", "1"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(1.5)  # it has subscribed
+        with d.client() as c:
+            ns = c.register(**NS)
+            more = np.arange(2 * PAGE_TOKENS, 3 * PAGE_TOKENS, dtype=np.uint32)
+            c.store(ns, more, np.zeros((1, PAGE_BYTES), np.uint8))
+        out, _ = live.communicate(timeout=30)
+    finally:
+        live.kill()
+    (line,) = [json.loads(x) for x in out.splitlines()]
+    assert line["seq"] == 2 and line["events"][0]["medium"] == "CPU"
+
+
+def _cli(*args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "hicached", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+# -- configuration ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "hint"),
+    [
+        ("format = 'json'\n", "events.format", "one of map, array"),
+        ("block_hashes = 'int32'\n", "events.block_hashes", "one of int, bytes"),
+        ("topic = 'kv@{pod}@{model}'\n", "events.topic", "{host} and {model}"),
+        ("data_parallel_rank = -1\n", "events.data_parallel_rank", "negative"),
+    ],
+)
+def test_bad_events_config_names_its_key(text: str, key: str, hint: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        parse_config("[events]\n" + text, "x.toml")
+    message = str(info.value)
+    assert message.startswith(f"x.toml: {key}: ") and hint in message, message
+
+
+def test_the_topic_fills_in_host_and_model() -> None:
+    topic = topic_template(EventsConfig())
+    assert topic("org/m") == f"kv@{HOST}@org/m".encode() and topic("") == f"kv@{HOST}@".encode()
+    assert topic_template(EventsConfig(topic="kv@{host}@fixed"))("org/m") == (
+        f"kv@{HOST}@fixed".encode()
+    )
+
+
+def test_block_hashes_are_vllms_64_bit_form_of_the_key() -> None:
+    key = bytes(range(16))
+    assert block_hash(key) == int.from_bytes(key[8:], "big") == 0x08090A0B0C0D0E0F
+    assert block_hash(key, "bytes") == key
+    wire = WireFormat(EventsConfig()).wire(Stored([key], key, [1], 1, "CPU"))
+    assert isinstance(wire, BlockStored)
+    assert wire.block_hashes == [block_hash(key)] and wire.parent_block_hash == block_hash(key)

@@ -81,7 +81,7 @@ async def read_replay(sock: zmq.Socket[Any]) -> list[int]:
     """One replay's seqs up to its end marker."""
     seqs: list[int] = []
     while True:
-        _, seq, payload = await recv(sock)
+        _, _topic, seq, payload = await recv(sock)
         if seq == END_SEQ:
             return seqs
         batch_decoder.decode(payload)

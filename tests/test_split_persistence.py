@@ -11,7 +11,7 @@ from collections.abc import Callable
 from hicached import protocol as p
 from hicached.cache import Cache, Lease, NamespaceState
 from hicached.config import Config, EventsConfig, PoolConfig, StorageConfig
-from hicached.events import BlockStored
+from hicached.events import Stored
 from hicached.hashing import pack_tokens, page_keys
 
 SPEC = p.NamespaceSpec(model="m/x", kv_dtype="bfloat16", layout="l", page_tokens=1, page_bytes=4096)
@@ -88,16 +88,16 @@ def test_a_split_while_writing_through_persists_every_fragment() -> None:
 
     # the events: no stored event lost or wrong across the split (report 003)
     events = list(cache.events.pending)
-    l2 = [e for e in events if isinstance(e, BlockStored) and e.medium == "CPU"]
-    assert [(e.block_hashes, e.parent_block_hash, e.token_ids) for e in l2] == [
+    l2 = [e for e in events if isinstance(e, Stored) and e.medium == "CPU"]
+    assert [(e.keys, e.parent, e.tokens) for e in l2] == [
         (first, None, [1, 2, 3, 4]),
         (second[2:], first[1], [5, 6]),  # only the new fragment, chained to the shared [1, 2]
     ]
-    l3 = [e for e in events if isinstance(e, BlockStored) and e.medium == "FILE"]
-    by_key = {e.block_hashes[0]: e for e in l3}
-    assert all(len(e.block_hashes) == 1 for e in l3) and len(by_key) == len(l3) == 6
+    l3 = [e for e in events if isinstance(e, Stored) and e.medium == "FILE"]
+    by_key = {e.keys[0]: e for e in l3}
+    assert all(len(e.keys) == 1 for e in l3) and len(by_key) == len(l3) == 6
     for seq in (first, second):
         for i, key in enumerate(seq):
             event = by_key[key]
-            assert event.parent_block_hash == (seq[i - 1] if i else None)
-            assert event.token_ids == [[1, 2, 3, 4], [1, 2, 5, 6]][seq is second][i : i + 1]
+            assert event.parent == (seq[i - 1] if i else None)
+            assert event.tokens == [[1, 2, 3, 4], [1, 2, 5, 6]][seq is second][i : i + 1]
