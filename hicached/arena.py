@@ -1,6 +1,7 @@
 """The shared-memory arena: one tmpfs file mapped by the daemon and every client.
 
-The daemon creates it (mode 0600, prefaulted with MAP_POPULATE) and unlinks it
+The daemon creates it (mode 0600, or 0660 for the clients' group when
+``server.client_group`` is set; prefaulted) and unlinks it
 at shutdown; clients map the same file by path. Its name is derived from the
 daemon's runtime directory, so a restarted daemon replaces the file of a
 crashed predecessor instead of leaking it.
@@ -13,17 +14,21 @@ clients read to tell whether a slot changed owner during a copy.
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import xxhash
 
-from hicached.errors import DaemonUnavailable, HicachedError
+from hicached.errors import ConfigError, DaemonUnavailable, HicachedError
 from hicached.pool import GEN_DTYPE, gen_count
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels refuse it with EINVAL
+_POPULATE_STEP = 256 << 20
 
 
 def arena_path(shm_dir: str, runtime_dir: Path) -> Path:
@@ -50,14 +55,34 @@ class Arena:
         self.gens = np.frombuffer(mapping, dtype=GEN_DTYPE, count=gen_count(size), offset=size)
 
     @classmethod
-    def create(cls, path: Path, size: int, populate: bool = True) -> Arena:
-        """Create (replacing any stale file) and map the arena; daemon side."""
+    def create(
+        cls,
+        path: Path,
+        size: int,
+        populate: bool = True,
+        group: int | None = None,
+        on_populate: Callable[[int], None] | None = None,
+    ) -> Arena:
+        """Create (replacing any stale file) and map the arena; daemon side.
+        With ``group``, the file is mode 0660 and belongs to that group.
+        ``on_populate`` hears the bytes prefaulted so far, step by step."""
         try:
             path.unlink(missing_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             raise HicachedError(f"cannot create the pool file {path}: {exc.strerror}") from None
         try:
+            if group is not None:
+                try:
+                    if os.fstat(fd).st_gid != group:
+                        os.fchown(fd, -1, group)
+                    os.fchmod(fd, 0o660)  # the unit's UMask=0077 left it 0600
+                except OSError as exc:
+                    path.unlink(missing_ok=True)
+                    raise ConfigError(
+                        f"server.client_group: cannot give the pool file {path} to group "
+                        f"{group}: {exc.strerror} (the daemon's user must be in that group)"
+                    ) from None
             try:
                 os.posix_fallocate(fd, 0, file_bytes(size))
             except OSError as exc:
@@ -66,8 +91,10 @@ class Arena:
                     f"cannot reserve {size} bytes for the pool in {path.parent}: {exc.strerror} "
                     "(lower pool.size_mib or enlarge the tmpfs)"
                 ) from None
-            flags = mmap.MAP_SHARED | (_POPULATE if populate else 0)
-            mapping = mmap.mmap(fd, file_bytes(size), flags=flags)
+            mapping = mmap.mmap(fd, file_bytes(size), flags=mmap.MAP_SHARED)
+            if populate and not _populate_in_steps(mapping, on_populate):
+                mapping.close()  # an older kernel: all at once, as clients do
+                mapping = mmap.mmap(fd, file_bytes(size), flags=mmap.MAP_SHARED | _POPULATE)
         finally:
             os.close(fd)
         return cls(path, size, mapping, owner=True)
@@ -102,3 +129,21 @@ class Arena:
             self._mmap.close()
         if self.owner:
             self.path.unlink(missing_ok=True)
+
+
+def _populate_in_steps(mapping: mmap.mmap, on_populate: Callable[[int], None] | None) -> bool:
+    """Prefault a fresh mapping for writing, a step at a time: one MAP_POPULATE
+    call holds the interpreter for the whole pool, while between steps other
+    threads run (the one that tells systemd the start goes on). False where
+    the kernel lacks MADV_POPULATE_WRITE."""
+    total = len(mapping)
+    for start in range(0, total, _POPULATE_STEP):
+        try:
+            mapping.madvise(_MADV_POPULATE_WRITE, start, min(_POPULATE_STEP, total - start))
+        except OSError as exc:
+            if exc.errno == errno.EINVAL and start == 0:
+                return False
+            raise HicachedError(f"cannot prefault the pool: {exc.strerror}") from None
+        if on_populate is not None:
+            on_populate(min(start + _POPULATE_STEP, total))
+    return True
