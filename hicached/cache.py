@@ -34,6 +34,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Protocol, get_args
 
+import msgspec
 import numpy as np
 
 from hicached import protocol as p
@@ -41,6 +42,7 @@ from hicached.config import Config
 from hicached.errors import (
     BadRequest,
     ForeignLease,
+    ForeignTenant,
     HicachedError,
     ResourceExhausted,
     SessionLost,
@@ -49,11 +51,11 @@ from hicached.errors import (
     UnknownNamespace,
     VersionMismatch,
 )
-from hicached.events import MEDIUM_L2, AllBlocksCleared, EventLog
+from hicached.events import MEDIUM_L2, Cleared, EventLog
 from hicached.hashing import TOKEN_BYTES, KeyCache
-from hicached.l2 import L2, Victims
+from hicached.l2 import DEFAULT_TENANT, L2, TenantBook, TenantFigures, Victims
 from hicached.l3state import KnownKeys
-from hicached.namespace import namespace_digest, validate_spec
+from hicached.namespace import NamespaceSpec, namespace_digest, validate_spec
 from hicached.pool import GEN_GRANULE, SlotPool
 from hicached.sessions import Lease, LeaseTable, NamespaceState, PrefetchState, Session
 
@@ -96,7 +98,7 @@ class Cache:
         mib = 1 << 20
         self.pool = SlotPool(config.pool.size_mib * mib, config.pool.slab_mib * mib, gens)
         self.l2 = L2(self.pool, self._evicted)
-        self.indexes = self.l2.indexes  # page_bytes -> index
+        self._set_quotas(config)
         self.namespaces: dict[int, NamespaceState] = {}
         self._ns_by_digest: dict[bytes, NamespaceState] = {}
         self._ns_ids = itertools.count(1)  # never reused: a stale id cannot name another
@@ -119,8 +121,11 @@ class Cache:
         self.match_pages = {"asked": 0, "l2": 0, "l3": 0}
         self.metrics_endpoint = ""  # set by the server when it serves metrics
         self.events = EventLog(config.events.queue_events, enabled=bool(config.events.endpoint))
-        self.events.add(AllBlocksCleared())  # a new daemon's L2 starts empty
+        self.events.add(Cleared())  # a new daemon's L2 starts empty; L3 is announced by its scan
         self.l3_medium = config.storage.backend.upper()
+        # write_back with events: each L2 page's parent key and packed token ids,
+        # for the BlockStored of its write when it leaves L2 (the index keeps keys only).
+        self._origins: dict[bytes, tuple[bytes | None, bytes]] = {}
 
     @property
     def evicted_pages(self) -> int:
@@ -132,17 +137,24 @@ class Cache:
 
     # -- dispatch --------------------------------------------------------------
 
-    def handle(self, routing_id: bytes, request: p.AnyRequest) -> p.AnyReply:
-        """Apply one request; never raises for a request's own faults."""
+    def handle(
+        self, routing_id: bytes, request: p.AnyRequest, peer: str | None = None
+    ) -> p.AnyReply:
+        """Apply one request; never raises for a request's own faults.
+
+        ``peer``: who sent it, as the connection's credentials say (server.py):
+        its tenant's name, "!..." for a peer no tenant lists, or None when
+        tenants are off. A session stays with the peer that opened it.
+        """
         op = OP_NAMES[type(request)]
         self.requests[op] = self.requests.get(op, 0) + 1
         try:
             if isinstance(request, p.Hello):
-                return self.hello(routing_id, request)
+                return self.hello(routing_id, request, peer)
             if isinstance(request, p.Goodbye):
-                self.goodbye(routing_id)
+                self.goodbye(routing_id, peer)
                 return p.Ok(id=request.id)
-            session = self.session(routing_id)
+            session = self.session(routing_id, peer)
             match request:
                 case p.RegisterNamespace():
                     return self.register(session, request)
@@ -171,20 +183,32 @@ class Cache:
     def count_drop(self, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
 
+    def undelivered(self, routing_id: bytes, reply: p.AnyReply) -> None:
+        """A reply could not be sent (the client reads no replies): a lease it
+        granted ends now, as the client never learned of it."""
+        lease_id = getattr(reply, "lease", 0)
+        session = self.sessions.get(routing_id)
+        lease = self.leases.get(lease_id) if lease_id and session is not None else None
+        if lease is not None and lease.session is session:
+            self.leases.pop(lease)
+            self._end_lease(lease)
+
     # -- sessions and namespaces ---------------------------------------------
 
-    def hello(self, routing_id: bytes, msg: p.Hello) -> p.HelloOk:
+    def hello(self, routing_id: bytes, msg: p.Hello, peer: str | None = None) -> p.HelloOk:
         if msg.major != p.PROTOCOL_MAJOR:
             raise VersionMismatch(
                 f"client speaks protocol {msg.major}.{msg.minor}, this daemon speaks "
                 f"{p.PROTOCOL_MAJOR}.{p.PROTOCOL_MINOR}: install matching hicached versions"
             )
         session = self.sessions.get(routing_id)
-        if session is None:
+        if session is not None:
+            _same_peer(session, peer)
+        else:
             if len(self.sessions) >= self.config.server.max_clients:
                 self._make_room()
             session = Session(
-                self._next_session, routing_id, msg.client[:64], msg.pid, self.clock()
+                self._next_session, routing_id, msg.client[:64], msg.pid, self.clock(), peer
             )
             self._next_session += 1
             self.sessions[routing_id] = session
@@ -221,17 +245,18 @@ class Cache:
             )
         self._end_session(fallback)
 
-    def session(self, routing_id: bytes) -> Session:
+    def session(self, routing_id: bytes, peer: str | None = None) -> Session:
         session = self.sessions.get(routing_id)
         if session is None:
             raise SessionLost("this daemon does not know the client (restarted?): send hello first")
+        _same_peer(session, peer)
         session.last_seen = self.clock()
         self.sessions.move_to_end(routing_id)
         return session
 
-    def goodbye(self, routing_id: bytes) -> None:
+    def goodbye(self, routing_id: bytes, peer: str | None = None) -> None:
         session = self.sessions.get(routing_id)
-        if session is not None:
+        if session is not None and session.peer == peer:
             self._end_session(session)
 
     def _end_session(self, session: Session) -> None:
@@ -256,18 +281,37 @@ class Cache:
             del self.namespaces[ns.id]
             del self._ns_by_digest[ns.digest]
 
+    def _drop_an_unused_namespace(self, book: TenantBook) -> None:
+        """Make room for a new namespace: the oldest one no client has registered
+        loses its pages (written back first under write_back) and is forgotten.
+        With tenants, only one of ``book``'s tenant: never another tenant's pages."""
+        tenants = bool(self.config.tenants)
+        for ns in list(self.namespaces.values()):  # oldest first
+            if ns.sessions or ns.holds or not ns.pages or (tenants and ns.book is not book):
+                continue
+            victims = ns.index.drop_owner(ns.id, self.pool.pins)
+            if victims:
+                self.l2.evicted_pages += len(victims)
+                self._evicted(victims)
+            if ns.id not in self.namespaces:
+                return
+
     def register(self, session: Session, msg: p.RegisterNamespace) -> p.NamespaceOk:
         spec = msg.spec
         validate_spec(spec, self.config.pool.max_page_bytes)
+        spec = _own_spec(session, spec)
         digest = namespace_digest(spec)
         ns = self._ns_by_digest.get(digest)
         if ns is None:
+            book = self.l2.book(spec.tenant if session.peer is not None else DEFAULT_TENANT)
+            if len(self.namespaces) >= self.config.pool.max_namespaces:
+                self._drop_an_unused_namespace(book)
             if len(self.namespaces) >= self.config.pool.max_namespaces:
                 raise ResourceExhausted(
                     f"{len(self.namespaces)} namespaces are in use, the limit (pool.max_namespaces)"
                 )
-            index = self.l2.index(spec.page_bytes)
-            ns = NamespaceState(next(self._ns_ids), spec, digest, index)
+            index = self.l2.index(spec.page_bytes, book.name)
+            ns = NamespaceState(next(self._ns_ids), spec, digest, index, book)
             self.namespaces[ns.id] = ns
             self._ns_by_digest[digest] = ns
         if ns.id not in session.namespaces:
@@ -341,7 +385,7 @@ class Cache:
             self.l2.quarantine(lease.fresh, self.clock() + self.config.leases.quarantine_s)
         else:
             for slot in lease.fresh:
-                pool.free(slot, ns.spec.page_bytes)
+                self.l2.free(slot, ns.spec.page_bytes)
         lease.fresh = []
         self._maybe_forget(ns)
 
@@ -363,7 +407,7 @@ class Cache:
         present = ns.index.match(keys)
         lease = self._new_lease(session, ns, present)
         want = len(keys) - len(present)
-        fresh = self.l2.alloc(ns.index, ns.spec.page_bytes, want)
+        fresh = self.l2.alloc(ns.book, ns.spec.page_bytes, want)
         lease.keys = keys[: len(present) + len(fresh)]
         lease.fresh = fresh
         lease.tokens = msg.tokens
@@ -386,20 +430,31 @@ class Cache:
         """Free evicted slots; under write_back, first write pages L3 lacks (under
         the namespace that stored each page), holding their slots until then."""
         write_back = self.tier is not None and self.config.storage.write_policy == "write_back"
-        hits = self._hits
-        self.events.removed([key for key, _, _ in victims], MEDIUM_L2)
-        owners: set[NamespaceState] = set()
+        hits, origins = self._hits, self._origins
+        owners: dict[NamespaceState, list[bytes]] = {}
         for key, slot, owner in victims:
             hits.pop(key, None)
             ns = self.namespaces[owner]
             ns.pages -= 1
-            owners.add(ns)
+            ns.book.evicted += 1
+            owners.setdefault(ns, []).append(key)
+            origin = origins.pop(key, None) if origins else None
             unwritten = key not in self.l3 and key not in self.writing
-            if write_back and unwritten and self._write(ns, key, slot, evicted=True):
+            if write_back and unwritten and self._write_evicted(ns, key, slot, origin):
                 continue
-            self.pool.free(slot, ns.spec.page_bytes)
-        for ns in owners:
+            self.l2.free(slot, ns.spec.page_bytes)
+        for ns, keys in owners.items():
+            self.events.removed(keys, MEDIUM_L2, ns.spec.model)
             self._maybe_forget(ns)
+
+    def _write_evicted(
+        self, ns: NamespaceState, key: bytes, slot: int, origin: tuple[bytes | None, bytes] | None
+    ) -> bool:
+        if origin is None:  # not recorded (events off): the event has neither
+            return self._write(ns, key, slot, evicted=True)
+        parent, packed = origin
+        ids = _token_ids(packed, 0, ns.spec.page_tokens)
+        return self._write(ns, key, slot, evicted=True, parent=parent, tokens=ids)
 
     def commit(self, session: Session, msg: p.Commit) -> p.CommitOk:
         lease = self.leases.get(msg.lease)
@@ -422,19 +477,22 @@ class Cache:
         ns.pages += published
         lease.fresh = fresh[count:]
         for slot in unused:
-            self.pool.free(slot, ns.spec.page_bytes)
+            self.l2.free(slot, ns.spec.page_bytes)
         self._end_lease(lease)
         new = n - published
         if published:
             page_tokens = ns.spec.page_tokens
             parent = keys[new - 1] if new else None
             tokens = _token_ids(lease.tokens, new * page_tokens, n * page_tokens)
-            self.events.stored(keys[new:], parent, tokens, page_tokens, MEDIUM_L2)
+            self.events.stored(keys[new:], parent, tokens, page_tokens, MEDIUM_L2, ns.spec.model)
         if published and self.tier is not None:
+            policy = self.config.storage.write_policy
             if pf is not None:
                 self.l3.update(keys[new:])  # these came from L3
-            elif self.config.storage.write_policy == "write_through":
+            elif policy == "write_through":
                 self._write_pages(ns, keys, slots, new, lease.tokens)
+            elif policy == "write_back" and self.events.enabled:
+                self._remember_origins(ns, keys, new, lease.tokens)
         return p.CommitOk(id=msg.id, published=published, duplicates=count - published)
 
     def match(self, session: Session, msg: p.Match) -> p.MatchOk:
@@ -450,6 +508,9 @@ class Cache:
         counted["asked"] += len(keys)
         counted["l2"] += hits
         counted["l3"] += l3_hits
+        book = ns.book
+        book.asked += len(keys)
+        book.hits += hits
         if (
             hits
             and self.tier is not None
@@ -459,6 +520,15 @@ class Cache:
         return p.MatchOk(id=msg.id, hits=hits, offsets=slots, lease=lease_id, l3_hits=l3_hits)
 
     # -- L3 ------------------------------------------------------------------------------
+
+    def _remember_origins(
+        self, ns: NamespaceState, keys: list[bytes], start: int, tokens: bytes
+    ) -> None:
+        """write_back: keep what the L3 event of pages ``start..`` will need."""
+        step = ns.spec.page_tokens * TOKEN_BYTES
+        origins = self._origins
+        for i in range(start, len(keys)):
+            origins[keys[i]] = (keys[i - 1] if i else None, tokens[i * step : (i + 1) * step])
 
     def _count_hit(
         self, ns: NamespaceState, keys: list[bytes], slots: list[int], tokens: bytes
@@ -520,7 +590,10 @@ class Cache:
             self._count_l3("written" if ok else "write_failed")
             if ok:
                 self.l3.add(key)
-                self.events.stored([key], parent, tokens or [], ns.spec.page_tokens, self.l3_medium)
+                spec = ns.spec
+                self.events.stored(
+                    [key], parent, tokens or [], spec.page_tokens, self.l3_medium, spec.model
+                )
             if evicted:
                 self.l2.give_back(slot)
             else:
@@ -542,15 +615,16 @@ class Cache:
     def _count_l3(self, what: str, n: int = 1) -> None:
         self.l3_counters[what] = self.l3_counters.get(what, 0) + n
 
-    def forget_l3(self, keys: Iterable[bytes]) -> None:
-        """The backend no longer holds these pages. Those still in L2 are written
-        again under the write-through policies, so L3 never keeps a sequence
-        whose head it lost while that head sits in L2 (write_back writes them
-        when they leave L2, as L3 lacks them now)."""
+    def forget_l3(self, keys: Iterable[bytes], ns_digest: bytes = b"") -> None:
+        """The backend no longer holds these pages (of namespace ``ns_digest``,
+        where known). Those still in L2 are written again under the
+        write-through policies, so L3 never keeps a sequence whose head it
+        lost while that head sits in L2 (write_back writes them when they
+        leave L2, as L3 lacks them now)."""
         gone = [key for key in keys if key in self.l3]
         for key in gone:
             self.l3.discard(key)
-        self.events.removed(gone, self.l3_medium)
+        self.events.removed(gone, self.l3_medium, self._model_of(ns_digest))
         if not gone or self.tier is None or self.config.storage.write_policy == "write_back":
             return
         wanted = set(gone)
@@ -560,13 +634,25 @@ class Cache:
                 rewritten += self._write(ns, key, slot, evicted=False)
         self._count_l3("rewritten", rewritten)
 
+    def _model_of(self, ns_digest: bytes) -> str:
+        ns = self._ns_by_digest.get(ns_digest)
+        return ns.spec.model if ns is not None else ""
+
+    def announce_l3(self, ns_digest: bytes, keys: list[bytes]) -> None:
+        """The startup scan found ``keys`` in L3: one BlockStored for them, with no
+        parent or token ids (the store keeps neither), and the namespace's
+        page_tokens and model where it is registered, else 0 and ""."""
+        ns = self._ns_by_digest.get(ns_digest)
+        size, model = (ns.spec.page_tokens, ns.spec.model) if ns is not None else (0, "")
+        self.events.stored(keys, None, [], size, self.l3_medium, model)
+
     def unwritten_pages(self) -> list[tuple[NamespaceState, bytes, int, int]]:
         """Every L2 page that L3 lacks and no write is carrying: (namespace, key,
         slot, the slot's generation now)."""
         out = []
         l3, writing, namespaces = self.l3, self.writing, self.namespaces
         gens = self.pool.gens
-        for index in self.indexes.values():
+        for index in self.l2.indexes():
             for node in index.nodes():
                 ns = namespaces[node.owner]
                 for key, slot in zip(node.keys, node.slots, strict=True):
@@ -587,7 +673,13 @@ class Cache:
                 node = ns.index.node_of.get(slot)
                 if node is None or node.keys[node.slots.index(slot)] != key:
                     continue  # evicted since, perhaps reused
-            queued += self._write(ns, key, slot, evicted=False)
+            origin = self._origins.get(key)
+            if origin is None:
+                queued += self._write(ns, key, slot, evicted=False)
+                continue
+            parent, packed = origin
+            ids = _token_ids(packed, 0, ns.spec.page_tokens)
+            queued += self._write(ns, key, slot, evicted=False, parent=parent, tokens=ids)
         return queued
 
     def prefetch(self, session: Session, msg: p.Prefetch) -> p.PrefetchOk:
@@ -629,7 +721,7 @@ class Cache:
             return []
         ns = lease.ns
         want = min(available, len(pf.keys))
-        fresh = self.l2.alloc(ns.index, ns.spec.page_bytes, want)
+        fresh = self.l2.alloc(ns.book, ns.spec.page_bytes, want)
         lease.fresh = fresh
         lease.keys = lease.keys + pf.keys[: len(fresh)]
         pf.planned = len(fresh)
@@ -646,10 +738,24 @@ class Cache:
                 pf.failed = True
                 self._count_l3("prefetch_truncated")
                 return False
-            self.l3.add(pf.keys[pf.completed])
+            key = pf.keys[pf.completed]
+            if key not in self.l3:  # L3 holds a page we did not know of: announce it
+                self.l3.add(key)
+                self._announce_read(lease, pf.completed)
             pf.completed += 1
             self._count_l3("pages_prefetched")
         return not pf.ended
+
+    def _announce_read(self, lease: Lease, j: int) -> None:
+        """An L3 BlockStored for page ``j`` of a prefetch, found in L3 by reading it."""
+        pf, spec = lease.prefetch, lease.ns.spec
+        assert pf is not None
+        i = len(lease.keys) - pf.planned + j  # its place in the sequence
+        parent = lease.keys[i - 1] if i else None
+        tokens = _token_ids(lease.tokens, i * spec.page_tokens, (i + 1) * spec.page_tokens)
+        self.events.stored(
+            [pf.keys[j]], parent, tokens, spec.page_tokens, self.l3_medium, spec.model
+        )
 
     def prefetch_finished(self, lease: Lease) -> None:
         """The reader is done with the lease's slots."""
@@ -661,7 +767,7 @@ class Cache:
         if pf.ended:  # the lease ended while reading: free what it left
             ns = lease.ns
             for slot in lease.fresh:
-                self.pool.free(slot, ns.spec.page_bytes)
+                self.l2.free(slot, ns.spec.page_bytes)
             lease.fresh = []
             ns.holds -= 1
             self._maybe_forget(ns)
@@ -691,6 +797,49 @@ class Cache:
         for session in stale:
             self._end_session(session)
         return ended
+
+    # -- tenants and reloads ---------------------------------------------------------
+
+    def _set_quotas(self, config: Config) -> None:
+        """Each configured tenant's quota, in its book (created if new)."""
+        mib = 1 << 20
+        for name, tenant in config.tenants.items():
+            book = self.l2.book(name)
+            book.max_slots, book.max_bytes = tenant.max_pages, tenant.max_mib * mib
+
+    def reconfigure(self, config: Config) -> dict[str, int]:
+        """Run with ``config`` from now on (a reload: only keys that may change at
+        run time differ, config.reload_plan). A tenant whose quota went down
+        gives up its least recently used unleased pages at once; returns the
+        pages each such tenant gave up."""
+        self.config = config
+        self._set_quotas(config)
+        evicted = {}
+        for name in config.tenants:
+            book = self.l2.book(name)
+            if book.max_slots or book.max_bytes:
+                n = self.l2.enforce(book)
+                if n:
+                    evicted[name] = n
+        return evicted
+
+    def tenant_figures(self) -> list[TenantFigures]:
+        """Per-tenant figures for metrics, in name order."""
+        return [
+            TenantFigures(
+                tenant=book.name,
+                pages=book.pages,
+                slots=book.slots,
+                bytes=book.bytes,
+                max_slots=book.max_slots,
+                max_bytes=book.max_bytes,
+                asked=book.asked,
+                hits=book.hits,
+                evicted=book.evicted,
+                quota_evicted=book.quota_evicted,
+            )
+            for book in sorted(self.l2.books.values(), key=lambda b: b.name)
+        ]
 
     def stats(self) -> p.DaemonStats:
         pool = self.pool
@@ -726,6 +875,37 @@ class Cache:
             events_pending=len(self.events.pending),
             metrics_endpoint=self.metrics_endpoint,
         )
+
+
+def _same_peer(session: Session, peer: str | None) -> None:
+    """A session's requests come from the peer that opened it; a connection of
+    another tenant that reuses its routing id is refused, not served as it."""
+    if session.peer != peer:
+        raise ForeignTenant(
+            "this client id belongs to a session of another peer: connect again "
+            "without setting a routing id"
+        )
+
+
+def _own_spec(session: Session, spec: NamespaceSpec) -> NamespaceSpec:
+    """The namespace as registered by this session's peer: with tenants on, its
+    tenant is the connection's; one left at the default is filled from it, and
+    another tenant's is refused."""
+    peer = session.peer
+    if peer is None or spec.tenant == peer:
+        return spec  # tenants off: the tenant named is a salt like any other field
+    if peer.startswith("!"):
+        raise ForeignTenant(
+            f"this connection ({peer[1:]}) belongs to no tenant, so it may register no "
+            "namespace: list its uid, gid or CURVE key under [tenants] in the daemon's "
+            "config, or mark one tenant others = true"
+        )
+    if spec.tenant == DEFAULT_TENANT:
+        return msgspec.structs.replace(spec, tenant=peer)
+    raise ForeignTenant(
+        f"namespace of tenant {spec.tenant!r} refused: this connection belongs to tenant "
+        f"{peer!r} (its credentials say so); leave tenant unset or set it to {peer!r}"
+    )
 
 
 def _token_ids(tokens: bytes, start: int, end: int) -> list[int]:

@@ -81,6 +81,10 @@ class ServerConfig(msgspec.Struct, **_Section):
     endpoint: str = ""
     # "" = $RUNTIME_DIRECTORY, else $XDG_RUNTIME_DIR/hicached, else /tmp/hicached-<uid>; made 0700.
     runtime_dir: str = ""
+    # Group (name or number) whose members may connect over ipc and map the pool:
+    # the runtime directory becomes 0750 and the socket and pool file 0660, all of
+    # that group (the daemon's user must be a member). "" = the daemon's user only.
+    client_group: str = ""
     # Larger messages get a too_large error reply and are counted.
     max_message_bytes: int = 1 * MIB
     # Most pages one reserve or match may cover; longer requests get too_large.
@@ -106,6 +110,8 @@ class ServerConfig(msgspec.Struct, **_Section):
             check_endpoint(self.endpoint, remote=True)  # loopback unless CURVE: Config
         if self.runtime_dir and not self.runtime_dir.startswith("/"):
             raise ValueError("runtime_dir must be an absolute path")
+        if self.client_group != self.client_group.strip() or ":" in self.client_group:
+            raise ValueError(f"client_group {self.client_group!r}: give one group name or number")
         if self.max_message_bytes < 4096:
             raise ValueError("max_message_bytes must be at least 4096")
         positive(self, "max_pages_per_request", "max_clients", "hwm", "drain_batch", "queue_mib")
@@ -124,7 +130,7 @@ class PoolConfig(msgspec.Struct, **_Section):
     slab_mib: int = 64
     # Largest page a namespace may declare, in bytes (at most one slab).
     max_page_bytes: int = 4 * MIB
-    # Directory (a tmpfs) holding the arena file; the file is mode 0600.
+    # Directory (a tmpfs) holding the arena file; mode 0600 (0660 with server.client_group).
     shm_dir: str = "/dev/shm"
     # Prefault the arena (MAP_POPULATE) so first copies run at memcpy speed.
     populate: bool = True
@@ -237,6 +243,10 @@ class StorageConfig(msgspec.Struct, **_Section):
             raise ValueError("retries, retry_backoff_s and flush_deadline_s must not be negative")
 
 
+EVENT_FORMATS = ("map", "array")
+BLOCK_HASHES = ("int", "bytes")
+
+
 class EventsConfig(msgspec.Struct, **_Section):
     """KV events for cache-aware routers (vLLM's format; docs/events.md)."""
 
@@ -244,8 +254,19 @@ class EventsConfig(msgspec.Struct, **_Section):
     endpoint: str = ""
     # ROUTER endpoint for replaying missed batches; "" = no replay.
     replay_endpoint: str = ""
-    # The topic frame of every message.
-    topic: str = "kv-events"
+    # The topic frame of every message. {host} becomes this host's name,
+    # {model} the model of the namespace the batch's events are in ("" where
+    # no one namespace is known, e.g. the AllBlocksCleared at start); the
+    # default is the kv@<pod>@<model> form routers filter on.
+    topic: str = "kv@{host}@{model}"
+    # "map": events as vLLM encodes them now (structs as maps); "array": the
+    # older positional layout, for consumers that still decode it.
+    format: str = "map"
+    # "int": block hashes as vLLM's default 64-bit integers (the last 8 bytes
+    # of hicached's 16-byte page key, big-endian); "bytes": the whole key.
+    block_hashes: str = "int"
+    # data_parallel_rank stamped on every batch.
+    data_parallel_rank: int = 0
     # Events waiting to be sent, at most; more are dropped and counted.
     queue_events: int = 100000
     # Events per published batch, at most.
@@ -273,6 +294,18 @@ class EventsConfig(msgspec.Struct, **_Section):
                     raise ValueError(f"{name}: {exc}") from None
         if self.replay_endpoint and not self.endpoint:
             raise ValueError("replay_endpoint needs endpoint too")
+        try:
+            self.topic.format(host="h", model="m")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(
+                f"topic {self.topic!r}: only {{host}} and {{model}} may be filled in ({exc!r})"
+            ) from None
+        if self.format not in EVENT_FORMATS:
+            raise ValueError(f"format must be one of {', '.join(EVENT_FORMATS)}")
+        if self.block_hashes not in BLOCK_HASHES:
+            raise ValueError(f"block_hashes must be one of {', '.join(BLOCK_HASHES)}")
+        if self.data_parallel_rank < 0:
+            raise ValueError("data_parallel_rank must not be negative")
         positive(self, "queue_events", "batch_events", "flush_interval_s", "replay_batches", "hwm")
         positive(self, "replay_timeout_s")
         if self.close_linger_s < 0:
@@ -347,6 +380,49 @@ class CurveConfig(msgspec.Struct, **_Section):
                 raise ValueError(f"{name} must be an absolute path")
 
 
+# A tenant's name, as in the namespace field it fills (namespace.py checks the same).
+TENANT_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+class TenantConfig(msgspec.Struct, **_Section):
+    """One tenant, ``[tenants.NAME]``: which peers belong to it and how much of
+    L2 it may hold (docs/operations.md, Tenants)."""
+
+    # Local user ids whose ipc connections belong to this tenant (the peer's
+    # credentials as the kernel reports them when it connects).
+    uids: list[int] = msgspec.field(default_factory=list)
+    # Local group ids: an ipc peer whose uid no tenant lists belongs to the
+    # tenant that lists its primary (effective) group id.
+    gids: list[int] = msgspec.field(default_factory=list)
+    # CURVE public certificates (NAME.key, as `hicached keygen` writes them) of the
+    # tcp clients that belong to this tenant; a relative name is looked up in
+    # curve.authorized_keys_dir. A key must be authorized there as well.
+    curve_keys: list[str] = msgspec.field(default_factory=list)
+    # Peers that no tenant lists belong to this one; at most one tenant says so.
+    # With none, such peers get status only: every namespace is refused them.
+    others: bool = False
+    # Most L2 slots the tenant's pages may take (stored, being filled, or on their
+    # way back); 0 = no limit. Past it, its own least recently used pages make
+    # way, never another tenant's and never a leased one. Changes on SIGHUP.
+    max_pages: int = 0
+    # The same bound in MiB of slots; 0 = no limit. Changes on SIGHUP.
+    max_mib: int = 0
+
+    def problem(self) -> str:
+        """What is wrong with this table on its own ("" when nothing), as
+        "key: why"; Config names the tenant (msgspec cannot name a dict's key)."""
+        for name in ("max_pages", "max_mib"):
+            if getattr(self, name) < 0:
+                return f"{name}: must be 0 (no limit) or positive"
+        for name in ("uids", "gids"):
+            if any(i < 0 for i in getattr(self, name)):
+                return f"{name}: ids are not negative"
+        for key in self.curve_keys:
+            if not key or ".." in key.split("/"):
+                return f"curve_keys: {key!r} is not a certificate file name"
+        return ""
+
+
 class Config(msgspec.Struct, **_Section):
     """The whole daemon configuration; every section is optional."""
 
@@ -358,8 +434,12 @@ class Config(msgspec.Struct, **_Section):
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     curve: CurveConfig = msgspec.field(default_factory=CurveConfig)
     log: LogConfig = msgspec.field(default_factory=LogConfig)
+    # Tenants by name, ``[tenants.NAME]``; none = one tenant for every client, whose
+    # namespaces carry the tenant they name (docs/operations.md, Tenants).
+    tenants: dict[str, TenantConfig] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self._check_tenants()
         if self.curve.secret_key_file:
             return  # every tcp:// socket authenticates its peers
         for key, value in (
@@ -372,6 +452,42 @@ class Config(msgspec.Struct, **_Section):
                     check_endpoint(value)
                 except ValueError as exc:
                     raise ValueError(f"{key}: {exc}") from None
+
+    def _check_tenants(self) -> None:
+        seen: dict[tuple[str, object], str] = {}
+        others = []
+        for name, tenant in self.tenants.items():
+            if not TENANT_NAME_RE.fullmatch(name) or ".." in name:
+                raise ValueError(
+                    f"tenants.{name}: a tenant's name is 1-64 letters, digits, '.', '_' "
+                    "or '-', starting with a letter or digit"
+                )
+            problem = tenant.problem()
+            if problem:
+                raise ValueError(f"tenants.{name}.{problem}")
+            if tenant.curve_keys and not self.curve.secret_key_file:
+                raise ValueError(
+                    f"tenants.{name}.curve_keys: CURVE keys name tenants only with "
+                    "[curve] secret_key_file and authorized_keys_dir set"
+                )
+            if tenant.others:
+                others.append(name)
+            for what, values in (
+                ("uids", tenant.uids),
+                ("gids", tenant.gids),
+                ("curve_keys", tenant.curve_keys),
+            ):
+                for value in values:
+                    first = seen.setdefault((what, value), name)
+                    if first != name:
+                        raise ValueError(
+                            f"tenants.{name}.{what}: {value!r} belongs to tenant {first!r} "
+                            "already; a peer has one tenant"
+                        )
+        if len(others) > 1:
+            raise ValueError(
+                f"tenants: {' and '.join(others)} both say others = true; at most one may"
+            )
 
 
 def parse_config(text: str | bytes, source: str = "<config>") -> Config:
@@ -389,13 +505,116 @@ def parse_config(text: str | bytes, source: str = "<config>") -> Config:
 
 def load_config(path: str | os.PathLike[str] | None) -> Config:
     """Read a TOML file, or return the built-in defaults when ``path`` is None."""
+    global _last_loaded
     if path is None:
         return Config()
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
-    return parse_config(data, str(path))
+    config = parse_config(data, str(path))
+    _last_loaded = (config, str(path))
+    return config
+
+
+_last_loaded: tuple[Config, str] | None = None
+
+
+def config_source(config: Config) -> str | None:
+    """The file ``config`` was read from, if ``load_config`` read it last: where
+    a daemon started with it reads its config again on SIGHUP."""
+    if _last_loaded is not None and _last_loaded[0] is config:
+        return _last_loaded[1]
+    return None
+
+
+# What a running daemon takes again from its config file on SIGHUP (docs/operations.md,
+# Reloading); any other change needs a restart. The quotas of the tenants it runs
+# with (tenants.NAME.max_pages and max_mib) change too.
+RELOADABLE = frozenset(
+    {
+        "server.max_clients",
+        "server.session_idle_s",
+        "server.drain_batch",
+        "pool.max_namespaces",
+        "leases.max_leases",
+        "leases.sweep_interval_s",
+        "leases.quarantine_s",
+        "storage.write_policy",
+        "storage.selective_hits",
+        "storage.flush_deadline_s",
+        "log.level",
+    }
+)
+_RELOADABLE_TENANT_KEYS = ("max_pages", "max_mib")
+
+
+def reload_plan(running: Config, wanted: Config) -> tuple[Config, dict[str, Any], list[str]]:
+    """What a reload does: the config to run with (``wanted``'s value of every key
+    that may change at run time, ``running``'s of the others), the keys that
+    change with their new values, and the keys whose change is refused until a
+    restart. ConfigError when that mix is not a valid config."""
+    now = _leaves(msgspec.to_builtins(running))
+    new = _leaves(msgspec.to_builtins(wanted))
+    merged = msgspec.to_builtins(running)
+    applied: dict[str, Any] = {}
+    refused: list[str] = []
+    for key in sorted(set(now) | set(new)):
+        if now.get(key, _ABSENT) == new.get(key, _ABSENT):
+            continue
+        if key in now and key in new and _reloadable(key, running):
+            applied[key] = new[key]
+            _set(merged, key, new[key])
+            continue
+        parts = key.split(".")
+        if (
+            parts[0] == "tenants"
+            and len(parts) > 1
+            and not (parts[1] in running.tenants and parts[1] in wanted.tenants)
+        ):
+            key = f"tenants.{parts[1]}"  # a tenant added or removed, as a whole
+        if key not in refused:
+            refused.append(key)
+    try:
+        config = msgspec.convert(merged, Config)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(_with_dotted_path(str(exc))) from None
+    return config, applied, refused
+
+
+_ABSENT = object()
+
+
+def _reloadable(key: str, running: Config) -> bool:
+    if key in RELOADABLE:
+        return True
+    parts = key.split(".")
+    return (
+        len(parts) == 3
+        and parts[0] == "tenants"
+        and parts[1] in running.tenants
+        and parts[2] in _RELOADABLE_TENANT_KEYS
+    )
+
+
+def _leaves(table: dict[str, Any], where: str = "") -> dict[str, Any]:
+    """Every value of a decoded config that is not a table, by its dotted key; an
+    empty table counts as a value, so adding or removing one is a change."""
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        path = f"{where}{key}"
+        if isinstance(value, dict) and value:
+            out.update(_leaves(value, path + "."))
+        else:
+            out[path] = value
+    return out
+
+
+def _set(table: dict[str, Any], key: str, value: Any) -> None:
+    *parents, last = key.split(".")
+    for part in parents:
+        table = table[part]
+    table[last] = value
 
 
 def _with_dotted_path(message: str) -> str:

@@ -74,6 +74,14 @@ class ForeignLease(HicachedError):
     code = "foreign_lease"
 
 
+class ForeignTenant(HicachedError):
+    """The request needs a tenant this connection does not belong to: a namespace
+    of another tenant, or any namespace from a peer that maps to no tenant. A
+    connection's tenant comes from who it is (docs/operations.md, Tenants)."""
+
+    code = "foreign_tenant"
+
+
 class ResourceExhausted(HicachedError):
     """A bounded resource (leases, sessions, namespaces) is at its limit."""
 
@@ -122,6 +130,7 @@ _BY_CODE: dict[str, type[HicachedError]] = {
         UnknownNamespace,
         UnknownLease,
         ForeignLease,
+        ForeignTenant,
         ResourceExhausted,
         DeadlineExceeded,
         DaemonUnavailable,

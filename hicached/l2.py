@@ -1,16 +1,25 @@
-"""L2 allocation: slots for new pages, LRU eviction across page sizes, and the
-slots on their way back.
+"""L2 allocation: slots for new pages, LRU eviction across page sizes and
+tenants, per-tenant quotas, and the slots on their way back.
 
 Synchronous and free of I/O. The pool (pool.py) hands out slots; the page
-indexes (index.py, one per page size, on one shared recency clock) say which
-pages to evict. This module decides how many: an allocation evicts at most
-as many pages as it asked slots for. An evicted page that keeps its slot for
-a while (its write-back to L3 is in flight) counts against that budget, so
-the request stops short and the caller answers ``pool_full``; it never
-empties the index to serve one request. Slots on their way back (write-backs
-in flight, quarantined slots of expired write leases) are not counted as
-coming back: a hung L3 store or a long quarantine must not starve L2, and
-the write queue's bound (storage.queue_pages) caps what write-backs hold.
+indexes (index.py, one per tenant and page size, on one shared recency clock)
+say which pages to evict. This module decides how many: an allocation evicts
+at most as many pages as it asked slots for. An evicted page that keeps its
+slot for a while (its write-back to L3 is in flight) counts against that
+budget, so the request stops short and the caller answers ``pool_full``; it
+never empties the index to serve one request. Slots on their way back
+(write-backs in flight, quarantined slots of expired write leases) are not
+counted as coming back: a hung L3 store or a long quarantine must not starve
+L2, and the write queue's bound (storage.queue_pages) caps what write-backs hold.
+
+Tenants: every slot given out is charged to one tenant (its ``TenantBook``)
+until it is free again, whether it holds an indexed page, waits to be filled
+under a lease, or is on its way back. A tenant with a quota (``max_slots``,
+``max_bytes``) that would go past it evicts its own least recently used
+unpinned pages first, and gets no more than fits: its pressure never evicts
+another tenant's page. When the pool itself is full, pages of every tenant
+compete by recency, as pages of every size do; quotas that add up to no more
+than the pool (in whole slabs per page size) keep that from happening.
 
 What happens to an evicted page (freed at once, or held for a write-back) is
 the cache's policy: it is handed to ``on_evict``, which frees each slot or
@@ -21,20 +30,98 @@ from __future__ import annotations
 
 import collections
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+
+import msgspec
 
 from hicached.index import PageIndex
 from hicached.pool import SlotPool
 
 Victims = list[tuple[bytes, int, int]]  # (key, slot, owner namespace id)
 
+DEFAULT_TENANT = "default"
+
+# Pages evicted per step when tenants compete by recency: small enough that the
+# order across their indexes stays close to one LRU order.
+_STEP = 16
+
+
+class TenantBook:
+    """One tenant's part of L2: its page indexes, the slots charged to it, its quota
+    (0 = none) and what happened to its pages."""
+
+    __slots__ = (
+        "asked",
+        "bytes",
+        "evicted",
+        "hits",
+        "indexes",
+        "max_bytes",
+        "max_slots",
+        "name",
+        "quota_evicted",
+        "slots",
+    )
+
+    def __init__(self, name: str, max_slots: int = 0, max_bytes: int = 0) -> None:
+        self.name = name
+        self.indexes: dict[int, PageIndex] = {}  # page_bytes -> this tenant's index
+        self.slots = 0  # slots charged: indexed, under a lease, on their way back
+        self.bytes = 0
+        self.max_slots = max_slots
+        self.max_bytes = max_bytes
+        self.evicted = 0  # its pages evicted, for any reason
+        self.quota_evicted = 0  # of those, evicted to keep it within its quota
+        self.hits = 0  # pages its matches found in L2
+        self.asked = 0  # pages its matches asked for
+
+    @property
+    def pages(self) -> int:
+        return sum(index.pages for index in self.indexes.values())
+
+    def over(self, page_bytes: int, more: int) -> tuple[int, int]:
+        """By how many slots and bytes ``more`` slots of ``page_bytes`` would pass
+        the quota (each <= 0 when they fit)."""
+        slots = self.slots + more - self.max_slots if self.max_slots else 0
+        size = self.bytes + more * page_bytes - self.max_bytes if self.max_bytes else 0
+        return slots, size
+
+    def room(self, page_bytes: int) -> int | None:
+        """Slots of ``page_bytes`` the quota still allows; None without a quota."""
+        room = None
+        if self.max_slots:
+            room = self.max_slots - self.slots
+        if self.max_bytes:
+            fit = (self.max_bytes - self.bytes) // page_bytes
+            room = fit if room is None else min(room, fit)
+        return None if room is None else max(0, room)
+
+
+class TenantFigures(msgspec.Struct, frozen=True):
+    """One tenant's share of L2 (metrics.py): ``pages`` indexed, ``slots`` and
+    ``bytes`` charged (indexed, under a lease, on their way back), its quota
+    (0 = none), and counters of the pages its matches asked for and found, and
+    of its pages evicted (``quota_evicted`` of them to keep it within its quota)."""
+
+    tenant: str
+    pages: int
+    slots: int
+    bytes: int
+    max_slots: int
+    max_bytes: int
+    asked: int
+    hits: int
+    evicted: int
+    quota_evicted: int
+
 
 class L2:
-    """The pool's slots and the page indexes that order their eviction."""
+    """The pool's slots, who holds them, and the page indexes that order their eviction."""
 
     def __init__(self, pool: SlotPool, on_evict: Callable[[Victims], None]) -> None:
         self.pool = pool
-        self.indexes: dict[int, PageIndex] = {}  # page_bytes -> index
+        self.books: dict[str, TenantBook] = {}
+        self._holder: dict[int, TenantBook] = {}  # allocated slot -> tenant charged
         self._clock = itertools.count(1)  # one recency clock for every index
         self._on_evict = on_evict
         self.returning: dict[int, int] = {}  # page_bytes -> slots held on their way back
@@ -42,15 +129,45 @@ class L2:
         self.evicted_pages = 0
         self.reclaimed_slabs = 0
 
-    def index(self, page_bytes: int) -> PageIndex:
-        index = self.indexes.get(page_bytes)
+    def book(self, tenant: str = DEFAULT_TENANT) -> TenantBook:
+        book = self.books.get(tenant)
+        if book is None:
+            book = self.books[tenant] = TenantBook(tenant)
+        return book
+
+    def index(self, page_bytes: int, tenant: str = DEFAULT_TENANT) -> PageIndex:
+        """The index of ``tenant``'s pages of ``page_bytes``."""
+        indexes = self.book(tenant).indexes
+        index = indexes.get(page_bytes)
         if index is None:
-            index = self.indexes[page_bytes] = PageIndex(self._clock)
+            index = indexes[page_bytes] = PageIndex(self._clock)
         return index
+
+    def indexes(self, page_bytes: int | None = None) -> Iterator[PageIndex]:
+        """Every tenant's index (of ``page_bytes`` only, when given)."""
+        for book in self.books.values():
+            if page_bytes is None:
+                yield from book.indexes.values()
+            else:
+                index = book.indexes.get(page_bytes)
+                if index is not None:
+                    yield index
 
     @property
     def pages(self) -> int:
-        return sum(index.pages for index in self.indexes.values())
+        return sum(index.pages for index in self.indexes())
+
+    def free(self, slot: int, page_bytes: int | None = None) -> None:
+        """Return a slot to the pool; its tenant is no longer charged for it."""
+        size = self.pool.allocated.get(slot)
+        self.pool.free(slot, page_bytes)  # raises on a double free, before any books change
+        book = self._holder.pop(slot, None)
+        if book is not None and size is not None:
+            book.slots -= 1
+            book.bytes -= size
+
+    def holder(self, slot: int) -> TenantBook | None:
+        return self._holder.get(slot)
 
     # -- slots held on their way back --------------------------------------------
 
@@ -67,7 +184,7 @@ class L2:
         """A held slot is free now."""
         size = self.pool.allocated[slot]
         self.returning[size] -= 1
-        self.pool.free(slot, size)
+        self.free(slot, size)
 
     def quarantine(self, slots: list[int], until: float) -> None:
         """Slots a late client copy may still reach: reused only after ``until``."""
@@ -91,14 +208,18 @@ class L2:
 
     # -- allocation ------------------------------------------------------------------
 
-    def alloc(self, index: PageIndex, page_bytes: int, count: int) -> list[int]:
-        """Up to ``count`` free slots of ``page_bytes``, evicting LRU pages of ``index``.
+    def alloc(self, book: TenantBook, page_bytes: int, count: int) -> list[int]:
+        """Up to ``count`` free slots of ``page_bytes`` for ``book``'s tenant.
 
-        Pages of every size compete by recency: when the least recently used
-        page is of another size, that size gives back a whole slab (its LRU
-        pages go until one of its slabs is empty), so no page size can hold
-        the pool against another forever.
+        Within its quota first: past it, the tenant's own least recently used
+        pages go (at most ``count`` of them) and it gets only what fits. Then
+        from the pool: pages of every size and tenant compete by recency; when
+        the least recently used page is of another size, that size gives back
+        a whole slab (its LRU pages go until one of its slabs is empty), so no
+        page size can hold the pool against another forever.
         """
+        if book.max_slots or book.max_bytes:
+            count = self._within_quota(book, page_bytes, count)
         pool = self.pool
         out: list[int] = []
         budget = count  # pages this request may evict of its own size
@@ -108,51 +229,123 @@ class L2:
             if slot is not None:
                 out.append(slot)
                 continue
-            other = self._other_size_to_reclaim(index) if reclaim else None
+            other = self._other_size_to_reclaim(page_bytes) if reclaim else None
             if other is not None:
                 reclaim = self._reclaim_slab(other)
                 continue
             want = min(budget, count - len(out))
             if want <= 0:
                 break
-            victims = index.evict(want, pool.pins)
-            if not victims:
+            evicted = self._evict_lru(page_bytes, want)
+            if not evicted:
                 break
-            budget -= len(victims)
-            self._evicted(victims)
+            budget -= evicted
+        holder = self._holder
+        for slot in out:
+            holder[slot] = book
+        book.slots += len(out)
+        book.bytes += len(out) * page_bytes
         return out
+
+    def _within_quota(self, book: TenantBook, page_bytes: int, count: int) -> int:
+        """Evict the tenant's own LRU pages until ``count`` more slots fit its quota
+        (at most ``count`` pages); returns how many fit now."""
+        budget = count
+        while budget > 0:
+            slots, size = book.over(page_bytes, count)
+            if slots <= 0 and size <= 0:
+                break
+            index, each = self._oldest(iter(book.indexes.items()))
+            if index is None:
+                break  # all it holds is leased or on its way back
+            want = min(budget, max(slots, -(-size // each)))
+            victims = index.evict(want, self.pool.pins)
+            if victims:
+                budget -= len(victims)
+                book.quota_evicted += len(victims)
+                self._evicted(victims)
+        room = book.room(page_bytes)
+        return count if room is None else min(count, room)
+
+    def enforce(self, book: TenantBook) -> int:
+        """Bring a tenant within a quota lowered at run time: as many of its least
+        recently used unpinned pages go as it holds too many slots (a page on
+        its way back stays charged until its slot is free); returns how many went."""
+        slots, size = book.over(1, 0)
+        evicted = 0
+        while slots > 0 or size > 0:
+            index, each = self._oldest(iter(book.indexes.items()))
+            if index is None:
+                break  # what is left is leased or on its way back
+            want = max(1, min(64, max(slots, -(-size // each))))
+            victims = index.evict(want, self.pool.pins)
+            if not victims:
+                continue  # that index holds only pinned pages (it has no entry left)
+            slots -= len(victims)
+            size -= len(victims) * each
+            evicted += len(victims)
+            book.quota_evicted += len(victims)
+            self._evicted(victims)
+        return evicted
+
+    def _oldest(self, indexes: Iterator[tuple[int, PageIndex]]) -> tuple[PageIndex | None, int]:
+        """The index whose least recently used leaf is oldest, and its page size."""
+        best, choice, size = None, None, 0
+        for page_bytes, index in indexes:
+            tick = index.oldest()
+            if tick is not None and (best is None or tick < best):
+                best, choice, size = tick, index, page_bytes
+        return choice, size
+
+    def _evict_lru(self, page_bytes: int, count: int) -> int:
+        """Evict up to ``count`` pages of ``page_bytes``, least recently used first
+        over every tenant's index of that size; returns how many went."""
+        done = 0
+        candidates = [(page_bytes, index) for index in self.indexes(page_bytes)]
+        while done < count:
+            index, _ = self._oldest(iter(candidates))
+            if index is None:
+                break
+            step = count - done if len(candidates) == 1 else min(_STEP, count - done)
+            victims = index.evict(step, self.pool.pins)
+            if victims:
+                done += len(victims)
+                self._evicted(victims)
+        return done
 
     def _evicted(self, victims: Victims) -> None:
         self.evicted_pages += len(victims)
         self._on_evict(victims)
 
-    def _other_size_to_reclaim(self, own: PageIndex) -> int | None:
-        """The other page size whose LRU page is older than all of ``own``'s
-        (any with pages, when ``own`` has none), or None."""
-        if len(self.indexes) < 2:
+    def _other_size_to_reclaim(self, page_bytes: int) -> int | None:
+        """The other page size whose LRU page is older than every page of
+        ``page_bytes`` (any with pages, when it has none), or None."""
+        sizes = {size for book in self.books.values() for size in book.indexes}
+        if len(sizes) < 2:
             return None
-        best = own.oldest()
+        oldest = [index.oldest() for index in self.indexes(page_bytes)]
+        best = min((tick for tick in oldest if tick is not None), default=None)
         choice = None
-        for page_bytes, index in self.indexes.items():
-            if index is own or not self.pool.slabs_of(page_bytes):
+        for size in sizes:
+            if size == page_bytes or not self.pool.slabs_of(size):
                 continue
-            tick = index.oldest()
-            if tick is not None and (best is None or tick < best):
-                best, choice = tick, page_bytes
+            for index in self.indexes(size):
+                tick = index.oldest()
+                if tick is not None and (best is None or tick < best):
+                    best, choice = tick, size
         return choice
 
     def _reclaim_slab(self, page_bytes: int) -> bool:
         """Evict LRU pages of ``page_bytes`` until one of its slabs is free; bounded
         by two slabs' worth of pages. True if a slab came back."""
-        pool, index = self.pool, self.indexes[page_bytes]
+        pool = self.pool
         before = pool.free_slabs
         budget = 2 * max(1, pool.slots_per_slab(page_bytes))
         while pool.free_slabs == before and budget > 0:
-            victims = index.evict(min(budget, 64), pool.pins)
-            if not victims:
+            evicted = self._evict_lru(page_bytes, min(budget, 64))
+            if not evicted:
                 break
-            budget -= len(victims)
-            self._evicted(victims)
+            budget -= evicted
         if pool.free_slabs > before:
             self.reclaimed_slabs += 1
             return True

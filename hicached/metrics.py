@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 from hicached import protocol as p
 from hicached.config import MetricsConfig
 from hicached.errors import ConfigError
+from hicached.l2 import TenantFigures
 
 log = logging.getLogger("hicached.metrics")
 
@@ -38,16 +39,19 @@ class _Snapshot(Collector):
         self.take = take
         self.timeout_s = timeout_s
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.tenants: Callable[[], list[TenantFigures]] | None = None
 
-    def snapshot(self) -> p.DaemonStats:
+    def snapshot(self) -> tuple[p.DaemonStats, list[TenantFigures]]:
         loop = self.loop
         if loop is None:
             raise RuntimeError("the daemon is not running")
-        result: concurrent.futures.Future[p.DaemonStats] = concurrent.futures.Future()
+        result: concurrent.futures.Future[tuple[p.DaemonStats, list[TenantFigures]]]
+        result = concurrent.futures.Future()
 
         def take() -> None:
             try:
-                result.set_result(self.take())
+                tenants = self.tenants
+                result.set_result((self.take(), tenants() if tenants is not None else []))
             except BaseException as exc:  # handed to the scraping thread
                 result.set_exception(exc)
 
@@ -55,7 +59,7 @@ class _Snapshot(Collector):
         return result.result(timeout=self.timeout_s)
 
     def collect(self) -> Iterator[Metric]:
-        s = self.snapshot()
+        s, tenants = self.snapshot()
         yield _gauge("hicached_uptime_seconds", "Seconds since the daemon started.", s.uptime_s)
         pool = GaugeMetricFamily("hicached_pool_bytes", "L2 pool bytes by state.", labels=["state"])
         pool.add_metric(["used"], s.pool_used_bytes)
@@ -113,6 +117,48 @@ class _Snapshot(Collector):
             for what, value in sorted(gauges.items()):
                 state.add_metric([what], value)
             yield state
+        if tenants:
+            yield from _tenant_families(tenants)
+
+
+def _tenant_families(tenants: list[TenantFigures]) -> Iterator[Metric]:
+    """Per-tenant figures (docs/operations.md, Tenants)."""
+    pages = GaugeMetricFamily("hicached_tenant_pages", "L2 pages by tenant.", labels=["tenant"])
+    slots = GaugeMetricFamily(
+        "hicached_tenant_slots",
+        "L2 slots charged to each tenant: its pages, slots its leases fill, slots on "
+        "their way back.",
+        labels=["tenant"],
+    )
+    size = GaugeMetricFamily(
+        "hicached_tenant_bytes", "Bytes of the slots charged to each tenant.", labels=["tenant"]
+    )
+    quota = GaugeMetricFamily(
+        "hicached_tenant_quota",
+        "Each tenant's L2 quota (0 = none), in pages and in bytes.",
+        labels=["tenant", "unit"],
+    )
+    matched = CounterMetricFamily(
+        "hicached_tenant_match_pages",
+        "Pages each tenant's matches asked for, and how many L2 held.",
+        labels=["tenant", "tier"],
+    )
+    evicted = CounterMetricFamily(
+        "hicached_tenant_evicted_pages",
+        "Each tenant's pages evicted from L2: to keep it within its quota, or otherwise.",
+        labels=["tenant", "cause"],
+    )
+    for t in tenants:
+        pages.add_metric([t.tenant], t.pages)
+        slots.add_metric([t.tenant], t.slots)
+        size.add_metric([t.tenant], t.bytes)
+        quota.add_metric([t.tenant, "pages"], t.max_slots)
+        quota.add_metric([t.tenant, "bytes"], t.max_bytes)
+        matched.add_metric([t.tenant, "asked"], t.asked)
+        matched.add_metric([t.tenant, "l2"], t.hits)
+        evicted.add_metric([t.tenant, "quota"], t.quota_evicted)
+        evicted.add_metric([t.tenant, "other"], t.evicted - t.quota_evicted)
+    yield from (pages, slots, size, quota, matched, evicted)
 
 
 # L3 figures that go up and down; every other L3 figure only grows.
@@ -169,6 +215,15 @@ class Metrics:
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
         self.endpoint = ""
+
+    @property
+    def tenants(self) -> Callable[[], list[TenantFigures]] | None:
+        """Where a scrape takes per-tenant figures from (on the loop, with the rest)."""
+        return self._snapshot.tenants
+
+    @tenants.setter
+    def tenants(self, take: Callable[[], list[TenantFigures]] | None) -> None:
+        self._snapshot.tenants = take
 
     def observe_request(self, op: str, seconds: float) -> None:
         """Time of one handled request."""

@@ -28,6 +28,10 @@ class NamespaceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     ``replicated`` marks KV that is identical on every TP rank (MLA-style):
     all TP ranks then share one namespace and the TP coordinates are left out
     of the digest.
+
+    ``tenant`` salts the digest. A daemon with ``[tenants]`` sets it to the
+    tenant of the connection that registers the namespace (when left at
+    ``default``) and refuses any other (cache.py, docs/keys.md).
     """
 
     model: str

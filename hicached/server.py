@@ -7,6 +7,11 @@ time. Every request gets a reply or is counted as dropped: a fault while
 serving one (a bug) becomes an ``internal`` error reply and the drain goes
 on with the next message. KV events go out through a ``Publisher``
 (events.py). Signals only set a flag; a second signal exits at once.
+
+Tenants: with ``[tenants]`` configured, a connection's tenant comes from who
+it is (tenants.py), never from what it says; the cache checks each request
+against it. SIGHUP reads the config file again and applies what may change at run time
+(config.reload_plan); everything else keeps its running value, logged.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import grp
 import logging
 import math
 import os
@@ -21,6 +27,7 @@ import signal
 import stat
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -31,12 +38,20 @@ from zmq.auth.thread import ThreadAuthenticator
 from hicached import protocol as p
 from hicached.arena import Arena, arena_path
 from hicached.cache import OP_NAMES, Cache
-from hicached.config import Config, endpoint, runtime_dir
+from hicached.config import (
+    Config,
+    config_source,
+    endpoint,
+    load_config,
+    reload_plan,
+    runtime_dir,
+)
 from hicached.errors import BadRequest, ConfigError, HicachedError, TooLarge
 from hicached.events import Publisher
 from hicached.metrics import Metrics
-from hicached.notify import sd_notify, watchdog_interval
+from hicached.notify import StartupProgress, sd_notify, watchdog_interval
 from hicached.storage import Tier, make_backend
+from hicached.tenants import TENANT_DOMAIN, PeerAuthenticator, TenantMap, user_id
 
 log = logging.getLogger("hicached")
 
@@ -107,26 +122,59 @@ def _scalar(buf: bytes, pos: int) -> tuple[bytes | int | None, int]:
     return buf[start:end], end
 
 
-def ensure_private_dir(path: Path) -> None:
-    """Create ``path`` mode 0700, or check that an existing one is ours and private."""
+def ensure_private_dir(path: Path, group: int | None = None) -> None:
+    """Create ``path`` mode 0700, or check that an existing one is ours and private.
+    With ``group`` (server.client_group) it is 0750 and that group's: its members
+    reach the sockets inside, nobody else does."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = path.lstat()
     if not stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"{path} must be a directory, not a link or a file")
     if st.st_uid != os.getuid():
         raise ConfigError(f"{path} belongs to uid {st.st_uid}, not to this user ({os.getuid()})")
-    if st.st_mode & 0o077:
+    if st.st_mode & (0o077 if group is None else 0o027):
         raise ConfigError(
             f"{path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}): "
-            f"run chmod 700 {path}"
+            f"run chmod {700 if group is None else 750} {path}"
         )
+    if group is not None:
+        share_with_group(path, group, 0o750)
 
 
+def client_group_id(name: str) -> int | None:
+    """The gid of server.client_group (a name or a number), None when unset."""
+    if not name:
+        return None
+    try:
+        return int(name) if name.isdigit() else grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise ConfigError(f"server.client_group: no group named {name!r} on this host") from None
+
+
+def share_with_group(path: Path, group: int, mode: int) -> None:
+    """Give ``path`` (ours) to ``group`` with ``mode``; no chown when it has that group."""
+    try:
+        if path.lstat().st_gid != group:
+            os.chown(path, -1, group, follow_symlinks=False)
+        os.chmod(path, mode)
+    except OSError as exc:
+        raise ConfigError(
+            f"server.client_group: cannot give {path} to group {group}: {exc.strerror} "
+            "(the daemon's user must be in that group)"
+        ) from None
+
+
+# ZAP domain of the request socket when tenants are configured: its peers get
+# their tenant as User-Id. Other sockets keep the default domain and handling.
 class Server:
-    """One daemon instance; ``await run()`` serves until a signal or ``stop()``."""
+    """One daemon instance; ``await run()`` serves until a signal or ``stop()``.
 
-    def __init__(self, config: Config) -> None:
+    ``config_path``: the file SIGHUP reads again (by default the one
+    ``load_config`` read ``config`` from, if it did)."""
+
+    def __init__(self, config: Config, config_path: str | None = None) -> None:
         self.config = config
+        self.config_path = config_path or config_source(config)
         self.endpoint = endpoint(config)
         self.runtime_dir = runtime_dir(config)
         self.cache: Cache | None = None
@@ -136,12 +184,15 @@ class Server:
         self._sock: zmq.Socket[bytes] | None = None
         self.publisher: Publisher | None = None
         self._lock_fd: int | None = None
+        self._client_gid: int | None = None  # server.client_group, resolved at start
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._signals = 0
         self.metrics: Metrics | None = None
         self._auth: ThreadAuthenticator | None = None
         self._curve_keys: tuple[bytes, bytes] | None = None
+        self._tenants: TenantMap | None = None  # with [tenants]: who each peer is
+        self._reload_wanted = asyncio.Event()
         self._fault_logged = -math.inf  # monotonic time of the last logged internal error
         self._faults_unlogged = 0  # internal errors since then, not logged
         self.ready = asyncio.Event()
@@ -152,12 +203,14 @@ class Server:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
+        loop.add_signal_handler(signal.SIGHUP, self._reload_wanted.set)
         try:
             await self.startup()
+            self._serving()
             await self._stop.wait()
         finally:
             await self.shutdown()
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
 
     def stop(self) -> None:
@@ -173,28 +226,46 @@ class Server:
 
     async def startup(self) -> None:
         cfg = self.config
-        self._prepare()
-        assert self.cache is not None and self.arena is not None
-        if cfg.storage.backend:
-            backend = make_backend(cfg, self.arena.array.data)
-            tier = Tier(self.cache, backend, self.arena)
-            await tier.start()  # opens the store and learns what it holds
-            self.tier = self.cache.tier = tier
-            log.info("L3: %s backend, %s", cfg.storage.backend, cfg.storage.write_policy)
-        if cfg.metrics.enabled:
-            metrics = Metrics(cfg.metrics, self.cache.stats)
-            metrics.start()
-            self.metrics = metrics
-            self.cache.metrics_endpoint = metrics.endpoint
-            if self.tier is not None:
-                self.tier.dispatcher.on_call = metrics.observe_l3
+        # STATUS and EXTEND_TIMEOUT_USEC while the pool fills and L3 is scanned
+        with StartupProgress() as progress:
+            populated = [0]  # MiB, as _prepare prefaults the pool
+            progress.phase(
+                f"populating the {cfg.pool.size_mib} MiB pool",
+                lambda: populated[0],
+                stall_s=None,
+                unit=" MiB",
+            )
+            self._prepare(lambda done: populated.__setitem__(0, done >> 20))
+            assert self.cache is not None and self.arena is not None
+            if cfg.storage.backend:
+                backend = make_backend(cfg, self.arena.array.data)
+                tier = Tier(self.cache, backend, self.arena)
+                scan = cfg.storage.scan_on_start and not cfg.storage.scan_in_background
+                progress.phase(
+                    f"L3: opening the {cfg.storage.backend} store"
+                    + (", scanning its pages" if scan else ""),
+                    lambda: tier.scan_pages,
+                    stall_s=2 * cfg.storage.op_timeout_s,
+                    unit=" pages",
+                )
+                await tier.start()  # opens the store and learns what it holds
+                self.tier = self.cache.tier = tier
+                log.info("L3: %s backend, %s", cfg.storage.backend, cfg.storage.write_policy)
+            if cfg.metrics.enabled:
+                metrics = Metrics(cfg.metrics, self.cache.stats)
+                metrics.start()
+                self.metrics = metrics
+                self.cache.metrics_endpoint = metrics.endpoint
+                if self.tier is not None:
+                    self.tier.dispatcher.on_call = metrics.observe_l3
 
         self._listen()
 
-    def _prepare(self) -> None:
+    def _prepare(self, on_populate: Callable[[int], None] | None = None) -> None:
         """Directories, the single-instance lock, the pool and the state."""
         cfg = self.config
-        ensure_private_dir(self.runtime_dir)
+        self._client_gid = client_group_id(cfg.server.client_group)
+        ensure_private_dir(self.runtime_dir, self._client_gid)
         self._lock_fd = os.open(
             self.runtime_dir / "hicached.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
         )
@@ -206,12 +277,16 @@ class Server:
             ) from None
         if self.endpoint.startswith("ipc://"):
             sock_path = Path(self.endpoint[len("ipc://") :])
-            ensure_private_dir(sock_path.parent)
+            ensure_private_dir(sock_path.parent, self._client_gid)
             sock_path.unlink(missing_ok=True)
         size = cfg.pool.size_mib << 20
         started = time.monotonic()
         self.arena = Arena.create(
-            arena_path(cfg.pool.shm_dir, self.runtime_dir), size, cfg.pool.populate
+            arena_path(cfg.pool.shm_dir, self.runtime_dir),
+            size,
+            cfg.pool.populate,
+            self._client_gid,
+            on_populate,
         )
         log.info(
             "pool: %d MiB at %s (%.2fs)",
@@ -226,16 +301,22 @@ class Server:
         cfg = self.config
         assert self.cache is not None
         self._ctx = zmq.Context()
-        self._start_curve()
+        self._start_auth()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self._tenants is not None:
+            sock.setsockopt(zmq.ZAP_DOMAIN, TENANT_DOMAIN)  # every peer's tenant, by ZAP
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        sock.setsockopt(zmq.SNDHWM, cfg.server.hwm)
-        # Queued requests are bounded in bytes per client: past queue_mib the
-        # daemon stops reading that client's connection until it catches up.
+        # Queued requests and replies are bounded in bytes per client: past
+        # queue_mib the daemon stops reading that client's connection until it
+        # catches up, and replies it does not read are dropped (their leases end).
         server = cfg.server
         queued = max(4, (server.queue_mib << 20) // server.max_message_bytes)
         sock.setsockopt(zmq.RCVHWM, min(server.hwm, queued))
+        largest_reply = 10 * server.max_pages_per_request + 256  # offsets, as msgpack
+        sock.setsockopt(
+            zmq.SNDHWM, min(server.hwm, max(64, (server.queue_mib << 20) // largest_reply))
+        )
         # Hard guard on memory: libzmq drops the peer beyond this; between
         # max_message_bytes and this the request gets a too_large reply.
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * server.max_message_bytes)
@@ -267,7 +348,7 @@ class Server:
         """Bind like ``_bind``, an ipc:// socket in a private directory."""
         if where.startswith("ipc://"):
             path = Path(where[len("ipc://") :])
-            ensure_private_dir(path.parent)
+            ensure_private_dir(path.parent, self._client_gid)
             path.unlink(missing_ok=True)
         self._bind(sock, where, key)
 
@@ -320,11 +401,36 @@ class Server:
 
     # -- sockets -------------------------------------------------------------------
 
-    def _start_curve(self) -> None:
-        """Load the daemon's keys and start the handler that admits authorized peers."""
-        curve = self.config.curve
-        if not curve.secret_key_file:
+    def _start_auth(self) -> None:
+        """Load the daemon's CURVE keys, and start the ZAP handler that admits
+        authorized peers and names each request connection's tenant."""
+        cfg = self.config
+        curve = cfg.curve
+        authorized: set[bytes] = set()
+        if curve.secret_key_file:
+            authorized = self._load_curve()
+        elif not cfg.tenants:
             return
+        if cfg.tenants:
+            keys = self._tenant_keys(authorized)
+            self._tenants = TenantMap(cfg.tenants, keys, ipc=self.endpoint.startswith("ipc://"))
+        assert self._ctx is not None
+        auth = PeerAuthenticator(self._ctx, self._tenants, authorized)
+        auth.start()
+        self._auth = auth
+        if curve.secret_key_file:
+            auth.configure_curve(domain="*", location=curve.authorized_keys_dir)
+            log.info("CURVE on tcp:// sockets; authorized keys from %s", curve.authorized_keys_dir)
+        if cfg.tenants:
+            log.info(
+                "tenants %s; a connection's tenant comes from its %s",
+                ", ".join(sorted(cfg.tenants)),
+                "uid, then gid" if self.endpoint.startswith("ipc://") else "CURVE key",
+            )
+
+    def _load_curve(self) -> set[bytes]:
+        """The daemon's key pair (kept for binding) and the authorized public keys."""
+        curve = self.config.curve
         try:
             public, secret = zmq.auth.load_certificate(curve.secret_key_file)
         except (OSError, ValueError) as exc:
@@ -340,12 +446,26 @@ class Server:
             raise ConfigError(
                 f"curve.authorized_keys_dir: {curve.authorized_keys_dir} is not a directory"
             )
-        assert self._ctx is not None
-        auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("hicached.curve"))
-        auth.start()
-        auth.configure_curve(domain="*", location=curve.authorized_keys_dir)
-        self._auth, self._curve_keys = auth, (public, secret)
-        log.info("CURVE on tcp:// sockets; authorized keys from %s", curve.authorized_keys_dir)
+        self._curve_keys = (public, secret)
+        return set(zmq.auth.load_certificates(curve.authorized_keys_dir))
+
+    def _tenant_keys(self, authorized: set[bytes]) -> dict[bytes, str]:
+        """Z85 public key -> tenant, from the certificates each tenant lists."""
+        keys = {}
+        for name, tenant in self.config.tenants.items():
+            for cert in tenant.curve_keys:
+                path = Path(self.config.curve.authorized_keys_dir, cert)  # as is if absolute
+                what = f"tenants.{name}.curve_keys"
+                try:
+                    public, _ = zmq.auth.load_certificate(path)
+                except (OSError, ValueError) as exc:
+                    raise ConfigError(f"{what}: cannot read {path}: {exc}") from None
+                if public not in authorized:
+                    raise ConfigError(
+                        f"{what}: {path} is not authorized: put it in curve.authorized_keys_dir"
+                    )
+                keys[public] = name
+        return keys
 
     def _bind(self, sock: zmq.Socket[bytes], endpoint: str, key: str) -> None:
         """Bind (tcp:// with CURVE when configured) or close the socket and say
@@ -358,12 +478,17 @@ class Server:
         except zmq.ZMQError as exc:
             sock.close()
             raise ConfigError(f"{key}: cannot listen on {endpoint}: {exc}") from None
+        if endpoint.startswith("ipc://") and self._client_gid is not None:
+            share_with_group(Path(endpoint[len("ipc://") :]), self._client_gid, 0o660)
 
     # -- the request path --------------------------------------------------------
 
     def _drain(self) -> None:
         sock = self._sock
         if sock is None:
+            return
+        if self._tenants is not None:
+            self._drain_peers(sock)
             return
         for _ in range(self.config.server.drain_batch):
             try:
@@ -376,7 +501,31 @@ class Server:
                 self._fault(frames, exc)
         asyncio.get_running_loop().call_soon(self._drain)  # more may wait; let others run first
 
-    def _handle(self, frames: list[bytes]) -> None:
+    def _drain_peers(self, sock: zmq.Socket[bytes]) -> None:
+        """``_drain`` with tenants: each message comes with the User-Id that the
+        ZAP handler gave its connection, the peer's tenant. (Frame by frame:
+        a request's frame is read without a copy for its properties, and no
+        socket option is read per message, which costs more than the rest.)"""
+        for _ in range(self.config.server.drain_batch):
+            try:
+                routing_id = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            # a message's frames arrive together, and a routing id never alone
+            frame = sock.recv(zmq.NOBLOCK, copy=False)
+            frames, peer = [routing_id, frame.bytes], user_id(frame)
+            more = frame.more
+            while more:  # not a request (_handle counts it): take the rest
+                extra = sock.recv(zmq.NOBLOCK, copy=False)
+                frames.append(extra.bytes)
+                more = extra.more
+            try:
+                self._handle(frames, peer)
+            except Exception as exc:  # a bug: this request fails, the others go on
+                self._fault(frames, exc)
+        asyncio.get_running_loop().call_soon(self._drain)
+
+    def _handle(self, frames: list[bytes], peer: str | None = None) -> None:
         cache = self.cache
         assert cache is not None
         if len(frames) != 2:
@@ -405,10 +554,10 @@ class Server:
             cache.count_drop("past_deadline")
             return
         if self.metrics is None:
-            self._send(routing_id, cache.handle(routing_id, request))
+            self._send(routing_id, cache.handle(routing_id, request, peer))
             return
         started = time.perf_counter()
-        reply = cache.handle(routing_id, request)
+        reply = cache.handle(routing_id, request, peer)
         self.metrics.observe_request(OP_NAMES[type(request)], time.perf_counter() - started)
         self._send(routing_id, reply)
 
@@ -464,6 +613,7 @@ class Server:
             self._sock.send_multipart([routing_id, p.encode(reply)], zmq.NOBLOCK)
         except zmq.Again:
             self.cache.count_drop("send_full")
+            self.cache.undelivered(routing_id, reply)
         except zmq.ZMQError:
             self.cache.count_drop("unroutable")
 
@@ -482,12 +632,66 @@ class Server:
             sd_notify("WATCHDOG=1")
             await asyncio.sleep(interval)
 
+    # -- reloads ---------------------------------------------------------------------
 
-def serve(config: Config) -> None:
-    """Run a daemon in this process until SIGTERM or SIGINT."""
+    def _serving(self) -> None:
+        """Once the state exists: per-tenant metrics, and reloads on SIGHUP."""
+        assert self.cache is not None
+        if self.metrics is not None:
+            self.metrics.tenants = self.cache.tenant_figures
+        self._tasks.append(asyncio.get_running_loop().create_task(self._reloads()))
+
+    async def _reloads(self) -> None:
+        while True:
+            await self._reload_wanted.wait()
+            self._reload_wanted.clear()
+            await self.reload()
+
+    async def reload(self) -> bool:
+        """Read the config file again and apply what may change at run time
+        (config.RELOADABLE, tenants' quotas); other changes are refused, each with
+        a log line, and keep their running values. No session, lease or page is
+        dropped, except pages past a quota that went down. False when nothing
+        could be applied (no file, or an invalid one)."""
+        path = self.config_path
+        if path is None:
+            log.warning("SIGHUP: started without a config file (--config); nothing to reload")
+            return False
+        try:
+            wanted = await asyncio.get_running_loop().run_in_executor(None, load_config, path)
+            config, applied, refused = reload_plan(self.config, wanted)
+        except ConfigError as exc:
+            log.error("reload: %s; the daemon keeps running with its config as it was", exc)
+            return False
+        for key in refused:
+            log.warning(
+                "reload: %s changed in %s, but only a restart applies it; it keeps its "
+                "running value",
+                key,
+                path,
+            )
+        assert self.cache is not None
+        self.config = config
+        evicted = self.cache.reconfigure(config)
+        if self.tier is not None:
+            self.tier.config = config.storage
+        logging.getLogger().setLevel(config.log.level.upper())
+        for name, pages in evicted.items():
+            log.info(
+                "reload: tenant %s is past its new quota: %d of its pages evicted", name, pages
+            )
+        changes = ", ".join(f"{key} = {value!r}" for key, value in applied.items())
+        log.info("reload of %s: %s", path, changes or "nothing to change")
+        return True
+
+
+def serve(config: Config, config_path: str | None = None) -> None:
+    """Run a daemon in this process until SIGTERM or SIGINT; SIGHUP reloads
+    ``config_path`` (by default the file ``config`` was loaded from)."""
+    server = Server(config, config_path)
     try:
         import uvloop
     except ImportError:  # pragma: no cover
-        asyncio.run(Server(config).run())
+        asyncio.run(server.run())
     else:
-        uvloop.run(Server(config).run())
+        uvloop.run(server.run())

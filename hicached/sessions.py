@@ -3,7 +3,9 @@
 Synchronous and free of I/O, owned by the event-loop thread like the rest of
 the daemon's state.
 
-- A *session* is one connected client (a ZeroMQ routing id). It ends on
+- A *session* is one connected client (a ZeroMQ routing id) and, when tenants
+  are configured, the peer it is: its tenant, named by the connection's
+  credentials (server.py), never by what it sends. It ends on
   ``goodbye``, when it has been idle for ``server.session_idle_s`` without a
   lease, or when the session table is full and a newcomer needs its place
   (the longest idle session that holds no lease goes first).
@@ -23,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from hicached.index import PageIndex
+from hicached.l2 import TenantBook
 from hicached.namespace import NamespaceSpec
 
 
@@ -32,6 +35,7 @@ class NamespaceState:
     spec: NamespaceSpec
     digest: bytes
     index: PageIndex
+    book: TenantBook  # its tenant's share of L2
     sessions: int = 0  # sessions that registered it
     pages: int = 0  # its pages in L2
     holds: int = 0  # its open leases and L3 writes
@@ -48,6 +52,9 @@ class Session:
     client: str
     pid: int
     last_seen: float
+    # Who the peer is: its tenant's name; "!..." = a peer no tenant lists (what
+    # it is, for messages); None = tenants are off, a namespace names its own.
+    peer: str | None = None
     namespaces: set[int] = field(default_factory=set)
     leases: set[int] = field(default_factory=set)
 

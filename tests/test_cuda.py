@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from hicached import cuda
-from hicached.errors import HicachedError
+from hicached.errors import HicachedError, StaleHandle
 from tests.support import NS, PAGE_BYTES, PAGE_TOKENS, Daemon
 
 torch = pytest.importorskip("torch")
@@ -36,6 +36,11 @@ def test_without_cuda_pinning_fails_clearly(daemon: Daemon) -> None:
         c.pin_memory()
 
 
+def _pinned(c: object) -> bool:
+    """CUDA sees this client's mapping of the pool as page-locked memory."""
+    return bool(torch.from_numpy(c.mapping.arena.array).is_pinned())  # type: ignore[attr-defined]
+
+
 @needs_cuda
 @pytest.mark.parametrize("way", ["dma", "kernel"])
 def test_gpu_pages_round_trip_through_pinned_slots(
@@ -47,41 +52,59 @@ def test_gpu_pages_round_trip_through_pinned_slots(
     with d.client() as c:
         ns = c.register(**NS)
         c.pin_memory()
-        assert c.tensor(ns).is_pinned()  # CUDA sees the shared mapping as page-locked
+        assert _pinned(c)
         tokens = np.arange(40 * PAGE_TOKENS, dtype=np.uint32) + 123
         gpu = torch.randint(0, 256, (40, PAGE_BYTES), dtype=torch.uint8, device="cuda")
         res = c.reserve(ns, tokens)
-        order = [res.offsets[i] for i in np.random.default_rng(0).permutation(40)]
-        c.write_pages(ns, order, gpu)  # scattered: one DMA per page
-        # the slots hold exactly the GPU's bytes, as any process sees them
-        assert np.array_equal(c.read_pages(ns, order), gpu.cpu().numpy())
-        back = torch.zeros_like(gpu)
-        c.read_pages(ns, order, back)
-        assert torch.equal(back, gpu)
-        c.write_pages(ns, res.offsets, gpu)  # in order: runs of adjacent slots
+        order = np.random.default_rng(0).permutation(40).tolist()
+        c.write_pages(res.select(order), gpu)  # scattered slots
         c.commit(res)
         hit = c.match(ns, tokens)
+        # the slots hold exactly the GPU's bytes, as any process sees them
+        assert np.array_equal(c.read_pages(hit.select(order)), gpu.cpu().numpy())
+        back = torch.zeros_like(gpu)
+        c.read_pages(hit.select(order), back)
+        assert torch.equal(back, gpu)
         bf16 = torch.empty((40, PAGE_BYTES // 2), dtype=torch.bfloat16, device="cuda")
-        c.read_pages(ns, hit.offsets, bf16)  # any dtype, viewed as bytes
+        c.read_pages(hit.select(order), bf16)  # any dtype, viewed as bytes
         assert torch.equal(bf16.view(torch.uint8), gpu)
         c.release(hit)
+        res = c.reserve(ns, tokens + 100_000)
+        c.write_pages(res, gpu)  # in order: runs of adjacent slots
         with pytest.raises(ValueError, match="bytes"):
-            c.write_pages(ns, res.offsets[:2], gpu[:2, :100].contiguous())
+            c.write_pages(res.select([0, 1]), gpu[:2, :100].contiguous())
+        c.abort(res)
 
 
 @needs_cuda
 def test_unpinned_pool_still_copies_to_and_from_the_gpu(daemon: Daemon) -> None:
     with daemon.client() as c:
         ns = c.register(**NS)
-        assert not c.tensor(ns).is_pinned()
+        assert not _pinned(c)
         gpu = torch.randint(0, 256, (5, PAGE_BYTES), dtype=torch.uint8, device="cuda")
-        res = c.reserve(ns, np.arange(5 * PAGE_TOKENS, dtype=np.uint32) + 9)
-        order = res.offsets[::-1]
-        c.write_pages(ns, order, gpu)
+        tokens = np.arange(5 * PAGE_TOKENS, dtype=np.uint32) + 9
+        res = c.reserve(ns, tokens)
+        c.write_pages(res.select([4, 3, 2, 1, 0]), gpu)
+        c.commit(res)
+        hit = c.match(ns, tokens)
         back = torch.zeros_like(gpu)
-        c.read_pages(ns, order, back)
+        c.read_pages(hit.select([4, 3, 2, 1, 0]), back)
         assert torch.equal(back, gpu)
-        c.abort(res)
+        c.release(hit)
+
+
+@needs_cuda
+def test_a_stale_hit_never_fills_a_gpu_tensor(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        ns = c.register(**NS)
+        tokens = np.arange(2 * PAGE_TOKENS, dtype=np.uint32)
+        c.store(ns, tokens, np.full((2, PAGE_BYTES), 7, dtype=np.uint8))
+        hit = c.match(ns, tokens)
+        c.release(hit)
+        back = torch.zeros((2, PAGE_BYTES), dtype=torch.uint8, device="cuda")
+        with pytest.raises(StaleHandle):
+            c.read_pages(hit, back)
+        assert int(back.sum()) == 0
 
 
 @needs_cuda
@@ -93,10 +116,10 @@ def test_pinning_follows_a_daemon_restart(daemon_factory: Callable[..., Daemon])
         d.stop()
         d.start()
         c.stats()  # reconnects to the new daemon and its new pool
-        assert c.tensor(ns).is_pinned()
+        assert _pinned(c)
         gpu = torch.randint(0, 256, (3, PAGE_BYTES), dtype=torch.uint8, device="cuda")
         tokens = np.arange(3 * PAGE_TOKENS, dtype=np.uint32)
         res = c.reserve(ns, tokens)
-        c.write_pages(ns, res.offsets, gpu)
+        c.write_pages(res, gpu)
         c.commit(res)
         assert np.array_equal(c.load(ns, tokens), gpu.cpu().numpy())

@@ -1,0 +1,108 @@
+"""Tenants: who a connection is, from what the kernel or its CURVE key says.
+
+With ``[tenants]`` configured, the request socket asks the context's ZAP
+handler (``PeerAuthenticator``) about every connection: libzmq hands it an ipc
+peer's credentials as the kernel reports them (SO_PEERCRED, in the address
+``<host>:<uid>:<gid>:<pid>``) and a tcp peer's CURVE public key. It answers the
+tenant's name as the connection's User-Id, which libzmq attaches to every
+message of that connection (``user_id``), and the cache checks each request
+against it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
+
+from hicached.config import TenantConfig
+
+TENANT_DOMAIN = b"hicached-tenants"
+UNIDENTIFIED = "!a peer the daemon could not identify"
+
+
+class TenantMap:
+    """Who a peer is: its tenant's name, or "!<what it is>" when no tenant lists
+    it and none takes the others."""
+
+    def __init__(
+        self, tenants: dict[str, TenantConfig], keys: dict[bytes, str], *, ipc: bool
+    ) -> None:
+        self.by_uid = {uid: name for name, t in tenants.items() for uid in t.uids}
+        self.by_gid = {gid: name for name, t in tenants.items() for gid in t.gids}
+        self.by_key = keys  # Z85 public key -> tenant
+        self.others = next((name for name, t in tenants.items() if t.others), "")
+        self.ipc = ipc
+
+    def of_address(self, address: str) -> str:
+        """A peer without CURVE, by the address libzmq reports: over ipc
+        "<host>:<uid>:<gid>:<pid>" from the kernel's peer credentials; over
+        tcp an IP address, which says nothing of who the peer is."""
+        parts = address.rsplit(":", 3)
+        if self.ipc and len(parts) == 4 and all(part.isdigit() for part in parts[1:]):
+            uid, gid, pid = (int(part) for part in parts[1:])
+            name = self.by_uid.get(uid) or self.by_gid.get(gid) or self.others
+            return name or f"!uid {uid}, gid {gid}, pid {pid}"
+        what = "an ipc peer without credentials" if self.ipc else f"tcp {address} without CURVE"
+        return self.others or f"!{what}"
+
+    def of_key(self, key: bytes) -> str:
+        """A peer whose (authorized) CURVE public key is ``key`` (Z85)."""
+        return self.by_key.get(key) or self.others or f"!CURVE key {key.decode()}"
+
+
+class PeerAuthenticator(ThreadAuthenticator):
+    """The ZAP handler of the daemon's context. On the request socket with
+    tenants (TENANT_DOMAIN) it admits every ipc peer and every tcp peer whose
+    CURVE key is authorized, and answers the peer's tenant as the connection's
+    User-Id; the cache refuses what that tenant may not do. On other sockets
+    it checks CURVE keys as configured (``configure_curve``)."""
+
+    def __init__(
+        self,
+        context: zmq.Context[zmq.Socket[bytes]],
+        tenants: TenantMap | None,
+        authorized: set[bytes],
+    ) -> None:
+        super().__init__(context, log=logging.getLogger("hicached.auth"))
+        self.tenants = tenants
+        self.authorized = authorized  # Z85 public keys of curve.authorized_keys_dir
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        tenants = self.tenants
+        if tenants is None or len(msg) < 6 or msg[2] != TENANT_DOMAIN:
+            await super().handle_zap_message(msg)
+            return
+        version, request_id, _domain, address, _identity, mechanism = msg[:6]
+        credentials = msg[6:]
+        where = address.decode("utf-8", "replace")
+        if version != b"1.0":
+            self._send_zap_reply(request_id, b"400", b"Invalid version")
+            return
+        if mechanism == b"NULL":
+            peer = tenants.of_address(where)
+        elif mechanism == b"CURVE" and len(credentials) == 1:
+            key = z85.encode(credentials[0])
+            if key not in self.authorized:
+                self.log.debug("refused %s: CURVE key %s is not authorized", where, key.decode())
+                self._send_zap_reply(request_id, b"400", b"Unknown key")
+                return
+            peer = tenants.of_key(key)
+        else:
+            self._send_zap_reply(request_id, b"400", b"Unsupported mechanism")
+            return
+        self.log.debug(
+            "peer %s: %s", where, f"tenant {peer}" if peer[0] != "!" else f"no tenant ({peer[1:]})"
+        )
+        self._send_zap_reply(request_id, b"200", b"OK", peer)
+
+
+def user_id(frame: zmq.Frame) -> str:
+    """The User-Id libzmq attached to a message: the peer's tenant (PeerAuthenticator)."""
+    try:
+        value = frame.get("User-Id")
+    except zmq.ZMQError:  # the connection did not pass the ZAP handler
+        return UNIDENTIFIED
+    return value if isinstance(value, str) and value else UNIDENTIFIED

@@ -1,0 +1,153 @@
+"""SIGHUP: a live daemon takes what may change at run time from its config
+file again (quotas, limits, policies, the log level), refuses the rest with a
+log line, and drops no session, lease or page."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import msgspec
+import numpy as np
+
+from hicached.config import RELOADABLE, Config, _leaves, parse_config, reload_plan
+from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
+
+
+def test_the_plan_takes_what_may_change_and_refuses_the_rest() -> None:
+    running = parse_config(
+        '[tenants.alpha]\nuids = [1]\nmax_pages = 64\n[log]\nlevel = "info"\n'
+        "[pool]\nsize_mib = 64\n"
+    )
+    wanted = parse_config(
+        "[tenants.alpha]\nuids = [2]\nmax_pages = 256\nmax_mib = 8\n"
+        '[tenants.beta]\nuids = [3]\n[log]\nlevel = "debug"\n[pool]\nsize_mib = 128\n'
+        'max_namespaces = 9\n[storage]\nwrite_policy = "write_back"\n[server]\nhwm = 5\n'
+    )
+    config, applied, refused = reload_plan(running, wanted)
+    assert applied == {
+        "log.level": "debug",
+        "pool.max_namespaces": 9,
+        "storage.write_policy": "write_back",
+        "tenants.alpha.max_mib": 8,
+        "tenants.alpha.max_pages": 256,
+    }
+    assert refused == ["pool.size_mib", "server.hwm", "tenants.alpha.uids", "tenants.beta"]
+    assert config.log.level == "debug" and config.tenants["alpha"].max_pages == 256
+    assert config.pool.size_mib == 64 and config.server.hwm == running.server.hwm
+    assert config.tenants["alpha"].uids == [1] and set(config.tenants) == {"alpha"}
+    assert reload_plan(running, running)[1:] == ({}, [])
+
+
+def test_every_reloadable_key_exists() -> None:
+    keys = set(_leaves(msgspec.to_builtins(Config())))
+    assert keys >= RELOADABLE
+
+
+def test_keys_that_belong_together_stay_as_they_run() -> None:
+    running = parse_config("[pool]\nmax_page_bytes = 65536\nslab_mib = 1\nsize_mib = 8\n")
+    wanted = parse_config("[pool]\nmax_page_bytes = 4194304\nslab_mib = 4\nsize_mib = 8\n")
+    config, applied, refused = reload_plan(running, wanted)  # neither may change
+    assert config == running and not applied
+    assert refused == ["pool.max_page_bytes", "pool.slab_mib"]
+
+
+def _wait_for(daemon: Daemon, text: str, timeout: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        log = daemon.log.read_text()
+        if text in log:
+            return log
+        time.sleep(0.05)
+    raise AssertionError(f"{text!r} not in the daemon's log:\n{daemon.log.read_text()}")
+
+
+def _sighup(daemon: Daemon, config: str) -> str:
+    """Write ``config`` as the daemon's file, send SIGHUP, and return the log
+    lines of the reload (its last line says what it applied, or why nothing)."""
+    assert daemon.proc is not None
+    before = len(daemon.log.read_text())
+    daemon.config.write_text(config)
+    daemon.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        lines = daemon.log.read_text()[before:]
+        if "reload of" in lines or "keeps running" in lines:
+            return lines
+        time.sleep(0.05)
+    raise AssertionError(f"no reload in the daemon's log:\n{daemon.log.read_text()}")
+
+
+def _seq(i: int) -> np.ndarray:
+    return np.arange(i * 1000, i * 1000 + 4 * PAGE_TOKENS, dtype=np.uint32)  # 4 pages
+
+
+def test_sighup_changes_a_quota_and_the_log_level_without_losing_a_page(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    quota = f"[tenants.alpha]\nuids = [{os.getuid()}]\nmax_pages = {{pages}}\n"
+    d = daemon_factory(tail=quota.format(pages=64))
+    base = d.config.read_text()
+    with d.client() as c:
+        ns = c.register(**NS)
+        for i in range(17):  # 68 pages: past the quota, the oldest sequence goes
+            assert c.store(ns, _seq(i), page_bytes_for(_seq(i))).published == 4
+        before = c.stats()
+        assert (before.pages, before.evicted_pages) == (64, 4)
+        assert c.match(ns, _seq(0), lease=False).hits == 0
+        held = c.match(ns, _seq(1))  # a lease across the reload
+        assert held.hits == 4
+        assert "DEBUG" not in d.log.read_text()
+
+        raised = base.replace("max_pages = 64", "max_pages = 256").replace(
+            "size_mib = 16", "size_mib = 32"
+        )
+        lines = _sighup(d, raised + '[log]\nlevel = "debug"\n')
+        assert "log.level = 'debug'" in lines and "tenants.alpha.max_pages = 256" in lines
+        assert "pool.size_mib changed" in lines and "only a restart applies it" in lines
+
+        after = c.stats()  # the same session: no new hello
+        assert after.instance == before.instance
+        assert after.requests.get("hello") == before.requests.get("hello")
+        assert after.pages == 64 and after.evicted_pages == 4 and after.pool_bytes == 16 << 20
+        assert np.array_equal(c.read_pages(held), page_bytes_for(_seq(1)))  # still leased
+        for i in range(1, 17):  # not a page lost
+            assert c.match(ns, _seq(i), lease=False).hits == 4, i
+        for i in range(17, 57):  # 160 pages more fit the new quota: nothing evicted
+            assert c.store(ns, _seq(i), page_bytes_for(_seq(i))).published == 4
+        assert (c.stats().pages, c.stats().evicted_pages) == (224, 4)
+        with d.client():  # a new connection: the handler logs it at debug level now
+            pass
+        _wait_for(d, "DEBUG hicached.auth: peer")
+
+        # down to 100: the least recently used pages go, but not the leased ones
+        lowered = base.replace("max_pages = 64", "max_pages = 100") + '[log]\nlevel = "debug"\n'
+        lines = _sighup(d, lowered)
+        assert "tenant alpha is past its new quota: 124 of its pages evicted" in lines
+        assert "changed" not in lines  # nothing refused
+        stats = c.stats()
+        assert (stats.pages, stats.evicted_pages) == (100, 128)
+        assert c.match(ns, _seq(1), lease=False).hits == 4  # the oldest, but leased
+        for i in (2, 16, 32):
+            assert c.match(ns, _seq(i), lease=False).hits == 0, i
+        for i in (33, 56):
+            assert c.match(ns, _seq(i), lease=False).hits == 4, i
+        c.release(held)
+
+
+def test_a_bad_config_on_sighup_changes_nothing(daemon_factory: Callable[..., Daemon]) -> None:
+    d = daemon_factory()
+    good = d.config.read_text()
+    with d.client() as c:
+        ns = c.register(**NS)
+        c.store(ns, _seq(1), page_bytes_for(_seq(1)))
+        lines = _sighup(d, good + "[pool\n")
+        assert "reload:" in lines and "not valid TOML" in lines and "keeps running" in lines
+        lines = _sighup(d, good.replace("size_mib = 16", "size_mib = 0"))
+        assert "pool.size_mib" in lines and "keeps running" in lines
+        assert c.match(ns, _seq(1), lease=False).hits == 4
+        assert d.proc is not None and d.proc.poll() is None
+        lines = _sighup(d, good)
+        assert "nothing to change" in lines

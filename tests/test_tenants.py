@@ -1,0 +1,539 @@
+"""Tenants that are boundaries: a connection's tenant comes from who it is (its
+uid over ipc, its CURVE key over tcp), never from what it says; a tenant's quota
+evicts its own pages only.
+
+The exact-order tests run on the daemon's state in-process. The real-uid tests
+run client processes as other users (``subprocess.Popen(user=, group=)``), so
+they need root: they create users with useradd (removed afterwards) and are
+skipped, saying why, elsewhere.
+"""
+
+from __future__ import annotations
+
+import grp
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from hicached import Client, CurveKeys
+from hicached import protocol as p
+from hicached.cache import Cache
+from hicached.config import Config, PoolConfig, TenantConfig, parse_config
+from hicached.errors import ConfigError, DaemonUnavailable, DeadlineExceeded, ForeignTenant
+from hicached.hashing import pack_tokens
+from hicached.namespace import NamespaceSpec, namespace_digest
+from hicached.tenants import TenantMap
+from hicached.testing import scrape
+from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = 4096
+SPEC = p.NamespaceSpec(model="m", kv_dtype="bf16", layout="l", page_tokens=1, page_bytes=PAGE)
+HELLO = p.Hello(id=1, major=p.PROTOCOL_MAJOR, minor=p.PROTOCOL_MINOR)
+
+
+# -- on the daemon's state ------------------------------------------------------------
+
+
+def _cache(**tenants: TenantConfig) -> Cache:
+    config = Config(pool=PoolConfig(size_mib=1, slab_mib=1, max_page_bytes=PAGE), tenants=tenants)
+    return Cache(config, pool_path="x")
+
+
+def _call(cache: Cache, rid: bytes, peer: str | None, request: p.Request) -> p.AnyReply:
+    return cache.handle(rid, p.request_decoder.decode(p.encode(request)), peer)
+
+
+def _register(cache: Cache, rid: bytes, peer: str | None, spec: NamespaceSpec = SPEC) -> int:
+    assert isinstance(_call(cache, rid, peer, HELLO), p.HelloOk)
+    ok = _call(cache, rid, peer, p.RegisterNamespace(id=2, spec=spec))
+    assert isinstance(ok, p.NamespaceOk), ok
+    return ok.ns
+
+
+def _store(cache: Cache, rid: bytes, peer: str, ns: int, tokens: list[int]) -> int:
+    res = _call(cache, rid, peer, p.Reserve(id=3, ns=ns, tokens=pack_tokens(tokens)))
+    assert isinstance(res, p.ReserveOk)
+    ok = _call(cache, rid, peer, p.Commit(id=4, lease=res.lease))
+    assert isinstance(ok, p.CommitOk)
+    return ok.published
+
+
+def _hits(cache: Cache, rid: bytes, peer: str, ns: int, tokens: list[int]) -> int:
+    ok = _call(cache, rid, peer, p.Match(id=5, ns=ns, tokens=pack_tokens(tokens), lease=False))
+    assert isinstance(ok, p.MatchOk)
+    return ok.hits
+
+
+def test_a_namespace_takes_the_connections_tenant_and_another_is_refused() -> None:
+    cache = _cache(alpha=TenantConfig(), beta=TenantConfig())
+    ns = _register(cache, b"a", "alpha")  # tenant left at its default: filled in
+    assert cache.namespaces[ns].digest == namespace_digest(
+        msgspec.structs.replace(SPEC, tenant="alpha")
+    )
+    own = msgspec.structs.replace(SPEC, tenant="alpha")
+    assert _call(cache, b"a", "alpha", p.RegisterNamespace(id=3, spec=own)) == p.NamespaceOk(
+        id=3, ns=ns, digest=cache.namespaces[ns].digest
+    )
+    other = msgspec.structs.replace(SPEC, tenant="beta")
+    refused = _call(cache, b"a", "alpha", p.RegisterNamespace(id=4, spec=other))
+    assert isinstance(refused, p.Error) and refused.code == ForeignTenant.code
+    assert "belongs to tenant 'alpha'" in refused.message
+    # a peer no tenant lists: status, but no namespace
+    assert isinstance(_call(cache, b"n", "!uid 7, gid 7, pid 1", p.Stats(id=1)), p.Error)
+    _call(cache, b"n", "!uid 7, gid 7, pid 1", HELLO)
+    assert isinstance(_call(cache, b"n", "!uid 7, gid 7, pid 1", p.Stats(id=2)), p.StatsOk)
+    nobody = _call(cache, b"n", "!uid 7, gid 7, pid 1", p.RegisterNamespace(id=3, spec=SPEC))
+    assert isinstance(nobody, p.Error) and nobody.code == ForeignTenant.code
+    assert "uid 7, gid 7" in nobody.message and "belongs to no tenant" in nobody.message
+    # another peer that takes over alpha's routing id is not served as alpha
+    stolen = _call(cache, b"a", "beta", p.Match(id=6, ns=ns, tokens=pack_tokens([1])))
+    assert isinstance(stolen, p.Error) and stolen.code == ForeignTenant.code
+    assert cache.sessions[b"a"].peer == "alpha"
+    assert cache.errors["foreign_tenant"] == 3
+
+
+def test_without_tenants_a_namespace_names_its_own_tenant() -> None:
+    cache = _cache()
+    spec = msgspec.structs.replace(SPEC, tenant="anything")
+    ns = _register(cache, b"a", None, spec)
+    assert cache.namespaces[ns].digest == namespace_digest(spec)
+    assert cache.namespaces[ns].book.name == "default"
+
+
+def test_a_quota_evicts_the_tenants_own_lru_pages_never_a_leased_one() -> None:
+    cache = _cache(alpha=TenantConfig(max_pages=6), beta=TenantConfig(max_pages=4))
+    a, b = _register(cache, b"a", "alpha"), _register(cache, b"b", "beta")
+    assert _store(cache, b"b", "beta", b, [1, 2, 3, 4]) == 4  # beta at its quota
+    assert _store(cache, b"a", "alpha", a, [1, 2, 3]) == 3
+    assert _store(cache, b"a", "alpha", a, [7, 8, 9]) == 3  # alpha at its quota
+    leased = _call(cache, b"a", "alpha", p.Match(id=9, ns=a, tokens=pack_tokens([1, 2, 3])))
+    assert isinstance(leased, p.MatchOk) and leased.lease
+    _hits(cache, b"a", "alpha", a, [7, 8, 9])  # [1,2,3] is older, but leased
+    assert _store(cache, b"a", "alpha", a, [5, 6]) == 2  # past its quota: [8, 9] make way
+    assert _hits(cache, b"a", "alpha", a, [1, 2, 3]) == 3
+    assert _hits(cache, b"a", "alpha", a, [7, 8, 9]) == 1
+    assert _hits(cache, b"a", "alpha", a, [5, 6]) == 2
+    assert _hits(cache, b"b", "beta", b, [1, 2, 3, 4]) == 4  # beta untouched
+    # only leased pages left to give: alpha gets what fits, and the pool has room
+    leased2 = _call(cache, b"a", "alpha", p.Match(id=10, ns=a, tokens=pack_tokens([5, 6])))
+    leased3 = _call(cache, b"a", "alpha", p.Match(id=11, ns=a, tokens=pack_tokens([7])))
+    assert isinstance(leased2, p.MatchOk) and isinstance(leased3, p.MatchOk)
+    res = _call(cache, b"a", "alpha", p.Reserve(id=12, ns=a, tokens=pack_tokens([20, 21])))
+    assert isinstance(res, p.ReserveOk) and res.pool_full and not res.offsets
+    figures = {f.tenant: f for f in cache.tenant_figures()}
+    assert (figures["alpha"].slots, figures["alpha"].quota_evicted) == (6, 2)
+    assert (figures["beta"].slots, figures["beta"].evicted) == (4, 0)
+    assert figures["alpha"].bytes == 6 * PAGE
+
+
+def test_a_quota_in_mib_and_one_lowered_at_run_time() -> None:
+    cache = _cache(alpha=TenantConfig(max_mib=1), beta=TenantConfig())  # 256 pages, the pool
+    a, b = _register(cache, b"a", "alpha"), _register(cache, b"b", "beta")
+    for i in range(70):  # 280 pages: past 256, alpha's oldest make way
+        assert _store(cache, b"a", "alpha", a, [1000 * i + j for j in range(4)]) == 4
+    alpha, beta = cache.l2.book("alpha"), cache.l2.book("beta")
+    assert (alpha.pages, alpha.quota_evicted) == (256, 24)
+    assert _hits(cache, b"a", "alpha", a, [0, 1, 2, 3]) == 0
+    # a full pool (not a quota) is shared by recency: beta, with no quota, takes
+    # alpha's least recently used pages; quotas that add up to the pool prevent it
+    assert _store(cache, b"b", "beta", b, list(range(50))) == 50
+    assert (alpha.pages, alpha.quota_evicted, alpha.evicted) == (206, 24, 74)
+    lowered = Config(
+        pool=cache.config.pool,
+        tenants={"alpha": TenantConfig(max_pages=10), "beta": TenantConfig()},
+    )
+    assert cache.reconfigure(lowered) == {"alpha": 196}
+    assert (alpha.pages, alpha.slots, beta.pages) == (10, 10, 50)
+    assert _hits(cache, b"a", "alpha", a, [69000 + j for j in range(4)]) == 4  # the newest
+    assert _hits(cache, b"a", "alpha", a, [67000 + j for j in range(4)]) == 2
+    assert _hits(cache, b"b", "beta", b, list(range(50))) == 50
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_books_balance_and_quotas_hold_under_random_work(seed: int) -> None:
+    """Two tenants whose quotas add up to less than the pool: every slot is
+    charged to one tenant, no tenant passes its quota, and no page is ever
+    evicted but by its own tenant's quota."""
+    quotas = {"alpha": 100, "beta": 120}  # pages; the pool holds 256
+    cache = _cache(**{t: TenantConfig(max_pages=n) for t, n in quotas.items()})
+    rng = np.random.default_rng(seed)
+    ns = {t: _register(cache, t.encode(), t) for t in quotas}
+    leases: dict[str, list[int]] = {t: [] for t in quotas}
+    for _ in range(1500):
+        t = str(rng.choice(list(quotas)))
+        rid, what = t.encode(), rng.random()
+        tokens = pack_tokens([int(x) for x in rng.integers(0, 6, int(rng.integers(1, 12)))])
+        if what < 0.5:
+            res = _call(cache, rid, t, p.Reserve(id=1, ns=ns[t], tokens=tokens))
+            assert isinstance(res, p.ReserveOk)
+            if res.lease and rng.random() < 0.8:
+                ok = _call(cache, rid, t, p.Commit(id=2, lease=res.lease, pages=len(res.offsets)))
+                assert isinstance(ok, p.CommitOk)
+            elif res.lease:
+                leases[t].append(res.lease)
+        elif what < 0.8:
+            hit = _call(cache, rid, t, p.Match(id=3, ns=ns[t], tokens=tokens))
+            assert isinstance(hit, p.MatchOk)
+            if hit.lease:
+                leases[t].append(hit.lease)
+        elif leases[t]:
+            lease = leases[t].pop(int(rng.integers(len(leases[t]))))
+            assert isinstance(_call(cache, rid, t, p.Release(id=4, lease=lease)), p.Ok)
+        books = [cache.l2.book(t) for t in quotas]
+        assert sum(b.slots for b in books) == len(cache.pool.allocated)
+        assert sum(b.bytes for b in books) == cache.pool.used_bytes
+        for b in books:
+            fresh = sum(len(x.fresh) for x in cache.leases if x.ns.book is b)
+            assert b.slots == b.pages + fresh <= quotas[b.name]
+            assert b.evicted == b.quota_evicted  # only its own quota evicts its pages
+    assert all(cache.l2.book(t).quota_evicted for t in quotas)
+
+
+def test_tenant_map_reads_ipc_credentials_and_curve_keys() -> None:
+    tenants = {
+        "alpha": TenantConfig(uids=[1001]),
+        "beta": TenantConfig(gids=[2000]),
+        "rest": TenantConfig(others=True),
+    }
+    m = TenantMap(tenants, {b"K" * 40: "alpha"}, ipc=True)
+    assert m.of_address("localhost:1001:2000:77") == "alpha"  # the uid first
+    assert m.of_address("localhost:1002:2000:77") == "beta"
+    assert m.of_address("localhost:1003:3000:77") == "rest"
+    assert m.of_key(b"K" * 40) == "alpha"
+    strict = TenantMap({"alpha": TenantConfig(uids=[1001])}, {}, ipc=True)
+    assert strict.of_address("localhost:5:6:7") == "!uid 5, gid 6, pid 7"
+    assert strict.of_address("") == "!an ipc peer without credentials"
+    assert strict.of_key(b"Z" * 40).startswith("!CURVE key ZZZ")
+    tcp = TenantMap({"alpha": TenantConfig(uids=[1001])}, {}, ipc=False)
+    assert tcp.of_address("1:1001:1:1") == "!tcp 1:1001:1:1 without CURVE"  # not credentials
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[tenants.a]\nuids = [1]\n[tenants.b]\nuids = [1]\n", "tenants.b.uids: 1 belongs to"),
+        ("[tenants.a]\nothers = true\n[tenants.b]\nothers = true\n", "at most one may"),
+        ('[tenants."a/b"]\n', "a tenant's name"),
+        ("[tenants.a]\nmax_mib = -1\n", "tenants.a.max_mib: must be 0"),
+        ('[tenants.a]\ncurve_keys = ["a.key"]\n', "CURVE keys name tenants only with"),
+        ('[tenants.a]\ncurve_keys = ["../x.key"]\n', "not a certificate file name"),
+    ],
+)
+def test_bad_tenants_name_their_key(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=r"^x\.toml: ") as info:
+        parse_config(text, "x.toml")
+    assert message in str(info.value)
+
+
+# -- over tcp, by CURVE key -----------------------------------------------------------
+
+
+def _keygen(directory: Path, name: str) -> tuple[Path, Path]:
+    import zmq.auth
+
+    directory.mkdir(parents=True, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(str(directory), name)
+    return Path(public), Path(secret)
+
+
+def test_curve_keys_name_tenants(tmp_path: Path) -> None:
+    server_public, server_secret = _keygen(tmp_path / "server", "daemon")
+    authorized = tmp_path / "authorized"
+    authorized.mkdir()
+    made = {name: _keygen(tmp_path / "clients", name) for name in ("a1", "b1", "other", "stray")}
+    for name in ("a1", "b1", "other"):
+        shutil.copy(made[name][0], authorized / f"{name}.key")
+    d = Daemon(
+        tcp=True,
+        curve=CurveKeys.load(str(server_public), str(made["a1"][1])),
+        tail=(
+            f'[curve]\nsecret_key_file = "{server_secret}"\n'
+            f'authorized_keys_dir = "{authorized}"\n'
+            '[tenants.alpha]\ncurve_keys = ["a1.key"]\n'
+            f'[tenants.beta]\ncurve_keys = ["{authorized / "b1.key"}"]\n'
+        ),
+    )
+    try:
+        d.start()
+
+        def client(name: str) -> Client:
+            keys = CurveKeys.load(str(server_public), str(made[name][1]))
+            return Client(d.endpoint, timeout=2.0, curve=keys, map_pool=False)
+
+        with client("a1") as a, client("b1") as b, client("other") as other:
+            ns = a.register(**NS)
+            assert ns.digest == namespace_digest(NamespaceSpec(**{**NS, "tenant": "alpha"}))
+            with pytest.raises(ForeignTenant, match="belongs to tenant 'beta'"):
+                b.register(**NS, tenant="alpha")
+            assert b.register(**NS).digest != ns.digest
+            with pytest.raises(ForeignTenant, match="belongs to no tenant"):
+                other.register(**NS)  # authorized, but no tenant lists its key
+            assert other.stats().clients >= 3
+        with pytest.raises((DeadlineExceeded, DaemonUnavailable)), client("stray") as stray:
+            stray.stats()  # not authorized: no answer, as without tenants
+    finally:
+        d.cleanup()
+
+
+# -- over ipc, by uid: client processes as other users ----------------------------------
+
+
+USERADD = ("useradd", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin")
+
+
+@dataclass
+class Users:
+    group: str  # the daemon's client group (server.client_group); every user is in it
+    gid: int
+    ids: list[tuple[int, int]]  # (uid, primary gid) of each user
+
+
+@pytest.fixture(scope="module")
+def users() -> Iterator[Users]:
+    """Three users in one client group, made for this module and removed after it."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: client processes run as other users (Popen user=, group=)")
+    if not (shutil.which("useradd") and shutil.which("groupadd")):
+        pytest.skip("needs useradd and groupadd to create the users the clients run as")
+    tag = f"hc{os.getpid() % 100000}"
+    group, names = f"{tag}c", [f"{tag}u{i}" for i in range(3)]
+    made: list[str] = []
+    try:
+        subprocess.run(["groupadd", group], check=True, capture_output=True)
+        for name in names:
+            subprocess.run(
+                [*USERADD, "--groups", group, name],
+                check=True,
+                capture_output=True,
+            )
+            made.append(name)
+        ids = [(pwd.getpwnam(n).pw_uid, pwd.getpwnam(n).pw_gid) for n in names]
+        yield Users(group, grp.getgrnam(group).gr_gid, ids)
+    finally:
+        for name in made:
+            subprocess.run(["userdel", name], capture_output=True)
+        subprocess.run(["groupdel", group], capture_output=True)
+
+
+# A client process. The interpreter may live where other users cannot run it
+# (under /root, say), so it starts as root, loads all it needs, and gives up
+# root for good (groups, gid, uid) before it makes a socket: from then on it is
+# that user, and the kernel reports that uid as the connection's credentials.
+CHILD = textwrap.dedent(
+    """
+    import json, os, sys
+    import numpy as np
+    import numpy.random
+    sys.path.insert(0, ROOT)
+    import hicached.arena, hicached.handles, hicached.mapping
+    from hicached import Client
+    from hicached.errors import HicachedError
+    from tests.support import NS
+
+    args = json.loads(sys.argv[1])
+    uid, gid, group = args["user"]
+    os.setgroups([group])
+    os.setgid(gid)
+    os.setuid(uid)
+    assert os.getresuid() == (uid, uid, uid) and os.getresgid() == (gid, gid, gid)
+    out = {}
+
+    def toks(i):
+        return np.arange(i * 1000, i * 1000 + 64, dtype=np.uint32)  # 4 pages of 16 tokens
+
+    def pages(i):
+        return np.random.default_rng(i).integers(0, 256, (4, 4096), dtype=np.uint8)
+
+    with Client(args["endpoint"], timeout=10.0) as c:
+        for claim in args.get("claims", []):
+            fields = {"tenant": claim} if claim else {}
+            try:
+                out[claim or "unset"] = c.register(**NS, **fields).digest.hex()
+            except HicachedError as exc:
+                out[claim or "unset"] = exc.code + ": " + exc.message
+        if "own" in args:
+            ns = c.register(**NS)
+            own = set(range(*args["own"]))
+            for i in sorted(own):
+                c.store(ns, toks(i), pages(i))
+            fresh = iter(range(*args["pressure"]))
+            rng = np.random.default_rng(args["seed"])
+            cross = own_lookups = own_full = checked = 0
+            for n in range(args["lookups"]):
+                i = int(rng.integers(args["universe"]))
+                if i in own:
+                    own_lookups += 1
+                    hit = c.match(ns, toks(i))
+                    own_full += hit.hits == 4
+                    if hit.hits and n % 25 == 0:  # the bytes too: never a wrong one
+                        got = c.read_pages(hit)
+                        assert np.array_equal(got, pages(i)[: hit.hits]), i
+                        checked += 1
+                    c.release(hit)
+                else:
+                    cross += c.match(ns, toks(i), lease=False).hits
+                j = next(fresh, None)
+                if j is not None:
+                    c.store(ns, toks(j), pages(j))
+            out.update(cross=cross, own_lookups=own_lookups, own_full=own_full, checked=checked)
+    print(json.dumps(out))
+    """
+).replace("ROOT", repr(str(ROOT)))
+
+
+def _as_user(uid: int, gid: int, group: int, args: dict[str, object]) -> subprocess.Popen[str]:
+    """A client process that runs as ``uid`` (primary group ``gid``, in ``group``)."""
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD, json.dumps({**args, "user": [uid, gid, group]})],
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin", "HOME": "/", "PYTHONDONTWRITEBYTECODE": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _result(proc: subprocess.Popen[str], timeout: float = 120) -> dict[str, object]:
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err
+    result = json.loads(out)
+    assert isinstance(result, dict)
+    return result
+
+
+@pytest.fixture
+def tenant_daemon(users: Users) -> Iterator[Daemon]:
+    """A daemon (as root) whose client group holds the users; alpha is the first
+    user's uid, beta the second user's primary gid, the third user no tenant."""
+    (alpha_uid, _), (_, beta_gid), _ = users.ids
+    d = Daemon(
+        size_mib=16,
+        extra=f'client_group = "{users.group}"',
+        tail=(
+            f"[tenants.alpha]\nuids = [{alpha_uid}]\nmax_pages = 1024\n"
+            f"[tenants.beta]\ngids = [{beta_gid}]\nmax_pages = 1024\n"
+        ),
+    )
+    # The daemon's runtime directory, socket and pool are its client group's
+    # (server.client_group); the test's temporary directory above them is made
+    # passable for the users here.
+    os.chmod(d.dir, 0o711)
+    try:
+        yield d.start()
+    finally:
+        d.cleanup()
+
+
+def test_an_ipc_peers_tenant_comes_from_its_uid(tenant_daemon: Daemon, users: Users) -> None:
+    (a_uid, a_gid), (b_uid, b_gid), (n_uid, n_gid) = users.ids
+    claims = {"claims": ["", "alpha", "beta"], "endpoint": tenant_daemon.endpoint}
+    alpha = _result(_as_user(a_uid, a_gid, users.gid, claims))
+    beta = _result(_as_user(b_uid, b_gid, users.gid, claims))
+    nobody = _result(_as_user(n_uid, n_gid, users.gid, claims))
+    digest = {
+        t: namespace_digest(NamespaceSpec(**{**NS, "tenant": t})).hex() for t in ("alpha", "beta")
+    }
+    assert alpha == {
+        "unset": digest["alpha"],
+        "alpha": digest["alpha"],
+        "beta": alpha["beta"],
+    }
+    assert str(alpha["beta"]).startswith("foreign_tenant: namespace of tenant 'beta' refused")
+    assert beta["unset"] == beta["beta"] == digest["beta"]  # by its primary gid
+    assert str(beta["alpha"]).startswith("foreign_tenant:")
+    for claim in ("unset", "alpha", "beta"):
+        message = str(nobody[claim])
+        assert message.startswith("foreign_tenant: this connection (uid ")
+        assert f"uid {n_uid}, gid {n_gid}" in message
+    with tenant_daemon.client() as c:  # root: no tenant lists it, status is served
+        assert c.stats().errors["foreign_tenant"] == 5
+
+
+def test_quota_pressure_from_one_tenant_never_evicts_anothers_pages(
+    tenant_daemon: Daemon, users: Users
+) -> None:
+    """alpha stores 3,500 sequences (14,000 pages) against a quota of 1,024
+    pages, beta 200 (800 pages) within its own; meanwhile each looks up 5,000
+    random sequences of all 1,100 the two store first (half of them the other's,
+    100 of them stored by both): not one page of the other's is found, and beta
+    finds every page of its own, every time."""
+    (a_uid, a_gid), (b_uid, b_gid), _ = users.ids
+    common = {"endpoint": tenant_daemon.endpoint, "universe": 1100, "lookups": 5000}
+    alpha = _as_user(
+        a_uid,
+        a_gid,
+        users.gid,
+        {**common, "own": [100, 1100], "pressure": [2000, 4500], "seed": 1},
+    )
+    beta = _as_user(
+        b_uid, b_gid, users.gid, {**common, "own": [0, 200], "pressure": [0, 0], "seed": 2}
+    )
+    a, b = _result(alpha, 300), _result(beta, 300)
+    assert a["cross"] == 0 and b["cross"] == 0, (a, b)
+    assert b["own_full"] == b["own_lookups"] > 500, b
+    assert int(a["own_lookups"]) + int(b["own_lookups"]) > 5000
+    assert int(a["checked"]) > 0 and int(b["checked"]) > 0
+    with tenant_daemon.client() as c:
+        stats = c.stats()
+    figures = scrape(stats.metrics_endpoint)
+
+    def value(name: str, **labels: str) -> float:
+        return figures[(name, tuple(sorted(labels.items())))]
+
+    evicted = "hicached_tenant_evicted_pages_total"
+    assert value(evicted, tenant="beta", cause="quota") == 0
+    assert value(evicted, tenant="beta", cause="other") == 0
+    assert value(evicted, tenant="alpha", cause="quota") > 10000
+    assert value("hicached_tenant_pages", tenant="beta") == 800
+    assert value("hicached_tenant_slots", tenant="alpha") <= 1024
+    assert value("hicached_tenant_quota", tenant="alpha", unit="pages") == 1024
+    assert value("hicached_tenant_match_pages_total", tenant="beta", tier="l2") == 4 * int(
+        b["own_full"]
+    )
+
+
+def test_the_tenant_metrics_exist_without_tenants(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        ns = c.register(**NS)
+        toks = np.arange(2 * PAGE_TOKENS, dtype=np.uint32)
+        c.store(ns, toks, page_bytes_for(toks))
+        c.match(ns, toks, lease=False)
+        endpoint = c.stats().metrics_endpoint
+    figures = scrape(endpoint)
+    assert figures[("hicached_tenant_pages", (("tenant", "default"),))] == 2
+    assert figures[("hicached_tenant_quota", (("tenant", "default"), ("unit", "pages")))] == 0
+
+
+def test_with_tenants_a_message_of_extra_frames_is_dropped_and_the_next_served(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    d = daemon_factory(tail=f"[tenants.alpha]\nuids = [{os.getuid()}]\n")
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(d.endpoint)
+    try:
+        sock.send_multipart([b"one", b"two", b"three"])
+        sock.send(p.encode(p.Hello(id=7, major=p.PROTOCOL_MAJOR, minor=p.PROTOCOL_MINOR)))
+        assert sock.poll(5000), "no reply to hello"
+        reply = p.reply_decoder.decode(sock.recv())
+        assert isinstance(reply, p.HelloOk) and reply.id == 7
+    finally:
+        sock.close()
+        ctx.term()
+    with d.client() as c:
+        assert c.stats().dropped["bad_frames"] == 1
+        assert c.register(**NS).digest == namespace_digest(NamespaceSpec(**NS, tenant="alpha"))
