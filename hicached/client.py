@@ -308,12 +308,19 @@ class _Core:
         what = "" if self._hello else " (is it running?)"
         return DaemonUnavailable(f"no connection to the daemon at {self.endpoint}{what}")
 
-    def _goodbye(self) -> bytes | None:
-        """The goodbye to send on close, if a session is open."""
-        if self._hello is None:
-            return None
-        self._hello = None
-        return self._stamp(p.Goodbye(id=0), None)[1]
+    def _shut(self, sock: zmq.Socket[Any], ctx: zmq.Context[Any]) -> None:
+        """Say goodbye if a session is open (the daemon ends it and its leases at
+        once), close the socket and the context, unmap the pool."""
+        linger = 0
+        if self._hello is not None:
+            goodbye = self._stamp(p.Goodbye(id=0), None)[1]
+            self._hello = None
+            with contextlib.suppress(zmq.ZMQError):
+                zmq.Socket.send(sock, goodbye, zmq.NOBLOCK)  # the plain send, even on asyncio
+                linger = 200
+        sock.close(linger=linger)
+        ctx.term()
+        self._close_mapping()
 
     # -- the pool -------------------------------------------------------------
 
@@ -441,15 +448,7 @@ class Client(_Core):
 
     def close(self) -> None:
         """Say goodbye (the daemon ends this session and its leases), then close."""
-        goodbye = self._goodbye()
-        linger = 0
-        if goodbye is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                self._sock.send(goodbye, zmq.NOBLOCK)
-                linger = 200
-        self._sock.close(linger=linger)
-        self._ctx.term()
-        self._close_mapping()
+        self._shut(self._sock, self._ctx)
 
     def _roundtrip(self, request: p.Request, timeout: float | None = None) -> p.AnyReply:
         request_id, payload, budget = self._stamp(request, timeout)
@@ -592,15 +591,7 @@ class AsyncClient(_Core):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reader
             self._reader = None
-        goodbye = self._goodbye()
-        linger = 0
-        if goodbye is not None:
-            with contextlib.suppress(zmq.ZMQError):
-                self._sock.send(goodbye, zmq.NOBLOCK)
-                linger = 200
-        self._sock.close(linger=linger)
-        self._ctx.term()
-        self._close_mapping()
+        self._shut(self._sock, self._ctx)
 
     async def _read(self) -> None:
         while True:

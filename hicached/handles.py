@@ -13,14 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import Self
 
 import msgspec
 import numpy as np
 
 from hicached.namespace import NamespaceSpec
-
-H = TypeVar("H", "Reservation", "Hit")
 
 
 def _no_gens() -> np.ndarray:
@@ -54,8 +52,36 @@ class LeaseState:
     closed: bool = False
 
 
+class _Leased:
+    """What both handles offer: their lease's deadline and end, and views."""
+
+    __slots__ = ()
+    state: LeaseState
+    offsets: list[int]
+    gens: np.ndarray
+
+    @property
+    def deadline(self) -> float:
+        return self.state.deadline
+
+    @property
+    def closed(self) -> bool:
+        return self.state.closed
+
+    def select(self, pages: Sequence[int]) -> Self:
+        """A view on some of this handle's slots, in the given order, for copies;
+        it shares the lease (its deadline, its end) with this handle."""
+        idx = list(pages)
+        offsets = self.offsets
+        if any(not 0 <= i < len(offsets) for i in idx):
+            raise IndexError(f"pages must be in 0..{len(offsets) - 1}")
+        gens = self.gens[idx] if len(self.gens) else self.gens
+        view = replace(self, offsets=[offsets[i] for i in idx], gens=gens, view=True)  # type: ignore[type-var]
+        return view
+
+
 @dataclass(slots=True, eq=False)
-class Reservation:
+class Reservation(_Leased):
     """Slots to fill for pages ``present .. present + len(offsets)`` of a sequence.
 
     Write with ``Client.write_pages(res, pages)`` before its deadline (renew
@@ -72,22 +98,9 @@ class Reservation:
     gens: np.ndarray = field(default_factory=_no_gens, repr=False)
     view: bool = False  # made by select(): copies only, the lease is its parent's
 
-    @property
-    def deadline(self) -> float:
-        return self.state.deadline
-
-    @property
-    def closed(self) -> bool:
-        return self.state.closed
-
-    def select(self, pages: Sequence[int]) -> Reservation:
-        """A view on some of this reservation's slots, in the given order, for
-        copies; it shares the lease (its deadline, its end) with this one."""
-        return _select(self, pages)
-
 
 @dataclass(slots=True, eq=False)
-class Hit:
+class Hit(_Leased):
     """The leading ``hits`` pages of a sequence, in ``offsets``, under ``lease``;
     ``l3_hits`` more pages are known to be in L3.
 
@@ -104,28 +117,6 @@ class Hit:
     state: LeaseState = field(default_factory=LeaseState)
     gens: np.ndarray = field(default_factory=_no_gens, repr=False)
     view: bool = False
-
-    @property
-    def deadline(self) -> float:
-        return self.state.deadline
-
-    @property
-    def closed(self) -> bool:
-        return self.state.closed
-
-    def select(self, pages: Sequence[int]) -> Hit:
-        """A view on some of this hit's pages, in the given order, for copies;
-        it shares the lease (its deadline, its end) with this one."""
-        return _select(self, pages)
-
-
-def _select(handle: H, pages: Sequence[int]) -> H:
-    idx = list(pages)
-    offsets = handle.offsets
-    if any(not 0 <= i < len(offsets) for i in idx):
-        raise IndexError(f"pages must be in 0..{len(offsets) - 1}")
-    gens = handle.gens[idx] if len(handle.gens) else handle.gens
-    return replace(handle, offsets=[offsets[i] for i in idx], gens=gens, view=True)
 
 
 @dataclass(slots=True, eq=False)

@@ -120,6 +120,25 @@ def test_replies_ignore_fields_a_newer_daemon_adds() -> None:
     assert isinstance(reply, p.MatchOk) and reply.lease == 9
 
 
+def _raw_session(
+    endpoint: str, option: int, value: int
+) -> tuple[zmq.Context[zmq.Socket[bytes]], zmq.Socket[bytes], int]:
+    """A bare DEALER (with one socket option set) that said hello and registered NS."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(option, value)
+    sock.connect(endpoint)
+    sock.send(p.encode(p.Hello(id=1, major=p.PROTOCOL_MAJOR, minor=p.PROTOCOL_MINOR)))
+    assert sock.poll(5000)
+    sock.recv()
+    sock.send(p.encode(p.RegisterNamespace(id=2, spec=p.NamespaceSpec(**NS))))  # type: ignore[arg-type]
+    assert sock.poll(5000)
+    ok = p.reply_decoder.decode(sock.recv())
+    assert isinstance(ok, p.NamespaceOk)
+    return ctx, sock, ok.ns
+
+
 def _rss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
@@ -131,26 +150,15 @@ def test_queued_requests_are_bounded_in_bytes(daemon_factory: Callable[..., Daem
     d = daemon_factory(size_mib=64)
     assert d.proc is not None
     pid = d.proc.pid
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 2000)
-    sock.connect(d.endpoint)
+    ctx, sock, ns_id = _raw_session(d.endpoint, zmq.SNDHWM, 2000)
     try:
-        sock.send(p.encode(p.Hello(id=1, major=p.PROTOCOL_MAJOR, minor=p.PROTOCOL_MINOR)))
-        assert sock.poll(5000)
-        sock.recv()
-        sock.send(p.encode(p.RegisterNamespace(id=2, spec=p.NamespaceSpec(**NS))))  # type: ignore[arg-type]
-        assert sock.poll(5000)
-        ok = p.reply_decoder.decode(sock.recv())
-        assert isinstance(ok, p.NamespaceOk)
         rng = np.random.default_rng(0)
         tokens = rng.integers(0, 1 << 30, (1 << 18) - 64, dtype=np.uint32).tobytes()
         base = _rss_kib(pid)
         # reserves of ~16K pages each (slow to serve), all different
         for i in range(1000):
             seq = tokens[: -4 * (i + 1)] + i.to_bytes(4, "little")
-            sock.send(p.encode(p.Reserve(id=10 + i, ns=ok.ns, tokens=seq)))
+            sock.send(p.encode(p.Reserve(id=10 + i, ns=ns_id, tokens=seq)))
         peak, answered = 0, 0
         while answered < 1000 and sock.poll(30_000):
             sock.recv()
@@ -206,26 +214,15 @@ def test_replies_a_client_never_reads_are_bounded_and_release_their_leases(
         ns = c.register(**NS)
         toks = np.arange(16000 * PAGE_TOKENS, dtype=np.uint32)  # 16,000 pages: long replies
         c.store(ns, toks, np.zeros((16000, 4096), dtype=np.uint8))
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVHWM, 1)  # this client reads nothing back
-    sock.connect(d.endpoint)
+    ctx, sock, ns_id = _raw_session(d.endpoint, zmq.RCVHWM, 1)  # it reads nothing back
     try:
-        sock.send(p.encode(p.Hello(id=1, major=p.PROTOCOL_MAJOR, minor=p.PROTOCOL_MINOR)))
-        assert sock.poll(5000)
-        sock.recv()
-        sock.send(p.encode(p.RegisterNamespace(id=2, spec=p.NamespaceSpec(**NS))))  # type: ignore[arg-type]
-        assert sock.poll(5000)
-        ok = p.reply_decoder.decode(sock.recv())
-        assert isinstance(ok, p.NamespaceOk)
         base = _rss_kib(pid)
         packed = toks.tobytes()
         sock.setsockopt(zmq.SNDTIMEO, 2000)
         sent = 0
         for i in range(3000):
             try:
-                sock.send(p.encode(p.Match(id=10 + i, ns=ok.ns, tokens=packed)))
+                sock.send(p.encode(p.Match(id=10 + i, ns=ns_id, tokens=packed)))
             except zmq.Again:
                 break  # the daemon reads this client no further: backpressure
             sent += 1
