@@ -121,8 +121,7 @@ class PoolMapping:
         # the source is ready before the fences: nothing slow runs between them and the copy
         src = data if on_gpu else _source(data, len(offsets), ns.page_bytes)
         self._fence(res, "reservation")
-        idx = self._row_index(ns, offsets)
-        gidx = np.asarray(offsets, dtype=np.int64) // self.granule
+        idx, gidx = self._row_index(ns, offsets)
         if self._moved(res, gidx) >= 0:
             raise StaleHandle("a slot of this reservation changed owner: reserve again")
         rows = self.arena.rows(ns.page_bytes)
@@ -156,8 +155,7 @@ class PoolMapping:
         offsets = hit.offsets
         if not offsets:  # nothing to copy
             return np.empty((0, ns.page_bytes), dtype=np.uint8) if out is None else out
-        idx = self._row_index(ns, offsets)
-        gidx = np.asarray(offsets, dtype=np.int64) // self.granule
+        idx, gidx = self._row_index(ns, offsets)
         moved = self._moved(hit, gidx)
         if moved >= 0:
             raise StaleHandle("a page of this hit left its slot: it is a miss now", moved)
@@ -187,15 +185,14 @@ class PoolMapping:
             raise StaleHandle("a page was reused while it was read: it is a miss", moved)
         return out
 
-    def _row_index(self, ns: Namespace, offsets: list[int]) -> np.ndarray:
-        """Rows of ``offsets``; a cache must never lie, so every offset is checked."""
-        idx = np.asarray(offsets, dtype=np.int64)
+    def _row_index(self, ns: Namespace, offsets: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of ``offsets`` and their generation counters; a cache must never
+        lie, so every offset is checked."""
+        arr = np.asarray(offsets, dtype=np.int64)
         pb = ns.page_bytes
-        if len(idx) and (
-            int(idx.min()) < 0 or int(idx.max()) + pb > self.arena.size or (idx % pb).any()
-        ):
+        if int(arr.min()) < 0 or int(arr.max()) + pb > self.arena.size or (arr % pb).any():
             raise ValueError(f"offsets must be slots of {pb} bytes inside the pool")
-        return idx // pb
+        return arr // pb, arr // self.granule
 
     # -- CUDA --------------------------------------------------------------------------
 
