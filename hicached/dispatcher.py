@@ -65,7 +65,12 @@ class Dispatcher:
         self._wake = asyncio.Event()
         self._room = asyncio.Event()  # set when written pages leave the bound
         self._free_slots = config.concurrency
+        # Reads (prefetch, exists) sit on an engine's time to first token; writes
+        # are background work. Reads are served first, and writes never take the
+        # last free slot when there are two or more: a read always finds one.
+        self._reserved = 1 if config.concurrency > 1 else 0
         self._slot_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._write_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._hung: set[asyncio.Future[Any]] = set()  # calls past their timeout, still running
         self._tasks: list[asyncio.Task[None]] = []
         self._accepting = False
@@ -195,38 +200,46 @@ class Dispatcher:
 
     # -- call slots ------------------------------------------------------------------
 
-    async def _take_slot(self) -> bool:
-        """One of ``concurrency`` call slots, waiting at most ``op_timeout_s``."""
-        if self._free_slots > 0 and not self._slot_waiters:
+    async def _take_slot(self, write: bool) -> bool:
+        """One of ``concurrency`` call slots, waiting at most ``op_timeout_s``;
+        reads first, and writes leave one slot for reads."""
+        floor = self._reserved if write else 0
+        waiters = self._write_waiters if write else self._slot_waiters
+        if self._free_slots > floor and not self._slot_waiters and not waiters:
             self._free_slots -= 1
             return True
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._slot_waiters.append(waiter)
+        waiters.append(waiter)
         try:
             await asyncio.wait({waiter}, timeout=self.config.op_timeout_s)
         except BaseException:
             if waiter.done() and not waiter.cancelled():
                 self._give_slot()  # handed over just as we were cancelled
             else:
-                self._drop_waiter(waiter)
+                self._drop_waiter(waiter, waiters)
             raise
         if waiter.done():
             return True
-        self._drop_waiter(waiter)
+        self._drop_waiter(waiter, waiters)
         return False
 
-    def _drop_waiter(self, waiter: asyncio.Future[None]) -> None:
+    @staticmethod
+    def _drop_waiter(
+        waiter: asyncio.Future[None], waiters: collections.deque[asyncio.Future[None]]
+    ) -> None:
         waiter.cancel()
         with contextlib.suppress(ValueError):
-            self._slot_waiters.remove(waiter)
+            waiters.remove(waiter)
 
     def _give_slot(self) -> None:
-        while self._slot_waiters:
-            waiter = self._slot_waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
         self._free_slots += 1
+        for waiters, floor in ((self._slot_waiters, 0), (self._write_waiters, self._reserved)):
+            while waiters and self._free_slots > floor:
+                waiter = waiters.popleft()
+                if not waiter.done():
+                    self._free_slots -= 1
+                    waiter.set_result(None)
+                    return
 
     def _ended(self, what: str, started: float, task: asyncio.Future[Any]) -> None:
         """A backend task ended (in time or not): its slot is free only now."""
@@ -247,7 +260,7 @@ class Dispatcher:
     ) -> asyncio.Future[T]:
         """Start ``fn(*args)`` in a call slot and wait up to ``op_timeout_s``; the
         returned task may still be running (then it is hung and keeps its slot)."""
-        if not await self._take_slot():
+        if not await self._take_slot(write=what == "put"):
             self.counters["slot_timeouts"] += 1
             self._failed(f"{what}: no call slot came free within op_timeout_s")
             raise Unavailable(f"{self.name}: every call slot is busy")

@@ -69,7 +69,8 @@ def job(i: int, done: list[bool]) -> WriteJob:
 
 async def test_hung_calls_keep_their_slots_and_pages_in_flight_count(tmp_path: Path) -> None:
     backend = GatedBackend(tmp_path)
-    d = Dispatcher(backend, config(), "gated")
+    # 3 call slots: writes may hold 2 of them, one stays free for reads
+    d = Dispatcher(backend, config(concurrency=3), "gated")
     await d.start()
     done: list[bool] = []
     accepted = sum(d.submit_write(job(i, done)) for i in range(30))
@@ -134,3 +135,46 @@ async def test_stop_drains_in_flight_writes_within_its_deadline(tmp_path: Path) 
     assert time.monotonic() - started < 2.0
     assert d.writing == 0 and d.queued == 0
     assert done == [True] * 6 and d.counters["write_dropped_stop"] == 0
+
+
+class SlowWrites(MemoryBackend):
+    """Puts wait for ``gate`` (a slow store taking background writes); gets do not."""
+
+    def __init__(self, tmp: Path) -> None:
+        super().__init__(MemoryOptions(), BackendEnv(data_dir=tmp))
+        self.gate = asyncio.Event()
+        self.puts = 0
+        self.peak = 0
+
+    async def put(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
+        self.puts += 1
+        self.peak = max(self.peak, self.puts)
+        try:
+            await self.gate.wait()
+        finally:
+            self.puts -= 1
+        return await super().put(ns, pages)
+
+
+async def test_reads_never_wait_behind_writes(tmp_path: Path) -> None:
+    backend = SlowWrites(tmp_path)
+    d = Dispatcher(backend, config(op_timeout_s=5.0, queue_pages=64, concurrency=2), "slow")
+    await d.start()
+    done: list[bool] = []
+    assert all(d.submit_write(job(i, done)) for i in range(40))  # writers busy, more queued
+    await asyncio.sleep(0.05)
+    buf = bytearray(64)
+    started = time.monotonic()
+    for _ in range(5):  # prefetch reads: each finds a call slot at once
+        assert await asyncio.wait_for(d.get(NS, [PageRef(bytes(16), memoryview(buf))]), 1.0) == [
+            False
+        ]  # not stored: a miss, promptly
+    assert time.monotonic() - started < 1.0
+    assert backend.peak == 1  # writes hold at most concurrency - 1 call slots
+    backend.gate.set()
+    for _ in range(200):
+        if len(done) == 40:
+            break
+        await asyncio.sleep(0.01)
+    assert done == [True] * 40  # and every write still went through
+    await d.stop(time.monotonic() + 5)
