@@ -51,13 +51,20 @@ from hicached.errors import (
     UnknownNamespace,
     VersionMismatch,
 )
-from hicached.events import MEDIUM_L2, Cleared, EventLog
-from hicached.hashing import TOKEN_BYTES, KeyCache
+from hicached.events import MEDIUM_L2, Cleared, EventLog, event_key
+from hicached.hashing import TOKEN_BYTES, KeyCache, engine_page_keys
 from hicached.l2 import DEFAULT_TENANT, L2, TenantBook, TenantFigures, Victims
 from hicached.l3state import KnownKeys
-from hicached.namespace import NamespaceSpec, namespace_digest, validate_spec
+from hicached.namespace import MAX_KEY_BYTES, NamespaceSpec, namespace_digest, validate_spec
 from hicached.pool import GEN_GRANULE, SlotPool
-from hicached.sessions import Lease, LeaseTable, NamespaceState, PrefetchState, Session
+from hicached.sessions import (
+    KeyedPage,
+    Lease,
+    LeaseTable,
+    NamespaceState,
+    PrefetchState,
+    Session,
+)
 
 __all__ = ["OP_NAMES", "Cache", "Lease", "NamespaceState", "PrefetchState", "Session", "TierPort"]
 
@@ -126,6 +133,9 @@ class Cache:
         # write_back with events: each L2 page's parent key and packed token ids,
         # for the BlockStored of its write when it leaves L2 (the index keeps keys only).
         self._origins: dict[bytes, tuple[bytes | None, bytes]] = {}
+        # key-addressed pages in L2, with events on: the daemon's key -> the engine's
+        # (event) key, for the events of pages that leave L2 or reach L3
+        self._ekeys: dict[bytes, bytes] = {}
 
     @property
     def evicted_pages(self) -> int:
@@ -166,6 +176,14 @@ class Cache:
                     return self.match(session, request)
                 case p.Prefetch():
                     return self.prefetch(session, request)
+                case p.ExistsKeys():
+                    return self.exists_keys(session, request)
+                case p.MatchKeys():
+                    return self.match_keys(session, request)
+                case p.ReserveKeys():
+                    return self.reserve_keys(session, request)
+                case p.PrefetchKeys():
+                    return self.prefetch_keys(session, request)
                 case p.Progress():
                     return self.progress(session, request)
                 case p.Release():
@@ -310,7 +328,7 @@ class Cache:
                 raise ResourceExhausted(
                     f"{len(self.namespaces)} namespaces are in use, the limit (pool.max_namespaces)"
                 )
-            index = self.l2.index(spec.page_bytes, book.name)
+            index = self.l2.index(spec.page_bytes, book.name, spec.keyed)
             ns = NamespaceState(next(self._ns_ids), spec, digest, index, book)
             self.namespaces[ns.id] = ns
             self._ns_by_digest[digest] = ns
@@ -327,6 +345,11 @@ class Cache:
         return self.namespaces[ns_id]
 
     def _keys(self, ns: NamespaceState, tokens: bytes) -> list[bytes]:
+        if ns.spec.keyed:
+            raise BadRequest(
+                f"namespace {ns.id} names its pages by key (key_scheme "
+                f"{ns.spec.key_scheme!r}): use the *_keys operations, not token ids"
+            )
         if len(tokens) % TOKEN_BYTES:
             raise BadRequest("tokens must be packed little-endian uint32 values")
         limit = self.config.server.max_pages_per_request
@@ -335,6 +358,39 @@ class Cache:
                 f"the sequence covers more than {limit} pages (server.max_pages_per_request)"
             )
         return self.key_cache.keys(ns.digest, tokens, ns.spec.page_tokens)
+
+    def _ikeys(self, ns: NamespaceState, keys: list[bytes]) -> list[bytes]:
+        """The daemon's keys for a key-addressed namespace's own ``keys``."""
+        if not ns.spec.keyed:
+            raise BadRequest(
+                f"namespace {ns.id} names its pages by token ids (key_scheme 'tokens'): "
+                "register one with the engine's key_scheme to address pages by key"
+            )
+        limit = self.config.server.max_pages_per_request
+        if len(keys) > limit:
+            raise TooLarge(f"{len(keys)} keys, more than {limit} (server.max_pages_per_request)")
+        for key in keys:
+            if not 1 <= len(key) <= MAX_KEY_BYTES:
+                raise BadRequest(f"keys must be 1-{MAX_KEY_BYTES} bytes, got one of {len(key)}")
+        return engine_page_keys(ns.digest, keys)
+
+    def _remember_ekeys(self, ns: NamespaceState, pages: list[KeyedPage]) -> None:
+        if self.events.enabled:
+            ekeys = self._ekeys
+            for page in pages:
+                ekeys[page.key] = page.ekey
+
+    def _event_keys(
+        self, ns: NamespaceState, keys: list[bytes], *, forget: bool = False
+    ) -> list[bytes]:
+        """What events call ``keys``: themselves in a token namespace, the engine's
+        keys in a key-addressed one (those not remembered are left out)."""
+        if not ns.spec.keyed or not self.events.enabled:
+            return keys
+        ekeys = self._ekeys
+        get = ekeys.pop if forget else ekeys.get
+        found = (get(key, None) for key in keys)
+        return [ekey for ekey in found if ekey is not None]
 
     # -- leases ------------------------------------------------------------------
 
@@ -381,7 +437,9 @@ class Cache:
             if pf.running:
                 ns.holds += 1  # the reader still holds it; released when it finishes
                 return
-        if stale and lease.client_writes:
+        # a key-addressed reservation may be copied into by other processes (adopt),
+        # which its owner's release does not stop: its slots sit out the quarantine too
+        if (stale or lease.chain is not None) and lease.client_writes:
             self.l2.quarantine(lease.fresh, self.clock() + self.config.leases.quarantine_s)
         else:
             for slot in lease.fresh:
@@ -444,12 +502,15 @@ class Cache:
                 continue
             self.l2.free(slot, ns.spec.page_bytes)
         for ns, keys in owners.items():
-            self.events.removed(keys, MEDIUM_L2, ns.spec.model)
+            self.events.removed(self._event_keys(ns, keys, forget=True), MEDIUM_L2, ns.spec.model)
             self._maybe_forget(ns)
 
     def _write_evicted(
         self, ns: NamespaceState, key: bytes, slot: int, origin: tuple[bytes | None, bytes] | None
     ) -> bool:
+        if ns.spec.keyed:
+            ekey = self._ekeys.get(key)
+            return self._write(ns, key, slot, evicted=True, ekey=ekey)
         if origin is None:  # not recorded (events off): the event has neither
             return self._write(ns, key, slot, evicted=True)
         parent, packed = origin
@@ -464,6 +525,11 @@ class Cache:
         fresh = lease.fresh
         pf = lease.prefetch
         ready = len(fresh) if pf is None else pf.completed
+        if lease.chain is not None:
+            return self._commit_keyed(lease, msg, ready)
+        if msg.mask:
+            self._end_lease(lease)
+            raise BadRequest("a commit mask is for key-addressed reservations only; lease ended")
         count = ready if msg.pages < 0 else msg.pages
         if count > ready:
             self._end_lease(lease)
@@ -473,7 +539,7 @@ class Cache:
         n = len(lease.pinned) + count
         keys = lease.keys[:n]
         slots = lease.pinned + fresh[:count]
-        published, unused = ns.index.insert(keys, slots, ns.id)
+        published, unused = ns.tree.insert(keys, slots, ns.id)
         ns.pages += published
         lease.fresh = fresh[count:]
         for slot in unused:
@@ -504,13 +570,7 @@ class Cache:
         if msg.lease and slots:
             lease_id = self._new_lease(session, ns, slots).id
         l3_hits = self.l3.leading(keys, hits) if self.l3 else 0
-        counted = self.match_pages
-        counted["asked"] += len(keys)
-        counted["l2"] += hits
-        counted["l3"] += l3_hits
-        book = ns.book
-        book.asked += len(keys)
-        book.hits += hits
+        self._count_match(ns, len(keys), hits, l3_hits)
         if (
             hits
             and self.tier is not None
@@ -518,6 +578,174 @@ class Cache:
         ):
             self._count_hit(ns, keys[:hits], slots, msg.tokens)
         return p.MatchOk(id=msg.id, hits=hits, offsets=slots, lease=lease_id, l3_hits=l3_hits)
+
+    # -- key-addressed operations ----------------------------------------------------
+
+    def exists_keys(self, session: Session, msg: p.ExistsKeys) -> p.ExistsKeysOk:
+        ns = self._namespace(session, msg.ns)
+        keys = self._ikeys(ns, msg.keys)
+        in_l2 = ns.table.present(keys)
+        l3 = self.l3
+        where = bytes(int(a) | (2 if key in l3 else 0) for a, key in zip(in_l2, keys, strict=True))
+        l2 = next((i for i, bits in enumerate(where) if not bits & 1), len(where))
+        leading = next((i for i, bits in enumerate(where) if not bits), len(where))
+        return p.ExistsKeysOk(id=msg.id, l2=l2, leading=leading, where=where)
+
+    def match_keys(self, session: Session, msg: p.MatchKeys) -> p.MatchOk:
+        ns = self._namespace(session, msg.ns)
+        keys = self._ikeys(ns, msg.keys)
+        slots = ns.index.match(keys)
+        hits = len(slots)
+        lease_id = self._new_lease(session, ns, slots).id if msg.lease and slots else 0
+        l3_hits = self.l3.leading(keys, hits) if self.l3 else 0
+        self._count_match(ns, len(keys), hits, l3_hits)
+        if (
+            hits
+            and self.tier is not None
+            and self.config.storage.write_policy == "write_through_selective"
+        ):
+            self._count_hit(ns, keys[:hits], slots, b"")
+        return p.MatchOk(id=msg.id, hits=hits, offsets=slots, lease=lease_id, l3_hits=l3_hits)
+
+    def _chain(
+        self, ns: NamespaceState, keys: list[bytes], ekeys: list[bytes], parent: bytes
+    ) -> list[KeyedPage]:
+        """Each key with its parent (the key before it; ``parent`` for the first),
+        as the daemon and as events name them."""
+        scheme = ns.spec.key_scheme
+        events = [event_key(scheme, k) for k in ekeys]
+        up = engine_page_keys(ns.digest, [parent])[0] if parent else b""
+        eup = event_key(scheme, parent) if parent else b""
+        out = []
+        for key, ekey in zip(keys, events, strict=True):
+            out.append(KeyedPage(key, up, ekey, eup))
+            up, eup = key, ekey
+        return out
+
+    def reserve_keys(self, session: Session, msg: p.ReserveKeys) -> p.ReserveKeysOk:
+        ns = self._namespace(session, msg.ns)
+        keys = self._ikeys(ns, msg.keys)
+        if msg.parent and len(msg.parent) > MAX_KEY_BYTES:
+            raise BadRequest(f"parent must be at most {MAX_KEY_BYTES} bytes")
+        found = ns.table.find(keys)
+        present = [slot for slot in found if slot >= 0]
+        missing = [i for i, slot in enumerate(found) if slot < 0]
+        lease = self._new_lease(session, ns, present)  # pinned before alloc can evict them
+        fresh = self.l2.alloc(ns.book, ns.spec.page_bytes, len(missing))
+        indices = missing[: len(fresh)]
+        chain = self._chain(ns, keys, msg.keys, msg.parent)
+        lease.fresh = fresh
+        lease.chain = [chain[i] for i in indices]
+        mask = bytes(slot >= 0 for slot in found)
+        pool_full = len(fresh) < len(missing)
+        if not fresh:
+            self.leases.pop(lease)
+            self._end_lease(lease)
+            return p.ReserveKeysOk(
+                id=msg.id, lease=0, present=mask, indices=[], offsets=[], pool_full=pool_full
+            )
+        return p.ReserveKeysOk(
+            id=msg.id,
+            lease=lease.id,
+            present=mask,
+            indices=indices,
+            offsets=fresh,
+            pool_full=pool_full,
+        )
+
+    def prefetch_keys(self, session: Session, msg: p.PrefetchKeys) -> p.PrefetchOk:
+        ns = self._namespace(session, msg.ns)
+        keys = self._ikeys(ns, msg.keys)
+        present = ns.index.match(keys)
+        n = len(present)
+        wanted = keys[n:] if msg.max_pages < 0 else keys[n : n + msg.max_pages]
+        if self.tier is None or not wanted:
+            return p.PrefetchOk(id=msg.id, lease=0, l2_hits=n)
+        lease = self._new_lease(session, ns, present)
+        lease.keys = keys[:n]
+        parent = msg.keys[n - 1] if n else b""
+        lease.chain = self._chain(ns, wanted, msg.keys[n : n + len(wanted)], parent)
+        lease.prefetch = PrefetchState(wanted)
+        self._count_l3("prefetches")
+        self.tier.prefetch(lease)
+        return p.PrefetchOk(id=msg.id, lease=lease.id, l2_hits=n)
+
+    def _commit_keyed(self, lease: Lease, msg: p.Commit, ready: int) -> p.CommitOk:
+        """Commit a key-addressed lease: the pages its mask (or ``pages``) names
+        enter the index, each under its parent; the other fresh slots are freed."""
+        assert lease.chain is not None
+        ns, fresh, chain = lease.ns, lease.fresh, lease.chain
+        if msg.mask:
+            if len(msg.mask) != ready or lease.prefetch is not None:
+                self._end_lease(lease)
+                raise BadRequest(
+                    f"commit mask of {len(msg.mask)} bytes for a lease of {ready} fresh slots "
+                    "(a reservation's commit takes one byte per slot; a prefetch's, none); "
+                    "lease ended"
+                )
+            chosen = [j for j, ok in enumerate(msg.mask) if ok]
+        else:
+            count = ready if msg.pages < 0 else msg.pages
+            if count > ready:
+                self._end_lease(lease)
+                raise BadRequest(
+                    f"commit of {count} pages, but the lease holds {ready}; lease ended"
+                )
+            chosen = list(range(count))
+        stored: list[KeyedPage] = []
+        slots: list[int] = []
+        taken = set()
+        for j in chosen:
+            page, slot = chain[j], fresh[j]
+            if ns.table.insert(page.key, slot, ns.id, page.parent):
+                stored.append(page)
+                slots.append(slot)
+                taken.add(j)
+        lease.fresh = [slot for j, slot in enumerate(fresh) if j not in taken]
+        ns.pages += len(stored)
+        self._end_lease(lease)
+        if stored:
+            self._remember_ekeys(ns, stored)
+            self._stored_events(ns, stored, MEDIUM_L2)
+        if stored and self.tier is not None:
+            if lease.prefetch is not None:
+                self.l3.update([page.key for page in stored])  # these came from L3
+            elif self.config.storage.write_policy == "write_through":
+                for page, slot in zip(stored, slots, strict=True):
+                    if page.key not in self.l3 and page.key not in self.writing:
+                        self._write(
+                            ns,
+                            page.key,
+                            slot,
+                            evicted=False,
+                            parent=page.eparent or None,
+                            ekey=page.ekey,
+                        )
+        return p.CommitOk(id=msg.id, published=len(stored), duplicates=len(chosen) - len(stored))
+
+    def _stored_events(self, ns: NamespaceState, pages: list[KeyedPage], medium: str) -> None:
+        """BlockStored events for key-addressed pages, one per run that follows on."""
+        spec = ns.spec
+        run: list[bytes] = []
+        parent = b""
+        for page in pages:
+            if run and page.eparent != run[-1]:
+                self.events.stored(run, parent or None, [], spec.page_tokens, medium, spec.model)
+                run = []
+            if not run:
+                parent = page.eparent
+            run.append(page.ekey)
+        if run:
+            self.events.stored(run, parent or None, [], spec.page_tokens, medium, spec.model)
+
+    def _count_match(self, ns: NamespaceState, asked: int, hits: int, l3_hits: int) -> None:
+        counted = self.match_pages
+        counted["asked"] += asked
+        counted["l2"] += hits
+        counted["l3"] += l3_hits
+        book = ns.book
+        book.asked += asked
+        book.hits += hits
 
     # -- L3 ------------------------------------------------------------------------------
 
@@ -554,11 +782,17 @@ class Cache:
         """Write pages ``start..`` of a sequence that L3 lacks, each with its parent
         and token ids for its L3 event."""
         page_tokens = ns.spec.page_tokens
+        ekeys = self._ekeys if ns.spec.keyed else None
         for i in range(start, len(keys)):
             key = keys[i]
             if key not in self.l3 and key not in self.writing:
-                ids = _token_ids(tokens, i * page_tokens, (i + 1) * page_tokens)
                 parent = keys[i - 1] if i else None
+                if ekeys is not None:
+                    eparent = ekeys.get(parent) if parent else None
+                    ekey = ekeys.get(key)
+                    self._write(ns, key, slots[i], evicted=False, parent=eparent, ekey=ekey)
+                    continue
+                ids = _token_ids(tokens, i * page_tokens, (i + 1) * page_tokens)
                 self._write(ns, key, slots[i], evicted=False, parent=parent, tokens=ids)
 
     def _write(
@@ -570,12 +804,14 @@ class Cache:
         evicted: bool,
         parent: bytes | None = None,
         tokens: list[int] | None = None,
+        ekey: bytes | None = None,
     ) -> bool:
         """Send one page to L3; its slot is held until the write ends.
 
         ``evicted``: the page already left the index; its slot is held on its
         way back to the free list (counted by the allocator) until the write
-        ends, instead of pinned.
+        ends, instead of pinned. ``ekey``: what events call the page in a
+        key-addressed namespace (none there: no event).
         """
         assert self.tier is not None
         if evicted:
@@ -591,9 +827,11 @@ class Cache:
             if ok:
                 self.l3.add(key)
                 spec = ns.spec
-                self.events.stored(
-                    [key], parent, tokens or [], spec.page_tokens, self.l3_medium, spec.model
-                )
+                named = ekey or (None if spec.keyed else key)
+                if named is not None:
+                    self.events.stored(
+                        [named], parent, tokens or [], spec.page_tokens, self.l3_medium, spec.model
+                    )
             if evicted:
                 self.l2.give_back(slot)
             else:
@@ -624,14 +862,17 @@ class Cache:
         gone = [key for key in keys if key in self.l3]
         for key in gone:
             self.l3.discard(key)
-        self.events.removed(gone, self.l3_medium, self._model_of(ns_digest))
+        ns_of = self._ns_by_digest.get(ns_digest)
+        named = self._event_keys(ns_of, gone) if ns_of is not None else gone
+        self.events.removed(named, self.l3_medium, self._model_of(ns_digest))
         if not gone or self.tier is None or self.config.storage.write_policy == "write_back":
             return
         wanted = set(gone)
         rewritten = 0
         for ns, key, slot, _ in self.unwritten_pages():
             if key in wanted:
-                rewritten += self._write(ns, key, slot, evicted=False)
+                ekey = self._ekeys.get(key) if ns.spec.keyed else None
+                rewritten += self._write(ns, key, slot, evicted=False, ekey=ekey)
         self._count_l3("rewritten", rewritten)
 
     def _model_of(self, ns_digest: bytes) -> str:
@@ -643,6 +884,8 @@ class Cache:
         parent or token ids (the store keeps neither), and the namespace's
         page_tokens and model where it is registered, else 0 and ""."""
         ns = self._ns_by_digest.get(ns_digest)
+        if ns is not None and ns.spec.keyed:
+            return  # the store keeps the daemon's keys only, which the engine's events never name
         size, model = (ns.spec.page_tokens, ns.spec.model) if ns is not None else (0, "")
         self.events.stored(keys, None, [], size, self.l3_medium, model)
 
@@ -653,11 +896,9 @@ class Cache:
         l3, writing, namespaces = self.l3, self.writing, self.namespaces
         gens = self.pool.gens
         for index in self.l2.indexes():
-            for node in index.nodes():
-                ns = namespaces[node.owner]
-                for key, slot in zip(node.keys, node.slots, strict=True):
-                    if key not in l3 and key not in writing:
-                        out.append((ns, key, slot, int(gens[slot // GEN_GRANULE])))
+            for key, slot, owner in index.items():
+                if key not in l3 and key not in writing:
+                    out.append((namespaces[owner], key, slot, int(gens[slot // GEN_GRANULE])))
         return out
 
     def write_back(self, pages: list[tuple[NamespaceState, bytes, int, int]]) -> int:
@@ -668,11 +909,11 @@ class Cache:
         for ns, key, slot, gen in pages:
             if key in self.l3 or key in self.writing:
                 continue
-            if int(gens[slot // GEN_GRANULE]) != gen:
-                # freed since (or a neighbour in its granule was): look the page up
-                node = ns.index.node_of.get(slot)
-                if node is None or node.keys[node.slots.index(slot)] != key:
-                    continue  # evicted since, perhaps reused
+            if int(gens[slot // GEN_GRANULE]) != gen and not ns.index.holds(key, slot):
+                continue  # freed since (or a neighbour in its granule was), perhaps reused
+            if ns.spec.keyed:
+                queued += self._write(ns, key, slot, evicted=False, ekey=self._ekeys.get(key))
+                continue
             origin = self._origins.get(key)
             if origin is None:
                 queued += self._write(ns, key, slot, evicted=False)
@@ -750,6 +991,12 @@ class Cache:
         """An L3 BlockStored for page ``j`` of a prefetch, found in L3 by reading it."""
         pf, spec = lease.prefetch, lease.ns.spec
         assert pf is not None
+        if lease.chain is not None:
+            page = lease.chain[j]
+            self.events.stored(
+                [page.ekey], page.eparent or None, [], spec.page_tokens, self.l3_medium, spec.model
+            )
+            return
         i = len(lease.keys) - pf.planned + j  # its place in the sequence
         parent = lease.keys[i - 1] if i else None
         tokens = _token_ids(lease.tokens, i * spec.page_tokens, (i + 1) * spec.page_tokens)

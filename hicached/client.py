@@ -27,7 +27,7 @@ import contextlib
 import itertools
 import os
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import msgspec
@@ -45,10 +45,20 @@ from hicached.errors import (
     ForeignLease,
     HicachedError,
     SessionLost,
+    StaleHandle,
     UnknownLease,
     VersionMismatch,
 )
-from hicached.handles import Fetch, FetchProgress, Hit, LeaseState, Namespace, Reservation
+from hicached.handles import (
+    Fetch,
+    FetchProgress,
+    Hit,
+    KeysFound,
+    LeaseState,
+    Namespace,
+    PortableHandle,
+    Reservation,
+)
 from hicached.hashing import pack_tokens
 from hicached.mapping import PoolMapping, cuda_tensor, lease_margin
 from hicached.namespace import NamespaceSpec
@@ -60,7 +70,9 @@ __all__ = [
     "Fetch",
     "FetchProgress",
     "Hit",
+    "KeysFound",
     "Namespace",
+    "PortableHandle",
     "Reservation",
     "cuda_tensor",
 ]
@@ -221,7 +233,14 @@ class _Core:
             self._gens(ok.offsets),
         )
 
-    def _commit(self, res: Reservation | Fetch, pages: int | None) -> Exchange:
+    def _commit(
+        self, res: Reservation | Fetch, pages: int | None, ok: Sequence[bool] | None = None
+    ) -> Exchange:
+        mask = b""
+        if ok is not None:
+            if not isinstance(res, Reservation) or len(ok) != len(res.offsets):
+                raise BadRequest("ok takes one flag per fresh slot of a key-addressed reservation")
+            mask = bytes(bool(flag) for flag in ok)
         if isinstance(res, Reservation):
             _own(res, "commit")
             res.state.closed = True
@@ -232,9 +251,75 @@ class _Core:
         count = -1 if pages is None else pages
         return (
             yield from self._exchange(
-                lambda: p.Commit(id=0, lease=res.lease, pages=count), p.CommitOk
+                lambda: p.Commit(id=0, lease=res.lease, pages=count, mask=mask), p.CommitOk
             )
         )
+
+    # -- key-addressed namespaces -------------------------------------------------
+
+    def _exists_keys(self, ns: Namespace, keys: Sequence[bytes]) -> Exchange:
+        wire = _keys(keys)
+        ok = yield from self._exchange(
+            lambda: p.ExistsKeys(id=0, ns=ns.id, keys=wire), p.ExistsKeysOk
+        )
+        where = ok.where
+        return KeysFound(
+            ok.l2, ok.leading, [bool(b & 1) for b in where], [bool(b & 2) for b in where]
+        )
+
+    def _match_keys(self, ns: Namespace, keys: Sequence[bytes], lease: bool) -> Exchange:
+        wire = _keys(keys)
+        sent = time.monotonic()
+        ok = yield from self._exchange(
+            lambda: p.MatchKeys(id=0, ns=ns.id, keys=wire, lease=lease), p.MatchOk
+        )
+        return self._hit(ns, ok, sent)
+
+    def _reserve_keys(self, ns: Namespace, keys: Sequence[bytes], parent: bytes | None) -> Exchange:
+        wire = _keys(keys)
+        up = bytes(parent or b"")
+        sent = time.monotonic()
+        ok = yield from self._exchange(
+            lambda: p.ReserveKeys(id=0, ns=ns.id, keys=wire, parent=up), p.ReserveKeysOk
+        )
+        return Reservation(
+            ns,
+            ok.lease,
+            0,
+            ok.offsets,
+            ok.pool_full,
+            self._instance,
+            LeaseState(self._deadline(sent)),
+            self._gens(ok.offsets),
+            indices=ok.indices,
+            present_mask=[bool(b) for b in ok.present],
+        )
+
+    def _prefetch_keys(self, ns: Namespace, keys: Sequence[bytes], max_pages: int) -> Exchange:
+        wire = _keys(keys)
+        ok = yield from self._exchange(
+            lambda: p.PrefetchKeys(id=0, ns=ns.id, keys=wire, max_pages=max_pages), p.PrefetchOk
+        )
+        return Fetch(ns, ok.lease, ok.l2_hits, self._instance)
+
+    def adopt(self, handle: PortableHandle) -> Reservation | Hit:
+        """A copy-only handle from another process's ``portable()`` (same host, same
+        daemon): write_pages/read_pages through it, while the process that holds
+        the lease commits or releases it. Copies through it are fenced as any."""
+        if self._hello is None or handle.instance != self._instance:
+            raise StaleHandle("this handle is from another daemon instance than this client's")
+        ns = Namespace(handle.spec, 0, b"")
+        gens = np.frombuffer(handle.gens, dtype=np.uint32).copy()
+        if len(gens) != len(handle.offsets):
+            raise BadRequest("a portable handle needs one generation per offset")
+        state = LeaseState(handle.deadline)
+        offsets = list(handle.offsets)
+        if handle.kind == "write":
+            return Reservation(
+                ns, handle.lease, 0, offsets, False, handle.instance, state, gens, view=True
+            )
+        hits = len(offsets)
+        return Hit(ns, hits, offsets, handle.lease, handle.instance, 0, state, gens, view=True)
 
     def _match(self, ns: Namespace, tokens: Any, lease: bool) -> Exchange:
         packed = pack_tokens(tokens)
@@ -242,6 +327,9 @@ class _Core:
         ok = yield from self._exchange(
             lambda: p.Match(id=0, ns=ns.id, tokens=packed, lease=lease), p.MatchOk
         )
+        return self._hit(ns, ok, sent)
+
+    def _hit(self, ns: Namespace, ok: p.MatchOk, sent: float) -> Hit:
         if not ok.lease:
             return Hit(ns, ok.hits, ok.offsets, 0, self._instance, ok.l3_hits)
         return Hit(
@@ -358,7 +446,7 @@ class _Core:
         if self._mapping is not None:
             self._mapping.unpin()
 
-    def write_pages(self, res: Reservation, data: Any) -> None:
+    def write_pages(self, res: Reservation, data: Any, *, rows: Any = None, at: int = 0) -> None:
         """Copy ``data`` (one page of page_bytes per slot of ``res``) into its slots.
 
         ``data`` is a numpy array or CPU tensor (one copy call), or a CUDA
@@ -366,12 +454,18 @@ class _Core:
         on return). An empty reservation is a no-op. Raises ``StaleHandle``
         when the reservation is closed, from a restarted daemon or past its
         deadline: reserve again.
+
+        Segmented copies: ``data`` may be a list of arrays or tensors whose
+        rows, concatenated in order, make each page; with ``rows`` they are
+        whole engine tensors and page j takes row ``rows[j]`` of each (one
+        gather). ``at``: the byte in each slot where the data starts (worker
+        r of a wide page: ``r * page_bytes // shards``).
         """
         if not res.offsets:
             return
-        self.mapping.write(res, data)
+        self.mapping.write(res, data, rows, at)
 
-    def read_pages(self, hit: Hit, out: Any = None) -> Any:
+    def read_pages(self, hit: Hit, out: Any = None, *, rows: Any = None, at: int = 0) -> Any:
         """Copy the pages of ``hit`` into ``out`` (n, page_bytes), or a new array.
 
         ``out`` may be a CUDA tensor (DMA per run of adjacent slots, or one
@@ -379,8 +473,13 @@ class _Core:
         when the hit is closed, from a restarted daemon, past its deadline, or
         a page left its slot while it was copied; its ``valid`` leading pages
         were intact. Use ``hit.select(range(n))`` to copy only some pages.
+
+        Segmented copies, as ``write_pages``: ``out`` a list of arrays or
+        tensors to scatter each page into (rows ``rows`` of each, when given),
+        from byte ``at`` of each slot. After a ``StaleHandle`` their rows for
+        this hit hold nothing to use.
         """
-        return self.mapping.read(hit, out)
+        return self.mapping.read(hit, out, rows, at)
 
     def _store_data(self, res: Reservation, pages: np.ndarray) -> None:
         if not res.offsets:
@@ -392,6 +491,13 @@ class _Core:
         if self._mapping is not None:
             mapping, self._mapping = self._mapping, None
             mapping.close()
+
+
+def _keys(keys: Sequence[bytes]) -> list[bytes]:
+    """Engine keys as the wire carries them (bytes each; the daemon checks lengths)."""
+    if any(isinstance(key, str) for key in keys):
+        raise BadRequest("keys are bytes: encode text keys (bytes.fromhex for hex digests)")
+    return [bytes(key) for key in keys]
 
 
 def _own(handle: Reservation | Hit, what: str) -> None:
@@ -497,10 +603,36 @@ class Client(_Core):
     def reserve(self, ns: Namespace, tokens: Any) -> Reservation:
         return self._do(self._reserve(ns, tokens))
 
-    def commit(self, res: Reservation | Fetch, pages: int | None = None) -> p.CommitOk:
+    def commit(
+        self,
+        res: Reservation | Fetch,
+        pages: int | None = None,
+        *,
+        ok: Sequence[bool] | None = None,
+    ) -> p.CommitOk:
         """Publish the first ``pages`` pages of a reservation or a prefetch (None: all
-        reserved, or all read so far); the rest is released."""
-        return self._do(self._commit(res, pages))
+        reserved, or all read so far); the rest is released. ``ok`` (key-addressed
+        reservations): one flag per fresh slot, publishing only the pages written."""
+        return self._do(self._commit(res, pages, ok))
+
+    def exists_keys(self, ns: Namespace, keys: Sequence[bytes]) -> KeysFound:
+        """Where the pages of ``keys`` are (L2, L3); pins nothing."""
+        return self._do(self._exists_keys(ns, keys))
+
+    def match_keys(self, ns: Namespace, keys: Sequence[bytes], *, lease: bool = True) -> Hit:
+        """The leading ``keys`` in L2, pinned under a read lease (``lease``)."""
+        return self._do(self._match_keys(ns, keys, lease))
+
+    def reserve_keys(
+        self, ns: Namespace, keys: Sequence[bytes], *, parent: bytes | None = None
+    ) -> Reservation:
+        """Slots for the ``keys`` not in L2 (``indices`` says which); ``parent``: the
+        key before ``keys[0]`` in its sequence."""
+        return self._do(self._reserve_keys(ns, keys, parent))
+
+    def prefetch_keys(self, ns: Namespace, keys: Sequence[bytes], *, max_pages: int = -1) -> Fetch:
+        """Start loading from L3 the ``keys`` after their leading L2 run."""
+        return self._do(self._prefetch_keys(ns, keys, max_pages))
 
     def prefetch(self, ns: Namespace, tokens: Any, *, max_pages: int = -1) -> Fetch:
         """Start loading from L3 the pages of ``tokens`` after its L2 hit."""
@@ -519,8 +651,9 @@ class Client(_Core):
     def match(self, ns: Namespace, tokens: Any, *, lease: bool = True) -> Hit:
         return self._do(self._match(ns, tokens, lease))
 
-    def release(self, hit: Hit) -> None:
-        self._do(self._release(hit))
+    def release(self, handle: Hit | Reservation | Fetch) -> None:
+        """End a handle's lease: unpin a hit, abort a reservation, cancel a prefetch."""
+        self._do(self._release(handle))
 
     def renew(self, handle: Reservation | Hit) -> None:
         """Push the handle's lease deadline ``leases.ttl_s`` into the future."""
@@ -669,8 +802,30 @@ class AsyncClient(_Core):
     async def reserve(self, ns: Namespace, tokens: Any) -> Reservation:
         return await self._do(self._reserve(ns, tokens))
 
-    async def commit(self, res: Reservation | Fetch, pages: int | None = None) -> p.CommitOk:
-        return await self._do(self._commit(res, pages))
+    async def commit(
+        self,
+        res: Reservation | Fetch,
+        pages: int | None = None,
+        *,
+        ok: Sequence[bool] | None = None,
+    ) -> p.CommitOk:
+        return await self._do(self._commit(res, pages, ok))
+
+    async def exists_keys(self, ns: Namespace, keys: Sequence[bytes]) -> KeysFound:
+        return await self._do(self._exists_keys(ns, keys))
+
+    async def match_keys(self, ns: Namespace, keys: Sequence[bytes], *, lease: bool = True) -> Hit:
+        return await self._do(self._match_keys(ns, keys, lease))
+
+    async def reserve_keys(
+        self, ns: Namespace, keys: Sequence[bytes], *, parent: bytes | None = None
+    ) -> Reservation:
+        return await self._do(self._reserve_keys(ns, keys, parent))
+
+    async def prefetch_keys(
+        self, ns: Namespace, keys: Sequence[bytes], *, max_pages: int = -1
+    ) -> Fetch:
+        return await self._do(self._prefetch_keys(ns, keys, max_pages))
 
     async def prefetch(self, ns: Namespace, tokens: Any, *, max_pages: int = -1) -> Fetch:
         return await self._do(self._prefetch(ns, tokens, max_pages))
@@ -687,8 +842,8 @@ class AsyncClient(_Core):
     async def match(self, ns: Namespace, tokens: Any, *, lease: bool = True) -> Hit:
         return await self._do(self._match(ns, tokens, lease))
 
-    async def release(self, hit: Hit) -> None:
-        await self._do(self._release(hit))
+    async def release(self, handle: Hit | Reservation | Fetch) -> None:
+        await self._do(self._release(handle))
 
     async def renew(self, handle: Reservation | Hit) -> None:
         await self._do(self._renew(handle))

@@ -124,3 +124,51 @@ def copy(
         else:
             pages[at : at + n].copy_(host[row : row + n], non_blocking=True)
     stream.synchronize()
+
+
+def copy_segments(
+    pool_rows: np.ndarray,
+    rows: np.ndarray,
+    segments: list[Any],
+    engine_rows: np.ndarray | None,
+    at: int,
+    *,
+    to_pool: bool,
+    mapped: Any = None,
+) -> None:
+    """Segmented copies between pool rows ``rows`` and GPU tensors, and wait.
+
+    Page j's bytes ``at ..`` are the concatenation of row ``engine_rows[j]``
+    (or row j, without ``engine_rows``) of each segment, each viewed as bytes.
+    With the pool registered (``mapped``), one gather or scatter kernel per
+    segment reads or writes the pool over the bus; without, each segment
+    goes through a host copy.
+    """
+    torch = _torch()
+    device = segments[0].device
+    index = torch.from_numpy(rows).to(device, non_blocking=True)
+    picks = None if engine_rows is None else torch.from_numpy(engine_rows).to(device)
+    device_rows = None if mapped is None else mapped[: pool_rows.size].view(pool_rows.shape)
+    start = at
+    for seg in segments:
+        if not seg.is_contiguous():
+            raise ValueError("segments must be contiguous tensors")
+        flat = seg.view(torch.uint8).reshape(seg.shape[0], -1)
+        end = start + flat.shape[1]
+        if to_pool:
+            src = flat if picks is None else flat.index_select(0, picks)
+            if device_rows is not None:
+                device_rows[index, start:end] = src
+            else:
+                pool_rows[rows, start:end] = src.cpu().numpy()
+        else:
+            if device_rows is not None:
+                got = device_rows[index, start:end]
+            else:
+                got = torch.from_numpy(pool_rows[rows, start:end]).to(device)
+            if picks is None:
+                flat.copy_(got)
+            else:
+                flat.index_copy_(0, picks, got)
+        start = end
+    torch.cuda.current_stream(device).synchronize()

@@ -154,6 +154,15 @@ def decode_batch(payload: bytes, layout: str = "map") -> WireBatch:
     return _array_decoder.decode(payload) if layout == "array" else batch_decoder.decode(payload)
 
 
+def event_key(scheme: str, key: bytes) -> bytes:
+    """What an engine's own events name a page of a key-addressed namespace by:
+    vLLM's offload keys end in a 4-byte KV group index after the block hash,
+    which vLLM's events carry alone; other schemes' keys are the page hash."""
+    if scheme.startswith("vllm-") and len(key) > 4:
+        return key[:-4]
+    return key
+
+
 def block_hash(key: bytes, form: str = "int") -> BlockHash:
     """The wire form of a page key: vLLM's 64-bit integer (the key's last 8 bytes,
     big-endian, unsigned; vLLM's ``int.from_bytes(h, "big") & (2**64 - 1)``), or

@@ -68,6 +68,19 @@ class _Leased:
     def closed(self) -> bool:
         return self.state.closed
 
+    def portable(self) -> PortableHandle:
+        """This handle in plain fields, for a worker process on the same host that
+        copies through it (``Client.adopt``); the lease stays this handle's."""
+        return PortableHandle(
+            kind="write" if isinstance(self, Reservation) else "read",
+            spec=self.ns.spec,  # type: ignore[attr-defined]
+            instance=self.instance,  # type: ignore[attr-defined]
+            lease=self.lease,  # type: ignore[attr-defined]
+            deadline=self.state.deadline,
+            offsets=list(self.offsets),
+            gens=np.ascontiguousarray(self.gens, dtype=np.uint32).tobytes(),
+        )
+
     def select(self, pages: Sequence[int]) -> Self:
         """A view on some of this handle's slots, in the given order, for copies;
         it shares the lease (its deadline, its end) with this handle."""
@@ -96,7 +109,11 @@ class Reservation(_Leased):
     instance: int
     state: LeaseState = field(default_factory=LeaseState)
     gens: np.ndarray = field(default_factory=_no_gens, repr=False)
-    view: bool = False  # made by select(): copies only, the lease is its parent's
+    view: bool = False  # made by select() or adopt(): copies only, the lease is another's
+    # key-addressed reservations: offsets[j] is the slot of keys[indices[j]], and
+    # present_mask[i] says keys[i] was in L2 already (token ones: the pages after present)
+    indices: list[int] = field(default_factory=list)
+    present_mask: list[bool] = field(default_factory=list)
 
 
 @dataclass(slots=True, eq=False)
@@ -117,6 +134,31 @@ class Hit(_Leased):
     state: LeaseState = field(default_factory=LeaseState)
     gens: np.ndarray = field(default_factory=_no_gens, repr=False)
     view: bool = False
+
+
+class PortableHandle(msgspec.Struct, frozen=True, kw_only=True):
+    """A handle in plain fields (``portable()``), to hand to a worker process of
+    the same host: the deadline is on the host's monotonic clock, which every
+    process shares. Copies through it keep every fence; a daemon restart or
+    a moved slot makes them a miss."""
+
+    kind: str  # "write" (a Reservation's) or "read" (a Hit's)
+    spec: NamespaceSpec
+    instance: int
+    lease: int
+    deadline: float
+    offsets: list[int]
+    gens: bytes  # uint32 generations, one per offset
+
+
+class KeysFound(msgspec.Struct, frozen=True):
+    """Where the pages of some keys are: ``l2`` leading keys are in L2,
+    ``leading`` (>= l2) leading keys in L2 or L3; per key, ``in_l2`` and ``in_l3``."""
+
+    l2: int
+    leading: int
+    in_l2: list[bool]
+    in_l3: list[bool]
 
 
 @dataclass(slots=True, eq=False)

@@ -86,3 +86,10 @@ def page_keys(
         parent = _digest(parent + tokens[start : start + step])
         append(parent)
     return keys
+
+
+def engine_page_keys(seed: bytes, keys: Iterable[bytes]) -> list[bytes]:
+    """The daemon's keys for the pages of a key-addressed namespace: each engine
+    key hashed under the namespace digest, ``xxh3_128(seed || key)``, so that
+    namespaces never share a key (docs/keys.md)."""
+    return [_digest(seed + key) for key in keys]

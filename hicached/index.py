@@ -102,6 +102,18 @@ class PageIndex:
             self._push(node)
         return out
 
+    def holds(self, key: bytes, slot: int) -> bool:
+        """Whether ``slot`` holds page ``key`` in this index now."""
+        node = self.node_of.get(slot)
+        return node is not None and node.keys[node.slots.index(slot)] == key
+
+    def items(self) -> Iterator[tuple[bytes, int, int]]:
+        """Every page as (key, slot, owner)."""
+        for node in self.nodes():
+            owner = node.owner
+            for key, slot in zip(node.keys, node.slots, strict=True):
+                yield key, slot, owner
+
     def nodes(self) -> list[Node]:
         out: list[Node] = []
         stack = list(self.root.children.values())

@@ -35,9 +35,12 @@ from collections.abc import Callable, Iterator
 import msgspec
 
 from hicached.index import PageIndex
+from hicached.keyindex import KeyIndex
 from hicached.pool import SlotPool
 
 Victims = list[tuple[bytes, int, int]]  # (key, slot, owner namespace id)
+# The radix tree of token namespaces, or the key table of key-addressed ones.
+Index = PageIndex | KeyIndex
 
 DEFAULT_TENANT = "default"
 
@@ -65,7 +68,8 @@ class TenantBook:
 
     def __init__(self, name: str, max_slots: int = 0, max_bytes: int = 0) -> None:
         self.name = name
-        self.indexes: dict[int, PageIndex] = {}  # page_bytes -> this tenant's index
+        # (page_bytes, keyed) -> this tenant's index of token or key-addressed pages
+        self.indexes: dict[tuple[int, bool], Index] = {}
         self.slots = 0  # slots charged: indexed, under a lease, on their way back
         self.bytes = 0
         self.max_slots = max_slots
@@ -135,22 +139,20 @@ class L2:
             book = self.books[tenant] = TenantBook(tenant)
         return book
 
-    def index(self, page_bytes: int, tenant: str = DEFAULT_TENANT) -> PageIndex:
-        """The index of ``tenant``'s pages of ``page_bytes``."""
+    def index(self, page_bytes: int, tenant: str = DEFAULT_TENANT, keyed: bool = False) -> Index:
+        """The index of ``tenant``'s pages of ``page_bytes`` (key-addressed ones: ``keyed``)."""
         indexes = self.book(tenant).indexes
-        index = indexes.get(page_bytes)
+        index = indexes.get((page_bytes, keyed))
         if index is None:
-            index = indexes[page_bytes] = PageIndex(self._clock)
+            made = KeyIndex(self._clock) if keyed else PageIndex(self._clock)
+            index = indexes[page_bytes, keyed] = made
         return index
 
-    def indexes(self, page_bytes: int | None = None) -> Iterator[PageIndex]:
+    def indexes(self, page_bytes: int | None = None) -> Iterator[Index]:
         """Every tenant's index (of ``page_bytes`` only, when given)."""
         for book in self.books.values():
-            if page_bytes is None:
-                yield from book.indexes.values()
-            else:
-                index = book.indexes.get(page_bytes)
-                if index is not None:
+            for (size, _), index in book.indexes.items():
+                if page_bytes is None or size == page_bytes:
                     yield index
 
     @property
@@ -255,7 +257,7 @@ class L2:
             slots, size = book.over(page_bytes, count)
             if slots <= 0 and size <= 0:
                 break
-            index, each = self._oldest(iter(book.indexes.items()))
+            index, each = self._oldest(_sized(book.indexes))
             if index is None:
                 break  # all it holds is leased or on its way back
             want = min(budget, max(slots, -(-size // each)))
@@ -274,7 +276,7 @@ class L2:
         slots, size = book.over(1, 0)
         evicted = 0
         while slots > 0 or size > 0:
-            index, each = self._oldest(iter(book.indexes.items()))
+            index, each = self._oldest(_sized(book.indexes))
             if index is None:
                 break  # what is left is leased or on its way back
             want = max(1, min(64, max(slots, -(-size // each))))
@@ -288,7 +290,7 @@ class L2:
             self._evicted(victims)
         return evicted
 
-    def _oldest(self, indexes: Iterator[tuple[int, PageIndex]]) -> tuple[PageIndex | None, int]:
+    def _oldest(self, indexes: Iterator[tuple[int, Index]]) -> tuple[Index | None, int]:
         """The index whose least recently used leaf is oldest, and its page size."""
         best, choice, size = None, None, 0
         for page_bytes, index in indexes:
@@ -320,7 +322,7 @@ class L2:
     def _other_size_to_reclaim(self, page_bytes: int) -> int | None:
         """The other page size whose LRU page is older than every page of
         ``page_bytes`` (any with pages, when it has none), or None."""
-        sizes = {size for book in self.books.values() for size in book.indexes}
+        sizes = {size for book in self.books.values() for size, _ in book.indexes}
         if len(sizes) < 2:
             return None
         oldest = [index.oldest() for index in self.indexes(page_bytes)]
@@ -350,3 +352,9 @@ class L2:
             self.reclaimed_slabs += 1
             return True
         return False
+
+
+def _sized(indexes: dict[tuple[int, bool], Index]) -> Iterator[tuple[int, Index]]:
+    """(page_bytes, index) for each of a tenant's indexes."""
+    for (size, _), index in indexes.items():
+        yield size, index

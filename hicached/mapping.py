@@ -47,6 +47,46 @@ def _source(data: Any, pages: int, page_bytes: int) -> np.ndarray:
     return view
 
 
+def _segment(seg: Any, writable: bool) -> np.ndarray:
+    """A segment (numpy array or CPU tensor, rows first) as (rows, bytes) sharing
+    its memory. Rows may be strided (a slice of a wider array), the bytes of
+    one row may not: such a source is copied, such a destination refused."""
+    if type(seg).__module__.startswith("torch"):
+        seg = seg.detach()
+        torch = sys.modules["torch"]
+        try:
+            seg = seg.view(seg.shape[0], -1).view(torch.uint8).numpy()
+        except RuntimeError:
+            if writable:
+                raise ValueError("each row of a segment to read into must be contiguous") from None
+            seg = seg.contiguous().view(seg.shape[0], -1).view(torch.uint8).numpy()
+    if not isinstance(seg, np.ndarray) or seg.ndim < 1:
+        raise ValueError("segments must be arrays or tensors with one row per page or block")
+    if writable and not seg.flags.writeable:
+        raise ValueError("segments to read into must be writable")
+    flat = seg.reshape(seg.shape[0], -1)
+    if flat.size and (flat.strides[1] != flat.itemsize or not np.shares_memory(flat, seg)):
+        if writable:
+            raise ValueError("each row of a segment to read into must be contiguous")
+        flat = np.ascontiguousarray(flat)
+    return flat.view(np.uint8)
+
+
+def _segmented(data: Any, rows: Any, at: int, whole: int) -> bool:
+    """A copy that is not of whole pages, one per slot, with one array or tensor."""
+    if isinstance(data, list | tuple) or rows is not None or at:
+        return True
+    nbytes = data.nbytes if isinstance(data, np.ndarray) else None
+    if nbytes is None and type(data).__module__.startswith("torch"):
+        nbytes = _row_bytes(data) * int(data.shape[0]) if data.dim() else 0
+    return nbytes is not None and nbytes != whole
+
+
+def _row_bytes(tensor: Any) -> int:
+    """Bytes in one row (first-axis entry) of a tensor."""
+    return int(tensor.numel() // max(1, tensor.shape[0]) * tensor.element_size())
+
+
 def _destination(out: Any, pages: int, page_bytes: int) -> np.ndarray:
     """``out`` as (pages, page_bytes) bytes sharing its memory, never a copy (a
     copy would leave ``out`` as it was)."""
@@ -108,13 +148,17 @@ class PoolMapping:
 
     # -- copies ----------------------------------------------------------------------
 
-    def write(self, res: Reservation, data: Any) -> None:
-        """Copy ``data`` (one page per slot of ``res``) into its slots."""
+    def write(self, res: Reservation, data: Any, rows: Any = None, at: int = 0) -> None:
+        """Copy ``data`` (one page per slot of ``res``) into its slots; a list of
+        segments, ``rows`` or ``at`` make a segmented copy (``segments``)."""
         if not isinstance(res, Reservation):
             raise BadRequest("write_pages takes a Reservation (from reserve), not a Hit")
         offsets = res.offsets
         if not offsets:
             self._fence(res, "reservation")
+            return
+        if _segmented(data, rows, at, len(offsets) * res.ns.page_bytes):
+            self.segments(res, data, rows, at, to_pool=True)
             return
         ns = res.ns
         on_gpu = cuda_tensor(data)
@@ -144,13 +188,20 @@ class PoolMapping:
                 moved,
             )
 
-    def read(self, hit: Hit, out: Any = None) -> Any:
-        """Copy the slots of ``hit`` into ``out`` (n, page_bytes), in one call."""
+    def read(self, hit: Hit, out: Any = None, rows: Any = None, at: int = 0) -> Any:
+        """Copy the slots of ``hit`` into ``out`` (n, page_bytes), in one call; a
+        list of segments, ``rows`` or ``at`` make a segmented copy (``segments``)."""
         if not isinstance(hit, Hit):
             raise BadRequest("read_pages takes a Hit (from a leased match), not a Reservation")
         self._fence(hit, "hit")
         if not hit.lease and hit.offsets:
             raise BadRequest("this hit holds no lease: match with lease=True to copy its pages")
+        if _segmented(out, rows, at, len(hit.offsets) * hit.ns.page_bytes):
+            if out is None:
+                raise ValueError("a segmented read needs out: the arrays or tensors to fill")
+            if hit.offsets:
+                self.segments(hit, out, rows, at, to_pool=False)
+            return out
         ns = hit.ns
         offsets = hit.offsets
         if not offsets:  # nothing to copy
@@ -184,6 +235,63 @@ class PoolMapping:
         if moved >= 0:
             raise StaleHandle("a page was reused while it was read: it is a miss", moved)
         return out
+
+    def segments(
+        self, handle: Reservation | Hit, segs: Any, rows: Any, at: int, *, to_pool: bool
+    ) -> None:
+        """One fenced copy between the slots of ``handle`` and several arrays or
+        tensors (*segments*): page j's bytes from ``at`` on are row j of each
+        segment, in order, or row ``rows[j]`` of each when ``rows`` is given
+        (the segments are then whole engine tensors, rows first: vLLM's
+        per-layer KV, SGLang's K and V). ``at`` places the data inside each
+        slot: worker r of a wide page copies at ``r * page_bytes // shards``."""
+        segs = list(segs) if isinstance(segs, list | tuple) else [segs]
+        if not segs:
+            raise ValueError("a segmented copy needs at least one segment")
+        ns = handle.ns
+        n = len(handle.offsets)
+        on_gpu = cuda_tensor(segs[0])
+        if on_gpu and not all(cuda_tensor(seg) for seg in segs):
+            raise ValueError("segments must all be CUDA tensors or all host memory")
+        views: list[Any] = segs if on_gpu else [_segment(s, writable=not to_pool) for s in segs]
+        widths = [_row_bytes(seg) if on_gpu else seg.shape[1] for seg in views]
+        if at < 0 or at + sum(widths) > ns.page_bytes:
+            raise ValueError(
+                f"segments of {sum(widths)} bytes a page at byte {at} do not fit pages of "
+                f"{ns.page_bytes} bytes"
+            )
+        picks = None
+        if rows is not None:
+            picks = np.asarray(rows, dtype=np.int64).reshape(-1)
+            height = min(int(seg.shape[0]) for seg in views)
+            if len(picks) != n or (n and (int(picks.min()) < 0 or int(picks.max()) >= height)):
+                raise ValueError(f"rows must be {n} row numbers in 0..{height - 1}, one per page")
+        elif any(int(seg.shape[0]) != n for seg in views):
+            raise ValueError(f"each segment must have {n} rows, one per page (or give rows)")
+        what = "reservation" if to_pool else "hit"
+        self._fence(handle, what)
+        idx, gidx = self._row_index(ns, handle.offsets)
+        if self._moved(handle, gidx) >= 0:
+            raise StaleHandle(f"a slot of this {what} changed owner: it is a miss now")
+        pool = self.arena.rows(ns.page_bytes)
+        if on_gpu:
+            from hicached import cuda
+
+            cuda.copy_segments(pool, idx, views, picks, at, to_pool=to_pool, mapped=self._mapped)
+        else:
+            start = at
+            for view in views:
+                end = start + view.shape[1]
+                if to_pool:
+                    pool[idx, start:end] = view if picks is None else view[picks]
+                elif picks is None:
+                    view[...] = pool[idx, start:end]
+                else:
+                    view[picks] = pool[idx, start:end]
+                start = end
+        moved = self._moved(handle, gidx)
+        if moved >= 0:
+            raise StaleHandle(f"a slot of this {what} changed owner during the copy: a miss", moved)
 
     def _row_index(self, ns: Namespace, offsets: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Rows of ``offsets`` and their generation counters; a cache must never

@@ -18,6 +18,11 @@ from hicached.errors import InvalidNamespace
 _MODEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}(/[A-Za-z0-9][A-Za-z0-9._-]{0,127})?")
 _TOKEN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _LOWER_RE = re.compile(r"[a-z0-9][a-z0-9_]{0,63}")
+_SCHEME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
+
+TOKENS = "tokens"  # the key scheme of namespaces whose keys the daemon chains over token ids
+MAX_KEY_BYTES = 64  # longest engine key of a key-addressed namespace
+MAX_SHARDS = 1024
 
 MAX_PAGE_TOKENS = 1 << 16
 
@@ -28,6 +33,15 @@ class NamespaceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     ``replicated`` marks KV that is identical on every TP rank (MLA-style):
     all TP ranks then share one namespace and the TP coordinates are left out
     of the digest.
+
+    ``key_scheme`` says who names the pages: ``tokens`` (the daemon chains
+    keys over token ids, docs/keys.md) or an engine's scheme (``vllm-sha256``,
+    ``sglang-sha256``, ...) whose own opaque keys the engine sends; the
+    operations of one scheme are refused on a namespace of the other.
+
+    ``shards`` > 1 makes pages *wide*: each page holds ``shards`` equal parts,
+    one per worker (worker ``r`` copies at ``r * page_bytes // shards``), and
+    ``page_bytes`` is the whole page.
 
     ``tenant`` salts the digest. A daemon with ``[tenants]`` sets it to the
     tenant of the connection that registers the namespace (when left at
@@ -48,6 +62,13 @@ class NamespaceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     pp_size: int = 1
     replicated: bool = False
     tenant: str = "default"
+    key_scheme: str = TOKENS
+    shards: int = 1
+
+    @property
+    def keyed(self) -> bool:
+        """Pages are named by the engine's keys, not by token ids."""
+        return self.key_scheme != TOKENS
 
 
 def validate_spec(spec: NamespaceSpec, max_page_bytes: int) -> None:
@@ -79,6 +100,16 @@ def validate_spec(spec: NamespaceSpec, max_page_bytes: int) -> None:
             f"page_bytes must be in 1..{max_page_bytes} (the daemon's pool.max_page_bytes), "
             f"got {spec.page_bytes}"
         )
+    if not _SCHEME_RE.fullmatch(spec.key_scheme):
+        raise InvalidNamespace(
+            f"key_scheme {spec.key_scheme!r} is not allowed: use 1-64 lower-case letters, "
+            "digits, '_' or '-' (tokens, or the engine's scheme such as vllm-sha256)"
+        )
+    if not 1 <= spec.shards <= MAX_SHARDS or spec.page_bytes % spec.shards:
+        raise InvalidNamespace(
+            f"shards must be in 1..{MAX_SHARDS} and divide page_bytes ({spec.page_bytes}), "
+            f"got {spec.shards}"
+        )
     for rank_name, size_name in (
         ("tp_rank", "tp_size"),
         ("cp_rank", "cp_size"),
@@ -94,6 +125,10 @@ def validate_spec(spec: NamespaceSpec, max_page_bytes: int) -> None:
 def canonical_text(spec: NamespaceSpec) -> str:
     """The exact text whose xxh3_128 digest seeds the key chain (docs/keys.md)."""
     tp = "replicated" if spec.replicated else f"{spec.tp_rank}/{spec.tp_size}"
+    # lines that a default leaves out, so the digests of older namespaces stay as they were
+    extra = f"keys={spec.key_scheme}\n" if spec.keyed else ""
+    if spec.shards > 1:
+        extra += f"shards={spec.shards}\n"
     return (
         "hicached-namespace-v1\n"
         f"model={spec.model}\n"
@@ -105,6 +140,7 @@ def canonical_text(spec: NamespaceSpec) -> str:
         f"tp={tp}\n"
         f"cp={spec.cp_rank}/{spec.cp_size}\n"
         f"pp={spec.pp_stage}/{spec.pp_size}\n"
+        f"{extra}"
         f"tenant={spec.tenant}\n"
     )
 

@@ -15,7 +15,7 @@ from hicached.errors import HicachedError, error_from_code
 from hicached.namespace import NamespaceSpec
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 1
+PROTOCOL_MINOR = 2
 
 
 class Request(msgspec.Struct, tag_field="op", kw_only=True, forbid_unknown_fields=True):
@@ -49,10 +49,15 @@ class Reserve(Request, tag="reserve"):
 
 
 class Commit(Request, tag="commit"):
-    """Publish the first ``pages`` reserved slots (-1: all of them); free the rest."""
+    """Publish the first ``pages`` reserved slots (-1: all of them); free the rest.
+
+    ``mask`` (key-addressed reservations): one byte per reserved slot, nonzero
+    for each page the client wrote; only those are published. Empty: all.
+    """
 
     lease: int
     pages: int = -1
+    mask: bytes = b""
 
 
 class Match(Request, tag="match"):
@@ -73,6 +78,43 @@ class Prefetch(Request, tag="prefetch"):
 
     ns: int
     tokens: bytes
+    max_pages: int = -1
+
+
+class ExistsKeys(Request, tag="exists_keys"):
+    """Which of ``keys`` (a key-addressed namespace's own keys) are in L2 and L3;
+    nothing is pinned and recency is left as it is."""
+
+    ns: int
+    keys: list[bytes]
+
+
+class MatchKeys(Request, tag="match_keys"):
+    """How many leading ``keys`` are in L2; with ``lease``, pin them (reply: MatchOk)."""
+
+    ns: int
+    keys: list[bytes]
+    lease: bool = True
+
+
+class ReserveKeys(Request, tag="reserve_keys"):
+    """Slots for those of ``keys`` not in L2; those in L2 are pinned until the commit.
+
+    ``keys`` follow one another in their sequence; ``parent`` is the key
+    before ``keys[0]`` (empty: none or unknown). Parents keep prefix order
+    for eviction: a page is not evicted before the pages stored after it.
+    """
+
+    ns: int
+    keys: list[bytes]
+    parent: bytes = b""
+
+
+class PrefetchKeys(Request, tag="prefetch_keys"):
+    """``prefetch`` by key: load from L3 the keys that follow the leading L2 run."""
+
+    ns: int
+    keys: list[bytes]
     max_pages: int = -1
 
 
@@ -107,6 +149,10 @@ AnyRequest = (
     | Commit
     | Match
     | Prefetch
+    | ExistsKeys
+    | MatchKeys
+    | ReserveKeys
+    | PrefetchKeys
     | Progress
     | Release
     | Renew
@@ -150,6 +196,28 @@ class ReserveOk(Reply, tag="reserve_ok"):
     present: int
     offsets: list[int]
     pool_full: bool = False
+
+
+class ReserveKeysOk(Reply, tag="reserve_keys_ok"):
+    """``present``: one byte per key, 1 where the page is in L2 already (pinned
+    until the commit; skip it). ``offsets[j]`` is a fresh slot for
+    ``keys[indices[j]]``. ``pool_full``: some missing keys got no slot."""
+
+    lease: int
+    present: bytes
+    indices: list[int]
+    offsets: list[int]
+    pool_full: bool = False
+
+
+class ExistsKeysOk(Reply, tag="exists_keys_ok"):
+    """``where``: one byte per key, bit 0 set when it is in L2 and bit 1 when L3
+    holds it (as far as this daemon has learned). ``l2`` leading keys are in
+    L2; ``leading`` (>= l2) leading keys are in L2 or L3."""
+
+    l2: int
+    leading: int
+    where: bytes
 
 
 class CommitOk(Reply, tag="commit_ok"):
@@ -255,6 +323,8 @@ AnyReply = (
     | ReserveOk
     | CommitOk
     | MatchOk
+    | ReserveKeysOk
+    | ExistsKeysOk
     | PrefetchOk
     | ProgressOk
     | RenewOk

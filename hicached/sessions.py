@@ -23,9 +23,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from hicached.index import PageIndex
-from hicached.l2 import TenantBook
+from hicached.keyindex import KeyIndex
+from hicached.l2 import Index, TenantBook
 from hicached.namespace import NamespaceSpec
 
 
@@ -34,7 +36,7 @@ class NamespaceState:
     id: int
     spec: NamespaceSpec
     digest: bytes
-    index: PageIndex
+    index: Index
     book: TenantBook  # its tenant's share of L2
     sessions: int = 0  # sessions that registered it
     pages: int = 0  # its pages in L2
@@ -43,6 +45,18 @@ class NamespaceState:
     @property
     def unused(self) -> bool:
         return not (self.sessions or self.pages or self.holds)
+
+    @property
+    def tree(self) -> PageIndex:
+        """The index of a token namespace."""
+        assert isinstance(self.index, PageIndex), "a token namespace"
+        return self.index
+
+    @property
+    def table(self) -> KeyIndex:
+        """The index of a key-addressed namespace."""
+        assert isinstance(self.index, KeyIndex), "a key-addressed namespace"
+        return self.index
 
 
 @dataclass(slots=True, eq=False)
@@ -72,6 +86,15 @@ class PrefetchState:
     ended: bool = False  # the lease ended; the reader frees what is left
 
 
+class KeyedPage(NamedTuple):
+    """A page of a key-addressed namespace on its way into L2."""
+
+    key: bytes  # the daemon's key
+    parent: bytes  # the daemon's key of the page before it in its sequence (b"": none)
+    ekey: bytes  # the key its events carry (the engine's)
+    eparent: bytes  # the event key of its parent (b"": none)
+
+
 @dataclass(slots=True, eq=False)
 class Lease:
     id: int
@@ -83,10 +106,12 @@ class Lease:
     fresh: list[int] = field(default_factory=list)  # write leases: slots to fill
     prefetch: PrefetchState | None = None
     tokens: bytes = b""  # write leases: the sequence, for events
+    # key-addressed write leases: one per fresh slot (reserve) or per key to read (prefetch)
+    chain: list[KeyedPage] | None = None
 
     @property
     def writing(self) -> bool:
-        return bool(self.keys) or self.prefetch is not None
+        return bool(self.keys) or self.prefetch is not None or self.chain is not None
 
     @property
     def client_writes(self) -> bool:

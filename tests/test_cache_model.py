@@ -4,6 +4,9 @@ Random interleavings of reserve / write / commit / abort / match / read /
 release / renew / lease expiry / L3 write completion and failure / daemon
 restart, from two clients and two page sizes, on a pool of only two slabs,
 so eviction, write-back and slabs passing between the sizes are constant.
+A third namespace is key-addressed with wide pages (two shards a page): its
+reservations have holes and parents, its copies are made shard by shard,
+and its commits publish what a per-slot mask says.
 
 Pages hold real bytes in a real pool file: a page's bytes are a pattern
 derived from its key. Copies go through the client's own fenced copy code
@@ -25,6 +28,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
 import tempfile
 from collections.abc import Callable
@@ -50,8 +54,9 @@ from hicached.config import Config, LeaseConfig, PoolConfig, StorageConfig
 from hicached.errors import StaleHandle
 from hicached.handles import Hit, LeaseState, Reservation
 from hicached.handles import Namespace as ClientNamespace
-from hicached.hashing import pack_tokens, page_keys
+from hicached.hashing import engine_page_keys, pack_tokens, page_keys
 from hicached.index import PageIndex
+from hicached.keyindex import KeyIndex
 from hicached.mapping import PoolMapping, lease_margin
 from hicached.pool import GEN_GRANULE
 
@@ -63,6 +68,15 @@ SPECS = {
     )
     for name, size in SIZES.items()
 }
+KEYED = p.NamespaceSpec(
+    model="m/keyed",
+    kv_dtype="bfloat16",
+    layout="l",
+    page_tokens=1,
+    page_bytes=PAGE,
+    key_scheme="vllm-sha256",
+    shards=2,
+)
 SEQ = st.lists(st.integers(0, 2), min_size=1, max_size=5)
 WHICH = st.sampled_from(sorted(SIZES))
 RID = st.sampled_from([b"A", b"B"])
@@ -135,6 +149,9 @@ class CacheMachine(RuleBasedStateMachine):
                 reg = self.call(rid, p.RegisterNamespace(id=0, spec=spec))
                 assert isinstance(reg, p.NamespaceOk)
                 self.ns[rid, name] = ClientNamespace(spec, reg.ns, reg.digest)
+            reg = self.call(rid, p.RegisterNamespace(id=0, spec=KEYED))
+            assert isinstance(reg, p.NamespaceOk)
+            self.ns[rid, "keyed"] = ClientNamespace(KEYED, reg.ns, reg.digest)
         # handles survive a restart on purpose: using them again must be harmless
         if not hasattr(self, "writes"):
             self.writes: list[tuple[bytes, Reservation, list[bytes]]] = []
@@ -154,7 +171,16 @@ class CacheMachine(RuleBasedStateMachine):
         return page_keys(self.ns[b"A", which].digest, pack_tokens(seq), 1)
 
     def index(self, which: str) -> PageIndex:
-        return self.cache.l2.index(SIZES[which])
+        index = self.cache.l2.index(SIZES[which])
+        assert isinstance(index, PageIndex)
+        return index
+
+    def engine_keys(self, seq: list[int]) -> list[bytes]:
+        """The engine's own keys of a sequence's pages (vLLM's: hash + group)."""
+        return [hashlib.sha256(bytes(seq[: i + 1])).digest() + b"\0\0\0\0" for i in range(len(seq))]
+
+    def our_keys(self, ekeys: list[bytes]) -> list[bytes]:
+        return engine_page_keys(self.ns[b"A", "keyed"].digest, ekeys)
 
     def deadline(self) -> float:
         return self.clock.now + TTL - lease_margin(TTL)
@@ -214,24 +240,100 @@ class CacheMachine(RuleBasedStateMachine):
         i = data.draw(st.integers(0, len(self.writes) - 1))
         rid, res, keys = self.writes.pop(i)
         pages = data.draw(st.integers(-1, len(res.offsets)))
+        keyed = res.ns.spec.keyed
+        mask = data.draw(
+            st.lists(st.booleans(), min_size=len(res.offsets), max_size=len(res.offsets))
+        )
         if res.instance != self.cache.instance:
             return  # the client refuses this itself (a restart ended the lease)
         # the engine writes its pages before it commits (late, if it was slow)
         self.write_res(res, keys)
-        reply = self.call(rid, p.Commit(id=0, lease=res.lease, pages=pages))
+        if keyed:
+            request = p.Commit(id=0, lease=res.lease, mask=bytes(mask))
+        else:
+            request = p.Commit(id=0, lease=res.lease, pages=pages)
+        reply = self.call(rid, request)
         if isinstance(reply, p.Error):
             assert reply.code == "unknown_lease"  # it expired
             return
         assert isinstance(reply, p.CommitOk), reply
-        n = len(res.offsets) if pages < 0 else pages
+        n = sum(mask) if keyed else len(res.offsets) if pages < 0 else pages
         assert reply.published + reply.duplicates == n
+        if keyed:
+            table = self.cache.l2.index(PAGE, keyed=True)
+            published = [k for k, ok in zip(keys, mask, strict=True) if ok]
+            assert all(table.present(published)), "a committed page is not in L2"
 
     def write_res(self, res: Reservation, keys: list[bytes]) -> None:
         size = res.ns.page_bytes
         pages = [pattern(k, size) for k in keys[res.present :][: len(res.offsets)]]
-        if pages:
+        if not pages:
+            return
+        shards = res.ns.spec.shards
+        width = size // shards
+        data = np.stack(pages)
+        for r in range(shards):  # one copy per worker of a wide page, each its part
             with contextlib.suppress(StaleHandle):
-                self.mapping.write(res, np.stack(pages))
+                if shards == 1:
+                    self.mapping.write(res, data)
+                else:
+                    self.mapping.write(res, data[:, r * width : (r + 1) * width], None, r * width)
+
+    @rule(rid=RID, seq=SEQ, start=st.integers(0, 4))
+    def reserve_keys(self, rid: bytes, seq: list[int], start: int) -> None:
+        ns = self.ns[rid, "keyed"]
+        ekeys = self.engine_keys(seq)
+        start = min(start, len(ekeys) - 1)
+        parent = ekeys[start - 1] if start else b""
+        ours = self.our_keys(ekeys)[start:]
+        before = [self.cache.l2.index(PAGE, keyed=True).present([k])[0] for k in ours]
+        reply = self.call(rid, p.ReserveKeys(id=0, ns=ns.id, keys=ekeys[start:], parent=parent))
+        assert isinstance(reply, p.ReserveKeysOk), reply
+        assert list(reply.present) == [int(b) for b in before]
+        assert len(reply.indices) == len(reply.offsets)
+        assert all(not reply.present[i] for i in reply.indices), "a present key got a slot"
+        if reply.pool_full:
+            assert len(reply.indices) < len(ours) - sum(before)
+        else:
+            assert len(reply.indices) == len(ours) - sum(before)
+        if reply.lease:
+            res = Reservation(
+                ns,
+                reply.lease,
+                0,
+                reply.offsets,
+                reply.pool_full,
+                self.cache.instance,
+                LeaseState(self.deadline()),
+                self.mapping.snapshot(reply.offsets),
+                indices=reply.indices,
+            )
+            self.writes.append((rid, res, [ours[i] for i in reply.indices]))
+
+    @rule(rid=RID, seq=SEQ, start=st.integers(0, 4), lease=st.booleans())
+    def match_keys(self, rid: bytes, seq: list[int], start: int, lease: bool) -> None:
+        ns = self.ns[rid, "keyed"]
+        ekeys = self.engine_keys(seq)[min(start, len(seq) - 1) :]
+        found = self.call(rid, p.ExistsKeys(id=0, ns=ns.id, keys=ekeys))
+        assert isinstance(found, p.ExistsKeysOk)
+        reply = self.call(rid, p.MatchKeys(id=0, ns=ns.id, keys=ekeys, lease=lease))
+        assert isinstance(reply, p.MatchOk)
+        assert reply.hits == found.l2 <= found.leading, "exists and match disagree"
+        assert all(b & 1 for b in found.where[: found.l2])
+        if reply.lease:
+            hit = Hit(
+                ns,
+                reply.hits,
+                reply.offsets,
+                reply.lease,
+                self.cache.instance,
+                reply.l3_hits,
+                LeaseState(self.deadline()),
+                self.mapping.snapshot(reply.offsets),
+            )
+            keys = self.our_keys(ekeys)
+            self.reads.append((rid, hit, keys[: reply.hits]))
+            self.read_hit(hit, keys)
 
     @precondition(lambda self: self.writes)
     @rule(data=st.data())
@@ -358,10 +460,12 @@ class CacheMachine(RuleBasedStateMachine):
 
         for size in SIZES.values():
             index = cache.l2.index(size)
-            indexed = [slot for node in index.nodes() for slot in node.slots]
+            indexed = [slot for _, slot, _ in index.items()]
             assert len(indexed) == index.pages
             for slot in indexed:
                 own(slot, size, "indexed")
+        for _, slot, _ in cache.l2.index(PAGE, keyed=True).items():
+            own(slot, PAGE, "indexed by key")
         for lease in cache.leases:
             for slot in lease.fresh:
                 own(slot, lease.ns.spec.page_bytes, "fresh")
@@ -376,6 +480,26 @@ class CacheMachine(RuleBasedStateMachine):
             assert a + size <= b, f"slots at {a} and {b} share bytes"
         assert pool.used_bytes == sum(owned.values())
         assert set(pool.pins) <= set(owned)
+
+    @invariant()
+    def key_table_links(self) -> None:
+        """Each key-addressed page counts its children in L2 exactly, and a page
+        with children is never evicted before them (a parent is never missing
+        while a child it had stays)."""
+        if not hasattr(self, "cache"):
+            return
+        table = self.cache.l2.index(PAGE, keyed=True)
+        assert isinstance(table, KeyIndex)
+        entries = table._entries
+        children: dict[bytes, int] = {}
+        for entry in entries.values():
+            assert entry.alive and entry.owner in self.cache.namespaces
+            if entry.parent is not None:
+                assert entry.parent.alive, "a page points at an evicted parent"
+                assert entries.get(entry.parent.key) is entry.parent
+                children[entry.parent.key] = children.get(entry.parent.key, 0) + 1
+        for key, entry in entries.items():
+            assert entry.children == children.get(key, 0)
 
     @invariant()
     def tree_is_prefix_closed(self) -> None:

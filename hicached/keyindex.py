@@ -1,0 +1,198 @@
+"""The L2 index of key-addressed namespaces: pages named by the engine's own keys.
+
+Synchronous, owned by the event-loop thread, no I/O. Engines that bring
+their own page keys (docs/engines.md) ask about any run of keys, not only
+runs that start a sequence, and may store a page whose predecessor is not in
+L2 (a hole). So this index is a flat table, key -> page, where each page may
+name its *parent* (the page before it in its sequence, when that page was in
+L2 as it was stored). The parent links keep the prefix order the radix tree
+keeps for token namespaces:
+
+- a page with a child in L2 is not evicted before that child, so eviction
+  takes sequences from their tails, least recently used first;
+- a use (a match) marks every page it returns with one clock tick, as the
+  radix tree does, so recency is comparable with the other indexes on the
+  same clock (l2.py);
+- every page without a child in L2 and without a pin has a heap entry for its
+  current tick; stale entries are skipped, and ``unpinned`` or the loss of
+  the last child pushes a page again.
+
+Keys here are the daemon's keys (16 bytes, the engine key hashed under the
+namespace digest, cache.py), so namespaces never share one.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator, Mapping, Sequence
+
+
+class Entry:
+    """One page: its slot, its namespace, its parent page and its children in L2."""
+
+    __slots__ = ("alive", "children", "key", "owner", "parent", "slot", "tick")
+
+    def __init__(self, key: bytes, slot: int, owner: int, parent: Entry | None, tick: int) -> None:
+        self.key = key
+        self.slot = slot
+        self.owner = owner
+        self.parent = parent
+        self.children = 0
+        self.tick = tick
+        self.alive = True
+
+
+class KeyIndex:
+    """Which key-addressed pages are in L2, in which slots, and which to evict first."""
+
+    def __init__(self, clock: Iterator[int] | None = None) -> None:
+        self._entries: dict[bytes, Entry] = {}
+        self._by_slot: dict[int, Entry] = {}
+        self._clock = clock if clock is not None else itertools.count(1)
+        self._heap: list[tuple[int, int, Entry]] = []
+        self._seq = itertools.count()
+
+    @property
+    def pages(self) -> int:
+        return len(self._entries)
+
+    # -- queries ---------------------------------------------------------------
+
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which of ``keys`` are in L2; recency is left as it is."""
+        entries = self._entries
+        return [key in entries for key in keys]
+
+    def match(self, keys: Sequence[bytes]) -> list[int]:
+        """Slots of the leading run of ``keys`` that is in L2; marks them used."""
+        entries = self._entries
+        tick = next(self._clock)
+        out: list[int] = []
+        last = None
+        for key in keys:
+            entry = entries.get(key)
+            if entry is None:
+                break
+            entry.tick = tick
+            out.append(entry.slot)
+            last = entry
+        if last is not None and not last.children:
+            self._push(last)
+        return out
+
+    def find(self, keys: Sequence[bytes]) -> list[int]:
+        """The slot of each of ``keys`` (-1 where absent), holes and all; marks
+        the present ones used."""
+        entries = self._entries
+        tick = next(self._clock)
+        out: list[int] = []
+        for key in keys:
+            entry = entries.get(key)
+            if entry is None:
+                out.append(-1)
+                continue
+            entry.tick = tick
+            out.append(entry.slot)
+            if not entry.children:
+                self._push(entry)
+        return out
+
+    def holds(self, key: bytes, slot: int) -> bool:
+        entry = self._by_slot.get(slot)
+        return entry is not None and entry.key == key
+
+    def items(self) -> Iterator[tuple[bytes, int, int]]:
+        """Every page as (key, slot, owner)."""
+        for entry in self._entries.values():
+            yield entry.key, entry.slot, entry.owner
+
+    # -- updates ---------------------------------------------------------------
+
+    def insert(self, key: bytes, slot: int, owner: int, parent: bytes = b"") -> bool:
+        """Add a page; False if ``key`` is in L2 already (the caller keeps its slot)."""
+        if key in self._entries:
+            return False
+        up = self._entries.get(parent) if parent else None
+        entry = Entry(key, slot, owner, up, next(self._clock))
+        if up is not None:
+            up.children += 1
+            # the parent was used as its child was stored: it is no older than it
+            up.tick = entry.tick
+        self._entries[key] = entry
+        self._by_slot[slot] = entry
+        self._push(entry)
+        return True
+
+    def oldest(self) -> int | None:
+        """The clock tick of the least recently used evictable page, or None."""
+        heap = self._heap
+        while heap:
+            tick, _, entry = heap[0]
+            if entry.alive and not entry.children and entry.tick == tick:
+                return tick
+            heapq.heappop(heap)  # stale entry
+        return None
+
+    def evict(self, count: int, pins: Mapping[int, int]) -> list[tuple[bytes, int, int]]:
+        """Remove up to ``count`` unpinned pages without children in L2, least
+        recently used first; returns their (key, slot, owner), the caller frees them."""
+        out: list[tuple[bytes, int, int]] = []
+        while len(out) < count and self._heap:
+            tick, _, entry = heapq.heappop(self._heap)
+            if not entry.alive or entry.children or entry.tick != tick:
+                continue  # stale entry
+            if entry.slot in pins:
+                continue  # unpinned() pushes it again
+            self._remove(entry)
+            out.append((entry.key, entry.slot, entry.owner))
+            parent = entry.parent
+            if parent is not None and parent.alive and not parent.children:
+                self._push(parent)
+        return out
+
+    def drop_owner(self, owner: int, pins: Mapping[int, int]) -> list[tuple[bytes, int, int]]:
+        """Remove every page of namespace ``owner``, unless a pin holds one of them
+        (then all stay). Children go before their parents."""
+        mine = [entry for entry in self._entries.values() if entry.owner == owner]
+        if any(entry.slot in pins for entry in mine):
+            return []
+        mine.sort(key=_depth, reverse=True)
+        out = []
+        for entry in mine:
+            self._remove(entry)
+            out.append((entry.key, entry.slot, owner))
+        return out
+
+    def unpinned(self, slots: list[int]) -> None:
+        """Slots lost their last pin: those pages without children are evictable again."""
+        by_slot = self._by_slot
+        for slot in slots:
+            entry = by_slot.get(slot)
+            if entry is not None and not entry.children:
+                self._push(entry)
+
+    def _remove(self, entry: Entry) -> None:
+        del self._entries[entry.key]
+        del self._by_slot[entry.slot]
+        entry.alive = False
+        parent = entry.parent
+        if parent is not None:
+            parent.children -= 1
+            entry.parent = None
+
+    def _push(self, entry: Entry) -> None:
+        heap = self._heap
+        heapq.heappush(heap, (entry.tick, next(self._seq), entry))
+        if len(heap) > 2 * len(self._entries) + 1024:
+            self._heap = [
+                (e.tick, next(self._seq), e) for e in self._entries.values() if not e.children
+            ]
+            heapq.heapify(self._heap)
+
+
+def _depth(entry: Entry) -> int:
+    depth, up = 0, entry.parent
+    while up is not None:
+        depth, up = depth + 1, up.parent
+    return depth

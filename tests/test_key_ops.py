@@ -1,0 +1,257 @@
+"""Key-addressed namespaces on a real daemon: the engine's own keys, holes,
+parents, commit masks, L2 and L3 counted apart, wide pages written by several
+worker processes through one lease, segmented copies, events that carry the
+engine's keys, and the bad input these operations can meet."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from hicached import Client
+from hicached import protocol as p
+from hicached.errors import BadRequest, InvalidNamespace, StaleHandle, TooLarge
+from hicached.events import batch_decoder, block_hash
+from hicached.handles import Hit, Reservation
+from tests.l3util import wait_for
+from tests.support import Daemon
+
+PAGE = 8192
+SHARDS = 2
+SPEC = dict(
+    model="org/keyed",
+    kv_dtype="bfloat16",
+    layout="layer_first",
+    page_tokens=32,
+    page_bytes=PAGE,
+    key_scheme="vllm-sha256",
+)
+FILE_L3 = 'backend = "file"\nwrite_policy = "write_through"\n'
+FILE_OPTIONS = "[storage.file]\ncapacity_mib = 64\nsegment_mib = 16\n"
+
+
+def engine_keys(n: int, salt: int = 0) -> list[bytes]:
+    """vLLM-style offload keys: a chained 32-byte block hash plus a 4-byte group index."""
+    out, parent = [], bytes(32)
+    for i in range(n):
+        parent = hashlib.sha256(parent + bytes([salt, i])).digest()
+        out.append(parent + (0).to_bytes(4, "big"))
+    return out
+
+
+def pages(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, PAGE), dtype=np.uint8)
+
+
+def store(c: Client, ns: object, keys: list[bytes], data: np.ndarray) -> p.CommitOk:
+    res = c.reserve_keys(ns, keys)  # type: ignore[arg-type]
+    c.write_pages(res, data[res.indices])
+    return c.commit(res)
+
+
+def test_holes_parents_masks_and_tiers(daemon_factory: Callable[..., Daemon]) -> None:
+    d = daemon_factory(storage=FILE_L3, tail=FILE_OPTIONS)
+    keys = engine_keys(8)
+    data = pages(8, 1)
+    with d.client() as c:
+        ns = c.register(**SPEC)
+        found = c.exists_keys(ns, keys)
+        assert (found.l2, found.leading) == (0, 0) and not any(found.in_l2 + found.in_l3)
+        # pages 0-2 and, after a hole at 3, page 4 (its parent named)
+        assert store(c, ns, keys[:3], data).published == 3
+        res = c.reserve_keys(ns, [keys[4]], parent=keys[3])
+        c.write_pages(res, data[4:5])
+        assert c.commit(res).published == 1
+        found = c.exists_keys(ns, keys)
+        assert found.l2 == 3 and found.in_l2 == [True] * 3 + [False, True] + [False] * 3
+        # a reservation over the hole: present keys are skipped, the rest get slots
+        res = c.reserve_keys(ns, keys[2:7], parent=keys[1])
+        assert res.present_mask == [True, False, True, False, False]
+        assert res.indices == [1, 3, 4] and len(res.offsets) == 3
+        c.write_pages(res, data[[3, 5, 6]])
+        # only what was written is published: the mask leaves page 6 out
+        assert c.commit(res, ok=[True, True, False]).published == 2
+        found = c.exists_keys(ns, keys)
+        assert found.l2 == 6 and found.in_l2 == [True] * 6 + [False] * 2
+        # L3 holds them once write-through is done; L2 and L3 are counted apart
+        wait_for(lambda: c.exists_keys(ns, keys).in_l3 == [True] * 6 + [False] * 2)
+        hit = c.match_keys(ns, keys)
+        assert hit.hits == 6
+        assert np.array_equal(c.read_pages(hit), data[:6])
+        c.release(hit)
+        # a match that starts mid-sequence
+        hit = c.match_keys(ns, keys[4:])
+        assert hit.hits == 2 and np.array_equal(c.read_pages(hit), data[4:6])
+        c.release(hit)
+        assert c.stats().match_pages["l2"] == 8
+
+
+def test_pages_come_back_from_l3_by_key(daemon_factory: Callable[..., Daemon]) -> None:
+    d = daemon_factory(storage=FILE_L3, tail=FILE_OPTIONS)
+    keys = engine_keys(5, salt=2)
+    data = pages(5, 2)
+    with d.client() as c:
+        ns = c.register(**SPEC)
+        store(c, ns, keys, data)
+        wait_for(lambda: all(c.exists_keys(ns, keys).in_l3))
+    d.stop()
+    d.start()
+    with d.client() as c:
+        ns = c.register(**SPEC)
+        wait_for(lambda: c.exists_keys(ns, keys).leading == 5)
+        assert c.exists_keys(ns, keys).l2 == 0
+        fetch = c.prefetch_keys(ns, keys)
+        deadline = time.monotonic() + 10
+        while not (progress := c.progress(fetch)).done:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert progress.completed == 5 and not progress.failed
+        assert c.commit(fetch).published == 5
+        hit = c.match_keys(ns, keys)
+        assert hit.hits == 5 and np.array_equal(c.read_pages(hit), data)
+        c.release(hit)
+
+
+def test_wide_pages_written_by_workers_through_one_lease(daemon: Daemon) -> None:
+    """The scheduler's client takes the lease; two worker clients (other
+    connections, as other processes would be) each copy their shard, gathered
+    from per-layer tensors by block id, through the handle it hands them."""
+    layers, width = 4, PAGE // SHARDS // 4  # each worker: 4 layers of `width` bytes a page
+    blocks = 16
+    rng = np.random.default_rng(3)
+    kv = [[rng.integers(0, 256, (blocks, width), dtype=np.uint8) for _ in range(layers)]]
+    kv.append([rng.integers(0, 256, (blocks, width), dtype=np.uint8) for _ in range(layers)])
+    block_ids = [5, 2, 9]
+    keys = engine_keys(3, salt=3)
+    with daemon.client() as owner, daemon.client() as w0, daemon.client() as w1:
+        ns = owner.register(**SPEC, shards=SHARDS)
+        res = owner.reserve_keys(ns, keys)
+        wire = msgspec.msgpack.encode(res.portable())  # what crosses to the workers
+        for rank, worker in enumerate((w0, w1)):
+            handle = worker.adopt(msgspec.msgpack.decode(wire, type=type(res.portable())))
+            assert isinstance(handle, Reservation) and handle.view
+            worker.write_pages(handle, kv[rank], rows=block_ids, at=rank * PAGE // SHARDS)
+            with pytest.raises(BadRequest):
+                worker.commit(handle)  # only the lease's owner commits
+        assert owner.commit(res).published == 3
+        # read back on "another instance": scatter into other blocks of new tensors
+        hit = owner.match_keys(ns, keys)
+        back = [[np.zeros((blocks, width), np.uint8) for _ in range(layers)] for _ in range(2)]
+        targets = [0, 7, 3]
+        for rank, worker in enumerate((w0, w1)):
+            view = worker.adopt(hit.portable())
+            assert isinstance(view, Hit)
+            worker.read_pages(view, back[rank], rows=targets, at=rank * PAGE // SHARDS)
+        owner.release(hit)
+        for rank in range(2):
+            for layer in range(layers):
+                assert np.array_equal(back[rank][layer][targets], kv[rank][layer][block_ids])
+        # the whole page is the workers' shards side by side, layer by layer
+        whole = owner.match_keys(ns, keys[:1])
+        page = owner.read_pages(whole)[0]
+        owner.release(whole)
+        expect = np.concatenate([kv[r][layer][5] for r in range(2) for layer in range(layers)])
+        assert np.array_equal(page, expect)
+
+
+def test_portable_handles_go_stale(daemon: Daemon) -> None:
+    keys = engine_keys(2, salt=4)
+    with daemon.client() as owner, daemon.client() as worker:
+        ns = owner.register(**SPEC)
+        store(owner, ns, keys, pages(2, 4))
+        hit = owner.match_keys(ns, keys)
+        wire = hit.portable()
+    # the daemon restarts: a handle from the old one is refused, never copied through
+    daemon.stop()
+    daemon.start()
+    with daemon.client() as worker, pytest.raises(StaleHandle):
+        worker.adopt(wire)
+
+
+def test_commit_mask_and_released_reservation(daemon: Daemon) -> None:
+    keys = engine_keys(3, salt=5)
+    with daemon.client() as c:
+        ns = c.register(**SPEC)
+        res = c.reserve_keys(ns, keys)
+        with pytest.raises(BadRequest):
+            c.commit(res, ok=[True])  # one flag per fresh slot, checked here first
+        res = c.reserve_keys(ns, keys)
+        c.release(res)  # abort: nothing published, the slots are quarantined
+        assert c.exists_keys(ns, keys).l2 == 0
+        assert c.stats().quarantined_pages >= 3
+
+
+def test_schemes_never_mix_and_bad_keys_are_refused(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        keyed = c.register(**SPEC)
+        tokens = c.register(**{**SPEC, "key_scheme": "tokens"})
+        assert keyed.digest != tokens.digest
+        with pytest.raises(BadRequest, match="names its pages by key"):
+            c.match(keyed, list(range(64)))
+        with pytest.raises(BadRequest, match="token ids"):
+            c.exists_keys(tokens, engine_keys(1))
+        with pytest.raises(BadRequest, match="1-64 bytes"):
+            c.reserve_keys(keyed, [b"x" * 65])
+        with pytest.raises(BadRequest, match="1-64 bytes"):
+            c.match_keys(keyed, [b""])
+        with pytest.raises(BadRequest, match="keys are bytes"):
+            c.exists_keys(keyed, ["ab" * 32])  # type: ignore[list-item]
+        limit = c._hello.max_pages_per_request if c._hello else 0
+        with pytest.raises(TooLarge):
+            c.exists_keys(keyed, [b"k%d" % i for i in range(limit + 1)])
+        with pytest.raises(InvalidNamespace, match="key_scheme"):
+            c.register(**{**SPEC, "key_scheme": "Bad Scheme"})
+        with pytest.raises(InvalidNamespace, match="shards"):
+            c.register(**{**SPEC, "shards": 3})  # does not divide page_bytes
+        assert c.stats().pages == 0  # still serving
+
+
+def test_a_raw_mask_of_the_wrong_length_ends_the_lease(daemon: Daemon) -> None:
+    """A client that sends a mask of the wrong length (not this client library,
+    which checks first) gets a clear error; its lease ends, its slots are not lost."""
+    with daemon.client() as c:
+        ns = c.register(**SPEC)
+        res = c.reserve_keys(ns, engine_keys(2, salt=6))
+        reply = c._roundtrip(p.Commit(id=0, lease=res.lease, mask=b"\x01"))
+        assert isinstance(reply, p.Error) and reply.code == "bad_request"
+        assert "mask" in reply.message
+        assert c.stats().leases == 0
+
+
+def test_events_carry_the_engines_keys(daemon: Daemon) -> None:
+    daemon.stop()
+    text = daemon.config.read_text()
+    daemon.config.write_text(text + f'[events]\nendpoint = "ipc://{daemon.runtime}/events.sock"\n')
+    daemon.start()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"ipc://{daemon.runtime}/events.sock")
+    keys = engine_keys(3, salt=7)
+    try:
+        time.sleep(0.2)  # the subscription reaches the daemon
+        with daemon.client() as c:
+            ns = c.register(**SPEC)
+            store(c, ns, keys, pages(3, 7))
+        stored: list[object] = []
+        deadline = time.monotonic() + 10
+        while not stored:
+            assert time.monotonic() < deadline, "no BlockStored event"
+            if sub.poll(100):
+                _, _, payload = sub.recv_multipart()
+                batch = batch_decoder.decode(payload)
+                stored += [e for e in batch.events if type(e).__name__ == "BlockStored"]
+        event = stored[0]
+        # vLLM's own events name a block by its hash, without the group index
+        assert event.block_hashes == [block_hash(k[:-4]) for k in keys]  # type: ignore[attr-defined]
+        assert event.parent_block_hash is None  # type: ignore[attr-defined]
+    finally:
+        sub.close()
+        ctx.term()
