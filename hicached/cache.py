@@ -369,10 +369,15 @@ class Cache:
         limit = self.config.server.max_pages_per_request
         if len(keys) > limit:
             raise TooLarge(f"{len(keys)} keys, more than {limit} (server.max_pages_per_request)")
-        for key in keys:
-            if not 1 <= len(key) <= MAX_KEY_BYTES:
-                raise BadRequest(f"keys must be 1-{MAX_KEY_BYTES} bytes, got one of {len(key)}")
-        return engine_page_keys(ns.digest, keys)
+        if not keys:
+            return []
+        sizes = list(map(len, keys))
+        shortest, longest = min(sizes), max(sizes)
+        if shortest < 1 or longest > MAX_KEY_BYTES:
+            bad = shortest if shortest < 1 else longest
+            raise BadRequest(f"keys must be 1-{MAX_KEY_BYTES} bytes, got one of {bad}")
+        # the joined keys name the list (lengths included): a scheduler asks again and again
+        return self.key_cache.engine_keys(ns.digest, keys, bytes(sizes))
 
     def _remember_ekeys(self, ns: NamespaceState, pages: list[KeyedPage]) -> None:
         if self.events.enabled:
@@ -584,12 +589,11 @@ class Cache:
     def exists_keys(self, session: Session, msg: p.ExistsKeys) -> p.ExistsKeysOk:
         ns = self._namespace(session, msg.ns)
         keys = self._ikeys(ns, msg.keys)
-        in_l2 = ns.table.present(keys)
-        l3 = self.l3
-        where = bytes(int(a) | (2 if key in l3 else 0) for a, key in zip(in_l2, keys, strict=True))
-        l2 = next((i for i, bits in enumerate(where) if not bits & 1), len(where))
-        leading = next((i for i, bits in enumerate(where) if not bits), len(where))
-        return p.ExistsKeysOk(id=msg.id, l2=l2, leading=leading, where=where)
+        in_l2 = np.array(ns.table.present(keys), dtype=np.uint8)
+        where = in_l2 | (np.array(self.l3.which(keys), dtype=np.uint8) << 1) if self.l3 else in_l2
+        l2 = int(in_l2.argmin()) if not in_l2.all() else len(keys)
+        leading = int(where.argmin()) if not where.all() else len(keys)
+        return p.ExistsKeysOk(id=msg.id, l2=l2, leading=leading, where=where.tobytes())
 
     def match_keys(self, session: Session, msg: p.MatchKeys) -> p.MatchOk:
         ns = self._namespace(session, msg.ns)

@@ -62,13 +62,32 @@ class KeyCache:
             self.hits += 1
             return chain
         chain = page_keys(seed, tokens, page_tokens)
+        self._keep(tag, chain)
+        return chain
+
+
+    def engine_keys(self, seed: bytes, keys: list[bytes], sizes: bytes) -> list[bytes]:
+        """``engine_page_keys(seed, keys)`` from the cache when it can (``sizes``:
+        each key's length, one byte each, so the joined keys name one list)."""
+        if self.max_keys <= 0:
+            return engine_page_keys(seed, keys)
+        tag = (seed, len(keys), _digest(b"".join(keys) + sizes))
+        chain = self._chains.get(tag)
+        if chain is not None:
+            self._chains.move_to_end(tag)
+            self.hits += 1
+            return chain
+        chain = engine_page_keys(seed, keys)
+        self._keep(tag, chain)
+        return chain
+
+    def _keep(self, tag: tuple[bytes, int, bytes], chain: list[bytes]) -> None:
         if len(chain) <= self.max_keys:
             self._chains[tag] = chain
             self.size += len(chain)
             while self.size > self.max_keys:
                 _, old = self._chains.popitem(last=False)
                 self.size -= len(old)
-        return chain
 
 
 def page_keys(

@@ -56,6 +56,13 @@ class KnownKeys:
         self._young.discard(key)
         self._old.discard(key)
 
+    def which(self, keys: list[bytes]) -> list[bool]:
+        """Whether each of ``keys`` is known."""
+        young, old = self._young, self._old
+        if not old:
+            return [key in young for key in keys]
+        return [key in young or key in old for key in keys]
+
     def leading(self, keys: list[bytes], start: int) -> int:
         """How many of ``keys[start:]``, in order, are known."""
         n = 0
