@@ -13,8 +13,9 @@ segment tell its current records from leftovers of an earlier use.
 
 from __future__ import annotations
 
+import ctypes
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import NamedTuple
 
@@ -37,7 +38,42 @@ class Header(NamedTuple):
     checksum: int
 
 
+def _native_xxh3() -> Callable[[int, int], int] | None:
+    """XXH3_64bits of the xxhash extension module itself, called through ctypes.
+
+    The package's Python functions hold the GIL while they hash, so checksums
+    on I/O threads would take turns; a foreign call through ctypes releases
+    it, so verification overlaps other threads' reads and copies. The C
+    function is exported by the extension module (a dynamic symbol); None if
+    it cannot be found, and then the Python function is used.
+    """
+    try:
+        import importlib
+
+        module = importlib.import_module("xxhash._xxhash")
+        fn = ctypes.CDLL(module.__file__).XXH3_64bits
+    except (ImportError, OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    fn.restype = ctypes.c_uint64
+    probe = bytearray(b"hicached")
+    if fn(ctypes.addressof(ctypes.c_char.from_buffer(probe)), 8) != xxhash.xxh3_64_intdigest(probe):
+        return None
+    return fn
+
+
+_XXH3 = _native_xxh3()
+
+
 def checksum(payload: bytes | memoryview) -> int:
+    """xxh3_64 of ``payload``; without the GIL when the buffer is writable memory
+    (pool slots, read buffers) and the native function was found."""
+    if _XXH3 is not None and isinstance(payload, memoryview) and not payload.readonly:
+        if payload.nbytes == 0:
+            return xxhash.xxh3_64_intdigest(b"")
+        if not payload.c_contiguous:
+            return xxhash.xxh3_64_intdigest(payload)
+        return _XXH3(ctypes.addressof(ctypes.c_char.from_buffer(payload)), payload.nbytes)
     return xxhash.xxh3_64_intdigest(payload)
 
 
@@ -93,8 +129,9 @@ def verify_many(
     ``headers`` is a C-contiguous (n, 64) uint8 array. Every header field is
     compared with what it must be, for all headers in a few array operations;
     only the two checksums are computed page by page: in ``parts`` slices, all
-    but the first on ``pool`` when given (the hash releases the GIL, so the
-    slices run in parallel).
+    but the first on ``pool`` when given (the payload hash runs without the
+    GIL, ``checksum``, so the slices run in parallel, and so do the reads of
+    other threads).
     """
     n = len(keys)
     if n == 0:
@@ -122,8 +159,7 @@ def verify_many(
             if out[i]:
                 body = raw[i * HEADER_BYTES : i * HEADER_BYTES + _BODY.size]
                 out[i] = (
-                    xxhash.xxh32_intdigest(body) == checks[i]
-                    and xxhash.xxh3_64_intdigest(payloads[i]) == sums[i]
+                    xxhash.xxh32_intdigest(body) == checks[i] and checksum(payloads[i]) == sums[i]
                 )
 
     # slices smaller than this cost more in thread handoffs than they save

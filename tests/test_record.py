@@ -81,3 +81,23 @@ def test_verifying_in_parallel_slices_gives_the_same_answers(
     with ThreadPoolExecutor(3) as pool:
         for parts in (1, 2, 4, 16):
             assert verify_many(headers, payloads, NS, keys, pool=pool, parts=parts) == expect
+
+
+def test_the_native_checksum_is_found_and_agrees() -> None:
+    """Payload checksums of pool memory run in the C function without the GIL;
+    they must equal the package's own, for every length and alignment."""
+    import mmap
+
+    import xxhash
+
+    from hicached_backends import record
+
+    assert record._XXH3 is not None, "XXH3_64bits not found in xxhash's extension module"
+    region = mmap.mmap(-1, 1 << 16)
+    view = memoryview(region)
+    view[:] = np.random.default_rng(9).integers(0, 256, 1 << 16, dtype=np.uint8).tobytes()
+    for start, end in ((0, 1 << 16), (1, 4097), (7, 8), (100, 100)):
+        with view[start:end] as part:
+            assert record.checksum(part) == xxhash.xxh3_64_intdigest(bytes(part))
+    view.release()
+    region.close()
