@@ -59,6 +59,9 @@ class Backend(ABC):
 
     #: the typed options table this backend reads from the config
     options_type: ClassVar[type[msgspec.Struct]] = NoOptions
+    #: ``exists`` counts exactly; False: it may count past a hole inside the run
+    #: (never short of the run), when asking about every key would cost too much
+    exact_exists: ClassVar[bool] = True
 
     @classmethod
     def check_options(cls, options: Any) -> None:
@@ -98,7 +101,7 @@ class Backend(ABC):
 
     @abstractmethod
     async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` the store holds."""
+        """How many leading ``keys`` the store holds (see ``exact_exists``)."""
 
     @abstractmethod
     async def get(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:

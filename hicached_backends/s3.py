@@ -141,31 +141,49 @@ class S3Backend(Backend):
 
     # -- operations ------------------------------------------------------------------
 
+    exact_exists = False  # bisection: O(log n) HEADs
+
     async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int:
-        found = await self._each(
-            lambda key: (
-                self._call(
-                    self._client.head_object,
-                    {"Bucket": self.options.bucket, "Key": self.object_name(ns, key)},
-                )
-                is not None
-            ),
-            keys,
-        )
-        n = 0
-        for hit in found:
-            if isinstance(hit, BaseException):
-                if n == 0 and all(isinstance(h, BaseException) for h in found):
+        """The leading run, found with O(log n) HEADs instead of one per key.
+
+        A sequence's pages reach L3 head first, so presence along ``keys`` is a
+        run: each round HEADs up to ``threads`` keys spread evenly over the
+        part not yet known, at once, and keeps the part between the last key
+        found and the first one missing. A hole inside the run (a write that
+        failed) can make the count too long; the read that meets it fails
+        verification and ends the prefetch there, so the count is a plan,
+        never bytes.
+        """
+        lo, hi = 0, len(keys)  # keys[:lo] are held; keys[hi] (if any) is not
+        width = max(1, self.options.threads)
+        while lo < hi:
+            span = hi - lo
+            probes = sorted({lo + span * k // width for k in range(width)} | {lo})
+            probes = [i for i in probes if i < hi]
+            found = await self._each(lambda i: self._head(ns, keys[i]), probes)
+            errors = [hit for hit in found if isinstance(hit, BaseException)]
+            if errors:
+                if lo == 0 and len(errors) == len(found):
+                    first = errors[0]
                     raise (
-                        hit
-                        if isinstance(hit, BackendError)
-                        else BackendError(str(hit), retriable=True)
+                        first
+                        if isinstance(first, BackendError)
+                        else BackendError(str(first), retriable=True)
                     )
-                break
-            if not hit:
-                break
-            n += 1
-        return n
+                found = [hit is True for hit in found]  # an error counts as a miss
+            miss = next((k for k, hit in enumerate(found) if not hit), None)
+            if miss is None:
+                lo = probes[-1] + 1
+            else:
+                hi = probes[miss]
+                lo = probes[miss - 1] + 1 if miss else lo
+                if miss == 0:
+                    return lo  # keys[lo] itself is missing
+        return lo
+
+    def _head(self, ns: bytes, key: bytes) -> bool:
+        what = {"Bucket": self.options.bucket, "Key": self.object_name(ns, key)}
+        return self._call(self._client.head_object, what) is not None
 
     async def put(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
         def put_one(page: PageRef) -> bool:
