@@ -556,11 +556,11 @@ class Cache:
             parent = keys[new - 1] if new else None
             tokens = _token_ids(lease.tokens, new * page_tokens, n * page_tokens)
             self.events.stored(keys[new:], parent, tokens, page_tokens, MEDIUM_L2, ns.spec.model)
-        if published and self.tier is not None:
+        # A prefetch's pages were recorded as held by L3 as they were read; one that
+        # L3 dropped since (a recycled segment) must not be recorded again here.
+        if published and self.tier is not None and pf is None:
             policy = self.config.storage.write_policy
-            if pf is not None:
-                self.l3.update(keys[new:])  # these came from L3
-            elif policy == "write_through":
+            if policy == "write_through":
                 self._write_pages(ns, keys, slots, new, lease.tokens)
             elif policy == "write_back" and self.events.enabled:
                 self._remember_origins(ns, keys, new, lease.tokens)
@@ -711,20 +711,18 @@ class Cache:
         if stored:
             self._remember_ekeys(ns, stored)
             self._stored_events(ns, stored, MEDIUM_L2)
-        if stored and self.tier is not None:
-            if lease.prefetch is not None:
-                self.l3.update([page.key for page in stored])  # these came from L3
-            elif self.config.storage.write_policy == "write_through":
-                for page, slot in zip(stored, slots, strict=True):
-                    if page.key not in self.l3 and page.key not in self.writing:
-                        self._write(
-                            ns,
-                            page.key,
-                            slot,
-                            evicted=False,
-                            parent=page.eparent or None,
-                            ekey=page.ekey,
-                        )
+        write_through = self.config.storage.write_policy == "write_through"
+        if stored and self.tier is not None and lease.prefetch is None and write_through:
+            for page, slot in zip(stored, slots, strict=True):
+                if page.key not in self.l3 and page.key not in self.writing:
+                    self._write(
+                        ns,
+                        page.key,
+                        slot,
+                        evicted=False,
+                        parent=page.eparent or None,
+                        ekey=page.ekey,
+                    )
         return p.CommitOk(id=msg.id, published=len(stored), duplicates=len(chosen) - len(stored))
 
     def _stored_events(self, ns: NamespaceState, pages: list[KeyedPage], medium: str) -> None:
