@@ -442,10 +442,15 @@ class Cache:
             if pf.running:
                 ns.holds += 1  # the reader still holds it; released when it finishes
                 return
-        # a key-addressed reservation may be copied into by other processes (adopt),
-        # which its owner's release does not stop: its slots sit out the quarantine too
-        if (stale or lease.chain is not None) and lease.client_writes:
-            self.l2.quarantine(lease.fresh, self.clock() + self.config.leases.quarantine_s)
+        quarantine = self.config.leases.quarantine_s
+        if stale and lease.client_writes:
+            self.l2.quarantine(lease.fresh, self.clock() + quarantine)
+        elif lease.chain is not None and lease.client_writes:
+            # Worker processes may copy through a key-addressed reservation (adopt)
+            # until its deadline, which its owner's release does not move: its
+            # slots sit out the quarantine from that deadline on.
+            until = max(self.clock(), lease.deadline) + quarantine
+            self.l2.quarantine(lease.fresh, until)
         else:
             for slot in lease.fresh:
                 self.l2.free(slot, ns.spec.page_bytes)
@@ -631,6 +636,12 @@ class Cache:
         keys = self._ikeys(ns, msg.keys)
         if msg.parent and len(msg.parent) > MAX_KEY_BYTES:
             raise BadRequest(f"parent must be at most {MAX_KEY_BYTES} bytes")
+        named = set(msg.keys)
+        if len(named) != len(msg.keys) or msg.parent in named:
+            raise BadRequest(
+                "keys of one reservation must differ from each other and from parent: "
+                "they follow one another in one sequence"
+            )
         found = ns.table.find(keys)
         present = [slot for slot in found if slot >= 0]
         missing = [i for i, slot in enumerate(found) if slot < 0]
@@ -665,6 +676,8 @@ class Cache:
         wanted = keys[n:] if msg.max_pages < 0 else keys[n : n + msg.max_pages]
         if self.tier is None or not wanted:
             return p.PrefetchOk(id=msg.id, lease=0, l2_hits=n)
+        if len(set(msg.keys)) != len(msg.keys):
+            raise BadRequest("keys of one prefetch must differ: they follow one another")
         lease = self._new_lease(session, ns, present)
         lease.keys = keys[:n]
         parent = msg.keys[n - 1] if n else b""
@@ -680,12 +693,12 @@ class Cache:
         assert lease.chain is not None
         ns, fresh, chain = lease.ns, lease.fresh, lease.chain
         if msg.mask:
-            if len(msg.mask) != ready or lease.prefetch is not None:
+            if len(msg.mask) != ready or lease.prefetch is not None or msg.pages != -1:
                 self._end_lease(lease)
                 raise BadRequest(
                     f"commit mask of {len(msg.mask)} bytes for a lease of {ready} fresh slots "
-                    "(a reservation's commit takes one byte per slot; a prefetch's, none); "
-                    "lease ended"
+                    "(a reservation's commit takes one byte per slot and no pages; a "
+                    "prefetch's, none); lease ended"
                 )
             chosen = [j for j, ok in enumerate(msg.mask) if ok]
         else:
@@ -707,6 +720,10 @@ class Cache:
                 taken.add(j)
         lease.fresh = [slot for j, slot in enumerate(fresh) if j not in taken]
         ns.pages += len(stored)
+        if lease.prefetch is None:
+            # an adopted write handle must not write into a page once it is published
+            for slot in slots:
+                self.pool.bump(slot)
         self._end_lease(lease)
         if stored:
             self._remember_ekeys(ns, stored)

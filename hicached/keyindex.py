@@ -69,16 +69,16 @@ class KeyIndex:
         entries = self._entries
         tick = next(self._clock)
         out: list[int] = []
-        last = None
         for key in keys:
             entry = entries.get(key)
             if entry is None:
                 break
             entry.tick = tick
             out.append(entry.slot)
-            last = entry
-        if last is not None and not last.children:
-            self._push(last)
+            # pages of a run need not be linked (holes, unknown parents): each
+            # without children needs an entry for its new tick, not only the last
+            if not entry.children:
+                self._push(entry)
         return out
 
     def find(self, keys: Sequence[bytes]) -> list[int]:
@@ -157,11 +157,16 @@ class KeyIndex:
         mine = [entry for entry in self._entries.values() if entry.owner == owner]
         if any(entry.slot in pins for entry in mine):
             return []
-        mine.sort(key=_depth, reverse=True)
+        # leaves first, then each parent as its last child goes: linear in pages
+        leaves = [entry for entry in mine if not entry.children]
         out = []
-        for entry in mine:
+        while leaves:
+            entry = leaves.pop()
+            parent = entry.parent
             self._remove(entry)
             out.append((entry.key, entry.slot, owner))
+            if parent is not None and not parent.children:
+                leaves.append(parent)
         return out
 
     def unpinned(self, slots: list[int]) -> None:
@@ -189,10 +194,3 @@ class KeyIndex:
                 (e.tick, next(self._seq), e) for e in self._entries.values() if not e.children
             ]
             heapq.heapify(self._heap)
-
-
-def _depth(entry: Entry) -> int:
-    depth, up = 0, entry.parent
-    while up is not None:
-        depth, up = depth + 1, up.parent
-    return depth

@@ -28,7 +28,7 @@ the cache's policy: it is handed to ``on_evict``, which frees each slot or
 
 from __future__ import annotations
 
-import collections
+import heapq
 import itertools
 from collections.abc import Callable, Iterator
 
@@ -129,7 +129,8 @@ class L2:
         self._clock = itertools.count(1)  # one recency clock for every index
         self._on_evict = on_evict
         self.returning: dict[int, int] = {}  # page_bytes -> slots held on their way back
-        self._quarantine: collections.deque[tuple[float, int, int]] = collections.deque()
+        # (until, slot, size), soonest first: a heap, as release times need not come in order
+        self._quarantine: list[tuple[float, int, int]] = []
         self.evicted_pages = 0
         self.reclaimed_slabs = 0
 
@@ -192,7 +193,7 @@ class L2:
         """Slots a late client copy may still reach: reused only after ``until``."""
         for slot in slots:
             self.hold(slot)
-            self._quarantine.append((until, slot, self.pool.allocated[slot]))
+            heapq.heappush(self._quarantine, (until, slot, self.pool.allocated[slot]))
 
     @property
     def quarantined(self) -> int:
@@ -203,7 +204,7 @@ class L2:
         q = self._quarantine
         n = 0
         while q and q[0][0] <= now:
-            _, slot, _ = q.popleft()
+            _, slot, _ = heapq.heappop(q)
             self.give_back(slot)
             n += 1
         return n

@@ -262,7 +262,12 @@ class PoolMapping:
             )
         picks = None
         if rows is not None:
-            picks = np.asarray(rows, dtype=np.int64).reshape(-1)
+            given = np.asarray(rows)
+            if given.size and given.dtype.kind not in "iu":
+                raise ValueError(f"rows must be integers (block numbers), not {given.dtype}")
+            picks = given.astype(np.int64, copy=False).reshape(-1)
+            if not to_pool and len(np.unique(picks)) != len(picks):
+                raise ValueError("rows to read into must differ: two pages cannot fill one row")
             height = min(int(seg.shape[0]) for seg in views)
             if len(picks) != n or (n and (int(picks.min()) < 0 or int(picks.max()) >= height)):
                 raise ValueError(f"rows must be {n} row numbers in 0..{height - 1}, one per page")

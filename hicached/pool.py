@@ -92,6 +92,12 @@ class SlotPool:
         self.allocated[offset] = page_bytes
         return offset
 
+    def bump(self, offset: int) -> None:
+        """The slot changes hands without being freed (a page another process
+        may still hold a write handle to is published): handles taken before
+        now no longer match it."""
+        self.gens[offset // GEN_GRANULE] += 1
+
     def free(self, offset: int, page_bytes: int | None = None) -> None:
         """Return a slot (given out for ``page_bytes``, when the caller knows it);
         its slab goes back to the arena when it is empty. Its generation moves on."""

@@ -19,6 +19,7 @@ from hicached import protocol as p
 from hicached.errors import BadRequest, InvalidNamespace, StaleHandle, TooLarge
 from hicached.events import batch_decoder, block_hash
 from hicached.handles import Hit, Reservation
+from hicached.keyindex import KeyIndex
 from tests.l3util import wait_for
 from tests.support import Daemon
 
@@ -255,3 +256,89 @@ def test_events_carry_the_engines_keys(daemon: Daemon) -> None:
     finally:
         sub.close()
         ctx.term()
+
+
+# -- what an outside review broke, each kept as a regression test ---------------------
+
+
+def test_a_match_leaves_unlinked_pages_evictable() -> None:
+    """Pages of a run need not be linked (holes, unknown parents): a match that
+    marks them all used must leave every one of them evictable."""
+    table = KeyIndex()
+    for i in range(4):
+        assert table.insert(bytes([i]), i * PAGE, owner=1)
+    assert table.match([bytes([i]) for i in range(4)]) == [i * PAGE for i in range(4)]
+    assert len(table.evict(4, {})) == 4 and table.pages == 0
+
+
+def test_a_deep_chain_is_dropped_leaves_first() -> None:
+    table = KeyIndex()
+    depth = 5000
+    for i in range(depth):
+        parent = i.to_bytes(4, "big") if i else b""
+        assert table.insert((i + 1).to_bytes(4, "big"), i, owner=7, parent=parent)
+    gone = table.drop_owner(7, {})
+    assert [slot for _, slot, _ in gone] == list(range(depth - 1, -1, -1))
+    assert table.pages == 0
+
+
+def test_a_published_page_refuses_late_adopted_writes(daemon: Daemon) -> None:
+    keys = engine_keys(1, salt=8)
+    data = pages(1, 8)
+    with daemon.client() as owner, daemon.client() as worker:
+        ns = owner.register(**SPEC)
+        res = owner.reserve_keys(ns, keys)
+        handle = worker.adopt(res.portable())
+        worker.write_pages(handle, data)  # type: ignore[arg-type]
+        assert owner.commit(res).published == 1
+        with pytest.raises(StaleHandle):
+            worker.write_pages(handle, np.zeros((1, PAGE), np.uint8))  # type: ignore[arg-type]
+        hit = owner.match_keys(ns, keys)
+        assert np.array_equal(owner.read_pages(hit), data)
+        owner.release(hit)
+
+
+def test_a_released_reservation_is_quarantined_past_its_deadline(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """Workers may copy through an adopted handle until the lease's deadline,
+    whatever its owner does: its slots are reused only a quarantine after it."""
+    d = daemon_factory(extra="[leases]\nttl_s = 3.0\nquarantine_s = 0.2\n")
+    with d.client() as owner:
+        ns = owner.register(**SPEC)
+        res = owner.reserve_keys(ns, engine_keys(2, salt=9))
+        owner.release(res)
+        time.sleep(1.0)  # past the quarantine, not past the lease's deadline
+        assert owner.stats().quarantined_pages == 2
+        wait_for(lambda: owner.stats().quarantined_pages == 0, timeout=10)
+
+
+def test_keys_of_one_reservation_differ(daemon: Daemon) -> None:
+    keys = engine_keys(2, salt=10)
+    with daemon.client() as c:
+        ns = c.register(**SPEC)
+        with pytest.raises(BadRequest, match="differ"):
+            c.reserve_keys(ns, [keys[0]], parent=keys[0])  # its own parent
+        with pytest.raises(BadRequest, match="differ"):
+            c.reserve_keys(ns, [keys[0], keys[1], keys[0]])
+        res = c.reserve_keys(ns, keys)
+        reply = c._roundtrip(p.Commit(id=0, lease=res.lease, mask=b"\x01\x01", pages=1))
+        assert isinstance(reply, p.Error) and "no pages" in reply.message
+
+
+def test_rows_are_block_numbers(daemon: Daemon) -> None:
+    keys = engine_keys(2, salt=11)
+    with daemon.client() as c:
+        ns = c.register(**SPEC)
+        res = c.reserve_keys(ns, keys)
+        table = np.zeros((4, PAGE), np.uint8)
+        with pytest.raises(ValueError, match="integers"):
+            c.write_pages(res, [table], rows=[0.9, 1.9])
+        with pytest.raises(ValueError, match="integers"):
+            c.write_pages(res, [table], rows=np.array([True, False]))
+        c.write_pages(res, [table], rows=[1, 2])
+        c.commit(res)
+        hit = c.match_keys(ns, keys)
+        with pytest.raises(ValueError, match="differ"):
+            c.read_pages(hit, [table], rows=[3, 3])
+        c.release(hit)
