@@ -65,7 +65,6 @@ class KeyCache:
         self._keep(tag, chain)
         return chain
 
-
     def engine_keys(self, seed: bytes, keys: list[bytes], sizes: bytes) -> list[bytes]:
         """``engine_page_keys(seed, keys)`` from the cache when it can (``sizes``:
         each key's length, one byte each, so the joined keys name one list)."""
