@@ -154,9 +154,13 @@ def test_bench_commands_print_json_figures(daemon_factory: object) -> None:
             "echo_p50_us",
             "echo_p99_us",
             "match_p50_us_4c",
+            "match_cold_p50_us",
+            "echo_cold_p50_us",
+            "exists_keys_p50_us",
+            "echo_keys_p50_us",
         ):
             assert figures[key] > 0
-        assert figures["echo_p50_us_4c"] > 0 and figures["match_rps_4c"] > 0
+        assert figures["echo_p50_us_4c"] > 0 and figures["requests_per_s_4c"] > 0
     finally:
         d.cleanup()
 
