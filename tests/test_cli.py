@@ -244,3 +244,20 @@ def test_the_stop_deadline_fits_in_the_units_stop_timeout() -> None:
     stop_timeout = float(found.group(1))
     for config in (Config(), load_config(ROOT / "config" / "hicached.toml")):
         assert config.storage.flush_deadline_s + 10 <= stop_timeout
+
+
+def test_bench_l3_pairs_rounds_against_a_raw_baseline() -> None:
+    """The file bench runs on its own: writes and reads in paired rounds, each
+    with the raw baseline's figure and the spread of the per-pair ratios."""
+    out = hicached("bench", "l3", "--json", "--backend", "file", "--mib", "4", "--rounds", "2")
+    assert out.returncode == 0, out.stderr
+    figures = json.loads(out.stdout)["figures"]
+    for tag in ("64k", "1m"):
+        for what in ("write", "read"):
+            low, mid, high = (
+                figures[f"{what}_vs_raw_min_{tag}"],
+                figures[f"{what}_vs_raw_{tag}"],
+                figures[f"{what}_vs_raw_max_{tag}"],
+            )
+            assert 0 < low <= mid <= high
+            assert figures[f"raw_{what}_gbps_{tag}"] > 0
