@@ -313,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=_cmd_check_config)
 
     bench = sub.add_parser("bench", help="run a benchmark and print its figures")
-    bench.add_argument("which", choices=["control", "data", "l3", "ranks", "cuda"])
+    bench.add_argument("which", choices=["control", "data", "l3", "ranks", "cuda", "scale"])
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--endpoint", help="use this daemon instead of the default one")
     bench.add_argument("--requests", type=int, default=2000, help="timed requests per client")

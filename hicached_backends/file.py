@@ -106,6 +106,9 @@ class _Segment:
     dirty_super: bool = True
 
 
+_LOAD_CHUNK = 4 << 20  # bytes of a segment read at once when its index is rebuilt
+
+
 class FileBackend(Backend):
     options_type = FileOptions
 
@@ -202,8 +205,15 @@ class FileBackend(Backend):
         seg.generation, seg.durable_off, seg.dirty_super = generation, durable, False
         off = SUPER_BYTES
         end = self.segment_bytes
+        # headers are read from large chunks, not one pread each: a million small
+        # records would otherwise cost a million system calls at every start
+        chunk, chunk_off = b"", off
         while off + HEADER_BYTES <= end:
-            header = parse_header(os.pread(seg.fd, HEADER_BYTES, off))
+            at = off - chunk_off
+            if at < 0 or at + HEADER_BYTES > len(chunk):
+                chunk_off, at = off, 0
+                chunk = os.pread(seg.fd, min(_LOAD_CHUNK, end - off), off)
+            header = parse_header(chunk[at : at + HEADER_BYTES])
             if header is None or header.generation != generation:
                 break
             rec_end = off + HEADER_BYTES + header.length

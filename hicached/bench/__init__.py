@@ -24,6 +24,8 @@ def run_bench(which: str, args: argparse.Namespace) -> dict[str, Any]:
         from hicached.bench.ranks import run
     elif which == "cuda":
         from hicached.bench.cuda import run
+    elif which == "scale":
+        from hicached.bench.scale import run
     else:  # pragma: no cover - argparse restricts the choice
         raise ValueError(which)
     started = time.time()

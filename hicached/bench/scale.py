@@ -1,0 +1,236 @@
+"""Scale: how match latency, index memory, start-up and the L3 scan grow with pages.
+
+- match latency through a real daemon with 1K, 100K and 1M pages in its
+  index (one daemon, filled in steps; each step matches a 64-page sequence
+  that hits, ``--requests`` times), beside a raw echo of the same request and
+  reply sizes in the same run;
+- index bytes per page: a page index (the daemon's own class) of 1M pages in
+  chains of 1,024, measured with tracemalloc;
+- start-to-ready with 1M pages in the file store (written here with the
+  store's own class), and the rate of the startup scan that runs after READY.
+
+Pages are small (256 bytes) so that a million fit a modest pool; the figures
+are about counts, not bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hicached.bench.control import _echo_request, _echo_server
+from hicached.client import Client
+from hicached.hashing import pack_tokens, page_keys
+from hicached.index import PageIndex
+from hicached.testing import DaemonProcess
+
+PAGE_BYTES = 256
+CHAIN = 1024  # pages a stored sequence has
+MATCH_PAGES = 64
+# whole sequences: 1K, 100K and 1M pages, give or take a few percent
+STEPS = {"1k": CHAIN, "100k": 100 * CHAIN, "1m": CHAIN * CHAIN}
+NS = dict(
+    model="bench/scale", kv_dtype="bfloat16", layout="l", page_tokens=1, page_bytes=PAGE_BYTES
+)
+
+
+def _sequence(i: int) -> np.ndarray:
+    """Token ids of stored sequence ``i``: distinct from every other one."""
+    return (np.arange(CHAIN, dtype=np.uint32) + np.uint32(i) * np.uint32(CHAIN)) | np.uint32(
+        1 << 31
+    )
+
+
+def _fill(client: Client, ns: Any, start: int, pages: int) -> int:
+    """Store sequences from ``start`` until the index holds ``pages``; the next start."""
+    i = start
+    while i * CHAIN < pages:
+        res = client.reserve(ns, _sequence(i))
+        assert not res.pool_full, "the bench pool is too small"
+        client.commit(res)  # the bytes are whatever the slots held: only counts matter here
+        i += 1
+    return i
+
+
+def _match_latency(
+    client: Client, ns: Any, echo: Any, sizes: tuple[int, int], n: int
+) -> tuple[float, float]:
+    """p50 of a leased match (and its release) of 64 pages that hit, and of the echo."""
+    tokens = pack_tokens(_sequence(0)[:MATCH_PAGES])
+    request = _echo_request(*sizes)
+    match = np.empty(n, np.int64)
+    raw = np.empty(n, np.int64)
+    clock = time.perf_counter_ns
+    for i in range(n):
+        t0 = clock()
+        hit = client.match(ns, tokens)
+        match[i] = clock() - t0
+        client.release(hit)
+        assert hit.hits == MATCH_PAGES
+        t0 = clock()
+        echo.send(request)
+        echo.recv()
+        raw[i] = clock() - t0
+    return float(np.median(match)) / 1e3, float(np.median(raw)) / 1e3
+
+
+def _index_bytes_per_page(pages: int) -> float:
+    """Bytes a page index holds per page, 1M pages in chains of 1,024."""
+    gc.collect()
+    tracemalloc.start()
+    index = PageIndex()
+    base = tracemalloc.get_traced_memory()[0]
+    seed = bytes(16)
+    slot = 0
+    for i in range(pages // CHAIN):
+        keys = page_keys(seed, pack_tokens(_sequence(i)), 1)
+        index.insert(keys, range(slot, slot + CHAIN), owner=1)
+        slot += CHAIN
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    assert index.pages == pages
+    return used / pages
+
+
+def _write_store(path: Path, pages: int, capacity_mib: int, segment_mib: int) -> None:
+    """``pages`` records in a file store, with the store's own class."""
+    from hicached_backends.base import BackendEnv, PageRef
+    from hicached_backends.file import FileBackend
+    from hicached_backends.options import FileOptions
+
+    options = FileOptions(path=str(path), capacity_mib=capacity_mib, segment_mib=segment_mib)
+    backend = FileBackend(options, BackendEnv(path.parent))
+    payload = memoryview(bytearray(os.urandom(PAGE_BYTES)))
+    ns = bytes(range(16))
+
+    async def write() -> None:
+        await backend.open()
+        try:
+            step = 16384
+            for start in range(0, pages, step):
+                refs = [
+                    PageRef(i.to_bytes(16, "big"), payload)
+                    for i in range(start, min(start + step, pages))
+                ]
+                assert all(await backend.put(ns, refs))
+        finally:
+            await backend.close()
+
+    asyncio.run(write())
+
+
+def _ready_and_scan(pages: int) -> tuple[float, float]:
+    """Seconds from start to READY with ``pages`` in the file store; scan pages/s."""
+    segment_mib = 64
+    capacity_mib = max(segment_mib * 2, (pages * (PAGE_BYTES + 64) >> 20) * 2)
+    options = f"[storage.file]\ncapacity_mib = {capacity_mib}\nsegment_mib = {segment_mib}\n"
+    daemon = DaemonProcess(size_mib=64, populate=False, storage='backend = "file"\n', tail=options)
+    try:
+        _write_store(daemon.dir / "data" / "pages", pages, capacity_mib, segment_mib)
+        t0 = time.perf_counter()
+        daemon.start(timeout=120)
+        ready = time.perf_counter() - t0
+        with daemon.client(timeout=10) as client:
+            deadline = time.monotonic() + 300
+            while True:
+                stats = client.stats()
+                if stats.l3_state == "up" and stats.l3_pages_known >= min(
+                    pages, stats.l3_known_max
+                ):
+                    break
+                assert time.monotonic() < deadline, "the scan did not finish"
+                time.sleep(0.01)
+        scanned = time.perf_counter() - t0
+        return ready, pages / max(scanned - ready, 1e-9)
+    finally:
+        daemon.cleanup()
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import zmq
+
+    figures: dict[str, float] = {}
+    size_mib = (STEPS["1m"] * PAGE_BYTES >> 20) + 64
+    with (
+        DaemonProcess(
+            size_mib=size_mib, slab_mib=4, populate=False, extra="max_pages_per_request = 16384"
+        ) as daemon,
+        tempfile.TemporaryDirectory(prefix="hc-echo-", dir="/tmp") as tmp,
+    ):
+        os.chmod(tmp, 0o700)
+        echo_endpoint = f"ipc://{tmp}/echo.sock"
+        ctx = mp.get_context("spawn")
+        ready = ctx.Event()
+        server = ctx.Process(target=_echo_server, args=(echo_endpoint, ready), daemon=True)
+        server.start()
+        ready.wait(30)
+        zctx = zmq.Context()
+        echo = zctx.socket(zmq.DEALER)
+        echo.setsockopt(zmq.LINGER, 0)
+        echo.connect(echo_endpoint)
+        try:
+            with daemon.client(timeout=30) as client:
+                ns = client.register(**NS)  # type: ignore[arg-type]
+                _fill(client, ns, 0, MATCH_PAGES)
+                hit = client.match(ns, _sequence(0)[:MATCH_PAGES])
+                client.release(hit)
+                from hicached import protocol as p
+
+                big = 1 << 40
+                request = p.Match(
+                    id=big,
+                    deadline_ms=big,
+                    ns=ns.id,
+                    tokens=pack_tokens(_sequence(0)[:MATCH_PAGES]),
+                )
+                reply = p.MatchOk(id=big, hits=hit.hits, offsets=hit.offsets, lease=1 << 62)
+                sizes = (len(p.encode(request)), len(p.encode(reply)))
+                start = 0
+                for tag, pages in STEPS.items():
+                    start = _fill(client, ns, start, pages)
+                    assert client.stats().pages >= pages
+                    match_us, echo_us = _match_latency(client, ns, echo, sizes, args.requests)
+                    figures[f"match_p50_us_{tag}"] = round(match_us, 1)
+                    figures[f"echo_p50_us_{tag}"] = round(echo_us, 1)
+        finally:
+            echo.send(b"stop")
+            server.join(5)
+            if server.is_alive():
+                server.kill()
+            echo.close()
+            zctx.term()
+    figures["match_1m_vs_1k"] = round(figures["match_p50_us_1m"] / figures["match_p50_us_1k"], 3)
+    figures["index_bytes_per_page"] = round(_index_bytes_per_page(STEPS["1m"]), 1)
+    ready_s, scan_rate = _ready_and_scan(STEPS["1m"])
+    figures["ready_s_1m"] = round(ready_s, 2)
+    figures["scan_pages_per_s"] = round(scan_rate)
+    return {
+        "figures": figures,
+        "params": {
+            "page_bytes": PAGE_BYTES,
+            "sequence_pages": CHAIN,
+            "match_pages": MATCH_PAGES,
+            "requests": args.requests,
+            "note": (
+                "match: a leased match of 64 pages that hit, p50, at each index size, beside a "
+                "raw echo of the same request and reply sizes; index bytes: tracemalloc of the "
+                "daemon's page index with 1M pages; ready: start to READY with 1M pages in the "
+                "file store; the scan runs after READY"
+            ),
+        },
+        "targets": {
+            "match_1m_vs_1k": "<= 1.2",
+            "index_bytes_per_page": "<= 200",
+            "ready_s_1m": "<= 10",
+        },
+    }
