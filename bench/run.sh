@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p bench/results
 hc=.venv/bin/hicached
-for which in control data ranks; do
+for which in control data ranks scale; do
     $hc bench "$which" --json > "bench/results/$which.json"
     echo "bench/results/$which.json"
 done
