@@ -9,12 +9,25 @@ crashed predecessor instead of leaking it.
 Layout: ``size`` bytes of page slots, then the header: one generation counter
 per ``GEN_GRANULE`` bytes of slots (pool.py), which the daemon bumps and
 clients read to tell whether a slot changed owner during a copy.
+
+Huge pages (``pool.huge_pages``): ``madvise`` asks for transparent huge pages
+on the tmpfs mapping, in the daemon and in every client; ``hugetlbfs`` puts
+the file on a hugetlbfs mount, whose pages are huge by construction (the file
+is then a whole number of them). Either way a client's page tables for a
+large pool shrink by the ratio of the page sizes.
+
+Clients map the file without faulting it in: a mapping of a large pool costs
+one system call, and page-table entries are made as copies touch slots, or
+ahead of time by ``prefault`` on a thread of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import errno
+import functools
 import mmap
 import os
 from collections.abc import Callable
@@ -28,7 +41,40 @@ from hicached.pool import GEN_DTYPE, gen_count
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels refuse it with EINVAL
+_MADV_HUGEPAGE = 14
 _POPULATE_STEP = 256 << 20
+
+
+def hugetlbfs_page_bytes(directory: str) -> int | None:
+    """The huge page size of the hugetlbfs mount holding ``directory``, or None
+    when it is not on one (the longest mount point that contains it counts)."""
+    target = os.path.realpath(directory)
+    best, size = "", None
+    try:
+        with open("/proc/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) < 4:
+                    continue
+                point = fields[1]
+                inside = target == point or target.startswith(point.rstrip("/") + "/")
+                if not inside or len(point) < len(best):
+                    continue
+                best, size = point, None
+                if fields[2] == "hugetlbfs":
+                    size = _page_size(fields[3])
+    except OSError:
+        return None
+    return size
+
+
+def _page_size(options: str) -> int:
+    for option in options.split(","):
+        if option.startswith("pagesize="):
+            text = option.removeprefix("pagesize=").upper()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            return int(text.rstrip("KMG")) * scale
+    return 2 << 20  # the default huge page size on x86-64 and arm64
 
 
 def arena_path(shm_dir: str, runtime_dir: Path) -> Path:
@@ -36,10 +82,11 @@ def arena_path(shm_dir: str, runtime_dir: Path) -> Path:
     return Path(shm_dir) / f"hicached-{os.getuid()}-{tag}.pool"
 
 
-def file_bytes(size: int) -> int:
-    """Bytes of the pool file for ``size`` bytes of slots: slots, then the header."""
-    header = gen_count(size) * GEN_DTYPE.itemsize
-    return size + -(-header // mmap.PAGESIZE) * mmap.PAGESIZE
+def file_bytes(size: int, align: int = mmap.PAGESIZE) -> int:
+    """Bytes of the pool file for ``size`` bytes of slots: slots, then the header,
+    in whole pages of ``align`` bytes."""
+    total = size + gen_count(size) * GEN_DTYPE.itemsize
+    return -(-total // align) * align
 
 
 class Arena:
@@ -62,10 +109,21 @@ class Arena:
         populate: bool = True,
         group: int | None = None,
         on_populate: Callable[[int], None] | None = None,
+        huge_pages: str = "off",
     ) -> Arena:
         """Create (replacing any stale file) and map the arena; daemon side.
         With ``group``, the file is mode 0660 and belongs to that group.
         ``on_populate`` hears the bytes prefaulted so far, step by step."""
+        align = mmap.PAGESIZE
+        if huge_pages == "hugetlbfs":
+            page = hugetlbfs_page_bytes(str(path.parent))
+            if page is None:
+                raise ConfigError(
+                    f"pool.huge_pages = hugetlbfs, but pool.shm_dir ({path.parent}) is not on a "
+                    "hugetlbfs mount: mount one (mount -t hugetlbfs none DIR) or use madvise"
+                )
+            align = page
+        length = file_bytes(size, align)
         try:
             path.unlink(missing_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -84,24 +142,32 @@ class Arena:
                         f"{group}: {exc.strerror} (the daemon's user must be in that group)"
                     ) from None
             try:
-                os.posix_fallocate(fd, 0, file_bytes(size))
+                os.posix_fallocate(fd, 0, length)
             except OSError as exc:
                 path.unlink(missing_ok=True)
+                more = (
+                    "reserve more huge pages (vm.nr_hugepages) or lower pool.size_mib"
+                    if align > mmap.PAGESIZE
+                    else "lower pool.size_mib or enlarge the tmpfs"
+                )
                 raise HicachedError(
                     f"cannot reserve {size} bytes for the pool in {path.parent}: {exc.strerror} "
-                    "(lower pool.size_mib or enlarge the tmpfs)"
+                    f"({more})"
                 ) from None
-            mapping = mmap.mmap(fd, file_bytes(size), flags=mmap.MAP_SHARED)
+            mapping = mmap.mmap(fd, length, flags=mmap.MAP_SHARED)
+            if huge_pages == "madvise":
+                advise_huge(mapping)
             if populate and not _populate_in_steps(mapping, on_populate):
-                mapping.close()  # an older kernel: all at once, as clients do
-                mapping = mmap.mmap(fd, file_bytes(size), flags=mmap.MAP_SHARED | _POPULATE)
+                mapping.close()  # an older kernel: all at once
+                mapping = mmap.mmap(fd, length, flags=mmap.MAP_SHARED | _POPULATE)
         finally:
             os.close(fd)
         return cls(path, size, mapping, owner=True)
 
     @classmethod
-    def attach(cls, path: str, size: int, populate: bool = True) -> Arena:
-        """Map an existing arena; client side."""
+    def attach(cls, path: str, size: int, populate: bool = False, huge_pages: str = "") -> Arena:
+        """Map an existing arena; client side. Nothing is faulted in unless
+        ``populate`` (then on this thread; ``prefault`` does it on another)."""
         try:
             fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
         except OSError as exc:
@@ -111,10 +177,31 @@ class Arena:
             if actual < want:
                 raise DaemonUnavailable(f"pool file {path} has {actual} bytes, expected {want}")
             flags = mmap.MAP_SHARED | (_POPULATE if populate else 0)
-            mapping = mmap.mmap(fd, want, flags=flags)
+            # the whole file: on hugetlbfs it is a whole number of huge pages
+            mapping = mmap.mmap(fd, actual, flags=flags)
         finally:
             os.close(fd)
+        if huge_pages == "madvise":
+            advise_huge(mapping)
         return cls(Path(path), size, mapping, owner=False)
+
+    def prefault(self, step: int = 64 << 20) -> int:
+        """Make this process's page-table entries for the whole mapping, a step at a
+        time (meant for a thread of its own); returns the bytes done. Stops early,
+        quietly, if the mapping is closed meanwhile or the kernel cannot."""
+        try:
+            total = len(self._mmap)
+            base = ctypes.addressof(ctypes.c_char.from_buffer(self._mmap))
+        except (ValueError, TypeError):
+            return 0  # closed already
+        madvise = _libc().madvise
+        done = 0
+        for start in range(0, total, step):
+            # through ctypes, which lets go of the GIL: the caller's loop runs meanwhile
+            if madvise(base + start, min(step, total - start), _MADV_POPULATE_WRITE) != 0:
+                break  # unmapped meanwhile, or a kernel without MADV_POPULATE_WRITE
+            done = min(start + step, total)
+        return done
 
     def rows(self, page_bytes: int) -> np.ndarray:
         """The arena as rows of ``page_bytes``: slot ``offset`` is row ``offset // page_bytes``."""
@@ -129,6 +216,21 @@ class Arena:
             self._mmap.close()
         if self.owner:
             self.path.unlink(missing_ok=True)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.madvise.restype = ctypes.c_int
+    return libc
+
+
+def advise_huge(mapping: mmap.mmap) -> None:
+    """Ask for transparent huge pages on a mapping; a kernel without them for
+    tmpfs (shmem_enabled never) keeps small pages, which is no error."""
+    with contextlib.suppress(OSError):
+        mapping.madvise(_MADV_HUGEPAGE)
 
 
 def _populate_in_steps(mapping: mmap.mmap, on_populate: Callable[[int], None] | None) -> bool:

@@ -242,6 +242,7 @@ class Cache:
             max_message_bytes=self.config.server.max_message_bytes,
             max_pages_per_request=self.config.server.max_pages_per_request,
             gen_granule=GEN_GRANULE,
+            huge_pages=self.config.pool.huge_pages,
         )
 
     def _make_room(self) -> None:

@@ -332,6 +332,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--mooncake-metadata", default="", help="l3: metadata server of --mooncake-master"
     )
+    bench.add_argument("--pool-gib", type=int, default=16, help="scale: pool size for attach")
+    bench.add_argument(
+        "--hugetlbfs", default="", help="scale: a hugetlbfs mount for the huge-page attach figures"
+    )
     bench.set_defaults(func=_cmd_bench)
     return parser
 

@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import itertools
 import os
+import threading
 import time
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, NamedTuple, TypeVar
@@ -118,8 +119,10 @@ class _Core:
         curve: CurveKeys | None,
         map_pool: bool,
         connect_timeout: float,
+        prefault: bool = False,
     ) -> None:
         self.endpoint = endpoint or default_endpoint()
+        self.prefault = prefault  # fault the pool mapping in on a thread of its own
         try:
             check_endpoint(self.endpoint, remote=curve is not None)
         except ValueError as exc:
@@ -173,7 +176,13 @@ class _Core:
                     "generations: upgrade it to map its pool"
                 )
             self._close_mapping()  # another daemon's pool: unpin and unmap the old one
-            arena = Arena.attach(reply.pool_path, reply.pool_bytes)
+            # no faulting here: a large pool maps in one system call (page-table
+            # entries come with the copies, or from the prefault thread)
+            arena = Arena.attach(reply.pool_path, reply.pool_bytes, huge_pages=reply.huge_pages)
+            if self.prefault:
+                threading.Thread(
+                    target=arena.prefault, name="hicached-prefault", daemon=True
+                ).start()
             self._mapping = PoolMapping(arena, reply.instance, reply.gen_granule)
             if self._pin:
                 self._mapping.pin()
@@ -523,6 +532,9 @@ class Client(_Core):
     only: match, prefetch, progress, stats; no slot copies).
     ``connect_timeout``: how long a request waits for a connection to the
     daemon before ``DaemonUnavailable`` (covers a daemon restart's reconnect).
+    ``prefault``: map the pool's pages in on a background thread after each
+    connect, so first copies fault nothing; the connect itself never faults
+    the pool in (a large pool maps in one system call).
     """
 
     def __init__(
@@ -534,8 +546,9 @@ class Client(_Core):
         curve: CurveKeys | None = None,
         map_pool: bool = True,
         connect_timeout: float = 0.5,
+        prefault: bool = False,
     ) -> None:
-        super().__init__(endpoint, timeout, name, curve, map_pool, connect_timeout)
+        super().__init__(endpoint, timeout, name, curve, map_pool, connect_timeout, prefault)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._configure(self._sock)
@@ -695,8 +708,9 @@ class AsyncClient(_Core):
         map_pool: bool = True,
         connect_timeout: float = 0.5,
         max_in_flight: int = 64,
+        prefault: bool = False,
     ) -> None:
-        super().__init__(endpoint, timeout, name, curve, map_pool, connect_timeout)
+        super().__init__(endpoint, timeout, name, curve, map_pool, connect_timeout, prefault)
         self.max_in_flight = max_in_flight  # requests awaiting replies; more wait here
         self._slots: asyncio.Semaphore | None = None
         self._ctx = zmq.asyncio.Context()

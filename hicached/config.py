@@ -134,6 +134,12 @@ class PoolConfig(msgspec.Struct, **_Section):
     shm_dir: str = "/dev/shm"
     # Prefault the arena (MAP_POPULATE) so first copies run at memcpy speed.
     populate: bool = True
+    # Huge pages for the arena: "off"; "madvise" (MADV_HUGEPAGE on the tmpfs mapping of
+    # the daemon and every client: used where /sys/kernel/mm/transparent_hugepage/
+    # shmem_enabled is advise or within_size); "hugetlbfs" (shm_dir is a hugetlbfs mount
+    # with enough huge pages reserved, vm.nr_hugepages). Fewer page-table entries per
+    # client process and faster attaches for large pools.
+    huge_pages: str = "off"
     # Namespaces registered at once; one more is refused.
     max_namespaces: int = 256
 
@@ -151,6 +157,10 @@ class PoolConfig(msgspec.Struct, **_Section):
             )
         if not self.shm_dir.startswith("/"):
             raise ValueError("shm_dir must be an absolute path")
+        if self.huge_pages not in ("off", "madvise", "hugetlbfs"):
+            raise ValueError(
+                f"huge_pages must be off, madvise or hugetlbfs, not {self.huge_pages!r}"
+            )
 
 
 class LeaseConfig(msgspec.Struct, **_Section):

@@ -180,6 +180,8 @@ class HelloOk(Reply, tag="hello_ok"):
     max_pages_per_request: int
     # bytes of arena per generation counter in the pool file's header (0: none)
     gen_granule: int = 0
+    # "madvise": clients ask for transparent huge pages on their mapping too
+    huge_pages: str = ""
 
 
 class NamespaceOk(Reply, tag="namespace_ok"):

@@ -287,6 +287,7 @@ class Server:
             cfg.pool.populate,
             self._client_gid,
             on_populate,
+            cfg.pool.huge_pages,
         )
         log.info(
             "pool: %d MiB at %s (%.2fs)",

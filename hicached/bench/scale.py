@@ -209,6 +209,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 server.kill()
             echo.close()
             zctx.term()
+    pool = {
+        f"{k}_{args.pool_gib}g": v for k, v in attach_figures(args.pool_gib, args.hugetlbfs).items()
+    }
+    figures.update(pool)
     figures["match_1m_vs_1k"] = round(figures["match_p50_us_1m"] / figures["match_p50_us_1k"], 3)
     figures["index_bytes_per_page"] = round(_index_bytes_per_page(STEPS["1m"]), 1)
     ready_s, scan_rate = _ready_and_scan(STEPS["1m"])
@@ -221,11 +225,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "sequence_pages": CHAIN,
             "match_pages": MATCH_PAGES,
             "requests": args.requests,
+            "pool_gib": args.pool_gib,
+            "hugetlbfs": args.hugetlbfs,
             "note": (
                 "match: a leased match of 64 pages that hit, p50, at each index size, beside a "
                 "raw echo of the same request and reply sizes; index bytes: tracemalloc of the "
                 "daemon's page index with 1M pages; ready: start to READY with 1M pages in the "
-                "file store; the scan runs after READY"
+                "file store; the scan runs after READY; attach: a client process maps a pool "
+                "of pool_gib (tmpfs, and hugetlbfs when given), then touches every 4 KiB: "
+                "attach time, touch time and its page-table growth (VmPTE)"
             ),
         },
         "targets": {
@@ -234,3 +242,62 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "ready_s_1m": "<= 10",
         },
     }
+
+
+# -- attaching a large pool ------------------------------------------------------------
+
+
+def _vm_pte_kib() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmPTE:"):
+                return int(line.split()[1])
+    return 0
+
+
+def _client_attach(path: str, size: int, out: Any) -> None:
+    """In a fresh process: map the pool as a client does, then touch every page."""
+    from hicached.arena import Arena
+
+    before = _vm_pte_kib()
+    t0 = time.perf_counter()
+    arena = Arena.attach(path, size)
+    attach = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    touched = int(arena.array[::4096].sum())  # one read per 4 KiB: every page-table entry
+    touch = time.perf_counter() - t0
+    out.put((attach, touch, _vm_pte_kib() - before, touched >= 0))
+    arena.close()
+
+
+def _attach_figures(directory: str, size: int, huge: str) -> tuple[float, float, int]:
+    """(attach ms, touch-all s, page-table KiB) of one client process."""
+    from hicached.arena import Arena
+
+    path = Path(directory) / f"hicached-bench-attach-{os.getpid()}.pool"
+    arena = Arena.create(path, size, populate=True, huge_pages=huge)
+    try:
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        proc = ctx.Process(target=_client_attach, args=(str(path), size, out))
+        proc.start()
+        attach, touch, pte, _ = out.get(timeout=600)
+        proc.join(30)
+        return attach * 1e3, touch, pte
+    finally:
+        arena.close()
+
+
+def attach_figures(pool_gib: int, hugetlbfs: str) -> dict[str, float]:
+    """Attach time and page-table memory per client for a ``pool_gib`` pool, with
+    4 KiB pages (tmpfs) and, given a hugetlbfs mount, with huge pages."""
+    size = pool_gib << 30
+    figures: dict[str, float] = {}
+    attach_ms, touch_s, pte = _attach_figures("/dev/shm", size, "off")
+    figures.update(attach_ms=round(attach_ms, 2), touch_all_s=round(touch_s, 2), pte_kib=pte)
+    if hugetlbfs:
+        attach_ms, touch_s, pte = _attach_figures(hugetlbfs, size, "hugetlbfs")
+        figures.update(
+            attach_ms_huge=round(attach_ms, 2), touch_all_s_huge=round(touch_s, 2), pte_kib_huge=pte
+        )
+    return figures
