@@ -250,6 +250,10 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from hicached.bench import run_bench
 
     result = run_bench(args.which, args)
+    if args.plot:
+        from hicached.bench.plot import draw
+
+        draw(result, args.plot)
     if args.json:
         print(json.dumps(result, indent=2, sort_keys=True))
     else:
@@ -331,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--mooncake-metadata", default="", help="l3: metadata server of --mooncake-master"
+    )
+    bench.add_argument(
+        "--plot", default="", help="also draw the figures beside their baselines into this PNG"
     )
     bench.add_argument("--pool-gib", type=int, default=16, help="scale: pool size for attach")
     bench.add_argument(

@@ -246,11 +246,17 @@ def test_the_stop_deadline_fits_in_the_units_stop_timeout() -> None:
         assert config.storage.flush_deadline_s + 10 <= stop_timeout
 
 
-def test_bench_l3_pairs_rounds_against_a_raw_baseline() -> None:
+def test_bench_l3_pairs_rounds_against_a_raw_baseline(tmp_path: Path) -> None:
     """The file bench runs on its own: writes and reads in paired rounds, each
-    with the raw baseline's figure and the spread of the per-pair ratios."""
-    out = hicached("bench", "l3", "--json", "--backend", "file", "--mib", "4", "--rounds", "2")
+    with the raw baseline's figure and the spread of the per-pair ratios; --plot
+    draws them beside their baselines."""
+    png = tmp_path / "l3.png"
+    out = hicached(
+        "bench", "l3", "--json", "--backend", "file", "--mib", "4", "--rounds", "2",
+        "--plot", str(png),
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     figures = json.loads(out.stdout)["figures"]
     for tag in ("64k", "1m"):
         for what in ("write", "read"):
@@ -261,3 +267,12 @@ def test_bench_l3_pairs_rounds_against_a_raw_baseline() -> None:
             )
             assert 0 < low <= mid <= high
             assert figures[f"raw_{what}_gbps_{tag}"] > 0
+
+
+def test_plot_pairs_each_figure_with_its_baseline() -> None:
+    from hicached.bench.plot import pairs
+
+    figures = {"match_p50_us": 30.0, "echo_p50_us": 25.0, "match_cold_p50_us": 40.0}
+    assert pairs("control", figures) == [("match p50", 30.0, 25.0, "µs")]
+    figures = {"read_gbps_64k": 4.0, "raw_read_gbps_64k": 5.0}
+    assert pairs("l3", figures) == [("read_64k", 4.0, 5.0, "GB/s")]
