@@ -148,3 +148,23 @@ def test_with_client_ca_only_scrapers_holding_a_certificate_get_metrics(
     with pytest.raises((urllib.error.URLError, ConnectionError)):  # and no plain HTTP
         scrape(url.replace("https://", "http://"))
     assert ("hicached_clients", ()) in scrape(url, context=context(ca))  # still serving
+
+
+def test_loop_histogram_reports_cumulative_buckets() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from hicached.metrics import LoopHistogram
+
+    histogram = LoopHistogram("t_seconds", "A test.", "op", (0.001, 0.01))
+    for seconds in (0.0005, 0.001, 0.005, 0.5):
+        histogram.observe("match", seconds)
+    histogram.observe("commit", 0.02)
+    registry = CollectorRegistry()
+    registry.register(histogram)
+    text = generate_latest(registry).decode()
+    assert 't_seconds_bucket{le="0.001",op="match"} 2.0' in text  # le: 0.001 counts
+    assert 't_seconds_bucket{le="0.01",op="match"} 3.0' in text
+    assert 't_seconds_bucket{le="+Inf",op="match"} 4.0' in text
+    assert 't_seconds_count{op="match"} 4.0' in text
+    assert 't_seconds_sum{op="match"} 0.5065' in text
+    assert 't_seconds_bucket{le="0.01",op="commit"} 0.0' in text
