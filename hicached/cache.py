@@ -32,7 +32,7 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Protocol, get_args
+from typing import Any, Protocol, get_args
 
 import msgspec
 import numpy as np
@@ -136,6 +136,22 @@ class Cache:
         # key-addressed pages in L2, with events on: the daemon's key -> the engine's
         # (event) key, for the events of pages that leave L2 or reach L3
         self._ekeys: dict[bytes, bytes] = {}
+        # what answers each request of a session (hello and goodbye come before one)
+        self._handlers: dict[type, Callable[[Session, Any], p.AnyReply]] = {
+            p.RegisterNamespace: self.register,
+            p.Reserve: self.reserve,
+            p.Commit: self.commit,
+            p.Match: self.match,
+            p.Prefetch: self.prefetch,
+            p.ExistsKeys: self.exists_keys,
+            p.MatchKeys: self.match_keys,
+            p.ReserveKeys: self.reserve_keys,
+            p.PrefetchKeys: self.prefetch_keys,
+            p.Progress: self.progress,
+            p.Release: self._release_request,
+            p.Renew: self.renew,
+            p.Stats: lambda _, msg: p.StatsOk(id=msg.id, stats=self.stats()),
+        }
 
     @property
     def evicted_pages(self) -> int:
@@ -165,34 +181,9 @@ class Cache:
                 self.goodbye(routing_id, peer)
                 return p.Ok(id=request.id)
             session = self.session(routing_id, peer)
-            match request:
-                case p.RegisterNamespace():
-                    return self.register(session, request)
-                case p.Reserve():
-                    return self.reserve(session, request)
-                case p.Commit():
-                    return self.commit(session, request)
-                case p.Match():
-                    return self.match(session, request)
-                case p.Prefetch():
-                    return self.prefetch(session, request)
-                case p.ExistsKeys():
-                    return self.exists_keys(session, request)
-                case p.MatchKeys():
-                    return self.match_keys(session, request)
-                case p.ReserveKeys():
-                    return self.reserve_keys(session, request)
-                case p.PrefetchKeys():
-                    return self.prefetch_keys(session, request)
-                case p.Progress():
-                    return self.progress(session, request)
-                case p.Release():
-                    self.release(session, request.lease)
-                    return p.Ok(id=request.id)
-                case p.Renew():
-                    return self.renew(session, request)
-                case p.Stats():
-                    return p.StatsOk(id=request.id, stats=self.stats())
+            handler = self._handlers.get(type(request))
+            if handler is not None:
+                return handler(session, request)
             raise BadRequest(f"unhandled request {op}")  # pragma: no cover
         except HicachedError as exc:
             self.errors[exc.code] = self.errors.get(exc.code, 0) + 1
@@ -1041,6 +1032,10 @@ class Cache:
 
     def release(self, session: Session, lease_id: int) -> None:
         self._end_lease(self._take_lease(session, lease_id))
+
+    def _release_request(self, session: Session, msg: p.Release) -> p.Ok:
+        self.release(session, msg.lease)
+        return p.Ok(id=msg.id)
 
     # -- housekeeping -----------------------------------------------------------------
 

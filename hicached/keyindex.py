@@ -66,34 +66,25 @@ class KeyIndex:
 
     def match(self, keys: Sequence[bytes]) -> list[int]:
         """Slots of the leading run of ``keys`` that is in L2; marks them used."""
-        entries = self._entries
-        tick = next(self._clock)
-        out: list[int] = []
-        for key in keys:
-            entry = entries.get(key)
-            if entry is None:
-                break
-            entry.tick = tick
-            out.append(entry.slot)
-            # pages of a run need not be linked (holes, unknown parents): each
-            # without children needs an entry for its new tick, not only the last
-            if not entry.children:
-                self._push(entry)
-        return out
+        return self.find(keys, leading=True)
 
-    def find(self, keys: Sequence[bytes]) -> list[int]:
-        """The slot of each of ``keys`` (-1 where absent), holes and all; marks
-        the present ones used."""
+    def find(self, keys: Sequence[bytes], *, leading: bool = False) -> list[int]:
+        """The slot of each of ``keys`` (-1 where absent), holes and all, or of the
+        leading run only; marks the pages found used."""
         entries = self._entries
         tick = next(self._clock)
         out: list[int] = []
         for key in keys:
             entry = entries.get(key)
             if entry is None:
+                if leading:
+                    break
                 out.append(-1)
                 continue
             entry.tick = tick
             out.append(entry.slot)
+            # pages of a run need not be linked (holes, unknown parents): each
+            # without children needs an entry for its new tick, not only the last
             if not entry.children:
                 self._push(entry)
         return out
