@@ -135,9 +135,9 @@ class KeyIndex:
                 continue  # stale entry
             if entry.slot in pins:
                 continue  # unpinned() pushes it again
+            parent = entry.parent  # _remove unlinks it
             self._remove(entry)
             out.append((entry.key, entry.slot, entry.owner))
-            parent = entry.parent
             if parent is not None and parent.alive and not parent.children:
                 self._push(parent)
         return out

@@ -500,6 +500,12 @@ class CacheMachine(RuleBasedStateMachine):
                 children[entry.parent.key] = children.get(entry.parent.key, 0) + 1
         for key, entry in entries.items():
             assert entry.children == children.get(key, 0)
+        # every page that could go (no child in L2, no pin) can be found by eviction
+        queued = {(id(e), tick) for tick, _, e in table._heap}
+        pins = self.cache.pool.pins
+        for entry in entries.values():
+            if not entry.children and entry.slot not in pins:
+                assert (id(entry), entry.tick) in queued, "an evictable page is out of reach"
 
     @invariant()
     def tree_is_prefix_closed(self) -> None:

@@ -271,6 +271,17 @@ def test_a_match_leaves_unlinked_pages_evictable() -> None:
     assert len(table.evict(4, {})) == 4 and table.pages == 0
 
 
+def test_a_chain_is_evicted_tail_first_and_whole() -> None:
+    """Each page evicted makes its parent evictable: a chain goes, tail first, all of it."""
+    table = KeyIndex()
+    for i in range(8):
+        parent = bytes([i - 1]) if i else b""
+        assert table.insert(bytes([i]), i, owner=1, parent=parent)
+    gone = table.evict(8, {})
+    assert [slot for _, slot, _ in gone] == list(range(7, -1, -1))
+    assert table.pages == 0 and table.oldest() is None
+
+
 def test_a_deep_chain_is_dropped_leaves_first() -> None:
     table = KeyIndex()
     depth = 5000
