@@ -33,9 +33,7 @@ is a miss, and so is every key after it.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import re
 import threading
 import time
@@ -54,6 +52,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from hicached.client import Client
 from hicached.errors import DaemonUnavailable, DeadlineExceeded, HicachedError, StaleHandle
 from hicached.handles import Hit, Namespace, Reservation
+from hicached.integrations.names import default_revision, safe_model
 
 __all__ = ["HicachedStorage", "Settings", "namespace_fields", "page_segments"]
 
@@ -61,7 +60,6 @@ log = logging.getLogger(__name__)
 
 KEY_SCHEME = "sglang-sha256"
 _PAGE_HASH = re.compile(r"[0-9a-f]{64}")
-_MODEL_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # Errors that mean "the daemon is not there now": try again after retry_s.
 UNREACHABLE = (DaemonUnavailable, DeadlineExceeded)
 
@@ -91,23 +89,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
 
 # -- the namespace ----------------------------------------------------------------------
-
-
-def safe_model(name: str) -> str:
-    """SGLang's model name as a namespace model: a hub id as it is, a path by
-    its last two parts, each made of letters, digits, '.', '_' and '-' only."""
-    parts = [p for p in name.split("/") if p not in ("", ".", "..")][-2:]
-    safe = [re.sub(r"[^A-Za-z0-9._-]", "_", p).lstrip("._-")[:128] for p in parts]
-    return "/".join(p for p in safe if _MODEL_PART.fullmatch(p)) or "model"
-
-
-def default_revision(name: str) -> str:
-    """A local directory's path, digested: two directories never share pages
-    because their last parts have the same names."""
-    if not (name.startswith(("/", ".", "~")) or os.path.isdir(name)):
-        return "main"
-    path = os.path.realpath(os.path.expanduser(name))
-    return "path-" + hashlib.sha256(path.encode()).hexdigest()[:16]
 
 
 def page_segments(pool: Any, is_mla: bool) -> list[torch.Tensor]:

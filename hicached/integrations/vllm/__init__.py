@@ -1,0 +1,103 @@
+"""hicached as vLLM's host KV tier, through vLLM's OffloadingConnector.
+
+    LLM(..., kv_transfer_config={
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "HicachedOffloadingSpec",
+            "spec_module_path": "hicached.integrations.vllm",
+            "endpoint": "ipc:///run/hicached/hicached.sock",  # optional
+        },
+    })
+
+vLLM names each offloaded chunk (``blocks_per_chunk`` blocks, 1 unless set)
+by an *offload key*: the block hash of its last block and a 4-byte group
+index. Block hashes chain over the token ids (and the LoRA, the multimodal
+inputs, the cache salt), so a key names the whole prefix up to its chunk's
+end. They are what the daemon keys a namespace of scheme ``vllm-<hash algo>``
+by; no token id reaches this module. Keys are only shared between processes
+when the engine's ``prefix_caching_hash_algo`` is reproducible: sha256 and
+sha256_cbor always are, xxhash and xxhash_cbor only with PYTHONHASHSEED set.
+
+One page holds one chunk of every layer of every worker ("wide pages":
+worker r copies at byte ``r * page_bytes // world_size``), so one key and
+one lease cover what all workers hold, and the scheduler decides for all.
+
+The scheduler side (``HicachedManager``) never waits for the daemon in a
+lookup: the keys a lookup pass shows are asked for together on a private
+event loop thread, and the lookup answers RETRY (ask again next step) until
+the answer is there. Hits come under a read lease, so the slots a load reads
+cannot be evicted or reused under it; keys only L3 holds are loaded into L2
+first and answer HIT_PENDING meanwhile. A store reserves slots
+(``reserve_keys``) and hands their handle to the workers; when every worker
+has copied and said so (a small ipc socket: vLLM tells the scheduler that a
+job ended, not whether it worked), the pages are committed, the ones some
+worker could not write left out. The worker side (``HicachedWorker``)
+copies between vLLM's KV tensors and pool slots: KV on a GPU on a thread of
+its own, so that submitting a transfer returns at once, KV in host memory
+at once (``copy_thread``).
+
+A daemon that is down or restarting costs hits, never a request: lookups
+answer MISS, stores store nothing, and the daemon is tried again after
+``retry_s``. vLLM (0.32) cannot take a failed load: a load whose pages
+became unreadable after their lookup (the daemon restarted in between and
+this worker already saw the new one) is reported failed, and vLLM stops.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    OffloadingManager,
+    OffloadingSpec,
+    OffloadingWorker,
+)
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from hicached.integrations.vllm.manager import HicachedManager
+from hicached.integrations.vllm.settings import Settings, namespace_spec
+from hicached.integrations.vllm.worker import HicachedWorker
+
+__all__ = ["HicachedOffloadingSpec", "Settings", "namespace_spec"]
+
+
+# -- the spec vLLM loads ----------------------------------------------------------------
+
+
+class HicachedOffloadingSpec(OffloadingSpec):
+    """vLLM's entry point: ``spec_name`` HicachedOffloadingSpec in
+    ``spec_module_path`` hicached.integrations.vllm."""
+
+    def __init__(self, config: OffloadingConfig) -> None:
+        super().__init__(config)
+        self.settings = Settings.from_extra(self.extra_config)
+        self._check_hash_algo()
+        self.spec = namespace_spec(config, self.settings)
+        self._manager: HicachedManager | None = None
+        self._worker: HicachedWorker | None = None
+
+    def _check_hash_algo(self) -> None:
+        """The hash algorithm set here must be the engine's; workers can tell."""
+        from vllm.config import get_current_vllm_config_or_none
+
+        vllm_config = get_current_vllm_config_or_none()
+        if vllm_config is None:  # the scheduler builds its connector outside that context
+            return
+        engine = vllm_config.cache_config.prefix_caching_hash_algo
+        if engine != self.settings.hash_algo:
+            raise ValueError(
+                f"the engine hashes blocks with {engine!r} but kv_connector_extra_config "
+                f"says hash_algo {self.settings.hash_algo!r}: set it to {engine!r}"
+            )
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            self._manager = HicachedManager(
+                self.settings, self.spec, self.config.parallel.world_size
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            self._worker = HicachedWorker(kv_caches, self.settings, self.config)
+        return self._worker

@@ -1,0 +1,127 @@
+"""What hicached's vLLM tier may be told (``kv_connector_extra_config``), and the
+namespace an engine's pages live in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+import re
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import msgspec
+from vllm.v1.kv_offload.config import OffloadingConfig
+
+from hicached.errors import DaemonUnavailable, DeadlineExceeded
+from hicached.integrations.names import default_revision, safe_model
+from hicached.namespace import NamespaceSpec
+
+T = TypeVar("T")
+
+# Hash algorithms whose keys are the same in every process, and those that are
+# only with PYTHONHASHSEED set (vLLM seeds them at random otherwise).
+REPRODUCIBLE = ("sha256", "sha256_cbor")
+SEEDED = ("xxhash", "xxhash_cbor")
+# Most keys one lookup question asks about (the daemon's max_pages_per_request is
+# 16384 by default); the keys after them are misses.
+MAX_QUESTION = 8192
+# Errors that mean "the daemon is not there now": try again after retry_s.
+UNREACHABLE = (
+    DaemonUnavailable,
+    DeadlineExceeded,
+    TimeoutError,
+    asyncio.TimeoutError,
+    concurrent.futures.TimeoutError,
+)
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What ``kv_connector_extra_config`` may set for hicached (beside vLLM's own keys)."""
+
+    # The daemon's socket; "" = $HICACHED_ENDPOINT, else the default one.
+    endpoint: str = ""
+    # Namespace model name; "" = vLLM's model name made safe.
+    model: str = ""
+    # Namespace revision; "" = "main", or a digest of the path of a local model directory.
+    revision: str = ""
+    # Namespace tenant (a daemon with [tenants] sets it from the connection).
+    tenant: str = "default"
+    # The engine's prefix_caching_hash_algo (vLLM's default: sha256).
+    hash_algo: str = "sha256"
+    # Seconds one request to the daemon may take (a store's reserve holds up the
+    # scheduler that long at most).
+    timeout_s: float = 1.0
+    # Seconds after the daemon was found unreachable before it is tried again.
+    retry_s: float = 10.0
+    # Seconds a finished store waits for every worker's word before it gives up.
+    ack_timeout_s: float = 5.0
+    # Seconds an L3 load may take; the pages loaded by then are served.
+    prefetch_timeout_s: float = 10.0
+    # Seconds a lookup answer is reused before the keys are asked for again.
+    answer_ttl_s: float = 2.0
+    # A hit whose lease ends sooner than this is asked for again, not loaded.
+    lease_slack_s: float = 5.0
+    # Copies on a thread of their own (true) or at once in submit (false); unset:
+    # a thread for KV on a GPU, where the copy runs beside the compute, at once
+    # for KV in host memory, where a copy is a memcpy on the engine's own cores
+    # and a thread would first have to win the GIL from the busy engine loop.
+    copy_thread: bool | None = None
+
+    @classmethod
+    def from_extra(cls, extra: Mapping[str, Any]) -> Settings:
+        ours = {f.name for f in msgspec.structs.fields(cls)}
+        return msgspec.convert({k: v for k, v in extra.items() if k in ours}, cls)
+
+
+# -- the namespace ----------------------------------------------------------------------
+
+
+def key_scheme(hash_algo: str) -> str:
+    """The namespace key scheme of vLLM keys hashed with ``hash_algo``."""
+    if hash_algo in REPRODUCIBLE:
+        return f"vllm-{hash_algo}"
+    if hash_algo in SEEDED:
+        if os.environ.get("PYTHONHASHSEED") is None:
+            raise ValueError(
+                f"prefix_caching_hash_algo {hash_algo!r} gives every process its own random "
+                "block hashes, so no other engine could use the pages this one stores: set "
+                "PYTHONHASHSEED to the same value for every engine, or use sha256"
+            )
+        return f"vllm-{hash_algo}"
+    raise ValueError(f"unknown prefix_caching_hash_algo {hash_algo!r}")
+
+
+def namespace_spec(config: OffloadingConfig, settings: Settings) -> NamespaceSpec:
+    """One namespace for the whole engine: a page is one chunk of every layer
+    of every worker, worker r's part at ``r * page_bytes // shards``."""
+    if len(config.groups) != 1:
+        raise ValueError(
+            "hicached's vLLM tier takes models with one KV cache group (full attention "
+            f"in every layer); this one has {len(config.groups)}"
+        )
+    if config.canonical_layout or config.replicated_layout:
+        raise ValueError(
+            "hicached's vLLM tier copies vLLM's own block layout: unset canonical_layout"
+        )
+    if config.worker_kv_bytes_per_block <= 0:
+        raise ValueError("vLLM gave no KV bytes per block: is the KV cache allocated?")
+    parallel = config.parallel
+    chunk = config.cache.blocks_per_chunk
+    block_tokens = config.groups[0].tokens_per_block
+    layout = re.sub(r"[^a-z0-9_]", "_", (config.kv_cache_layout or "default").lower())
+    return NamespaceSpec(
+        model=settings.model or safe_model(config.model.name),
+        revision=settings.revision or default_revision(config.model.name),
+        kv_dtype=re.sub(r"[^a-z0-9_]", "_", config.model.dtype.lower()),
+        layout=f"vllm_{layout}_b{block_tokens}",  # the sub-blocks of a chunk differ by block size
+        page_tokens=block_tokens * chunk,
+        page_bytes=config.worker_kv_bytes_per_block * chunk * parallel.world_size,
+        tp_size=parallel.tp_size,
+        cp_size=parallel.pcp_size * parallel.dcp_size,
+        pp_size=parallel.pp_size,
+        tenant=settings.tenant,
+        key_scheme=key_scheme(settings.hash_algo),
+        shards=parallel.world_size,
+    )

@@ -1,0 +1,359 @@
+"""hicached as vLLM's host KV tier, end to end: a real daemon and real vLLM
+engine processes (CPU, a tiny Llama with random weights) joined by vLLM's
+OffloadingConnector and hicached.integrations.vllm.
+
+One daemon (file L3, write-through) serves the file. A first engine stores a
+prompt's pages; then, each in a new engine process:
+
+- the prefix is cached through hicached, and the tokens and logprobs are those
+  of an engine without hicached;
+- a page whose bytes change in the pool changes the output (what the engine
+  attends to really comes from the pool);
+- after a daemon restart the pages come back from L3, same output;
+- with the daemon stopped, the engine recomputes, same output; and one whose
+  daemon is killed between two requests answers the second by recomputing.
+
+The engines run in the vLLM venv (tests/engines/venv.py), hicached on their
+path. Besides the tests, a measurement of time to first token:
+
+    .venv/bin/python -m tests.test_vllm_e2e     # 2,000 tokens: full hit vs recompute
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hicached import Client, NamespaceSpec
+from hicached.arena import arena_path
+from tests.engines import tinyllama, venv
+from tests.l3util import FILE_STORE, settle_writes, storage, wait_for
+from tests.support import Daemon
+
+# The first test may wait for the venv build (minutes, once per pin and machine).
+pytestmark = pytest.mark.timeout(1200)
+
+ROOT = Path(__file__).resolve().parent.parent
+RUNNER = ROOT / "tests" / "engines" / "vllm_run.py"
+BLOCK = 32  # tokens a block (vllm_run.py)
+PROMPT = np.random.default_rng(2024).integers(3, tinyllama.VOCAB, 300).tolist()
+OTHER = np.random.default_rng(2025).integers(3, tinyllama.VOCAB, 300).tolist()
+CACHED = len(PROMPT) // BLOCK * BLOCK  # the full blocks: 288 tokens
+ANSWER_TOKENS = 8
+KV_BYTES_PER_TOKEN = 2 * 2 * 4 * 32 * 4  # K and V, 2 layers, 4 heads of 32 floats
+# The modules hicached's client needs in the engine's venv (pyproject.toml), as pip names them.
+CLIENT_DEPS = {
+    "zmq": "pyzmq>=26",
+    "msgspec": "msgspec>=0.19",
+    "numpy": "numpy>=1.26",
+    "xxhash": "xxhash>=3.4",
+}
+
+
+# -- engines --------------------------------------------------------------------------
+
+
+def engine_python() -> Path:
+    """The vLLM venv's python, built if need be, with hicached's client dependencies."""
+    python = venv.build()
+    missing = [
+        spec
+        for module, spec in CLIENT_DEPS.items()
+        if subprocess.run([str(python), "-c", f"import {module}"], capture_output=True).returncode
+    ]
+    if missing:
+        pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        subprocess.run([*pip, *missing], check=True, capture_output=True, timeout=600)
+    return python
+
+
+def model_dir(python: Path) -> Path:
+    """The tiny model, written once next to the venvs and reused."""
+    where = venv.root() / "models" / "tinyllama"
+    if not tinyllama.ready(where):
+        runner = str(ROOT / "tests" / "engines" / "tinyllama.py")
+        subprocess.run([str(python), runner, str(where)], check=True, timeout=300)
+    return where
+
+
+def run_engine(
+    python: Path,
+    model: Path,
+    requests: list[dict[str, Any]],
+    *,
+    hicached: str = "",
+    executor: str = "uni",
+    copy_thread: bool = False,
+    max_model_len: int = 1024,
+    between: Callable[[], None] | None = None,
+    timeout: float = 300,
+) -> dict[str, Any]:
+    """One engine process answering ``requests`` in turn; its JSON answer.
+    ``between``: run before the last request, while the engine waits."""
+    with tempfile.TemporaryDirectory(prefix="hc-vllm-") as where:
+        asked, answered, log, go = (
+            Path(where) / name for name in ("in.json", "out.json", "log", "go")
+        )
+        if between is not None:
+            requests = [*requests[:-1], {**requests[-1], "wait_for": str(go)}]
+        asked.write_text(json.dumps(requests))
+        cmd = [str(python), str(RUNNER), str(model), str(asked), str(answered)]
+        cmd += ["--executor", executor, "--max-model-len", str(max_model_len)]
+        if hicached:
+            cmd += ["--hicached", hicached, *(["--copy-thread"] if copy_thread else [])]
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        with log.open("wb") as out:
+            engine = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+            try:
+                if between is not None:
+                    ready = Path(f"{go}.ready")
+                    wait_for(lambda: ready.exists() or engine.poll() is not None, timeout)
+                    if engine.poll() is None:
+                        between()
+                    go.touch()
+                engine.wait(timeout)
+            finally:
+                if engine.poll() is None:
+                    engine.kill()
+                    engine.wait()
+        assert engine.returncode == 0, f"the engine failed:\n{log.read_text()[-6000:]}"
+        result: dict[str, Any] = json.loads(answered.read_text())
+    assert result["vllm"] == venv.VLLM.split("==")[1]
+    return result
+
+
+def ask(prompt: list[int] = PROMPT, max_tokens: int = ANSWER_TOKENS) -> list[dict[str, Any]]:
+    return [{"prompt": prompt, "max_tokens": max_tokens}]
+
+
+def same_answer(got: dict[str, Any], want: dict[str, Any]) -> bool:
+    """The same tokens, and logprobs equal but for float rounding."""
+    return got["token_ids"] == want["token_ids"] and np.allclose(
+        got["logprobs"], want["logprobs"], rtol=0, atol=1e-4
+    )
+
+
+# -- fixtures -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def python() -> Path:
+    return engine_python()
+
+
+@pytest.fixture(scope="module")
+def model(python: Path) -> Path:
+    return model_dir(python)
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[Daemon]:
+    d = Daemon(storage=storage("file"), tail=FILE_STORE)
+    try:
+        yield d.start()
+    finally:
+        d.cleanup()
+
+
+@pytest.fixture(scope="module")
+def baselines(python: Path, model: Path) -> list[dict[str, Any]]:
+    """The answers of an engine without hicached, to PROMPT and to OTHER."""
+    results: list[dict[str, Any]] = run_engine(python, model, [*ask(), *ask(OTHER)])["results"]
+    assert [r["num_cached_tokens"] for r in results] == [0, 0]
+    return results
+
+
+@pytest.fixture(scope="module")
+def alone(baselines: list[dict[str, Any]]) -> dict[str, Any]:
+    return baselines[0]
+
+
+@pytest.fixture(scope="module")
+def stored(python: Path, model: Path, daemon: Daemon, alone: dict[str, Any]) -> dict[str, Any]:
+    """A first engine stores the prompt's full blocks; they reach L3 too. Its
+    answer, with the namespace it registered and the prompt's keys."""
+    first = run_engine(python, model, ask(), hicached=daemon.endpoint)
+    (result,) = first["results"]
+    assert result["num_cached_tokens"] == 0
+    assert same_answer(result, alone)
+    with daemon.client() as c:
+        settle_writes(c)
+        stats = c.stats()
+        assert stats.pages == CACHED // BLOCK
+        assert stats.l3.get("written", 0) >= CACHED // BLOCK, stats.l3
+    return {**result, "namespace": first["namespace"]}
+
+
+def namespace_of(c: Client, stored: dict[str, Any]) -> Any:
+    return c.register(NamespaceSpec(**stored["namespace"]))
+
+
+# -- the tests ------------------------------------------------------------------------
+
+
+def test_a_new_engine_loads_the_prefix_from_hicached(
+    python: Path, model: Path, daemon: Daemon, alone: dict[str, Any], stored: dict[str, Any]
+) -> None:
+    """The second engine runs its model in a worker process of its own, which
+    copies on a thread: handles and the workers' word on their stores cross
+    processes. After the prompt, a longer one stores its two new blocks."""
+    with daemon.client() as c:
+        before = c.stats().match_pages.get("l2", 0)
+    longer = PROMPT + np.random.default_rng(1).integers(3, tinyllama.VOCAB, 64).tolist()
+    second = run_engine(
+        python,
+        model,
+        [*ask(), *ask(longer)],
+        hicached=daemon.endpoint,
+        executor="mp",
+        copy_thread=True,
+    )
+    result = second["results"][0]
+    assert result["num_cached_tokens"] == CACHED
+    assert same_answer(result, alone), (result, alone)
+    with daemon.client() as c:
+        stats = c.stats()
+        assert stats.match_pages.get("l2", 0) - before >= CACHED // BLOCK
+        assert stats.pages == len(longer) // BLOCK
+        keys = [bytes.fromhex(k) for k in second["results"][1]["keys"]]
+        found = c.exists_keys(namespace_of(c, stored), keys)
+        assert found.l2 == len(longer) // BLOCK  # the daemon holds vLLM's own keys
+    print(
+        f"\nprefill tokens computed by the second engine: {len(PROMPT) - CACHED} with "
+        f"hicached, {len(PROMPT)} without"
+    )
+
+
+def test_a_changed_page_changes_the_output(
+    python: Path, model: Path, daemon: Daemon, alone: dict[str, Any], stored: dict[str, Any]
+) -> None:
+    with daemon.client() as c:
+        ns = namespace_of(c, stored)
+        hit = c.match_keys(ns, [bytes.fromhex(k) for k in stored["keys"]])
+        assert hit.hits == CACHED // BLOCK
+        pool = np.memmap(arena_path("/dev/shm", daemon.runtime), dtype=np.uint8, mode="r+")
+        slots = pool[: hit.offsets[-1] + ns.page_bytes]
+        page = slots[hit.offsets[4] : hit.offsets[4] + ns.page_bytes]
+        kept = page.copy()
+        page[:] = slots[hit.offsets[2] : hit.offsets[2] + ns.page_bytes]  # another page's KV
+        c.release(hit)
+        try:
+            (result,) = run_engine(python, model, ask(), hicached=daemon.endpoint)["results"]
+        finally:
+            page[:] = kept
+            pool.flush()
+            del pool
+    assert result["num_cached_tokens"] == CACHED
+    assert not same_answer(result, alone), "the engine did not use the pool's bytes"
+
+
+def test_pages_come_back_from_l3_after_a_restart(
+    python: Path, model: Path, daemon: Daemon, alone: dict[str, Any], stored: dict[str, Any]
+) -> None:
+    daemon.stop()
+    daemon.start()
+    with daemon.client() as c:
+        wait_for(lambda: c.stats().l3_state == "up", timeout=30)
+        assert c.stats().pages == 0
+    (result,) = run_engine(python, model, ask(), hicached=daemon.endpoint)["results"]
+    assert result["num_cached_tokens"] == CACHED
+    assert same_answer(result, alone), (result, alone)
+    with daemon.client() as c:
+        assert c.stats().match_pages.get("l3", 0) >= CACHED // BLOCK
+
+
+def test_without_the_daemon_the_engine_recomputes(
+    python: Path, model: Path, daemon: Daemon, alone: dict[str, Any], stored: dict[str, Any]
+) -> None:
+    daemon.stop()
+    try:
+        (result,) = run_engine(python, model, ask(), hicached=daemon.endpoint)["results"]
+    finally:
+        daemon.start()
+    assert result["num_cached_tokens"] == 0
+    assert same_answer(result, alone), (result, alone)
+
+
+def test_an_engine_whose_daemon_dies_recomputes(
+    python: Path,
+    model: Path,
+    daemon: Daemon,
+    baselines: list[dict[str, Any]],
+    stored: dict[str, Any],
+) -> None:
+    """Killed between two requests: the session breaks under a running engine."""
+    try:
+        first, second = run_engine(
+            python, model, [*ask(), *ask(OTHER)], hicached=daemon.endpoint, between=daemon.kill
+        )["results"]
+    finally:
+        daemon.start()
+    assert first["num_cached_tokens"] == CACHED
+    assert same_answer(first, baselines[0]), (first, baselines[0])
+    assert second["num_cached_tokens"] == 0
+    assert same_answer(second, baselines[1]), (second, baselines[1])
+
+
+# -- time to first token ----------------------------------------------------------------
+
+
+def bench(tokens: int = 2000, prompts: int = 5) -> dict[str, Any]:
+    """Time to first token of ``tokens``-token prompts in a new engine: every full
+    block from hicached vs all recomputed (the medians over ``prompts`` prompts;
+    each engine warmed up first)."""
+    python = engine_python()
+    model = model_dir(python)
+    rng = np.random.default_rng(7)
+    asked = [rng.integers(3, tinyllama.VOCAB, tokens).tolist() for _ in range(prompts)]
+    warmup = ask(rng.integers(3, tinyllama.VOCAB, 64).tolist(), 1)
+    first = [r for prompt in asked for r in ask(prompt, 1)]
+    length = tokens + 256
+    with Daemon(size_mib=16 + (prompts * tokens * KV_BYTES_PER_TOKEN >> 20)) as d:
+        # a few decode steps each: vLLM submits a prefill's stores at the next step
+        stores = [r for prompt in asked for r in ask(prompt, 16)]
+        run_engine(python, model, stores, hicached=d.endpoint, max_model_len=length)
+        with d.client() as c:
+            stored = c.stats().pages
+        hit = run_engine(
+            python, model, [*warmup, *first], hicached=d.endpoint, max_model_len=length
+        )
+    cold = run_engine(python, model, [*warmup, *first], max_model_len=length)
+    hits, colds = hit["results"][1:], cold["results"][1:]
+    hit_s = float(np.median([r["elapsed_s"] for r in hits]))
+    cold_s = float(np.median([r["elapsed_s"] for r in colds]))
+    return {
+        "prompt_tokens": tokens,
+        "prompts": prompts,
+        "pages_stored": stored,
+        "hit": {
+            "prefill_tokens": [
+                len(p) - r["num_cached_tokens"] for p, r in zip(asked, hits, strict=True)
+            ],
+            "ttft_s_median": hit_s,
+        },
+        "recompute": {
+            "prefill_tokens": [
+                len(p) - r["num_cached_tokens"] for p, r in zip(asked, colds, strict=True)
+            ],
+            "ttft_s_median": cold_s,
+        },
+        "speedup": cold_s / hit_s,
+        "same_first_tokens": [r["token_ids"] for r in hits] == [r["token_ids"] for r in colds],
+    }
+
+
+if __name__ == "__main__":
+    started = time.monotonic()
+    out = bench(int(sys.argv[1]) if len(sys.argv) > 1 else 2000)
+    out["wall_s"] = time.monotonic() - started
+    print(json.dumps(out, indent=2))
