@@ -82,6 +82,52 @@ def _segmented(data: Any, rows: Any, at: int, whole: int) -> bool:
     return nbytes is not None and nbytes != whole
 
 
+# Below this many rows per run of rows adjacent on both sides, one gather or
+# scatter over all rows beats a slice copy per run.
+_RUN_ROWS = 4
+
+
+def _copy_rows(
+    pool: np.ndarray,
+    idx: np.ndarray,
+    views: list[np.ndarray],
+    picks: np.ndarray | None,
+    at: int,
+    to_pool: bool,
+) -> None:
+    """Copy page j's bytes ``at ..`` between pool row ``idx[j]`` and row ``picks[j]``
+    (or j) of each view, in order. Runs of rows adjacent on both sides (fresh
+    slots and a request's blocks usually are) go as slice copies, with no
+    gathered temporary; scattered rows as one fancy-indexed copy."""
+    rows = np.arange(len(idx)) if picks is None else picks
+    cuts = np.flatnonzero((np.diff(idx) != 1) | (np.diff(rows) != 1)) + 1
+    runs = len(cuts) + 1
+    if len(idx) >= _RUN_ROWS * runs:
+        starts = np.concatenate(([0], cuts)).tolist()
+        ends = [*cuts.tolist(), len(idx)]
+        spans = [(int(idx[s]), int(rows[s]), e - s) for s, e in zip(starts, ends, strict=True)]
+        start = at
+        for view in views:
+            end = start + view.shape[1]
+            for slot, row, n in spans:
+                if to_pool:
+                    pool[slot : slot + n, start:end] = view[row : row + n]
+                else:
+                    view[row : row + n] = pool[slot : slot + n, start:end]
+            start = end
+        return
+    start = at
+    for view in views:
+        end = start + view.shape[1]
+        if to_pool:
+            pool[idx, start:end] = view if picks is None else view[picks]
+        elif picks is None:
+            view[...] = pool[idx, start:end]
+        else:
+            view[picks] = pool[idx, start:end]
+        start = end
+
+
 def _row_bytes(tensor: Any) -> int:
     """Bytes in one row (first-axis entry) of a tensor."""
     return int(tensor.numel() // max(1, tensor.shape[0]) * tensor.element_size())
@@ -284,16 +330,7 @@ class PoolMapping:
 
             cuda.copy_segments(pool, idx, views, picks, at, to_pool=to_pool, mapped=self._mapped)
         else:
-            start = at
-            for view in views:
-                end = start + view.shape[1]
-                if to_pool:
-                    pool[idx, start:end] = view if picks is None else view[picks]
-                elif picks is None:
-                    view[...] = pool[idx, start:end]
-                else:
-                    view[picks] = pool[idx, start:end]
-                start = end
+            _copy_rows(pool, idx, views, picks, at, to_pool)
         moved = self._moved(handle, gidx)
         if moved >= 0:
             raise StaleHandle(f"a slot of this {what} changed owner during the copy: a miss", moved)
