@@ -123,3 +123,39 @@ def test_pinning_follows_a_daemon_restart(daemon_factory: Callable[..., Daemon])
         c.write_pages(res, gpu)
         c.commit(res)
         assert np.array_equal(c.load(ns, tokens), gpu.cpu().numpy())
+
+
+@needs_cuda
+@pytest.mark.parametrize("pinned", [True, False])
+def test_segmented_copies_between_gpu_layers_and_wide_pages(daemon: Daemon, pinned: bool) -> None:
+    """vLLM's shape: per-layer GPU tensors, block rows picked by id, each worker's
+    part of a wide page at its offset; read back into other blocks, same bytes."""
+    import hashlib
+
+    layers, blocks, width = 4, 24, PAGE_BYTES // 2 // 4
+    keys = [hashlib.sha256(bytes([i])).digest() + bytes(4) for i in range(6)]
+    spec = {**NS, "key_scheme": "vllm-sha256", "shards": 2}
+    with daemon.client() as c:
+        if pinned:
+            c.pin_memory()
+        ns = c.register(**spec)
+        kv = [
+            [
+                torch.randint(0, 256, (blocks, width), dtype=torch.uint8, device="cuda")
+                for _ in range(layers)
+            ]
+            for _ in range(2)
+        ]
+        rows = [3, 4, 5, 11, 0, 20]
+        res = c.reserve_keys(ns, keys)
+        for rank in range(2):
+            c.write_pages(res, kv[rank], rows=rows, at=rank * PAGE_BYTES // 2)
+        c.commit(res)
+        hit = c.match_keys(ns, keys)
+        targets = [7, 8, 9, 1, 2, 23]
+        for rank in range(2):
+            back = [torch.zeros_like(t) for t in kv[rank]]
+            c.read_pages(hit, back, rows=targets, at=rank * PAGE_BYTES // 2)
+            for got, want in zip(back, kv[rank], strict=True):
+                assert torch.equal(got[targets], want[rows])
+        c.release(hit)
