@@ -311,10 +311,16 @@ class _Core:
         )
         return Fetch(ns, ok.lease, ok.l2_hits, self._instance)
 
+    @property
+    def instance(self) -> int:
+        """The daemon instance this client last spoke to (0 before it connected)."""
+        return self._instance
+
     def adopt(self, handle: PortableHandle) -> Reservation | Hit:
         """A copy-only handle from another process's ``portable()`` (same host, same
         daemon): write_pages/read_pages through it, while the process that holds
-        the lease commits or releases it. Copies through it are fenced as any."""
+        the lease commits or releases it. Copies through it are fenced as any;
+        ``Client.adopt`` first catches up with a daemon that restarted."""
         if self._hello is None or handle.instance != self._instance:
             raise StaleHandle("this handle is from another daemon instance than this client's")
         ns = Namespace(handle.spec, 0, b"")
@@ -631,6 +637,11 @@ class Client(_Core):
     def exists_keys(self, ns: Namespace, keys: Sequence[bytes]) -> KeysFound:
         """Where the pages of ``keys`` are (L2, L3); pins nothing."""
         return self._do(self._exists_keys(ns, keys))
+
+    def adopt(self, handle: PortableHandle) -> Reservation | Hit:
+        if handle.instance != self._instance:
+            self.stats()  # a handle of another instance: say hello to the daemon there now
+        return super().adopt(handle)
 
     def match_keys(self, ns: Namespace, keys: Sequence[bytes], *, lease: bool = True) -> Hit:
         """The leading ``keys`` in L2, pinned under a read lease (``lease``)."""

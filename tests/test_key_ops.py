@@ -168,11 +168,20 @@ def test_portable_handles_go_stale(daemon: Daemon) -> None:
         store(owner, ns, keys, pages(2, 4))
         hit = owner.match_keys(ns, keys)
         wire = hit.portable()
-    # the daemon restarts: a handle from the old one is refused, never copied through
-    daemon.stop()
-    daemon.start()
-    with daemon.client() as worker, pytest.raises(StaleHandle):
-        worker.adopt(wire)
+        # the daemon restarts: a handle from the old one is refused, never copied
+        # through, and a worker catches up with a handle from the new one
+        daemon.stop()
+        daemon.start()
+        with daemon.client() as late, pytest.raises(StaleHandle):
+            late.adopt(wire)
+        ns = owner.register(**SPEC)
+        store(owner, ns, keys, pages(2, 4))
+        fresh = owner.match_keys(ns, keys)
+        assert worker.instance != fresh.instance  # it has not spoken to the new daemon
+        view = worker.adopt(fresh.portable())
+        assert worker.instance == fresh.instance
+        assert np.array_equal(worker.read_pages(view), pages(2, 4))  # type: ignore[arg-type]
+        owner.release(fresh)
 
 
 def test_commit_mask_and_released_reservation(daemon: Daemon) -> None:
