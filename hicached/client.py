@@ -139,6 +139,10 @@ class _Core:
         self._namespaces: list[Namespace] = []
         self._instance = 0
         self._margin = 1.0  # seconds before a lease's deadline that copies stop
+        # the mapping of the daemon instance before the current one, and until when
+        # its read handles may still be read through it (their leases' longest life)
+        self._retired: tuple[PoolMapping, float] | None = None
+        self._lease_ttl = 0.0  # of the daemon last spoken to
 
     # -- exchanges ------------------------------------------------------------
 
@@ -175,7 +179,7 @@ class _Core:
                     f"the daemon speaks protocol {reply.major}.{reply.minor} and keeps no slot "
                     "generations: upgrade it to map its pool"
                 )
-            self._close_mapping()  # another daemon's pool: unpin and unmap the old one
+            self._retire_mapping()  # another daemon's pool: kept for its read handles a while
             # no faulting here: a large pool maps in one system call (page-table
             # entries come with the copies, or from the prefault thread)
             arena = Arena.attach(reply.pool_path, reply.pool_bytes, huge_pages=reply.huge_pages)
@@ -187,6 +191,7 @@ class _Core:
             if self._pin:
                 self._mapping.pin()
         self._instance = reply.instance
+        self._lease_ttl = reply.lease_ttl_s
         self._margin = lease_margin(reply.lease_ttl_s)
         self._hello = reply
         for ns in self._namespaces:
@@ -321,7 +326,8 @@ class _Core:
         daemon): write_pages/read_pages through it, while the process that holds
         the lease commits or releases it. Copies through it are fenced as any;
         ``Client.adopt`` first catches up with a daemon that restarted."""
-        if self._hello is None or handle.instance != self._instance:
+        retired = handle.kind == "read" and self._retired_mapping(handle.instance) is not None
+        if self._hello is None or (handle.instance != self._instance and not retired):
             raise StaleHandle("this handle is from another daemon instance than this client's")
         ns = Namespace(handle.spec, 0, b"")
         gens = np.frombuffer(handle.gens, dtype=np.uint32).copy()
@@ -494,6 +500,10 @@ class _Core:
         from byte ``at`` of each slot. After a ``StaleHandle`` their rows for
         this hit hold nothing to use.
         """
+        if hit.instance != self._instance:
+            old = self._retired_mapping(hit.instance)
+            if old is not None:
+                return old.read(hit, out, rows, at)
         return self.mapping.read(hit, out, rows, at)
 
     def _store_data(self, res: Reservation, pages: np.ndarray) -> None:
@@ -506,6 +516,35 @@ class _Core:
         if self._mapping is not None:
             mapping, self._mapping = self._mapping, None
             mapping.close()
+        if self._retired is not None:
+            retired, self._retired = self._retired[0], None
+            retired.close()
+
+    def _retire_mapping(self) -> None:
+        """The daemon restarted: its old pool stays mapped until every read lease
+        it granted has ended, so a read through one (by a worker that adopted it
+        before the restart was known) is served, not failed. Nothing writes that
+        pool any more (its daemon serves no requests), so its pages hold the
+        bytes of their keys; its generations still fence every read. Writes
+        through its handles are refused. Only the latest such pool is kept."""
+        mapping, self._mapping = self._mapping, None
+        if self._retired is not None:
+            self._retired[0].close()
+            self._retired = None
+        if mapping is not None:
+            self._retired = (mapping, time.monotonic() + self._lease_ttl)
+
+    def _retired_mapping(self, instance: int) -> PoolMapping | None:
+        """The retired mapping of ``instance``, while its read leases may live."""
+        retired = self._retired
+        if retired is None:
+            return None
+        mapping, until = retired
+        if time.monotonic() >= until:
+            self._retired = None
+            mapping.close()
+            return None
+        return mapping if mapping.instance == instance else None
 
 
 def _keys(keys: Sequence[bytes]) -> list[bytes]:

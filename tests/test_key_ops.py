@@ -184,6 +184,30 @@ def test_portable_handles_go_stale(daemon: Daemon) -> None:
         owner.release(fresh)
 
 
+def test_a_read_handle_outlives_its_daemon_in_a_worker(daemon: Daemon) -> None:
+    """A worker that adopted a read handle learns of a daemon restart before it
+    copies: the old pool stays mapped for the lease's life, so the read is
+    served, with the key's bytes, rather than failed (vLLM takes no failed load)."""
+    keys = engine_keys(3, salt=14)
+    data = pages(3, 14)
+    with daemon.client() as owner, daemon.client() as worker:
+        ns = owner.register(**SPEC)
+        store(owner, ns, keys, data)
+        wire = owner.match_keys(ns, keys).portable()
+        view = worker.adopt(wire)
+        daemon.stop()
+        daemon.start()
+        worker.stats()  # the worker meets the new daemon first
+        assert worker.instance != wire.instance
+        assert np.array_equal(worker.read_pages(view), data)  # type: ignore[arg-type]
+        again = worker.adopt(wire)  # adopted only now: served the same way
+        assert np.array_equal(worker.read_pages(again), data)  # type: ignore[arg-type]
+        res = owner.reserve_keys(owner.register(**SPEC), engine_keys(1, salt=15))
+        old_write = msgspec.structs.replace(res.portable(), instance=wire.instance)
+        with pytest.raises(StaleHandle):
+            worker.adopt(old_write)  # never a write into the old pool
+
+
 def test_commit_mask_and_released_reservation(daemon: Daemon) -> None:
     keys = engine_keys(3, salt=5)
     with daemon.client() as c:
