@@ -43,6 +43,7 @@ from typing import Any
 
 import msgspec
 import torch
+import zmq
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
@@ -61,7 +62,9 @@ log = logging.getLogger(__name__)
 KEY_SCHEME = "sglang-sha256"
 _PAGE_HASH = re.compile(r"[0-9a-f]{64}")
 # Errors that mean "the daemon is not there now": try again after retry_s.
-UNREACHABLE = (DaemonUnavailable, DeadlineExceeded)
+# "The daemon is not there now": try again after retry_s. OSError and ZMQError come
+# from connecting again after a restart (a pool file not readable yet, a socket).
+UNREACHABLE = (DaemonUnavailable, DeadlineExceeded, OSError, zmq.ZMQError)
 
 
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -415,6 +418,12 @@ class HicachedStorage(HiCacheStorage):
             return [True] * len(keys)
         wanted = page_keys(keys)
         stored = [False] * len(keys)
+        seen: set[bytes] = set()
+        for i, key in enumerate(wanted):  # a page hash twice: store up to the repeat
+            if key in seen:
+                wanted = wanted[:i]
+                break
+            seen.add(key)
         if not wanted:
             return stored
         prefix = page_keys((extra_info.prefix_keys or [])[-1:]) if extra_info else []
