@@ -27,7 +27,6 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import tempfile
@@ -246,8 +245,12 @@ class CacheMachine(RuleBasedStateMachine):
         )
         if res.instance != self.cache.instance:
             return  # the client refuses this itself (a restart ended the lease)
-        # the engine writes its pages before it commits (late, if it was slow)
-        self.write_res(res, keys)
+        # the engine writes its pages before it commits (late, if it was slow); a
+        # write its fences refused ("do not commit") makes it abort instead
+        if not self.write_res(res, keys):
+            reply = self.call(rid, p.Release(id=0, lease=res.lease))
+            assert isinstance(reply, p.Ok) or reply.code == "unknown_lease"
+            return
         if keyed:
             request = p.Commit(id=0, lease=res.lease, mask=bytes(mask))
         else:
@@ -264,20 +267,26 @@ class CacheMachine(RuleBasedStateMachine):
             published = [k for k, ok in zip(keys, mask, strict=True) if ok]
             assert all(table.present(published)), "a committed page is not in L2"
 
-    def write_res(self, res: Reservation, keys: list[bytes]) -> None:
+    def write_res(self, res: Reservation, keys: list[bytes]) -> bool:
+        """Copy the pages' bytes in, as every worker of a wide page would, each
+        its part; False if a fence refused any copy."""
         size = res.ns.page_bytes
         pages = [pattern(k, size) for k in keys[res.present :][: len(res.offsets)]]
         if not pages:
-            return
+            return True
         shards = res.ns.spec.shards
         width = size // shards
         data = np.stack(pages)
-        for r in range(shards):  # one copy per worker of a wide page, each its part
-            with contextlib.suppress(StaleHandle):
+        written = True
+        for r in range(shards):
+            try:
                 if shards == 1:
                     self.mapping.write(res, data)
                 else:
                     self.mapping.write(res, data[:, r * width : (r + 1) * width], None, r * width)
+            except StaleHandle:
+                written = False
+        return written
 
     @rule(rid=RID, seq=SEQ, start=st.integers(0, 4))
     def reserve_keys(self, rid: bytes, seq: list[int], start: int) -> None:
