@@ -566,20 +566,37 @@ class Cache:
     def match(self, session: Session, msg: p.Match) -> p.MatchOk:
         ns = self._namespace(session, msg.ns)
         keys = self._keys(ns, msg.tokens)
+        return self._match(session, ns, keys, msg.lease, msg.tokens, msg.id)
+
+    def _match(
+        self,
+        session: Session,
+        ns: NamespaceState,
+        keys: list[bytes],
+        lease: bool,
+        tokens: bytes,
+        request_id: int,
+    ) -> p.MatchOk:
+        """The leading ``keys`` in L2 (pinned under a read lease if asked), and how
+        many more L3 holds; for ``match`` and ``match_keys`` alike (``tokens``:
+        the sequence, for the events of a selective write; empty for keys)."""
         slots = ns.index.match(keys)
         hits = len(slots)
-        lease_id = 0
-        if msg.lease and slots:
-            lease_id = self._new_lease(session, ns, slots).id
+        lease_id = self._new_lease(session, ns, slots).id if lease and slots else 0
         l3_hits = self.l3.leading(keys, hits) if self.l3 else 0
-        self._count_match(ns, len(keys), hits, l3_hits)
+        counted = self.match_pages
+        counted["asked"] += len(keys)
+        counted["l2"] += hits
+        counted["l3"] += l3_hits
+        ns.book.asked += len(keys)
+        ns.book.hits += hits
         if (
             hits
             and self.tier is not None
             and self.config.storage.write_policy == "write_through_selective"
         ):
-            self._count_hit(ns, keys[:hits], slots, msg.tokens)
-        return p.MatchOk(id=msg.id, hits=hits, offsets=slots, lease=lease_id, l3_hits=l3_hits)
+            self._count_hit(ns, keys[:hits], slots, tokens)
+        return p.MatchOk(id=request_id, hits=hits, offsets=slots, lease=lease_id, l3_hits=l3_hits)
 
     # -- key-addressed operations ----------------------------------------------------
 
@@ -594,19 +611,7 @@ class Cache:
 
     def match_keys(self, session: Session, msg: p.MatchKeys) -> p.MatchOk:
         ns = self._namespace(session, msg.ns)
-        keys = self._ikeys(ns, msg.keys)
-        slots = ns.index.match(keys)
-        hits = len(slots)
-        lease_id = self._new_lease(session, ns, slots).id if msg.lease and slots else 0
-        l3_hits = self.l3.leading(keys, hits) if self.l3 else 0
-        self._count_match(ns, len(keys), hits, l3_hits)
-        if (
-            hits
-            and self.tier is not None
-            and self.config.storage.write_policy == "write_through_selective"
-        ):
-            self._count_hit(ns, keys[:hits], slots, b"")
-        return p.MatchOk(id=msg.id, hits=hits, offsets=slots, lease=lease_id, l3_hits=l3_hits)
+        return self._match(session, ns, self._ikeys(ns, msg.keys), msg.lease, b"", msg.id)
 
     def _chain(
         self, ns: NamespaceState, keys: list[bytes], ekeys: list[bytes], parent: bytes
@@ -748,17 +753,6 @@ class Cache:
             run.append(page.ekey)
         if run:
             self.events.stored(run, parent or None, [], spec.page_tokens, medium, spec.model)
-
-    def _count_match(self, ns: NamespaceState, asked: int, hits: int, l3_hits: int) -> None:
-        counted = self.match_pages
-        counted["asked"] += asked
-        counted["l2"] += hits
-        counted["l3"] += l3_hits
-        book = ns.book
-        book.asked += asked
-        book.hits += hits
-
-    # -- L3 ------------------------------------------------------------------------------
 
     def _remember_origins(
         self, ns: NamespaceState, keys: list[bytes], start: int, tokens: bytes
