@@ -53,7 +53,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from hicached.client import Client
 from hicached.errors import DaemonUnavailable, DeadlineExceeded, HicachedError, StaleHandle
 from hicached.handles import Hit, Namespace, Reservation
-from hicached.integrations.names import default_revision, safe_model
+from hicached.integrations.common import default_revision, safe_model, settings_from
 
 __all__ = ["HicachedStorage", "Settings", "namespace_fields", "page_segments"]
 
@@ -84,11 +84,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     retry_s: float = 2.0
     # Seconds a read waits for pages coming back from L3; those loaded by then are served.
     prefetch_timeout_s: float = 10.0
-
-    @classmethod
-    def from_extra(cls, extra: Mapping[str, Any] | None) -> Settings:
-        ours = {f.name for f in msgspec.structs.fields(cls)}
-        return msgspec.convert({k: v for k, v in (extra or {}).items() if k in ours}, cls)
 
 
 # -- the namespace ----------------------------------------------------------------------
@@ -227,7 +222,7 @@ class HicachedStorage(HiCacheStorage):
         if storage_config.dcp_size != 1:
             raise ValueError("hicached does not take decode context parallel KV (dcp_size > 1)")
         self.config = storage_config
-        self.settings = Settings.from_extra(storage_config.extra_config)
+        self.settings = settings_from(Settings, storage_config.extra_config)
         self.writer = bool(storage_config.is_storage_writer)
         self.fields: dict[str, Any] | None = None
         self.segments: list[torch.Tensor] = []

@@ -54,6 +54,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
+from hicached.integrations.common import settings_from
 from hicached.integrations.vllm.manager import HicachedManager
 from hicached.integrations.vllm.settings import Settings, namespace_spec
 from hicached.integrations.vllm.worker import HicachedWorker
@@ -70,7 +71,7 @@ class HicachedOffloadingSpec(OffloadingSpec):
 
     def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
-        self.settings = Settings.from_extra(self.extra_config)
+        self.settings = settings_from(Settings, self.extra_config)
         self._check_hash_algo()
         self.spec = namespace_spec(config, self.settings)
         self._manager: HicachedManager | None = None

@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Callable, Collection, Coroutine, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import zmq
@@ -34,11 +34,12 @@ from vllm.v1.kv_offload.base import (
 from hicached.client import AsyncClient
 from hicached.errors import HicachedError
 from hicached.handles import Hit, Namespace, Reservation
-from hicached.integrations.vllm.settings import MAX_QUESTION, UNREACHABLE, Settings, T
+from hicached.integrations.vllm.settings import MAX_QUESTION, UNREACHABLE, Settings
 from hicached.integrations.vllm.specs import Ack, HicachedLoadSpec, HicachedStoreSpec
 from hicached.namespace import NamespaceSpec
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # -- the scheduler side -----------------------------------------------------------------
 

@@ -8,17 +8,13 @@ import asyncio
 import concurrent.futures
 import os
 import re
-from collections.abc import Mapping
-from typing import Any, TypeVar
 
 import msgspec
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from hicached.errors import DaemonUnavailable, DeadlineExceeded
-from hicached.integrations.names import default_revision, safe_model
+from hicached.integrations.common import default_revision, safe_model
 from hicached.namespace import NamespaceSpec
-
-T = TypeVar("T")
 
 # Hash algorithms whose keys are the same in every process, and those that are
 # only with PYTHONHASHSEED set (vLLM seeds them at random otherwise).
@@ -68,11 +64,6 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # for KV in host memory, where a copy is a memcpy on the engine's own cores
     # and a thread would first have to win the GIL from the busy engine loop.
     copy_thread: bool | None = None
-
-    @classmethod
-    def from_extra(cls, extra: Mapping[str, Any]) -> Settings:
-        ours = {f.name for f in msgspec.structs.fields(cls)}
-        return msgspec.convert({k: v for k, v in extra.items() if k in ours}, cls)
 
 
 # -- the namespace ----------------------------------------------------------------------
