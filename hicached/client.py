@@ -82,6 +82,7 @@ R = TypeVar("R", bound=p.Reply)
 # Tries of a request whose session the daemon forgot (restart, or a full session
 # table that made room): each says hello again first.
 _SESSION_TRIES = 3
+_NOBLOCK = int(zmq.NOBLOCK)  # pyzmq converts its enum flags on every call
 Exchange = Generator[p.Request, p.AnyReply, Any]
 
 
@@ -618,7 +619,7 @@ class Client(_Core):
         request_id, payload, budget = self._stamp(request, timeout)
         sock = self._sock
         try:
-            sock.send(payload, zmq.NOBLOCK)
+            sock.send(payload, _NOBLOCK)
         except zmq.Again:
             # no connection (IMMEDIATE): wait briefly for one, as after a restart
             if not sock.poll(int(min(budget, self.connect_timeout) * 1000), zmq.POLLOUT):

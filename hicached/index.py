@@ -253,12 +253,19 @@ class PageIndex:
             self._push(parent)
 
     def unpinned(self, slots: list[int]) -> None:
-        """Slots lost their last pin: a leaf whose tail is among them is evictable again."""
-        node_of = self.node_of
-        for slot in slots:
-            node = node_of.get(slot)
-            if node is not None and not node.children and node.slots[-1] == slot:
-                self._push(node)
+        """Slots lost their last pin: a leaf whose tail is among them is evictable again.
+
+        ``slots`` keep the order of the path a lease pinned (leases pin a
+        prefix of one sequence), or are one slot. Only the last of them can
+        be a leaf's tail: every other has a page after it on that path, which
+        a pin held until now kept in place. So only the last is looked at.
+        """
+        if not slots:
+            return
+        slot = slots[-1]
+        node = self.node_of.get(slot)
+        if node is not None and not node.children and node.slots[-1] == slot:
+            self._push(node)
 
     def _push(self, node: Node) -> None:
         heap = self._heap
