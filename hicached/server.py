@@ -520,7 +520,7 @@ class Server:
                 self._handle(frames, peer)
             except Exception as exc:  # a bug: this request fails, the others go on
                 self._fault(frames, exc)
-            if not sock.getsockopt(_EVENTS) & _POLLIN:
+            if not int(sock.getsockopt(_EVENTS)) & _POLLIN:
                 return
         asyncio.get_running_loop().call_soon(self._drain)  # more may wait; let others run first
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import ctypes
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +25,7 @@ from mooncake.store import MooncakeDistributedStore
 
 from hicached_backends.base import Backend, BackendEnv, BackendError, PageRef
 from hicached_backends.options import MooncakeOptions
-from hicached_backends.record import HEADER_BYTES, pack_header, verify_many
+from hicached_backends.record import HEADER_BYTES, address_of, pack_header, verify_many
 
 log = logging.getLogger("hicached.mooncake")
 
@@ -39,9 +38,8 @@ _MISSES = {OBJECT_NOT_FOUND, BUFFER_SIZE_MISMATCH}
 
 
 def _address(buf: memoryview) -> int:
-    if buf.readonly:
-        return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
-    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    found = address_of(buf)
+    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if found is None else found
 
 
 class MooncakeBackend(Backend):
@@ -124,10 +122,6 @@ class MooncakeBackend(Backend):
         if rc != 0:
             raise BackendError(f"Mooncake could not register {size} bytes (code {rc})")
 
-    @staticmethod
-    def name(ns: bytes, key: bytes) -> str:
-        return f"hc/{ns.hex()}/{key.hex()}"
-
     def _in_arena(self, address: int, length: int) -> bool:
         if self._arena is None:
             return False
@@ -178,6 +172,12 @@ class MooncakeBackend(Backend):
         sizes = [[HEADER_BYTES, len(p.buf)] for p in pages]
         return ptrs, sizes
 
+    @staticmethod
+    def names(ns: bytes, keys: Sequence[bytes]) -> list[str]:
+        """The object names of ``keys``: ``hc/<namespace hex>/<key hex>``."""
+        prefix = f"hc/{ns.hex()}/"
+        return [prefix + key.hex() for key in keys]
+
     def _failed(self, codes: list[int], what: str) -> None:
         """Every call failed, and not because a page is absent: the store is failing."""
         if codes and all(c < 0 and c not in _MISSES for c in codes):
@@ -193,7 +193,7 @@ class MooncakeBackend(Backend):
             return 0
         if self._store is None:
             raise BackendError("Mooncake store is not open", retriable=True)
-        found = await self._blocking(self._store.batch_is_exist, [self.name(ns, k) for k in keys])
+        found = await self._blocking(self._store.batch_is_exist, self.names(ns, keys))
         if all(f < 0 for f in found):
             raise BackendError("Mooncake exists failed", retriable=True)
         n = 0
@@ -212,7 +212,7 @@ class MooncakeBackend(Backend):
                     header = pack_header(ns, page.key, page.buf)
                     self._headers[h] = np.frombuffer(header, dtype=np.uint8)
                 ptrs, sizes = self._ptrs(chunk, addresses, headers)
-                names = [self.name(ns, p.key) for p in chunk]
+                names = self.names(ns, [p.key for p in chunk])
                 return list(self._store.batch_put_from_multi_buffers(names, ptrs, sizes))
 
             codes = await self._blocking(blocking)
@@ -223,12 +223,15 @@ class MooncakeBackend(Backend):
 
     async def get(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
         # The store refuses a key twice in one batch: read each once, copy to the rest.
+        keys = [page.key for page in pages]
         first: dict[bytes, int] = {}
-        unique: list[PageRef] = []
-        for page in pages:
-            if page.key not in first:
-                first[page.key] = len(unique)
-                unique.append(page)
+        unique: Sequence[PageRef] = pages
+        if len(set(keys)) < len(keys):
+            unique = []
+            for page in pages:
+                if page.key not in first:
+                    first[page.key] = len(unique)
+                    unique.append(page)
 
         async def call(
             chunk: Sequence[PageRef], addresses: list[int], headers: list[int]
@@ -237,13 +240,15 @@ class MooncakeBackend(Backend):
                 list[int], list[bool]
             ]:  # the store call and the checks, off the loop
                 ptrs, sizes = self._ptrs(chunk, addresses, headers)
-                names = [self.name(ns, p.key) for p in chunk]
+                chunk_keys = [p.key for p in chunk]
+                names = self.names(ns, chunk_keys)
                 codes = list(self._store.batch_get_into_multi_buffers(names, ptrs, sizes))
                 verified = verify_many(
                     self._headers[headers],
                     [p.buf for p in chunk],
                     ns,
-                    [p.key for p in chunk],
+                    chunk_keys,
+                    addresses=addresses,
                     pool=self._hashers,
                     parts=self.options.verify_threads + 1,
                 )
@@ -261,6 +266,8 @@ class MooncakeBackend(Backend):
             return oks
 
         got = list(await self._with_buffers(unique, call))
+        if unique is pages:
+            return got
         out = []
         for page in pages:
             source = unique[first[page.key]]
@@ -272,7 +279,7 @@ class MooncakeBackend(Backend):
 
     async def delete(self, ns: bytes, keys: Sequence[bytes]) -> None:
         if self._store is not None and keys:
-            await self._blocking(self._store.batch_remove, [self.name(ns, k) for k in keys], True)
+            await self._blocking(self._store.batch_remove, self.names(ns, keys), True)
 
     def stats(self) -> dict[str, int]:
         return dict(self.counters)

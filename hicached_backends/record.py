@@ -65,15 +65,23 @@ def _native_xxh3() -> Callable[[int, int], int] | None:
 _XXH3 = _native_xxh3()
 
 
-def checksum(payload: bytes | memoryview) -> int:
+def address_of(payload: bytes | memoryview) -> int | None:
+    """Where a writable, contiguous, non-empty buffer's bytes are (for the
+    native checksum), or None when they must be hashed by the Python function."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(payload))
+    except (TypeError, ValueError):  # read-only, not contiguous, or empty
+        return None
+
+
+def checksum(payload: bytes | memoryview, address: int | None = None) -> int:
     """xxh3_64 of ``payload``; without the GIL when the buffer is writable memory
-    (pool slots, read buffers) and the native function was found."""
-    if _XXH3 is not None and isinstance(payload, memoryview) and not payload.readonly:
-        if payload.nbytes == 0:
-            return xxhash.xxh3_64_intdigest(b"")
-        if not payload.c_contiguous:
-            return xxhash.xxh3_64_intdigest(payload)
-        return _XXH3(ctypes.addressof(ctypes.c_char.from_buffer(payload)), payload.nbytes)
+    (pool slots, read buffers) and the native function was found. ``address``:
+    where its bytes are, as ``address_of`` gave it (saves asking again)."""
+    if address is None:
+        address = address_of(payload)
+    if address is not None and _XXH3 is not None:
+        return int(_XXH3(address, len(payload)))
     return xxhash.xxh3_64_intdigest(payload)
 
 
@@ -120,6 +128,7 @@ def verify_many(
     keys: Sequence[bytes],
     generations: Sequence[int] | None = None,
     *,
+    addresses: Sequence[int | None] | None = None,
     pool: Executor | None = None,
     parts: int = 1,
 ) -> list[bool]:
@@ -128,10 +137,11 @@ def verify_many(
 
     ``headers`` is a C-contiguous (n, 64) uint8 array. Every header field is
     compared with what it must be, for all headers in a few array operations;
-    only the two checksums are computed page by page: in ``parts`` slices, all
-    but the first on ``pool`` when given (the payload hash runs without the
-    GIL, ``checksum``, so the slices run in parallel, and so do the reads of
-    other threads).
+    only the two checksums are computed page by page. The payload hashes run
+    without the GIL (``checksum``), in ``parts`` slices, all but the first on
+    ``pool`` when given, so the slices run in parallel, and so do the reads
+    of other threads; the Python work per page is one call and one compare.
+    ``addresses``: the payloads' ``address_of``, when the caller has them.
     """
     n = len(keys)
     if n == 0:
@@ -139,8 +149,8 @@ def verify_many(
     if headers.shape != (n, HEADER_BYTES) or len(payloads) != n:
         raise ValueError(f"{headers.shape} headers for {len(payloads)} payloads and {n} keys")
     h = headers.view(HEADER_DTYPE)[:, 0]
-    lengths = np.fromiter(map(len, payloads), np.int64, n)
-    ok = (
+    lengths = list(map(len, payloads))
+    fields = (
         (h["magic"] == MAGIC)
         & (h["version"] == VERSION)
         & (h["flags"] == 0)
@@ -149,21 +159,28 @@ def verify_many(
         & (h["key"] == np.frombuffer(b"".join(keys), np.uint8).reshape(n, 16)).all(axis=1)
     )
     if generations is not None:
-        ok &= h["generation"] == np.asarray(generations, np.uint64)
-    out: list[bool] = ok.tolist()
-    sums, checks = h["checksum"].tolist(), h["check"].tolist()
-    raw = memoryview(headers.tobytes())
+        fields &= h["generation"] == np.asarray(generations, np.uint64)
+    raw, body = headers.tobytes(), _BODY.size
+    checks = h["check"].tolist()
+    out = [
+        ok and xxhash.xxh32_intdigest(raw[i * HEADER_BYTES : i * HEADER_BYTES + body]) == checks[i]
+        for i, ok in enumerate(fields.tolist())
+    ]
+    sums = h["checksum"].tolist()
+    where = list(map(address_of, payloads)) if addresses is None else addresses
 
     def check(lo: int, hi: int) -> None:  # each slice writes its own items of out
+        native = _XXH3
         for i in range(lo, hi):
             if out[i]:
-                body = raw[i * HEADER_BYTES : i * HEADER_BYTES + _BODY.size]
-                out[i] = (
-                    xxhash.xxh32_intdigest(body) == checks[i] and checksum(payloads[i]) == sums[i]
-                )
+                at = where[i]
+                if at is not None and native is not None:
+                    out[i] = native(at, lengths[i]) == sums[i]
+                else:
+                    out[i] = xxhash.xxh3_64_intdigest(payloads[i]) == sums[i]
 
     # slices smaller than this cost more in thread handoffs than they save
-    parts = min(parts, n, int(lengths.sum()) // SLICE_BYTES)
+    parts = min(parts, n, sum(lengths) // SLICE_BYTES)
     if pool is None or parts < 2:
         check(0, n)
     else:
