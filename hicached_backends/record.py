@@ -118,6 +118,9 @@ HEADER_DTYPE = np.dtype(
     ]
 )
 assert HEADER_DTYPE.itemsize == HEADER_BYTES
+# magic, version and flags (0) as the header's first little-endian word
+_LEAD_WORD = int.from_bytes(MAGIC + VERSION.to_bytes(2, "little") + bytes(2), "little")
+_TAIL = struct.Struct("<52xQI")  # a header's payload checksum and header checksum
 SLICE_BYTES = 8 << 20  # payload bytes a parallel checksum slice takes, at least
 
 
@@ -148,25 +151,24 @@ def verify_many(
         return []
     if headers.shape != (n, HEADER_BYTES) or len(payloads) != n:
         raise ValueError(f"{headers.shape} headers for {len(payloads)} payloads and {n} keys")
-    h = headers.view(HEADER_DTYPE)[:, 0]
+    # the header's first 48 bytes as six little-endian words: magic, version and
+    # flags; generation; namespace (2); key (2); all compared in one operation
+    words = headers.view("<u8")[:, :6]
+    expected = np.empty((n, 6), np.uint64)
+    expected[:, 0] = _LEAD_WORD
+    expected[:, 1] = words[:, 1] if generations is None else generations
+    expected[:, 2:4] = np.frombuffer(ns, "<u8")
+    expected[:, 4:6] = np.frombuffer(b"".join(keys), "<u8").reshape(n, 2)
     lengths = list(map(len, payloads))
-    fields = (
-        (h["magic"] == MAGIC)
-        & (h["version"] == VERSION)
-        & (h["flags"] == 0)
-        & (h["length"] == lengths)
-        & (h["ns"] == np.frombuffer(ns, np.uint8)).all(axis=1)
-        & (h["key"] == np.frombuffer(b"".join(keys), np.uint8).reshape(n, 16)).all(axis=1)
-    )
-    if generations is not None:
-        fields &= h["generation"] == np.asarray(generations, np.uint64)
+    fields = (words == expected).all(axis=1) & (headers.view("<u4")[:, 12] == lengths)
     raw, body = headers.tobytes(), _BODY.size
-    checks = h["check"].tolist()
-    out = [
-        ok and xxhash.xxh32_intdigest(raw[i * HEADER_BYTES : i * HEADER_BYTES + body]) == checks[i]
-        for i, ok in enumerate(fields.tolist())
-    ]
-    sums = h["checksum"].tolist()
+    tails = _TAIL.iter_unpack(raw)  # (payload checksum, header checksum) of each
+    sums = []
+    out = []
+    for i, (ok, (payload_sum, head_sum)) in enumerate(zip(fields.tolist(), tails, strict=True)):
+        start = i * HEADER_BYTES
+        out.append(ok and xxhash.xxh32_intdigest(raw[start : start + body]) == head_sum)
+        sums.append(payload_sum)
     where = list(map(address_of, payloads)) if addresses is None else addresses
 
     def check(lo: int, hi: int) -> None:  # each slice writes its own items of out
