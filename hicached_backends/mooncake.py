@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import operator
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -128,6 +129,13 @@ class MooncakeBackend(Backend):
         base, size = self._arena
         return base <= address and address + length <= base + size
 
+    def _all_in_arena(self, addresses: list[int], lengths: list[int]) -> bool:
+        """Whether every buffer lies in the registered pool (as pool slots do)."""
+        if self._arena is None or not addresses:
+            return not addresses
+        base, size = self._arena
+        return min(addresses) >= base and max(map(operator.add, addresses, lengths)) <= base + size
+
     async def _take_headers(self, n: int) -> list[int]:
         async with self._header_wait:
             await self._header_wait.wait_for(lambda: len(self._free_headers) >= n)
@@ -148,11 +156,16 @@ class MooncakeBackend(Backend):
         for start in range(0, len(pages), step):
             chunk = pages[start : start + step]
             addresses = [_address(p.buf) for p in chunk]
-            foreign = [
-                (address, len(p.buf))
-                for address, p in zip(addresses, chunk, strict=True)
-                if not self._in_arena(address, len(p.buf))
-            ]
+            lengths = [len(p.buf) for p in chunk]
+            foreign = (
+                []
+                if self._all_in_arena(addresses, lengths)
+                else [
+                    (address, length)
+                    for address, length in zip(addresses, lengths, strict=True)
+                    if not self._in_arena(address, length)
+                ]
+            )
             for address, size in foreign:
                 await self._register(address, size)
             headers = await self._take_headers(len(chunk))
