@@ -26,7 +26,7 @@ from mooncake.store import MooncakeDistributedStore
 
 from hicached_backends.base import Backend, BackendEnv, BackendError, PageRef
 from hicached_backends.options import MooncakeOptions
-from hicached_backends.record import HEADER_BYTES, address_of, pack_header, verify_many
+from hicached_backends.record import HEADER_BYTES, address_of, nbytes, pack_header, verify_many
 
 log = logging.getLogger("hicached.mooncake")
 
@@ -156,7 +156,7 @@ class MooncakeBackend(Backend):
         for start in range(0, len(pages), step):
             chunk = pages[start : start + step]
             addresses = [_address(p.buf) for p in chunk]
-            lengths = [len(p.buf) for p in chunk]
+            lengths = [nbytes(p.buf) for p in chunk]
             foreign = (
                 []
                 if self._all_in_arena(addresses, lengths)
@@ -182,7 +182,7 @@ class MooncakeBackend(Backend):
     ) -> tuple[list[list[int]], list[list[int]]]:
         base = int(self._headers.ctypes.data)
         ptrs = [[base + h * HEADER_BYTES, a] for a, h in zip(addresses, headers, strict=True)]
-        sizes = [[HEADER_BYTES, len(p.buf)] for p in pages]
+        sizes = [[HEADER_BYTES, nbytes(p.buf)] for p in pages]
         return ptrs, sizes
 
     @staticmethod

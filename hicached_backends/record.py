@@ -70,8 +70,13 @@ def address_of(payload: bytes | memoryview) -> int | None:
     native checksum), or None when they must be hashed by the Python function."""
     try:
         return ctypes.addressof(ctypes.c_char.from_buffer(payload))
-    except (TypeError, ValueError):  # read-only, not contiguous, or empty
+    except (TypeError, ValueError, BufferError):  # read-only, not contiguous, or empty
         return None
+
+
+def nbytes(payload: bytes | memoryview) -> int:
+    """A payload's size in bytes (a view's ``len`` counts its items, not bytes)."""
+    return payload.nbytes if isinstance(payload, memoryview) else len(payload)
 
 
 def checksum(payload: bytes | memoryview, address: int | None = None) -> int:
@@ -81,12 +86,13 @@ def checksum(payload: bytes | memoryview, address: int | None = None) -> int:
     if address is None:
         address = address_of(payload)
     if address is not None and _XXH3 is not None:
-        return int(_XXH3(address, len(payload)))
+        return int(_XXH3(address, nbytes(payload)))
     return xxhash.xxh3_64_intdigest(payload)
 
 
 def pack_header(ns: bytes, key: bytes, payload: bytes | memoryview, generation: int = 0) -> bytes:
-    body = _BODY.pack(MAGIC, VERSION, 0, generation, ns, key, len(payload), checksum(payload))
+    size = nbytes(payload)
+    body = _BODY.pack(MAGIC, VERSION, 0, generation, ns, key, size, checksum(payload))
     return body + _CHECK.pack(xxhash.xxh32_intdigest(body))
 
 
@@ -151,6 +157,8 @@ def verify_many(
         return []
     if headers.shape != (n, HEADER_BYTES) or len(payloads) != n:
         raise ValueError(f"{headers.shape} headers for {len(payloads)} payloads and {n} keys")
+    if len(ns) != 16 or set(map(len, keys)) != {16}:
+        raise ValueError("the namespace digest and every key must be 16 bytes")
     # the header's first 48 bytes as six little-endian words: magic, version and
     # flags; generation; namespace (2); key (2); all compared in one operation
     words = headers.view("<u8")[:, :6]
@@ -159,7 +167,7 @@ def verify_many(
     expected[:, 1] = words[:, 1] if generations is None else generations
     expected[:, 2:4] = np.frombuffer(ns, "<u8")
     expected[:, 4:6] = np.frombuffer(b"".join(keys), "<u8").reshape(n, 2)
-    lengths = list(map(len, payloads))
+    lengths = list(map(nbytes, payloads))
     fields = (words == expected).all(axis=1) & (headers.view("<u4")[:, 12] == lengths)
     raw, body = headers.tobytes(), _BODY.size
     tails = _TAIL.iter_unpack(raw)  # (payload checksum, header checksum) of each

@@ -101,3 +101,24 @@ def test_the_native_checksum_is_found_and_agrees() -> None:
             assert record.checksum(part) == xxhash.xxh3_64_intdigest(bytes(part))
     view.release()
     region.close()
+
+
+def test_views_of_wider_items_are_checked_over_every_byte() -> None:
+    """A payload viewed as uint32 or as rows counts its bytes, not its items:
+    the header records them all and a change anywhere is refused."""
+    page = bytearray(os.urandom(4096))
+    for view in (memoryview(page).cast("I"), memoryview(page).cast("B", (2, 2048))):
+        header = np.frombuffer(pack_header(NS, b"k" * 16, view), np.uint8).reshape(1, -1)
+        assert parse_header(header.tobytes()).length == 4096  # type: ignore[union-attr]
+        assert verify_many(header, [view], NS, [b"k" * 16]) == [True]
+        page[3000] ^= 1
+        assert verify_many(header, [view], NS, [b"k" * 16]) == [False]
+        page[3000] ^= 1
+
+
+def test_a_short_namespace_or_key_is_refused() -> None:
+    headers, payloads, keys = _records(1, 64)
+    with pytest.raises(ValueError):
+        verify_many(headers, payloads, NS[:8], keys)
+    with pytest.raises(ValueError):
+        verify_many(headers, payloads, NS, [keys[0][:15]])
