@@ -158,6 +158,7 @@ def test_bench_commands_print_json_figures(daemon_factory: object) -> None:
             "echo_cold_p50_us",
             "exists_keys_p50_us",
             "echo_keys_p50_us",
+            "echo_loop_p50_us",
         ):
             assert figures[key] > 0
         assert figures["echo_p50_us_4c"] > 0 and figures["requests_per_s_4c"] > 0
@@ -259,7 +260,7 @@ def test_bench_l3_pairs_rounds_against_a_raw_baseline(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     figures = json.loads(out.stdout)["figures"]
     for tag in ("64k", "1m"):
-        for what in ("write", "read"):
+        for what in ("write", "read", "read_hot"):
             low, mid, high = (
                 figures[f"{what}_vs_raw_min_{tag}"],
                 figures[f"{what}_vs_raw_{tag}"],

@@ -5,7 +5,9 @@ sequence, 64-token pages), with 1 and with 4 client processes. The echo
 server is a plain blocking ROUTER loop in its own process: the floor any
 request/response over pyzmq pays; each echo request says how long its reply
 is, so every echo carries the bytes of the daemon exchange it is paired with,
-both ways. An ``exists_keys`` of 128 engine keys (a key-addressed namespace,
+both ways. A second echo server answers the match's sizes from a uvloop
+reader on the socket, as the daemon does (``echo_loop``): the floor of the
+daemon's own design. An ``exists_keys`` of 128 engine keys (a key-addressed namespace,
 vLLM's 36-byte keys, all in L2) is paired with an echo of its own sizes.
 
 Warm and cold: the warm match asks for a sequence the daemon has hashed and
@@ -82,6 +84,56 @@ def _echo_server(endpoint: str, ready: Any) -> None:
     ctx.term()
 
 
+def _echo_loop_server(endpoint: str, ready: Any) -> None:
+    """The same echo served as the daemon serves: a uvloop reader on the
+    socket's descriptor, receiving frame by frame with integer flags until
+    ``EVENTS`` shows no more. The floor of any request/response served from
+    an event loop; what lies between it and the daemon is the daemon's work."""
+    import asyncio
+
+    import uvloop
+
+    nowait, more, events, pollin = (
+        int(zmq.NOBLOCK),
+        int(zmq.SNDMORE | zmq.NOBLOCK),
+        int(zmq.EVENTS),
+        int(zmq.POLLIN),
+    )
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(endpoint)
+    reply = os.urandom(1 << 20)
+
+    async def serve() -> None:
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def drain() -> None:
+            while True:
+                try:
+                    routing_id = sock.recv(nowait)
+                except zmq.Again:
+                    return
+                payload = sock.recv(nowait)
+                if payload == b"stop":
+                    done.set_result(None)
+                    return
+                sock.send(routing_id, more)
+                sock.send(reply[: int.from_bytes(payload[:4], "little")], nowait)
+                if not int(sock.getsockopt(events)) & pollin:
+                    return
+
+        loop.add_reader(sock.fileno(), drain)
+        loop.call_soon(drain)
+        ready.set()
+        await done
+
+    uvloop.run(serve())
+    sock.close()
+    ctx.term()
+
+
 def _echo_request(size: int, reply: int) -> bytes:
     """An echo request of ``size`` bytes asking for a reply of ``reply`` bytes."""
     return reply.to_bytes(4, "little") + os.urandom(max(0, size - 4))
@@ -96,13 +148,26 @@ class Sizes(NamedTuple):
 
 
 # rows of the latency table: what each unit of a round measures
-ROWS = ("echo", "match", "release", "nolease", "exists", "echo_keys", "cold", "echo_cold")
+ROWS = (
+    "echo",
+    "match",
+    "release",
+    "nolease",
+    "exists",
+    "echo_keys",
+    "cold",
+    "echo_cold",
+    "echo_loop",
+)
 DAEMON_REQUESTS_PER_ROUND = 5  # match, release, match without lease, exists, cold match
 
 
-def _worker(endpoint: str, echo: str, n: int, sizes: Sizes, start: Any, out: Any) -> None:
+def _worker(
+    endpoint: str, echo: str, echo_loop: str, n: int, sizes: Sizes, start: Any, out: Any
+) -> None:
     """Interleave, in a random order each round: echo + match (leased) + release
-    + match (no lease); exists_keys + its echo; a cold match + its echo."""
+    + match (no lease); exists_keys + its echo; a cold match + its echo; the
+    match's echo served from an event loop."""
     tokens = _tokens()
     keys = _engine_keys()
     rng = np.random.default_rng(os.getpid())
@@ -110,6 +175,9 @@ def _worker(endpoint: str, echo: str, n: int, sizes: Sizes, start: Any, out: Any
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(echo)
+    looped = ctx.socket(zmq.DEALER)
+    looped.setsockopt(zmq.LINGER, 0)
+    looped.connect(echo_loop)
     echoes = [_echo_request(*sizes.match), _echo_request(*sizes.exists), _echo_request(*sizes.cold)]
     with Client(endpoint, timeout=10.0, name="bench") as client:
         ns = client.register(**NS)  # type: ignore[arg-type]
@@ -120,12 +188,14 @@ def _worker(endpoint: str, echo: str, n: int, sizes: Sizes, start: Any, out: Any
             for payload in echoes:
                 sock.send(payload)
                 sock.recv()
+            looped.send(echoes[0])
+            looped.recv()
         start.wait()
         lat = np.empty((len(ROWS), n), dtype=np.int64)
         clock = time.perf_counter_ns
         # the units run in a random order each round, so none always follows
         # an idle gap (a daemon that just went to sleep answers slower)
-        orders = rng.permuted(np.tile(np.arange(7), (n, 1)), axis=1)
+        orders = rng.permuted(np.tile(np.arange(8), (n, 1)), axis=1)
         t_begin = time.perf_counter()
         for i in range(n):
             cold = pack_tokens(rng.integers(0, 1 << 31, TOKENS, dtype=np.uint32))
@@ -149,6 +219,11 @@ def _worker(endpoint: str, echo: str, n: int, sizes: Sizes, start: Any, out: Any
                     t0 = clock()
                     miss = client.match(ns, cold, lease=False)
                     lat[6, i] = clock() - t0
+                elif unit == 7:
+                    t0 = clock()
+                    looped.send(echoes[0])
+                    looped.recv()
+                    lat[8, i] = clock() - t0
                 else:  # 0, 4, 6: the echo of the match, exists or cold match exchange
                     payload = echoes[(0, 0, 0, 0, 1, 0, 2)[unit]]
                     t0 = clock()
@@ -160,6 +235,7 @@ def _worker(endpoint: str, echo: str, n: int, sizes: Sizes, start: Any, out: Any
         assert found.l2 == KEYS, "the bench keys must all be in L2"
         assert miss.hits == 0, "a cold sequence must miss"
     sock.close()
+    looped.close()
     ctx.term()
     out.put((lat.tobytes(), t_begin, t_end))
 
@@ -201,12 +277,12 @@ def _daemon(endpoint: str | None) -> Iterator[str]:
         yield daemon.endpoint
 
 
-def _echo_endpoint(daemon_endpoint: str, tmp: Path) -> str:
+def _echo_endpoint(daemon_endpoint: str, tmp: Path, name: str) -> str:
     if daemon_endpoint.startswith("tcp://"):
         from hicached.testing import free_tcp_port
 
         return f"tcp://127.0.0.1:{free_tcp_port()}"
-    return f"ipc://{tmp}/echo.sock"
+    return f"ipc://{tmp}/{name}.sock"
 
 
 def _us(ns: np.ndarray, q: float) -> float:
@@ -244,17 +320,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             (len(p.encode(match)), len(p.encode(miss_reply))),
         )
 
-        echo = _echo_endpoint(endpoint, Path(tmp))
+        echo = _echo_endpoint(endpoint, Path(tmp), "echo")
+        echo_loop = _echo_endpoint(endpoint, Path(tmp), "echo-loop")
         ctx = mp.get_context("spawn")
-        ready = ctx.Event()
-        server = ctx.Process(target=_echo_server, args=(echo, ready), daemon=True)
-        server.start()
-        ready.wait(30)
+        servers = []
+        for target, where in ((_echo_server, echo), (_echo_loop_server, echo_loop)):
+            ready = ctx.Event()
+            server = ctx.Process(target=target, args=(where, ready), daemon=True)
+            server.start()
+            ready.wait(30)
+            servers.append((server, where))
 
         figures: dict[str, float] = {}
         for clients, suffix in ((1, ""), (4, "_4c")):
             per_client = n if clients == 1 else max(n // 2, 100)
-            lat, span = _run_clients((endpoint, echo, per_client, sizes), clients)
+            lat, span = _run_clients((endpoint, echo, echo_loop, per_client, sizes), clients)
             row = dict(zip(ROWS, lat, strict=True))
             tag = suffix or "_1c"
             for name, what in (
@@ -266,6 +346,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ("echo_keys", "echo_keys"),
                 ("match_cold", "cold"),
                 ("echo_cold", "echo_cold"),
+                ("echo_loop", "echo_loop"),
             ):
                 figures[f"{name}_p50_us{suffix}"] = _us(row[what], 50)
                 figures[f"{name}_p99_us{suffix}"] = _us(row[what], 99)
@@ -282,18 +363,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 figures[f"{name}_vs_echo_p50{tag}"] = round(
                     figures[f"{name}_p50_us{suffix}"] / figures[f"{echo_of}_p50_us{suffix}"], 3
                 )
+            # the same echo served from an event loop, as the daemon serves: the
+            # floor of the daemon's design, and the match's distance from it
+            loop_echo = figures[f"echo_loop_p50_us{suffix}"]
+            figures[f"echo_loop_vs_echo_p50{tag}"] = round(
+                loop_echo / figures[f"echo_p50_us{suffix}"], 3
+            )
+            figures[f"match_vs_echo_loop_p50{tag}"] = round(
+                figures[f"match_p50_us{suffix}"] / loop_echo, 3
+            )
             # every daemon request the clients made, over the run's span
             total = DAEMON_REQUESTS_PER_ROUND * lat.shape[1]
             figures[f"requests_per_s{suffix}"] = round(total / span)
             figures[f"span_s{tag}"] = round(span, 2)
 
-        with zmq.Context() as zctx, zctx.socket(zmq.DEALER) as stopper:
-            stopper.setsockopt(zmq.LINGER, 1000)
-            stopper.connect(echo)
-            stopper.send(b"stop")
-            server.join(5)
-        if server.is_alive():
-            server.kill()
+        for server, where in servers:
+            with zmq.Context() as zctx, zctx.socket(zmq.DEALER) as stopper:
+                stopper.setsockopt(zmq.LINGER, 1000)
+                stopper.connect(where)
+                stopper.send(b"stop")
+                server.join(5)
+            if server.is_alive():
+                server.kill()
 
     return {
         "figures": figures,
@@ -308,7 +399,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "each client interleaves, in a random order each round, a match with a read "
                 "lease and its release, a match without a lease, an exists_keys of 128 keys, a "
                 "cold match (a sequence never seen), and an echo of each exchange's request "
-                "and reply sizes; requests_per_s counts daemon requests over the run's span; "
+                "and reply sizes (a blocking loop), and the match's echo served from a uvloop "
+                "reader as the daemon serves (echo_loop); requests_per_s counts daemon "
+                "requests over the run's span; "
                 "iqr is the spread of the middle half of the samples"
             ),
         },
