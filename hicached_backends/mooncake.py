@@ -221,9 +221,8 @@ class MooncakeBackend(Backend):
             chunk: Sequence[PageRef], addresses: list[int], headers: list[int]
         ) -> list[bool]:
             def blocking() -> list[int]:  # headers, checksums and the store call, off the loop
-                for page, h in zip(chunk, headers, strict=True):
-                    header = pack_header(ns, page.key, page.buf)
-                    self._headers[h] = np.frombuffer(header, dtype=np.uint8)
+                packed = b"".join([pack_header(ns, page.key, page.buf) for page in chunk])
+                self._headers[headers] = np.frombuffer(packed, np.uint8).reshape(-1, HEADER_BYTES)
                 ptrs, sizes = self._ptrs(chunk, addresses, headers)
                 names = self.names(ns, [p.key for p in chunk])
                 return list(self._store.batch_put_from_multi_buffers(names, ptrs, sizes))
