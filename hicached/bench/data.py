@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -20,44 +19,8 @@ from typing import Any
 import numpy as np
 
 from hicached.bench.control import _daemon
+from hicached.bench.paired import Paired
 from hicached.client import Client, Namespace, Reservation
-
-REPEATS = 15  # pairs of rounds per figure
-
-
-class Paired:
-    """Each slot copy timed in pairs of rounds with the memcpy baseline, the
-    order alternating from pair to pair; medians, and the spread of the
-    per-pair ratios."""
-
-    def __init__(self, nbytes: int, baseline: Callable[[], object]) -> None:
-        self.nbytes, self.baseline = nbytes, baseline
-        self.base_times: list[float] = []
-        self.figures: dict[str, float] = {}
-
-    def measure(self, name: str, fn: Callable[[], object]) -> None:
-        fn()
-        self.baseline()
-        mine: list[float] = []
-        theirs: list[float] = []
-        for r in range(REPEATS):
-            pair = [(fn, mine), (self.baseline, theirs)]
-            for run, into in pair if r % 2 == 0 else pair[::-1]:
-                t0 = time.perf_counter()
-                run()
-                into.append(time.perf_counter() - t0)
-        self.base_times += theirs
-        ratios = [base / ours for ours, base in zip(mine, theirs, strict=True)]
-        f = self.figures
-        f[f"{name}_gbps"] = round(self.nbytes / statistics.median(mine) / 1e9, 2)
-        f[f"{name}_vs_memcpy"] = round(statistics.median(ratios), 3)
-        f[f"{name}_vs_memcpy_min"] = round(min(ratios), 3)
-        f[f"{name}_vs_memcpy_max"] = round(max(ratios), 3)
-
-    def result(self) -> dict[str, float]:
-        """The figures, with memcpy's over every baseline round."""
-        memcpy = round(self.nbytes / statistics.median(self.base_times) / 1e9, 2)
-        return {"memcpy_gbps": memcpy, **self.figures}
 
 
 def reserve_slots(
@@ -92,21 +55,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ns, res, tokens = reserve_slots(client, "bench/data", pages, page_bytes)
         order = np.random.default_rng(1).permutation(pages).tolist()
         res_shuffled = res.select(order)
-        paired = Paired(nbytes, lambda: np.copyto(dst, src))
-        paired.measure("slot_write", lambda: client.write_pages(res, src))
-        paired.measure("slot_write_scattered", lambda: client.write_pages(res_shuffled, src))
+        paired = Paired(nbytes, against="memcpy")
+
+        def measure(name: str, fn: Callable[[], object]) -> None:
+            paired.measure(name, fn, lambda: np.copyto(dst, src), "memcpy")
+
+        measure("slot_write", lambda: client.write_pages(res, src))
+        measure("slot_write_scattered", lambda: client.write_pages(res_shuffled, src))
         client.write_pages(res, src)
         client.commit(res)
         hit = client.match(ns, tokens)
         hit_shuffled = hit.select(order)
-        paired.measure("slot_read", lambda: client.read_pages(hit, dst))
-        paired.measure("slot_read_scattered", lambda: client.read_pages(hit_shuffled, dst))
+        measure("slot_read", lambda: client.read_pages(hit, dst))
+        measure("slot_read_scattered", lambda: client.read_pages(hit_shuffled, dst))
         if "torch" in sys.modules:  # the gather above used torch; measure numpy's too
             torch = sys.modules.pop("torch")
             try:
-                paired.measure(
-                    "slot_read_scattered_numpy", lambda: client.read_pages(hit_shuffled, dst)
-                )
+                measure("slot_read_scattered_numpy", lambda: client.read_pages(hit_shuffled, dst))
             finally:
                 sys.modules["torch"] = torch
         assert np.array_equal(client.read_pages(hit), src), "slot copy lost bytes"
@@ -118,7 +83,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "pages": pages,
             "page_bytes": page_bytes,
             "bytes": nbytes,
-            "pairs": REPEATS,
+            "pairs": paired.pairs,
             "note": "each copy and memcpy in pairs of rounds that alternate who goes first; "
             "GB/s: medians; _vs_memcpy: the median per-pair ratio, with its lowest and highest",
         },
