@@ -491,6 +491,21 @@ class CacheMachine(RuleBasedStateMachine):
         assert set(pool.pins) <= set(owned)
 
     @invariant()
+    def leased_pages_stay(self) -> None:
+        """Every page an open lease holds is still indexed, in the slot it was
+        given in, until the lease ends: nothing evicts or drops it meanwhile."""
+        if not hasattr(self, "cache"):
+            return
+        for lease in self.cache.leases:
+            index = lease.ns.index
+            if isinstance(index, PageIndex):
+                for slot in lease.pinned:
+                    assert slot in index.node_of, f"leased slot {slot} left the index"
+            else:
+                held = {slot for _, slot, _ in index.items()}
+                assert set(lease.pinned) <= held, "a leased key-addressed page left the index"
+
+    @invariant()
     def key_table_links(self) -> None:
         """Each key-addressed page counts its children in L2 exactly, and a page
         with children is never evicted before them (a parent is never missing
@@ -531,7 +546,7 @@ class CacheMachine(RuleBasedStateMachine):
                     assert node.parent.children[node.keys[0]] is node
 
 
-CacheMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+CacheMachine.TestCase.settings = settings(max_examples=500, stateful_step_count=40, deadline=None)
 test_cache_model = CacheMachine.TestCase
 
 
