@@ -288,12 +288,15 @@ class CacheMachine(RuleBasedStateMachine):
                 written = False
         return written
 
-    @rule(rid=RID, seq=SEQ, start=st.integers(0, 4))
-    def reserve_keys(self, rid: bytes, seq: list[int], start: int) -> None:
+    @rule(rid=RID, seq=SEQ, start=st.integers(0, 4), linked=st.booleans())
+    def reserve_keys(self, rid: bytes, seq: list[int], start: int, linked: bool) -> None:
+        """Reserve a sequence's keys from ``start``, naming the key before as
+        their parent, or (``linked`` False) none: an engine that stores a
+        run without its parent leaves an unlinked run in the index."""
         ns = self.ns[rid, "keyed"]
         ekeys = self.engine_keys(seq)
         start = min(start, len(ekeys) - 1)
-        parent = ekeys[start - 1] if start else b""
+        parent = ekeys[start - 1] if start and linked else b""
         ours = self.our_keys(ekeys)[start:]
         before = [self.cache.l2.index(PAGE, keyed=True).present([k])[0] for k in ours]
         reply = self.call(rid, p.ReserveKeys(id=0, ns=ns.id, keys=ekeys[start:], parent=parent))
