@@ -79,12 +79,10 @@ def nbytes(payload: bytes | memoryview) -> int:
     return payload.nbytes if isinstance(payload, memoryview) else len(payload)
 
 
-def checksum(payload: bytes | memoryview, address: int | None = None) -> int:
+def checksum(payload: bytes | memoryview) -> int:
     """xxh3_64 of ``payload``; without the GIL when the buffer is writable memory
-    (pool slots, read buffers) and the native function was found. ``address``:
-    where its bytes are, as ``address_of`` gave it (saves asking again)."""
-    if address is None:
-        address = address_of(payload)
+    (pool slots, read buffers) and the native function was found."""
+    address = address_of(payload)
     if address is not None and _XXH3 is not None:
         return int(_XXH3(address, nbytes(payload)))
     return xxhash.xxh3_64_intdigest(payload)
@@ -109,21 +107,6 @@ def parse_header(header: bytes | bytearray | memoryview) -> Header | None:
     return Header(generation, ns, key, length, csum)
 
 
-# The header as a numpy record, to check the fields of many headers at once.
-HEADER_DTYPE = np.dtype(
-    [
-        ("magic", "S4"),
-        ("version", "<u2"),
-        ("flags", "<u2"),
-        ("generation", "<u8"),
-        ("ns", "u1", (16,)),
-        ("key", "u1", (16,)),
-        ("length", "<u4"),
-        ("checksum", "<u8"),
-        ("check", "<u4"),
-    ]
-)
-assert HEADER_DTYPE.itemsize == HEADER_BYTES
 # magic, version and flags (0) as the header's first little-endian word
 _LEAD_WORD = int.from_bytes(MAGIC + VERSION.to_bytes(2, "little") + bytes(2), "little")
 _TAIL = struct.Struct("<52xQI")  # a header's payload checksum and header checksum
