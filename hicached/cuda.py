@@ -102,9 +102,12 @@ def copy(
     page_bytes = pool_rows.shape[1]
     if not gpu.is_contiguous():
         raise ValueError("the GPU tensor must be contiguous")
-    pages = gpu.view(torch.uint8).reshape(len(rows), -1) if len(rows) else gpu
-    if len(rows) and pages.shape[1] != page_bytes:
-        raise ValueError(f"each page must be {page_bytes} bytes, got {pages.shape[1]}")
+    nbytes = gpu.numel() * gpu.element_size()
+    if nbytes != len(rows) * page_bytes:
+        raise ValueError(
+            f"the GPU tensor must hold {len(rows)} pages of {page_bytes} bytes, not {nbytes} bytes"
+        )
+    pages = gpu.view(torch.uint8).reshape(len(rows), page_bytes) if len(rows) else gpu
     stream = torch.cuda.current_stream(gpu.device)
     cuts = _cuts(rows)
     n_runs = len(cuts) + 1 if len(rows) else 0

@@ -72,14 +72,12 @@ def _segment(seg: Any, writable: bool) -> np.ndarray:
     return flat.view(np.uint8)
 
 
-def _segmented(data: Any, rows: Any, at: int, whole: int) -> bool:
-    """A copy that is not of whole pages, one per slot, with one array or tensor."""
-    if isinstance(data, list | tuple) or rows is not None or at:
-        return True
-    nbytes = data.nbytes if isinstance(data, np.ndarray) else None
-    if nbytes is None and type(data).__module__.startswith("torch"):
-        nbytes = _row_bytes(data) * int(data.shape[0]) if data.dim() else 0
-    return nbytes is not None and nbytes != whole
+def _segmented(data: Any, rows: Any, at: int) -> bool:
+    """A copy that is not of whole pages from one array or tensor: a list of
+    segments, engine ``rows`` or a byte offset ``at`` say so. One array or
+    tensor of any other size is refused, never taken as part of each page
+    (the rest of each slot would keep its last owner's bytes)."""
+    return isinstance(data, list | tuple) or rows is not None or at != 0
 
 
 # Below this many rows per run of rows adjacent on both sides, one gather or
@@ -203,7 +201,7 @@ class PoolMapping:
         if not offsets:
             self._fence(res, "reservation")
             return
-        if _segmented(data, rows, at, len(offsets) * res.ns.page_bytes):
+        if _segmented(data, rows, at):
             self.segments(res, data, rows, at, to_pool=True)
             return
         ns = res.ns
@@ -242,7 +240,7 @@ class PoolMapping:
         self._fence(hit, "hit")
         if not hit.lease and hit.offsets:
             raise BadRequest("this hit holds no lease: match with lease=True to copy its pages")
-        if _segmented(out, rows, at, len(hit.offsets) * hit.ns.page_bytes):
+        if _segmented(out, rows, at):
             if out is None:
                 raise ValueError("a segmented read needs out: the arrays or tensors to fill")
             if hit.offsets:

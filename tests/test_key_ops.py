@@ -388,6 +388,33 @@ def test_rows_are_block_numbers(daemon: Daemon) -> None:
         c.release(hit)
 
 
+def test_one_array_of_the_wrong_size_is_refused_not_copied_as_part_pages(
+    daemon: Daemon,
+) -> None:
+    """Only a list, ``rows`` or ``at`` asks for part of each page: one array of
+    another size is an error, never a write of each slot's first bytes (the
+    rest would keep an earlier owner's bytes) or a read into part of it."""
+    torch = pytest.importorskip("torch")
+    keys = engine_keys(2, salt=14)
+    half = np.full((2, PAGE // 2), 5, np.uint8)
+    with daemon.client() as c:
+        ns = c.register(**SPEC)
+        res = c.reserve_keys(ns, keys)
+        for wrong in (half, torch.from_numpy(half), np.zeros((3, PAGE), np.uint8)):
+            with pytest.raises(ValueError, match="bytes"):
+                c.write_pages(res, wrong)
+        whole = np.full((2, PAGE), 9, np.uint8)
+        c.write_pages(res, whole)
+        c.write_pages(res, [half])  # asked for: the first half of each page
+        c.commit(res)
+        hit = c.match_keys(ns, keys)
+        with pytest.raises(ValueError, match="bytes"):
+            c.read_pages(hit, np.zeros((2, PAGE // 2), np.uint8))
+        got = c.read_pages(hit)
+        c.release(hit)
+        assert np.array_equal(got, np.concatenate([half, whole[:, PAGE // 2 :]], axis=1))
+
+
 def test_segmented_copies_by_runs_and_scattered_agree(daemon: Daemon) -> None:
     """Rows adjacent on both sides are copied as slices, others gathered: the
     same bytes either way."""
