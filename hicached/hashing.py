@@ -29,9 +29,13 @@ def pack_tokens(tokens: bytes | Iterable[int] | np.ndarray) -> bytes:
     arr = np.asarray(tokens if isinstance(tokens, np.ndarray) else list(tokens))
     if arr.size == 0:
         return b""
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+    kind, size = arr.dtype.kind, arr.dtype.itemsize
+    if arr.ndim != 1 or kind not in "iu":
         raise ValueError("token ids must be a flat sequence of integers")
-    if int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF:
+    # the dtype bounds the range: unsigned ids of 4 bytes or less need no check,
+    # signed ones only their least, wider ones both ends
+    low = kind == "i" and int(arr.min()) < 0
+    if low or (size > 4 and int(arr.max()) > 0xFFFFFFFF):
         raise ValueError("token ids must lie in 0..2**32-1")
     return arr.astype("<u4", copy=False).tobytes()
 

@@ -94,6 +94,19 @@ def test_pack_tokens_rejects_out_of_range() -> None:
     with pytest.raises(ValueError):
         pack_tokens(b"abc")
     assert pack_tokens([]) == b""
+    # every integer dtype: in range packs the same bytes, out of range is refused
+    ids = [0, 7, 127]
+    for dtype in ("u1", "i1", "u2", "i2", "u4", "i4", "u8", "i8"):
+        assert pack_tokens(np.array(ids, dtype=dtype)) == np.array(ids, "<u4").tobytes()
+    for dtype in ("i1", "i2", "i4", "i8"):
+        with pytest.raises(ValueError):
+            pack_tokens(np.array([3, -1], dtype=dtype))
+    for big in (1 << 32, (1 << 63) - 1):
+        with pytest.raises(ValueError):
+            pack_tokens(np.array([1, big], dtype=np.int64))
+    with pytest.raises(ValueError):
+        pack_tokens(np.array([1, 1 << 40], dtype=np.uint64))
+    assert pack_tokens(np.array([0xFFFFFFFF], np.uint64)) == b"\xff\xff\xff\xff"
 
 
 def test_key_cache_returns_the_same_chains_and_stays_bounded() -> None:
