@@ -268,6 +268,7 @@ def test_bench_l3_pairs_rounds_against_a_raw_baseline(tmp_path: Path) -> None:
             )
             assert 0 < low <= mid <= high
             assert figures[f"raw_{what}_gbps_{tag}"] > 0
+        assert all(figures[f"checksum_gbps_{tag}_t{n}"] > 0 for n in (1, 2, 4))
 
 
 def test_plot_pairs_each_figure_with_its_baseline() -> None:
