@@ -468,7 +468,9 @@ class _Core:
         if self._mapping is not None:
             self._mapping.unpin()
 
-    def write_pages(self, res: Reservation, data: Any, *, rows: Any = None, at: int = 0) -> None:
+    def write_pages(
+        self, res: Reservation, data: Any, *, rows: Any = None, at: int | None = None
+    ) -> None:
         """Copy ``data`` (one page of page_bytes per slot of ``res``) into its slots.
 
         ``data`` is a numpy array or CPU tensor (one copy call), or a CUDA
@@ -477,17 +479,21 @@ class _Core:
         when the reservation is closed, from a restarted daemon or past its
         deadline: reserve again.
 
-        Segmented copies: ``data`` may be a list of arrays or tensors whose
-        rows, concatenated in order, make each page; with ``rows`` they are
-        whole engine tensors and page j takes row ``rows[j]`` of each (one
-        gather). ``at``: the byte in each slot where the data starts (worker
-        r of a wide page: ``r * page_bytes // shards``).
+        Segmented copies, of part of each page: ``data`` may be a list of
+        arrays or tensors whose rows, concatenated in order, make each page;
+        with ``rows`` they are whole engine tensors and page j takes row
+        ``rows[j]`` of each (one gather). ``at``: the byte in each slot where
+        the data starts (worker r of a wide page: ``r * page_bytes //
+        shards``, 0 included). Without a list, ``rows`` or ``at``, ``data``
+        is whole pages, and one of another size raises ``ValueError``.
         """
         if not res.offsets:
             return
         self.mapping.write(res, data, rows, at)
 
-    def read_pages(self, hit: Hit, out: Any = None, *, rows: Any = None, at: int = 0) -> Any:
+    def read_pages(
+        self, hit: Hit, out: Any = None, *, rows: Any = None, at: int | None = None
+    ) -> Any:
         """Copy the pages of ``hit`` into ``out`` (n, page_bytes), or a new array.
 
         ``out`` may be a CUDA tensor (DMA per run of adjacent slots, or one
@@ -499,7 +505,8 @@ class _Core:
         Segmented copies, as ``write_pages``: ``out`` a list of arrays or
         tensors to scatter each page into (rows ``rows`` of each, when given),
         from byte ``at`` of each slot. After a ``StaleHandle`` their rows for
-        this hit hold nothing to use.
+        this hit hold nothing to use. Without a list, ``rows`` or ``at``,
+        ``out`` holds whole pages, and one of another size raises ``ValueError``.
         """
         if hit.instance != self._instance:
             old = self._retired_mapping(hit.instance)

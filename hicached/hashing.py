@@ -20,12 +20,14 @@ TOKEN_BYTES = 4
 _digest = xxhash.xxh3_128_digest
 
 
-def pack_tokens(tokens: bytes | Iterable[int] | np.ndarray) -> bytes:
-    """Token ids as little-endian uint32 bytes, the form used on the wire and in keys."""
-    if isinstance(tokens, bytes):
-        if len(tokens) % TOKEN_BYTES:
+def pack_tokens(tokens: bytes | bytearray | memoryview | Iterable[int] | np.ndarray) -> bytes:
+    """Token ids as little-endian uint32 bytes, the form used on the wire and in
+    keys. Bytes of any kind (bytes, bytearray, memoryview) are ids already packed."""
+    if isinstance(tokens, bytes | bytearray | memoryview):
+        packed = bytes(tokens)
+        if len(packed) % TOKEN_BYTES:
             raise ValueError("packed tokens must be a whole number of uint32 values")
-        return tokens
+        return packed
     arr = np.asarray(tokens if isinstance(tokens, np.ndarray) else list(tokens))
     if arr.size == 0:
         return b""

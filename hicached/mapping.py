@@ -72,12 +72,13 @@ def _segment(seg: Any, writable: bool) -> np.ndarray:
     return flat.view(np.uint8)
 
 
-def _segmented(data: Any, rows: Any, at: int) -> bool:
+def _segmented(data: Any, rows: Any, at: int | None) -> bool:
     """A copy that is not of whole pages from one array or tensor: a list of
-    segments, engine ``rows`` or a byte offset ``at`` say so. One array or
-    tensor of any other size is refused, never taken as part of each page
-    (the rest of each slot would keep its last owner's bytes)."""
-    return isinstance(data, list | tuple) or rows is not None or at != 0
+    segments, engine ``rows`` or a byte offset ``at`` (0 too: worker 0 of a
+    wide page) say so. One array or tensor of any other size without them is
+    refused, never taken as part of each page (the rest of each slot would
+    keep its last owner's bytes)."""
+    return isinstance(data, list | tuple) or rows is not None or at is not None
 
 
 # Below this many rows per run of rows adjacent on both sides, one gather or
@@ -192,7 +193,7 @@ class PoolMapping:
 
     # -- copies ----------------------------------------------------------------------
 
-    def write(self, res: Reservation, data: Any, rows: Any = None, at: int = 0) -> None:
+    def write(self, res: Reservation, data: Any, rows: Any = None, at: int | None = None) -> None:
         """Copy ``data`` (one page per slot of ``res``) into its slots; a list of
         segments, ``rows`` or ``at`` make a segmented copy (``segments``)."""
         if not isinstance(res, Reservation):
@@ -202,7 +203,7 @@ class PoolMapping:
             self._fence(res, "reservation")
             return
         if _segmented(data, rows, at):
-            self.segments(res, data, rows, at, to_pool=True)
+            self.segments(res, data, rows, at or 0, to_pool=True)
             return
         ns = res.ns
         on_gpu = cuda_tensor(data)
@@ -232,7 +233,7 @@ class PoolMapping:
                 moved,
             )
 
-    def read(self, hit: Hit, out: Any = None, rows: Any = None, at: int = 0) -> Any:
+    def read(self, hit: Hit, out: Any = None, rows: Any = None, at: int | None = None) -> Any:
         """Copy the slots of ``hit`` into ``out`` (n, page_bytes), in one call; a
         list of segments, ``rows`` or ``at`` make a segmented copy (``segments``)."""
         if not isinstance(hit, Hit):
@@ -244,7 +245,7 @@ class PoolMapping:
             if out is None:
                 raise ValueError("a segmented read needs out: the arrays or tensors to fill")
             if hit.offsets:
-                self.segments(hit, out, rows, at, to_pool=False)
+                self.segments(hit, out, rows, at or 0, to_pool=False)
             return out
         ns = hit.ns
         offsets = hit.offsets

@@ -65,6 +65,11 @@ def _native_xxh3() -> Callable[[int, int], int] | None:
 _XXH3 = _native_xxh3()
 
 
+def native_checksum() -> bool:
+    """Whether payload checksums run in the native XXH3, without the GIL."""
+    return _XXH3 is not None
+
+
 def address_of(payload: bytes | memoryview) -> int | None:
     """Where a writable, contiguous, non-empty buffer's bytes are (for the
     native checksum), or None when they must be hashed by the Python function."""

@@ -406,13 +406,18 @@ def test_one_array_of_the_wrong_size_is_refused_not_copied_as_part_pages(
         whole = np.full((2, PAGE), 9, np.uint8)
         c.write_pages(res, whole)
         c.write_pages(res, [half])  # asked for: the first half of each page
+        c.write_pages(res, half, at=0)  # so is worker 0's part of a wide page
         c.commit(res)
         hit = c.match_keys(ns, keys)
         with pytest.raises(ValueError, match="bytes"):
             c.read_pages(hit, np.zeros((2, PAGE // 2), np.uint8))
         got = c.read_pages(hit)
+        front, back = np.zeros_like(half), np.zeros_like(half)
+        c.read_pages(hit, front, at=0)
+        c.read_pages(hit, back, at=PAGE // 2)
         c.release(hit)
         assert np.array_equal(got, np.concatenate([half, whole[:, PAGE // 2 :]], axis=1))
+        assert np.array_equal(front, half) and np.array_equal(back, whole[:, PAGE // 2 :])
 
 
 def test_segmented_copies_by_runs_and_scattered_agree(daemon: Daemon) -> None:

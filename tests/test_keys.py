@@ -107,6 +107,12 @@ def test_pack_tokens_rejects_out_of_range() -> None:
     with pytest.raises(ValueError):
         pack_tokens(np.array([1, 1 << 40], dtype=np.uint64))
     assert pack_tokens(np.array([0xFFFFFFFF], np.uint64)) == b"\xff\xff\xff\xff"
+    # bytes of any kind are ids already packed, never one id per byte
+    packed = np.array([1, 70000], "<u4").tobytes()
+    for form in (packed, bytearray(packed), memoryview(packed)):
+        assert pack_tokens(form) == packed
+    with pytest.raises(ValueError):
+        pack_tokens(bytearray(b"abc"))
 
 
 def test_key_cache_returns_the_same_chains_and_stays_bounded() -> None:
