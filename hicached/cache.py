@@ -399,7 +399,8 @@ class Cache:
             )
         deadline = self.clock() + self.config.leases.ttl_s
         lease = Lease(self.leases.next_id(), session, ns, deadline, pinned)
-        self.pool.pin(pinned)
+        lease.pins = pinned if ns.spec.keyed else pinned[-1:]
+        self.pool.pin(lease.pins)
         self.leases.add(lease)
         ns.holds += 1
         return lease
@@ -423,9 +424,9 @@ class Cache:
         ``prefetch_finished`` frees them.
         """
         pool = self.pool
-        if lease.pinned:
-            lease.ns.index.unpinned(pool.unpin(lease.pinned))
-        lease.pinned = []
+        if lease.pins:
+            lease.ns.index.unpinned(pool.unpin(lease.pins))
+        lease.pins = lease.pinned = []
         ns = lease.ns
         ns.holds -= 1
         pf = lease.prefetch
@@ -1101,6 +1102,10 @@ class Cache:
         pool = self.pool
         used = pool.used_bytes
         reserved = sum(len(lease.fresh) for lease in self.leases)
+        # pages held against eviction: by open leases (the pool pins only the
+        # last of a token lease's pages) and by writes to L3 in flight
+        held = {slot for lease in self.leases for slot in lease.pinned}
+        held.update(pool.pins)
         return p.DaemonStats(
             instance=self.instance,
             uptime_s=round(self.clock() - self.started, 3),
@@ -1109,7 +1114,7 @@ class Cache:
             pool_free_bytes=pool.arena_bytes - used,
             slab_bytes=pool.slab_bytes,
             pages=self.l2.pages,
-            pinned_pages=len(pool.pins),
+            pinned_pages=len(held),
             reserved_pages=reserved,
             namespaces=len(self.namespaces),
             clients=len(self.sessions),

@@ -19,7 +19,10 @@ Invariants:
 - eviction takes pages from the tail of the least recently used leaf, so it
   keeps the tree prefix-closed and evicts exactly in per-page LRU order among
   the pages without children; a pinned page stops eviction of its leaf until
-  the pin is dropped (pins are prefix-closed too, as every lease pins a prefix).
+  the pin is dropped. A lease pins only the last page of the prefix it holds:
+  eviction cannot reach a page before it on its path (its own node is
+  emptied from the tail, and a node with children is never evicted), so the
+  whole prefix stays.
 """
 
 from __future__ import annotations
@@ -258,7 +261,9 @@ class PageIndex:
         ``slots`` keep the order of the path a lease pinned (leases pin a
         prefix of one sequence), or are one slot. Only the last of them can
         be a leaf's tail: every other has a page after it on that path, which
-        a pin held until now kept in place. So only the last is looked at.
+        a pin held until now kept in place. So only the last is looked at
+        (and a lease pins only the last page of its path: the cache's
+        ``_new_lease``).
         """
         if not slots:
             return

@@ -102,6 +102,11 @@ class Lease:
     ns: NamespaceState
     deadline: float
     pinned: list[int]  # slots of indexed pages held against eviction
+    # the slots pinned in the pool for them: all of them in a key-addressed
+    # namespace; in a token namespace only the last, since its pages form a
+    # path from the root of the radix tree and eviction takes a leaf's pages
+    # from its tail: a pinned page keeps every page before it on its path
+    pins: list[int] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)  # write leases: every page's key
     fresh: list[int] = field(default_factory=list)  # write leases: slots to fill
     prefetch: PrefetchState | None = None

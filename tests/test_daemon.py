@@ -393,3 +393,33 @@ def test_views_copy_but_only_their_handle_ends_the_lease(daemon: Daemon) -> None
         c.release(hit)
         with pytest.raises(StaleHandle, match="closed"):
             c.read_pages(hit.select([0]))
+
+
+def test_a_read_lease_holds_its_whole_prefix_under_eviction(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """A token lease pins only the last page of its prefix; eviction still
+    cannot take any page of it, in its own node or in the nodes before it
+    (here split by a second sequence), while every unleased page goes."""
+    d = daemon_factory(size_mib=1, slab_mib=1)  # 256 slots of 4 KiB
+    with d.client() as c:
+        ns = c.register(**NS)
+        toks = np.arange(8 * PAGE_TOKENS, dtype=np.uint32)
+        other = toks.copy()
+        other[3 * PAGE_TOKENS :] += 100_000  # shares 3 pages: splits the node there
+        c.store(ns, toks, page_bytes_for(toks))
+        c.store(ns, other, page_bytes_for(other))
+        held = c.match(ns, toks[: 6 * PAGE_TOKENS])  # 6 pages over two nodes
+        assert held.hits == 6
+        for start in range(1_000_000, 1_000_000 + 40 * 8 * PAGE_TOKENS, 8 * PAGE_TOKENS):
+            flood = np.arange(start, start + 8 * PAGE_TOKENS, dtype=np.uint32)
+            c.store(ns, flood, page_bytes_for(flood))  # 320 pages through 256 slots
+        assert c.match(ns, other, lease=False).hits == 3  # its own pages went
+        again = c.match(ns, toks, lease=False)
+        assert again.hits == 6 and again.offsets == held.offsets
+        assert np.array_equal(c.read_pages(held), page_bytes_for(toks)[:6])
+        c.release(held)
+        for start in range(2_000_000, 2_000_000 + 40 * 8 * PAGE_TOKENS, 8 * PAGE_TOKENS):
+            flood = np.arange(start, start + 8 * PAGE_TOKENS, dtype=np.uint32)
+            c.store(ns, flood, page_bytes_for(flood))
+        assert c.match(ns, toks, lease=False).hits == 0  # released: evictable again

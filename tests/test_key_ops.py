@@ -444,3 +444,29 @@ def test_segmented_copies_by_runs_and_scattered_agree(daemon: Daemon) -> None:
             for layer, got in zip(layers, back, strict=True):
                 assert np.array_equal(got[rows], layer[rows])
             keys = engine_keys(8, salt=13)
+
+
+def test_a_lease_on_unlinked_keyed_pages_holds_every_one_under_eviction(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """Keys reserved without their parent are unlinked pages, each evictable
+    alone: a lease on a run of them must hold every page, not one."""
+    d = daemon_factory(size_mib=2, slab_mib=1)  # 256 slots of 8 KiB
+    with d.client() as c:
+        ns = c.register(**SPEC)
+        keys = engine_keys(6, salt=30)
+        for key in keys:  # each alone: no parent link between them
+            res = c.reserve_keys(ns, [key])
+            c.write_pages(res, np.full((1, PAGE), key[0], np.uint8))
+            c.commit(res)
+        held = c.match_keys(ns, keys)
+        assert held.hits == 6
+        for salt in range(31, 31 + 5):
+            flood = engine_keys(64, salt=salt)  # 320 pages through 256 slots
+            res = c.reserve_keys(ns, flood)
+            c.write_pages(res, np.zeros((len(res.offsets), PAGE), np.uint8))
+            c.commit(res)
+        assert c.match_keys(ns, keys, lease=False).offsets == held.offsets
+        expect = np.stack([np.full(PAGE, key[0], np.uint8) for key in keys])
+        assert np.array_equal(c.read_pages(held), expect)
+        c.release(held)
