@@ -53,6 +53,7 @@ from hicached.errors import (
 )
 from hicached.events import MEDIUM_L2, Cleared, EventLog, event_key
 from hicached.hashing import TOKEN_BYTES, KeyCache, engine_page_keys
+from hicached.index import PageIndex
 from hicached.l2 import DEFAULT_TENANT, L2, TenantBook, TenantFigures, Victims
 from hicached.l3state import KnownKeys
 from hicached.namespace import MAX_KEY_BYTES, NamespaceSpec, namespace_digest, validate_spec
@@ -1102,10 +1103,14 @@ class Cache:
         pool = self.pool
         used = pool.used_bytes
         reserved = sum(len(lease.fresh) for lease in self.leases)
-        # pages held against eviction: by open leases (the pool pins only the
-        # last of a token lease's pages) and by writes to L3 in flight
-        held = {slot for lease in self.leases for slot in lease.pinned}
-        held.update(pool.pins)
+        # pages held against eviction: those pinned (key-addressed leases' pages,
+        # token leases' last pages, writes to L3 in flight), and the pages of
+        # token leases' paths before their last
+        tails: dict[PageIndex, list[int]] = {}  # by index: the last pinned page of each
+        for lease in self.leases:
+            if len(lease.pinned) > len(lease.pins):
+                tails.setdefault(lease.ns.tree, []).append(lease.pins[-1])
+        held = len(pool.pins) + sum(ix.held_beyond(t, pool.pins) for ix, t in tails.items())
         return p.DaemonStats(
             instance=self.instance,
             uptime_s=round(self.clock() - self.started, 3),
@@ -1114,7 +1119,7 @@ class Cache:
             pool_free_bytes=pool.arena_bytes - used,
             slab_bytes=pool.slab_bytes,
             pages=self.l2.pages,
-            pinned_pages=len(held),
+            pinned_pages=held,
             reserved_pages=reserved,
             namespaces=len(self.namespaces),
             clients=len(self.sessions),

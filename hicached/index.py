@@ -255,6 +255,27 @@ class PageIndex:
         if parent is not self.root and not parent.children:
             self._push(parent)
 
+    def held_beyond(self, tails: list[int], pins: Mapping[int, int]) -> int:
+        """Pages on the root paths that end at ``tails`` (the pinned last pages
+        of leases) that ``pins`` does not hold itself: what those leases hold
+        beyond their pins. Costs the distinct pages of those paths, not the
+        leases' pages (leases over one prefix share it)."""
+        held: dict[Node, int] = {}  # leading pages of each node on a path
+        for slot in tails:
+            node: Node | None = self.node_of.get(slot)
+            if node is None:
+                continue
+            # a lease's last page stays its node's tail (nodes never grow at
+            # the tail, and eviction stops at it), so this is the whole node
+            count = len(node.slots) if node.slots[-1] == slot else node.slots.index(slot) + 1
+            while node is not None and node is not self.root and held.get(node, 0) < count:
+                held[node] = count
+                node = node.parent
+                count = len(node.slots) if node is not None else 0
+        return sum(
+            1 for node, count in held.items() for slot in node.slots[:count] if slot not in pins
+        )
+
     def unpinned(self, slots: list[int]) -> None:
         """Slots lost their last pin: a leaf whose tail is among them is evictable again.
 

@@ -411,6 +411,12 @@ def test_a_read_lease_holds_its_whole_prefix_under_eviction(
         c.store(ns, other, page_bytes_for(other))
         held = c.match(ns, toks[: 6 * PAGE_TOKENS])  # 6 pages over two nodes
         assert held.hits == 6
+        inner = c.match(ns, toks[: 2 * PAGE_TOKENS])  # a shorter lease on the same path
+        shared = c.match(ns, other[: 5 * PAGE_TOKENS])  # another branch after the split
+        assert c.stats().pinned_pages == 8  # every held page once: 6 + 2 of the branch
+        c.release(shared)
+        c.release(inner)
+        assert c.stats().pinned_pages == 6
         for start in range(1_000_000, 1_000_000 + 40 * 8 * PAGE_TOKENS, 8 * PAGE_TOKENS):
             flood = np.arange(start, start + 8 * PAGE_TOKENS, dtype=np.uint32)
             c.store(ns, flood, page_bytes_for(flood))  # 320 pages through 256 slots
