@@ -277,14 +277,11 @@ class PageIndex:
         )
 
     def unpinned(self, slots: list[int]) -> None:
-        """Slots lost their last pin: a leaf whose tail is among them is evictable again.
+        """A slot lost its last pin: the leaf whose tail it is is evictable again.
 
-        ``slots`` keep the order of the path a lease pinned (leases pin a
-        prefix of one sequence), or are one slot. Only the last of them can
-        be a leaf's tail: every other has a page after it on that path, which
-        a pin held until now kept in place. So only the last is looked at
-        (and a lease pins only the last page of its path: the cache's
-        ``_new_lease``).
+        The pins of this index are single slots: a lease's last page (the
+        cache's ``_new_lease``) or a page on its way to L3. Of ``slots``, only
+        the last is looked at.
         """
         if not slots:
             return

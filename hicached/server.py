@@ -61,12 +61,13 @@ INTERNAL = (
     "have been applied in part, and a lease it opened expires after leases.ttl_s"
 )
 
-# msgpack head bytes of the scalars peek_request reads, with their payload sizes.
 # socket flags and options as plain ints: pyzmq converts its enums on every call
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
+
+# msgpack head bytes of the scalars peek_request reads, with their payload sizes.
 _UINT = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
 _INT = {0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8}
 _OTHER = {0xC0: 0, 0xC2: 0, 0xC3: 0, 0xCA: 4, 0xCB: 8}  # nil, false, true, floats
