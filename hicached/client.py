@@ -82,6 +82,7 @@ R = TypeVar("R", bound=p.Reply)
 # Tries of a request whose session the daemon forgot (restart, or a full session
 # table that made room): each says hello again first.
 _SESSION_TRIES = 3
+_decode, _encode = p.reply_decoder.decode, p.encode
 _NOBLOCK = int(zmq.NOBLOCK)  # pyzmq converts its enum flags on every call
 Exchange = Generator[p.Request, p.AnyReply, Any]
 
@@ -155,17 +156,22 @@ class _Core:
             if self._hello is None:
                 yield from self._handshake()
             reply = yield make()
-            if isinstance(reply, p.Error):
-                if reply.code == SessionLost.code and attempt < _SESSION_TRIES - 1:
-                    self._hello = None
-                    continue
-                raise reply.to_exception()
-            if not isinstance(reply, expect):
-                raise HicachedError(
-                    f"expected {expect.__name__} from the daemon, got {type(reply).__name__}"
-                )
-            return reply
+            if isinstance(reply, expect):
+                return reply
+            self._refused(reply, expect, attempt)
         raise SessionLost("the daemon keeps forgetting this client")  # pragma: no cover
+
+    def _refused(self, reply: p.AnyReply, expect: type[R], attempt: int) -> None:
+        """A reply other than the ``expect`` asked for: its error is raised, unless
+        the daemon forgot this session and the request may go again after a new
+        hello (``attempt``: how many went before)."""
+        if isinstance(reply, p.Error):
+            if reply.code == SessionLost.code and attempt < _SESSION_TRIES - 1:
+                self._hello = None
+                return
+            raise reply.to_exception()
+        got = type(reply).__name__
+        raise HicachedError(f"expected {expect.__name__} from the daemon, got {got}")
 
     def _handshake(self) -> Exchange:
         reply = yield p.Hello(
@@ -272,23 +278,12 @@ class _Core:
 
     # -- key-addressed namespaces -------------------------------------------------
 
-    def _exists_keys(self, ns: Namespace, keys: Sequence[bytes]) -> Exchange:
-        wire = _keys(keys)
-        ok = yield from self._exchange(
-            lambda: p.ExistsKeys(id=0, ns=ns.id, keys=wire), p.ExistsKeysOk
-        )
+    @staticmethod
+    def _found(ok: p.ExistsKeysOk) -> KeysFound:
         where = ok.where
         return KeysFound(
             ok.l2, ok.leading, [bool(b & 1) for b in where], [bool(b & 2) for b in where]
         )
-
-    def _match_keys(self, ns: Namespace, keys: Sequence[bytes], lease: bool) -> Exchange:
-        wire = _keys(keys)
-        sent = time.monotonic()
-        ok = yield from self._exchange(
-            lambda: p.MatchKeys(id=0, ns=ns.id, keys=wire, lease=lease), p.MatchOk
-        )
-        return self._hit(ns, ok, sent)
 
     def _reserve_keys(self, ns: Namespace, keys: Sequence[bytes], parent: bytes | None) -> Exchange:
         wire = _keys(keys)
@@ -309,13 +304,6 @@ class _Core:
             indices=ok.indices,
             present_mask=[bool(b) for b in ok.present],
         )
-
-    def _prefetch_keys(self, ns: Namespace, keys: Sequence[bytes], max_pages: int) -> Exchange:
-        wire = _keys(keys)
-        ok = yield from self._exchange(
-            lambda: p.PrefetchKeys(id=0, ns=ns.id, keys=wire, max_pages=max_pages), p.PrefetchOk
-        )
-        return Fetch(ns, ok.lease, ok.l2_hits, self._instance)
 
     @property
     def instance(self) -> int:
@@ -343,14 +331,6 @@ class _Core:
         hits = len(offsets)
         return Hit(ns, hits, offsets, handle.lease, handle.instance, 0, state, gens, view=True)
 
-    def _match(self, ns: Namespace, tokens: Any, lease: bool) -> Exchange:
-        packed = pack_tokens(tokens)
-        sent = time.monotonic()
-        ok = yield from self._exchange(
-            lambda: p.Match(id=0, ns=ns.id, tokens=packed, lease=lease), p.MatchOk
-        )
-        return self._hit(ns, ok, sent)
-
     def _hit(self, ns: Namespace, ok: p.MatchOk, sent: float) -> Hit:
         if not ok.lease:
             return Hit(ns, ok.hits, ok.offsets, 0, self._instance, ok.l3_hits)
@@ -372,13 +352,6 @@ class _Core:
         ok = yield from self._exchange(lambda: p.Renew(id=0, lease=handle.lease), p.RenewOk)
         handle.state.deadline = sent + ok.ttl_s - self._margin  # for every view of it too
         return None
-
-    def _prefetch(self, ns: Namespace, tokens: Any, max_pages: int) -> Exchange:
-        packed = pack_tokens(tokens)
-        ok = yield from self._exchange(
-            lambda: p.Prefetch(id=0, ns=ns.id, tokens=packed, max_pages=max_pages), p.PrefetchOk
-        )
-        return Fetch(ns, ok.lease, ok.l2_hits, self._instance)
 
     def _progress(self, pf: Fetch) -> Exchange:
         if not pf.lease:
@@ -408,11 +381,11 @@ class _Core:
         ok = yield from self._exchange(lambda: p.Stats(id=0), p.StatsOk)
         return ok.stats
 
-    def _stamp(self, request: p.Request, timeout: float | None) -> tuple[int, bytes, float]:
-        budget = self.timeout if timeout is None else timeout
+    def _stamp(self, request: p.Request) -> bytes:
+        """``request`` with a fresh id and its deadline (``timeout`` from now), encoded."""
         request.id = next(self._ids)
-        request.deadline_ms = int((time.time() + budget) * 1000)
-        return request.id, p.encode(request), budget
+        request.deadline_ms = int((time.time() + self.timeout) * 1000)
+        return _encode(request)
 
     def _unavailable(self) -> DaemonUnavailable:
         what = "" if self._hello else " (is it running?)"
@@ -423,7 +396,7 @@ class _Core:
         once), close the socket and the context, unmap the pool."""
         linger = 0
         if self._hello is not None:
-            goodbye = self._stamp(p.Goodbye(id=0), None)[1]
+            goodbye = self._stamp(p.Goodbye(id=0))
             self._hello = None
             with contextlib.suppress(zmq.ZMQError):
                 zmq.Socket.send(sock, goodbye, zmq.NOBLOCK)  # the plain send, even on asyncio
@@ -622,8 +595,8 @@ class Client(_Core):
         """Say goodbye (the daemon ends this session and its leases), then close."""
         self._shut(self._sock, self._ctx)
 
-    def _roundtrip(self, request: p.Request, timeout: float | None = None) -> p.AnyReply:
-        request_id, payload, budget = self._stamp(request, timeout)
+    def _roundtrip(self, request: p.Request) -> p.AnyReply:
+        payload, request_id, budget = self._stamp(request), request.id, self.timeout
         sock = self._sock
         try:
             sock.send(payload, _NOBLOCK)
@@ -632,16 +605,19 @@ class Client(_Core):
             if not sock.poll(int(min(budget, self.connect_timeout) * 1000), zmq.POLLOUT):
                 raise self._unavailable() from None
             sock.send(payload, zmq.NOBLOCK)
-        deadline = time.monotonic() + budget
         slice_ms = max(1, int(min(budget, 0.1) * 1000))
         if slice_ms != self._rcvtimeo:  # a blocking receive: one wake-up, no poll
             sock.setsockopt(zmq.RCVTIMEO, slice_ms)
             self._rcvtimeo = slice_ms
+        deadline = 0.0  # set when the first slice passes without the reply
         while True:
             try:
-                reply = p.reply_decoder.decode(sock.recv())
+                reply = _decode(sock.recv())
             except zmq.Again:
-                if time.monotonic() >= deadline:
+                now = time.monotonic()
+                if not deadline:
+                    deadline = now + budget - slice_ms / 1000
+                if now >= deadline:
                     raise DeadlineExceeded(
                         f"no reply from the daemon at {self.endpoint} within {budget:.3g}s"
                     ) from None
@@ -656,6 +632,18 @@ class Client(_Core):
 
     def _do(self, gen: Exchange) -> Any:
         return _run(gen, self._roundtrip)
+
+    def _call(self, make: Callable[[], p.Request], expect: type[R]) -> R:
+        """``_exchange`` without a generator to drive: the path of the operations
+        an engine makes every step (match, exists_keys, prefetch)."""
+        for attempt in range(_SESSION_TRIES):
+            if self._hello is None:
+                self.connect()
+            reply = self._roundtrip(make())  # made anew: a new hello may renumber namespaces
+            if isinstance(reply, expect):
+                return reply
+            self._refused(reply, expect, attempt)
+        raise SessionLost("the daemon keeps forgetting this client")  # pragma: no cover
 
     def connect(self) -> Client:
         """Say hello and map the pool; raises if the daemon does not answer in time."""
@@ -683,7 +671,10 @@ class Client(_Core):
 
     def exists_keys(self, ns: Namespace, keys: Sequence[bytes]) -> KeysFound:
         """Where the pages of ``keys`` are (L2, L3); pins nothing."""
-        return self._do(self._exists_keys(ns, keys))
+        wire = _keys(keys)
+        return self._found(
+            self._call(lambda: p.ExistsKeys(id=0, ns=ns.id, keys=wire), p.ExistsKeysOk)
+        )
 
     def adopt(self, handle: PortableHandle) -> Reservation | Hit:
         if handle.instance != self._instance:
@@ -692,7 +683,9 @@ class Client(_Core):
 
     def match_keys(self, ns: Namespace, keys: Sequence[bytes], *, lease: bool = True) -> Hit:
         """The leading ``keys`` in L2, pinned under a read lease (``lease``)."""
-        return self._do(self._match_keys(ns, keys, lease))
+        wire, sent = _keys(keys), time.monotonic()
+        ok = self._call(lambda: p.MatchKeys(id=0, ns=ns.id, keys=wire, lease=lease), p.MatchOk)
+        return self._hit(ns, ok, sent)
 
     def reserve_keys(
         self, ns: Namespace, keys: Sequence[bytes], *, parent: bytes | None = None
@@ -703,11 +696,19 @@ class Client(_Core):
 
     def prefetch_keys(self, ns: Namespace, keys: Sequence[bytes], *, max_pages: int = -1) -> Fetch:
         """Start loading from L3 the ``keys`` after their leading L2 run."""
-        return self._do(self._prefetch_keys(ns, keys, max_pages))
+        wire = _keys(keys)
+        ok = self._call(
+            lambda: p.PrefetchKeys(id=0, ns=ns.id, keys=wire, max_pages=max_pages), p.PrefetchOk
+        )
+        return Fetch(ns, ok.lease, ok.l2_hits, self._instance)
 
     def prefetch(self, ns: Namespace, tokens: Any, *, max_pages: int = -1) -> Fetch:
         """Start loading from L3 the pages of ``tokens`` after its L2 hit."""
-        return self._do(self._prefetch(ns, tokens, max_pages))
+        packed = pack_tokens(tokens)
+        ok = self._call(
+            lambda: p.Prefetch(id=0, ns=ns.id, tokens=packed, max_pages=max_pages), p.PrefetchOk
+        )
+        return Fetch(ns, ok.lease, ok.l2_hits, self._instance)
 
     def progress(self, pf: Fetch) -> FetchProgress:
         return self._do(self._progress(pf))
@@ -720,7 +721,10 @@ class Client(_Core):
         self._do(self._release(res))
 
     def match(self, ns: Namespace, tokens: Any, *, lease: bool = True) -> Hit:
-        return self._do(self._match(ns, tokens, lease))
+        """The leading pages of ``tokens`` in L2, pinned under a read lease (``lease``)."""
+        packed, sent = pack_tokens(tokens), time.monotonic()
+        ok = self._call(lambda: p.Match(id=0, ns=ns.id, tokens=packed, lease=lease), p.MatchOk)
+        return self._hit(ns, ok, sent)
 
     def release(self, handle: Hit | Reservation | Fetch) -> None:
         """End a handle's lease: unpin a hit, abort a reservation, cancel a prefetch."""
@@ -809,14 +813,14 @@ class AsyncClient(_Core):
             if future is not None and not future.done():
                 future.set_result(reply)
 
-    async def _roundtrip(self, request: p.Request, timeout: float | None = None) -> p.AnyReply:
+    async def _roundtrip(self, request: p.Request) -> p.AnyReply:
         # The daemon holds a bounded number of replies per client: never ask for more.
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_in_flight)
         async with self._slots:
-            return await self._roundtrip_now(request, timeout)
+            return await self._roundtrip_now(request)
 
-    async def _roundtrip_now(self, request: p.Request, timeout: float | None) -> p.AnyReply:
+    async def _roundtrip_now(self, request: p.Request) -> p.AnyReply:
         loop = asyncio.get_running_loop()
         if self._reader is None or self._reader.done():  # first call, or the reader failed
             if self._reader is not None:
@@ -824,7 +828,7 @@ class AsyncClient(_Core):
                 self._fail_all(self._reader)  # its waiters fail now, not the new ones
             self._reader = loop.create_task(self._read())
             self._reader.add_done_callback(self._fail_all)
-        request_id, payload, budget = self._stamp(request, timeout)
+        payload, request_id, budget = self._stamp(request), request.id, self.timeout
         sock = self._sock
         if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
             # no connection (IMMEDIATE): wait briefly for one, as after a restart
@@ -862,6 +866,17 @@ class AsyncClient(_Core):
         except StopIteration as stop:
             return stop.value
 
+    async def _call(self, make: Callable[[], p.Request], expect: type[R]) -> R:
+        """``_exchange`` without a generator to drive (see ``Client._call``)."""
+        for attempt in range(_SESSION_TRIES):
+            if self._hello is None:
+                await self.connect()
+            reply = await self._roundtrip(make())
+            if isinstance(reply, expect):
+                return reply
+            self._refused(reply, expect, attempt)
+        raise SessionLost("the daemon keeps forgetting this client")  # pragma: no cover
+
     async def connect(self) -> AsyncClient:
         async with self._lock:
             if self._hello is None:
@@ -884,10 +899,17 @@ class AsyncClient(_Core):
         return await self._do(self._commit(res, pages, ok))
 
     async def exists_keys(self, ns: Namespace, keys: Sequence[bytes]) -> KeysFound:
-        return await self._do(self._exists_keys(ns, keys))
+        wire = _keys(keys)
+        return self._found(
+            await self._call(lambda: p.ExistsKeys(id=0, ns=ns.id, keys=wire), p.ExistsKeysOk)
+        )
 
     async def match_keys(self, ns: Namespace, keys: Sequence[bytes], *, lease: bool = True) -> Hit:
-        return await self._do(self._match_keys(ns, keys, lease))
+        wire, sent = _keys(keys), time.monotonic()
+        ok = await self._call(
+            lambda: p.MatchKeys(id=0, ns=ns.id, keys=wire, lease=lease), p.MatchOk
+        )
+        return self._hit(ns, ok, sent)
 
     async def reserve_keys(
         self, ns: Namespace, keys: Sequence[bytes], *, parent: bytes | None = None
@@ -897,10 +919,18 @@ class AsyncClient(_Core):
     async def prefetch_keys(
         self, ns: Namespace, keys: Sequence[bytes], *, max_pages: int = -1
     ) -> Fetch:
-        return await self._do(self._prefetch_keys(ns, keys, max_pages))
+        wire = _keys(keys)
+        ok = await self._call(
+            lambda: p.PrefetchKeys(id=0, ns=ns.id, keys=wire, max_pages=max_pages), p.PrefetchOk
+        )
+        return Fetch(ns, ok.lease, ok.l2_hits, self._instance)
 
     async def prefetch(self, ns: Namespace, tokens: Any, *, max_pages: int = -1) -> Fetch:
-        return await self._do(self._prefetch(ns, tokens, max_pages))
+        packed = pack_tokens(tokens)
+        ok = await self._call(
+            lambda: p.Prefetch(id=0, ns=ns.id, tokens=packed, max_pages=max_pages), p.PrefetchOk
+        )
+        return Fetch(ns, ok.lease, ok.l2_hits, self._instance)
 
     async def progress(self, pf: Fetch) -> FetchProgress:
         return await self._do(self._progress(pf))
@@ -912,7 +942,11 @@ class AsyncClient(_Core):
         await self._do(self._release(res))
 
     async def match(self, ns: Namespace, tokens: Any, *, lease: bool = True) -> Hit:
-        return await self._do(self._match(ns, tokens, lease))
+        packed, sent = pack_tokens(tokens), time.monotonic()
+        ok = await self._call(
+            lambda: p.Match(id=0, ns=ns.id, tokens=packed, lease=lease), p.MatchOk
+        )
+        return self._hit(ns, ok, sent)
 
     async def release(self, handle: Hit | Reservation | Fetch) -> None:
         await self._do(self._release(handle))

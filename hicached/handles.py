@@ -20,9 +20,13 @@ import numpy as np
 
 from hicached.namespace import NamespaceSpec
 
+_NO_GENS = np.empty(0, dtype=np.uint32)
+_NO_GENS.flags.writeable = False
+
 
 def _no_gens() -> np.ndarray:
-    return np.empty(0, dtype=np.uint32)
+    """Handles without slots, or without a lease, share one empty, read-only array."""
+    return _NO_GENS
 
 
 @dataclass(slots=True, eq=False)

@@ -24,7 +24,7 @@ def pack_tokens(tokens: bytes | bytearray | memoryview | Iterable[int] | np.ndar
     """Token ids as little-endian uint32 bytes, the form used on the wire and in
     keys. Bytes of any kind (bytes, bytearray, memoryview) are ids already packed."""
     if isinstance(tokens, bytes | bytearray | memoryview):
-        packed = bytes(tokens)
+        packed = tokens if type(tokens) is bytes else bytes(tokens)
         if len(packed) % TOKEN_BYTES:
             raise ValueError("packed tokens must be a whole number of uint32 values")
         return packed

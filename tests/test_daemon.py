@@ -260,6 +260,39 @@ def test_daemon_restart_and_client_reconnect(daemon: Daemon) -> None:
         c.close()
 
 
+def test_a_step_call_after_a_restart_says_hello_and_asks_again_under_the_new_ids(
+    daemon: Daemon,
+) -> None:
+    """match, exists_keys and prefetch skip the exchange machinery (Client._call):
+    the first of them to reach a restarted daemon is told the session is lost,
+    says hello (which registers its namespaces anew) and asks again, with the
+    namespace id the new daemon gave, not the old one."""
+    keyed = {**NS, "model": "test/keyed", "key_scheme": "vllm-sha256"}
+    c = daemon.client(timeout=2.0)
+    try:
+        ns, kns = c.register(**NS), c.register(**keyed)
+        toks = np.arange(0, 3 * PAGE_TOKENS, dtype=np.uint32)
+        c.store(ns, toks, page_bytes_for(toks))
+        old = (ns.id, kns.id)
+        assert daemon.stop() == 0
+        daemon.start()
+        with daemon.client() as other:  # takes the first ids of the new daemon
+            other.register(**{**NS, "model": "test/first"})
+            other.register(**{**NS, "model": "test/second"})
+        assert c.match(ns, toks).hits == 0  # no stats() first: match finds the restart
+        assert (ns.id, kns.id) != old
+        res = c.reserve(ns, toks)
+        c.write_pages(res, page_bytes_for(toks))
+        c.commit(res)
+        hit = c.match(ns, toks)
+        assert hit.hits == 3
+        assert np.array_equal(c.read_pages(hit), page_bytes_for(toks))
+        c.release(hit)
+        assert c.exists_keys(kns, [bytes(36)]).l2 == 0
+    finally:
+        c.close()
+
+
 def test_handles_from_before_a_restart_never_touch_the_new_pool(daemon: Daemon) -> None:
     """A read lease and a reservation granted by a daemon that has since restarted:
     the read is served from the old pool (the key's own bytes), the write is
