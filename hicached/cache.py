@@ -605,11 +605,12 @@ class Cache:
     def exists_keys(self, session: Session, msg: p.ExistsKeys) -> p.ExistsKeysOk:
         ns = self._namespace(session, msg.ns)
         keys = self._ikeys(ns, msg.keys)
-        in_l2 = np.array(ns.table.present(keys), dtype=np.uint8)
-        where = in_l2 | (np.array(self.l3.which(keys), dtype=np.uint8) << 1) if self.l3 else in_l2
-        l2 = int(in_l2.argmin()) if not in_l2.all() else len(keys)
-        leading = int(where.argmin()) if not where.all() else len(keys)
-        return p.ExistsKeysOk(id=msg.id, l2=l2, leading=leading, where=where.tobytes())
+        in_l2 = ns.table.present(keys)  # a byte per key: 1 in L2, | 2 in L3
+        where = in_l2
+        if self.l3:
+            in_l3 = np.array(self.l3.which(keys), dtype=np.uint8) << 1
+            where = (np.frombuffer(in_l2, dtype=np.uint8) | in_l3).tobytes()
+        return p.ExistsKeysOk(id=msg.id, l2=_leading(in_l2), leading=_leading(where), where=where)
 
     def match_keys(self, session: Session, msg: p.MatchKeys) -> p.MatchOk:
         ns = self._namespace(session, msg.ns)
@@ -1141,6 +1142,12 @@ class Cache:
             events_pending=len(self.events.pending),
             metrics_endpoint=self.metrics_endpoint,
         )
+
+
+def _leading(flags: bytes) -> int:
+    """How many leading bytes of ``flags`` are set (not 0)."""
+    first = flags.find(0)
+    return len(flags) if first < 0 else first
 
 
 def _same_peer(session: Session, peer: str | None) -> None:

@@ -83,6 +83,10 @@ R = TypeVar("R", bound=p.Reply)
 # table that made room): each says hello again first.
 _SESSION_TRIES = 3
 _decode, _encode = p.reply_decoder.decode, p.encode
+_BYTES = {bytes}
+# exists_keys' ``where`` byte of each key to its L2 and its L3 flag (bytes.translate)
+_IN_L2 = bytes(b & 1 for b in range(256))
+_IN_L3 = bytes(b >> 1 & 1 for b in range(256))
 _NOBLOCK = int(zmq.NOBLOCK)  # pyzmq converts its enum flags on every call
 Exchange = Generator[p.Request, p.AnyReply, Any]
 
@@ -280,10 +284,9 @@ class _Core:
 
     @staticmethod
     def _found(ok: p.ExistsKeysOk) -> KeysFound:
-        where = ok.where
-        return KeysFound(
-            ok.l2, ok.leading, [bool(b & 1) for b in where], [bool(b & 2) for b in where]
-        )
+        where = ok.where  # per key: 1 in L2, 2 in L3
+        l2, l3 = where.translate(_IN_L2), where.translate(_IN_L3)
+        return KeysFound(ok.l2, ok.leading, list(map(bool, l2)), list(map(bool, l3)))
 
     def _reserve_keys(self, ns: Namespace, keys: Sequence[bytes], parent: bytes | None) -> Exchange:
         wire = _keys(keys)
@@ -530,6 +533,8 @@ class _Core:
 
 def _keys(keys: Sequence[bytes]) -> list[bytes]:
     """Engine keys as the wire carries them (bytes each; the daemon checks lengths)."""
+    if set(map(type, keys)) <= _BYTES:  # the common case, checked at C speed
+        return list(keys)
     if any(isinstance(key, str) for key in keys):
         raise BadRequest("keys are bytes: encode text keys (bytes.fromhex for hex digests)")
     return [bytes(key) for key in keys]

@@ -59,10 +59,9 @@ class KeyIndex:
 
     # -- queries ---------------------------------------------------------------
 
-    def present(self, keys: Sequence[bytes]) -> list[bool]:
-        """Which of ``keys`` are in L2; recency is left as it is."""
-        entries = self._entries
-        return [key in entries for key in keys]
+    def present(self, keys: Sequence[bytes]) -> bytes:
+        """Which of ``keys`` are in L2, a byte each (1: in L2); recency is left as it is."""
+        return bytes(map(self._entries.__contains__, keys))
 
     def match(self, keys: Sequence[bytes]) -> list[int]:
         """Slots of the leading run of ``keys`` that is in L2; marks them used."""

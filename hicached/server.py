@@ -65,6 +65,7 @@ INTERNAL = (
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 _EVENTS = int(zmq.EVENTS)
+_RCVMORE = int(zmq.RCVMORE)
 _POLLIN = int(zmq.POLLIN)
 
 # msgpack head bytes of the scalars peek_request reads, with their payload sizes.
@@ -493,26 +494,29 @@ class Server:
     def _drain(self) -> None:
         """Handle what the socket holds, up to ``drain_batch`` requests a turn.
 
-        Frame by frame, with integer flags: a request's frame is read without
-        a copy for its properties (``more``; with tenants, the User-Id that
-        the ZAP handler gave its connection, the peer's tenant). After each
-        request one ``EVENTS`` read says whether another waits, which also
-        re-arms the socket's file descriptor; no empty receive is raised.
+        Frame by frame, with integer flags. With tenants a request's frame is
+        read as a frame, for the User-Id that the ZAP handler gave its
+        connection (the peer's tenant); without, as bytes, and ``RCVMORE``
+        says whether more frames follow (a frame object costs more than the
+        option). After each request one ``EVENTS`` read says whether another
+        waits, which also re-arms the socket's file descriptor; no empty
+        receive is raised.
         """
         sock = self._sock
         if sock is None:
             return
-        recv, tenants = sock.recv, self._tenants is not None
+        recv, get, tenants = sock.recv, sock.getsockopt, self._tenants is not None
         for _ in range(self.config.server.drain_batch):
             try:
                 routing_id = recv(_NOBLOCK)
             except zmq.Again:
                 return
             # a message's frames arrive together, and a routing id never alone
-            frame = recv(_NOBLOCK, copy=False)
-            frames = [routing_id, frame.bytes]
-            peer = user_id(frame) if tenants else None
-            more = frame.more
+            if tenants:
+                frame = recv(_NOBLOCK, copy=False)
+                frames, peer, more = [routing_id, frame.bytes], user_id(frame), frame.more
+            else:
+                frames, peer, more = [routing_id, recv(_NOBLOCK)], None, bool(get(_RCVMORE))
             while more:  # not a request (_handle counts it): take the rest
                 extra = recv(_NOBLOCK, copy=False)
                 frames.append(extra.bytes)
@@ -521,7 +525,7 @@ class Server:
                 self._handle(frames, peer)
             except Exception as exc:  # a bug: this request fails, the others go on
                 self._fault(frames, exc)
-            if not int(sock.getsockopt(_EVENTS)) & _POLLIN:
+            if not int(get(_EVENTS)) & _POLLIN:
                 return
         asyncio.get_running_loop().call_soon(self._drain)  # more may wait; let others run first
 
