@@ -61,7 +61,7 @@ from hicached.handles import (
     Reservation,
 )
 from hicached.hashing import pack_tokens
-from hicached.mapping import PoolMapping, cuda_tensor, lease_margin
+from hicached.mapping import PoolMapping, check_empty, cuda_tensor, lease_margin
 from hicached.namespace import NamespaceSpec
 
 __all__ = [
@@ -461,9 +461,11 @@ class _Core:
         ``rows[j]`` of each (one gather). ``at``: the byte in each slot where
         the data starts (worker r of a wide page: ``r * page_bytes //
         shards``, 0 included). Without a list, ``rows`` or ``at``, ``data``
-        is whole pages, and one of another size raises ``ValueError``.
+        is whole pages, and one of another size raises ``ValueError`` (for
+        an empty reservation, one that holds any bytes).
         """
         if not res.offsets:
+            check_empty(data, rows, at, "the data")
             return
         self.mapping.write(res, data, rows, at)
 

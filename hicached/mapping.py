@@ -72,6 +72,17 @@ def _segment(seg: Any, writable: bool) -> np.ndarray:
     return flat.view(np.uint8)
 
 
+def check_empty(data: Any, rows: Any, at: int | None, what: str) -> None:
+    """A copy through a handle without slots: one array or tensor (not a
+    segmented copy) must hold no bytes either, never be taken as written or
+    filled."""
+    if data is None or _segmented(data, rows, at):
+        return
+    size = data.numel() if type(data).__module__.startswith("torch") else np.asarray(data).size
+    if size:
+        raise ValueError(f"this handle has no pages: {what} must hold none, not {size} elements")
+
+
 def _segmented(data: Any, rows: Any, at: int | None) -> bool:
     """A copy that is not of whole pages from one array or tensor: a list of
     segments, engine ``rows`` or a byte offset ``at`` (0 too: worker 0 of a
@@ -201,6 +212,7 @@ class PoolMapping:
         offsets = res.offsets
         if not offsets:
             self._fence(res, "reservation")
+            check_empty(data, rows, at, "the data")
             return
         if _segmented(data, rows, at):
             self.segments(res, data, rows, at or 0, to_pool=True)
@@ -250,6 +262,7 @@ class PoolMapping:
         ns = hit.ns
         offsets = hit.offsets
         if not offsets:  # nothing to copy
+            check_empty(out, rows, at, "out")
             return np.empty((0, ns.page_bytes), dtype=np.uint8) if out is None else out
         idx, gidx = self._row_index(ns, offsets)
         moved = self._moved(hit, gidx)

@@ -420,6 +420,32 @@ def test_one_array_of_the_wrong_size_is_refused_not_copied_as_part_pages(
         assert np.array_equal(front, half) and np.array_equal(back, whole[:, PAGE // 2 :])
 
 
+def test_a_handle_without_pages_takes_and_fills_no_data(daemon: Daemon) -> None:
+    """A reservation of keys all in L2 and a hit of none have no slots: data for
+    pages is refused there too, never taken as written or returned as filled."""
+    torch = pytest.importorskip("torch")
+    keys = engine_keys(2, salt=15)
+    pages = np.full((2, PAGE), 3, np.uint8)
+    with daemon.client() as c:
+        ns = c.register(**SPEC)
+        res = c.reserve_keys(ns, keys)
+        c.write_pages(res, pages)
+        c.commit(res)
+        again = c.reserve_keys(ns, keys)  # both in L2: no slots
+        assert not again.offsets
+        for wrong in (pages, torch.from_numpy(pages), pages[:1]):
+            with pytest.raises(ValueError, match="no pages"):
+                c.write_pages(again, wrong)
+        c.write_pages(again, np.empty((0, PAGE), np.uint8))  # nothing, as asked
+        c.write_pages(again, [pages], rows=[])  # a segmented copy of no rows
+        c.abort(again)
+        miss = c.match_keys(ns, engine_keys(2, salt=16))
+        assert miss.hits == 0
+        with pytest.raises(ValueError, match="no pages"):
+            c.read_pages(miss, np.zeros((2, PAGE), np.uint8))
+        assert c.read_pages(miss).shape == (0, PAGE)
+
+
 def test_segmented_copies_by_runs_and_scattered_agree(daemon: Daemon) -> None:
     """Rows adjacent on both sides are copied as slices, others gathered: the
     same bytes either way."""
