@@ -52,7 +52,7 @@ from hicached.errors import (
     VersionMismatch,
 )
 from hicached.events import MEDIUM_L2, Cleared, EventLog, event_key
-from hicached.hashing import TOKEN_BYTES, KeyCache, engine_page_keys
+from hicached.hashing import TOKEN_BYTES, KeyCache, engine_page_keys, page_keys
 from hicached.index import PageIndex
 from hicached.l2 import DEFAULT_TENANT, L2, TenantBook, TenantFigures, Victims
 from hicached.l3state import KnownKeys
@@ -338,6 +338,11 @@ class Cache:
         return self.namespaces[ns_id]
 
     def _keys(self, ns: NamespaceState, tokens: bytes) -> list[bytes]:
+        self._pages(ns, tokens)
+        return self.key_cache.keys(ns.digest, tokens, ns.spec.page_tokens)
+
+    def _pages(self, ns: NamespaceState, tokens: bytes) -> int:
+        """The full pages of ``tokens`` in a token namespace, after checking them."""
         if ns.spec.keyed:
             raise BadRequest(
                 f"namespace {ns.id} names its pages by key (key_scheme "
@@ -346,11 +351,12 @@ class Cache:
         if len(tokens) % TOKEN_BYTES:
             raise BadRequest("tokens must be packed little-endian uint32 values")
         limit = self.config.server.max_pages_per_request
-        if len(tokens) // (ns.spec.page_tokens * TOKEN_BYTES) > limit:
+        pages = len(tokens) // (ns.spec.page_tokens * TOKEN_BYTES)
+        if pages > limit:
             raise TooLarge(
                 f"the sequence covers more than {limit} pages (server.max_pages_per_request)"
             )
-        return self.key_cache.keys(ns.digest, tokens, ns.spec.page_tokens)
+        return pages
 
     def _ikeys(self, ns: NamespaceState, keys: list[bytes]) -> list[bytes]:
         """The daemon's keys for a key-addressed namespace's own ``keys``."""
@@ -566,9 +572,15 @@ class Cache:
         return p.CommitOk(id=msg.id, published=published, duplicates=count - published)
 
     def match(self, session: Session, msg: p.Match) -> p.MatchOk:
-        ns = self._namespace(session, msg.ns)
-        keys = self._keys(ns, msg.tokens)
-        return self._match(session, ns, keys, msg.lease, msg.tokens, msg.id)
+        ns, tokens = self._namespace(session, msg.ns), msg.tokens
+        pages = self._pages(ns, tokens)
+        first = page_keys(ns.digest, tokens, ns.spec.page_tokens, max_pages=1)
+        if first and not ns.tree.starts(first[0]) and first[0] not in self.l3:
+            # the first page is in neither tier, so none is: a miss, without
+            # hashing the rest (a store of it hashes them, as it would anyway)
+            return self._match(session, ns, [], msg.lease, tokens, msg.id, asked=pages)
+        keys = self.key_cache.keys(ns.digest, tokens, ns.spec.page_tokens)
+        return self._match(session, ns, keys, msg.lease, tokens, msg.id)
 
     def _match(
         self,
@@ -578,19 +590,22 @@ class Cache:
         lease: bool,
         tokens: bytes,
         request_id: int,
+        asked: int | None = None,
     ) -> p.MatchOk:
         """The leading ``keys`` in L2 (pinned under a read lease if asked), and how
         many more L3 holds; for ``match`` and ``match_keys`` alike (``tokens``:
-        the sequence, for the events of a selective write; empty for keys)."""
-        slots = ns.index.match(keys)
+        the sequence, for the events of a selective write; empty for keys;
+        ``asked``: the pages asked for, when ``keys`` stops short of them)."""
+        slots = ns.index.match(keys) if keys else []
         hits = len(slots)
         lease_id = self._new_lease(session, ns, slots).id if lease and slots else 0
         l3_hits = self.l3.leading(keys, hits) if self.l3 else 0
+        asked = len(keys) if asked is None else asked
         counted = self.match_pages
-        counted["asked"] += len(keys)
+        counted["asked"] += asked
         counted["l2"] += hits
         counted["l3"] += l3_hits
-        ns.book.asked += len(keys)
+        ns.book.asked += asked
         ns.book.hits += hits
         if (
             hits

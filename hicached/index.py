@@ -105,6 +105,10 @@ class PageIndex:
             self._push(node)
         return out
 
+    def starts(self, key: bytes) -> bool:
+        """Whether a sequence whose first page is ``key`` has that page here."""
+        return key in self.root.children
+
     def holds(self, key: bytes, slot: int) -> bool:
         """Whether ``slot`` holds page ``key`` in this index now."""
         node = self.node_of.get(slot)

@@ -557,3 +557,41 @@ def test_stats_encode() -> None:
     config = Config(pool=PoolConfig(size_mib=2, slab_mib=1, max_page_bytes=PAGE))
     cache = Cache(config, pool_path="/nonexistent")
     assert msgspec.msgpack.decode(p.encode(cache.stats()))["pool_bytes"] == 2 << 20
+
+
+def test_a_sequence_missing_its_first_page_is_a_miss_without_more_hashing() -> None:
+    """match hashes only the first page of a sequence that neither tier starts
+    with; one that starts in L2 or in L3 is hashed whole and answered in full;
+    every page asked for is counted either way."""
+    config = Config(pool=PoolConfig(size_mib=2, slab_mib=1, max_page_bytes=PAGE))
+    cache = Cache(config, pool_path="/nonexistent")
+    rid, ids = b"A", itertools.count(1)
+
+    def call(request: p.Request) -> p.AnyReply:
+        request.id = next(ids)
+        return cache.handle(rid, request)
+
+    assert isinstance(
+        call(p.Hello(id=0, major=p.PROTOCOL_MAJOR, minor=p.PROTOCOL_MINOR)), p.HelloOk
+    )
+    reg = call(p.RegisterNamespace(id=0, spec=SPECS["small"]))
+    assert isinstance(reg, p.NamespaceOk)
+
+    def match(tokens: list[int]) -> p.MatchOk:
+        ok = call(p.Match(id=0, ns=reg.ns, tokens=pack_tokens(tokens), lease=False))
+        assert isinstance(ok, p.MatchOk)
+        return ok
+
+    res = call(p.Reserve(id=0, ns=reg.ns, tokens=pack_tokens([1, 2, 3, 4])))
+    assert isinstance(res, p.ReserveOk) and len(res.offsets) == 4
+    assert isinstance(call(p.Commit(id=0, lease=res.lease)), p.CommitOk)
+    hashed, asked = cache.key_cache.size, cache.match_pages["asked"]
+    assert match([9, 2, 3, 4]).hits == 0  # another first page: nothing else is looked at
+    assert cache.key_cache.size == hashed and cache.match_pages["asked"] == asked + 4
+    assert match([1, 2, 9, 9]).hits == 2  # a shared start: hashed whole, matched in full
+    assert cache.key_cache.size == hashed + 4
+    # a sequence that only L3 starts with is hashed too: L3's leading pages count
+    cache.l3.update(page_keys(reg.digest, pack_tokens([7, 8, 9]), 1)[:2])
+    ok = match([7, 8, 9])
+    assert (ok.hits, ok.l3_hits) == (0, 2)
+    assert cache.match_pages["asked"] == asked + 4 + 4 + 3

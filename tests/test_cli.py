@@ -156,6 +156,8 @@ def test_bench_commands_print_json_figures(daemon_factory: object) -> None:
             "match_p50_us_4c",
             "match_cold_p50_us",
             "echo_cold_p50_us",
+            "match_cold_prefix_p50_us",
+            "echo_cold_prefix_p50_us",
             "exists_keys_p50_us",
             "echo_keys_p50_us",
             "echo_loop_p50_us",

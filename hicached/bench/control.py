@@ -12,7 +12,11 @@ vLLM's 36-byte keys, all in L2) is paired with an echo of its own sizes.
 
 Warm and cold: the warm match asks for a sequence the daemon has hashed and
 holds; each cold match carries a sequence it has never seen, so its keys
-are computed for that request (the key cache cannot help) and it misses.
+are computed for that request (the key cache cannot help) and it misses:
+the daemon hashes its first page, finds it in neither tier, and answers.
+Each cold-prefix match carries the warm sequence with a last page never
+seen: a new buffer, so every one of its keys is computed for that request,
+and all but the last page hit (a conversation's next turn).
 ``requests_per_s_4c`` counts every daemon request the four clients made over
 the run's span (first start to last end), not a figure derived from latency.
 """
@@ -145,6 +149,7 @@ class Sizes(NamedTuple):
     match: tuple[int, int]
     exists: tuple[int, int]
     cold: tuple[int, int]
+    cold_prefix: tuple[int, int]
 
 
 # rows of the latency table: what each unit of a round measures
@@ -158,8 +163,11 @@ ROWS = (
     "cold",
     "echo_cold",
     "echo_loop",
+    "cold_prefix",
+    "echo_cold_prefix",
 )
-DAEMON_REQUESTS_PER_ROUND = 5  # match, release, match without lease, exists, cold match
+# match, release, match without lease, exists, cold match, cold-prefix match
+DAEMON_REQUESTS_PER_ROUND = 6
 
 
 def _worker(
@@ -167,7 +175,7 @@ def _worker(
 ) -> None:
     """Interleave, in a random order each round: echo + match (leased) + release
     + match (no lease); exists_keys + its echo; a cold match + its echo; the
-    match's echo served from an event loop."""
+    match's echo served from an event loop; a cold-prefix match + its echo."""
     tokens = _tokens()
     keys = _engine_keys()
     rng = np.random.default_rng(os.getpid())
@@ -178,7 +186,12 @@ def _worker(
     looped = ctx.socket(zmq.DEALER)
     looped.setsockopt(zmq.LINGER, 0)
     looped.connect(echo_loop)
-    echoes = [_echo_request(*sizes.match), _echo_request(*sizes.exists), _echo_request(*sizes.cold)]
+    echoes = [
+        _echo_request(*sizes.match),
+        _echo_request(*sizes.exists),
+        _echo_request(*sizes.cold),
+        _echo_request(*sizes.cold_prefix),
+    ]
     with Client(endpoint, timeout=10.0, name="bench") as client:
         ns = client.register(**NS)  # type: ignore[arg-type]
         keyed = client.register(**KEYED)  # type: ignore[arg-type]
@@ -195,10 +208,12 @@ def _worker(
         clock = time.perf_counter_ns
         # the units run in a random order each round, so none always follows
         # an idle gap (a daemon that just went to sleep answers slower)
-        orders = rng.permuted(np.tile(np.arange(8), (n, 1)), axis=1)
+        orders = rng.permuted(np.tile(np.arange(10), (n, 1)), axis=1)
         t_begin = time.perf_counter()
+        last = (TOKENS - PAGE_TOKENS) * 4  # bytes before the last page
         for i in range(n):
             cold = pack_tokens(rng.integers(0, 1 << 31, TOKENS, dtype=np.uint32))
+            prefix = tokens[:last] + cold[last:]
             for unit in orders[i]:
                 if unit == 1:
                     t0 = clock()
@@ -224,16 +239,21 @@ def _worker(
                     looped.send(echoes[0])
                     looped.recv()
                     lat[8, i] = clock() - t0
-                else:  # 0, 4, 6: the echo of the match, exists or cold match exchange
-                    payload = echoes[(0, 0, 0, 0, 1, 0, 2)[unit]]
+                elif unit == 8:
                     t0 = clock()
-                    sock.send(payload)
+                    near = client.match(ns, prefix, lease=False)
+                    lat[9, i] = clock() - t0
+                else:  # 0, 4, 6, 9: the echo of the match, exists, cold or cold-prefix match
+                    which = {0: 0, 4: 1, 6: 2, 9: 3}[unit]
+                    t0 = clock()
+                    sock.send(echoes[which])
                     sock.recv()
-                    lat[(0, 0, 0, 0, 5, 0, 7)[unit], i] = clock() - t0
+                    lat[(0, 5, 7, 10)[which], i] = clock() - t0
         t_end = time.perf_counter()
         assert hit.hits == TOKENS // PAGE_TOKENS, "the bench sequence must hit in full"
         assert found.l2 == KEYS, "the bench keys must all be in L2"
         assert miss.hits == 0, "a cold sequence must miss"
+        assert near.hits == TOKENS // PAGE_TOKENS - 1, "a cold prefix must hit but its last page"
     sock.close()
     looped.close()
     ctx.term()
@@ -314,10 +334,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         exists = p.ExistsKeys(id=big, deadline_ms=big, ns=keyed.id, keys=keys)
         found = p.ExistsKeysOk(id=big, l2=KEYS, leading=KEYS, where=bytes(KEYS))
         miss_reply = p.MatchOk(id=big, hits=0, offsets=[], lease=0)
+        near_reply = p.MatchOk(id=big, hits=hit.hits - 1, offsets=hit.offsets[:-1], lease=0)
         sizes = Sizes(
             (len(p.encode(match)), len(p.encode(hit_reply))),
             (len(p.encode(exists)), len(p.encode(found))),
             (len(p.encode(match)), len(p.encode(miss_reply))),
+            (len(p.encode(match)), len(p.encode(near_reply))),
         )
 
         echo = _echo_endpoint(endpoint, Path(tmp), "echo")
@@ -347,6 +369,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ("match_cold", "cold"),
                 ("echo_cold", "echo_cold"),
                 ("echo_loop", "echo_loop"),
+                ("match_cold_prefix", "cold_prefix"),
+                ("echo_cold_prefix", "echo_cold_prefix"),
             ):
                 figures[f"{name}_p50_us{suffix}"] = _us(row[what], 50)
                 figures[f"{name}_p99_us{suffix}"] = _us(row[what], 99)
@@ -359,6 +383,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 ("match_nolease", "echo"),
                 ("exists_keys", "echo_keys"),
                 ("match_cold", "echo_cold"),
+                ("match_cold_prefix", "echo_cold_prefix"),
             ):
                 figures[f"{name}_vs_echo_p50{tag}"] = round(
                     figures[f"{name}_p50_us{suffix}"] / figures[f"{echo_of}_p50_us{suffix}"], 3
@@ -398,7 +423,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "note": (
                 "each client interleaves, in a random order each round, a match with a read "
                 "lease and its release, a match without a lease, an exists_keys of 128 keys, a "
-                "cold match (a sequence never seen), and an echo of each exchange's request "
+                "cold match (a sequence never seen: its first page is hashed, found in neither "
+                "tier, and the rest is not hashed), a cold-prefix match (the warm sequence with "
+                "a new last page: every key hashed, all pages but the last hit), and an echo of "
+                "each exchange's request "
                 "and reply sizes (a blocking loop), and the match's echo served from a uvloop "
                 "reader as the daemon serves (echo_loop); requests_per_s counts daemon "
                 "requests over the run's span; "

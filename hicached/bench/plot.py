@@ -29,6 +29,7 @@ def pairs(bench: str, figures: dict[str, Any]) -> list[Pair]:
                 ("match", "echo"),
                 ("match_nolease", "echo"),
                 ("match_cold", "echo_cold"),
+                ("match_cold_prefix", "echo_cold_prefix"),
                 ("exists_keys", "echo_keys"),
             ):
                 label = f"{name} p50{suffix.replace('_', ' ')}"
