@@ -109,7 +109,9 @@ class Cache:
         self._set_quotas(config)
         self.namespaces: dict[int, NamespaceState] = {}
         self._ns_by_digest: dict[bytes, NamespaceState] = {}
-        self._ns_ids = itertools.count(1)  # never reused: a stale id cannot name another
+        # never reused, and from a random start: a stale id, of this daemon or of
+        # the one before a restart, cannot name another namespace
+        self._ns_ids = itertools.count(secrets.randbits(40) + 1)
         # routing id -> session, least recently seen first
         self.sessions: OrderedDict[bytes, Session] = OrderedDict()
         self._next_session = 1

@@ -204,13 +204,25 @@ class _Core:
         self._instance = reply.instance
         self._lease_ttl = reply.lease_ttl_s
         self._margin = lease_margin(reply.lease_ttl_s)
-        self._hello = reply
+        # The namespaces again, before the session counts as open (``_hello``):
+        # until then no other request goes out (an AsyncClient's other tasks
+        # wait in connect), and none ever carries an id of the daemon before.
+        # One that cannot be registered keeps id 0, which no daemon gives: its
+        # requests fail (UnknownNamespace), the others' go on; the call that
+        # said hello raises why.
+        for ns in self._namespaces:
+            ns.id = 0
+        refused: p.Error | None = None
         for ns in self._namespaces:
             ok = yield p.RegisterNamespace(id=0, spec=ns.spec)
             if isinstance(ok, p.Error):
-                raise ok.to_exception()
+                refused = refused or ok
+                continue
             assert isinstance(ok, p.NamespaceOk)
             ns.id = ok.ns
+        self._hello = reply
+        if refused is not None:
+            raise refused.to_exception()
 
     def _register(self, spec: NamespaceSpec | None, fields: dict[str, Any]) -> Exchange:
         if spec is None:
@@ -535,11 +547,12 @@ class _Core:
 
 def _keys(keys: Sequence[bytes]) -> list[bytes]:
     """Engine keys as the wire carries them (bytes each; the daemon checks lengths)."""
-    if set(map(type, keys)) <= _BYTES:  # the common case, checked at C speed
-        return list(keys)
-    if any(isinstance(key, str) for key in keys):
+    wire = list(keys)  # once: ``keys`` may be a one-shot iterable
+    if set(map(type, wire)) <= _BYTES:  # the common case, checked at C speed
+        return wire
+    if any(isinstance(key, str) for key in wire):
         raise BadRequest("keys are bytes: encode text keys (bytes.fromhex for hex digests)")
-    return [bytes(key) for key in keys]
+    return [bytes(key) for key in wire]
 
 
 def _own(handle: Reservation | Hit, what: str) -> None:
@@ -604,7 +617,7 @@ class Client(_Core):
 
     def _roundtrip(self, request: p.Request) -> p.AnyReply:
         payload, request_id, budget = self._stamp(request), request.id, self.timeout
-        sock = self._sock
+        sent, sock = time.monotonic(), self._sock
         try:
             sock.send(payload, _NOBLOCK)
         except zmq.Again:
@@ -616,15 +629,11 @@ class Client(_Core):
         if slice_ms != self._rcvtimeo:  # a blocking receive: one wake-up, no poll
             sock.setsockopt(zmq.RCVTIMEO, slice_ms)
             self._rcvtimeo = slice_ms
-        deadline = 0.0  # set when the first slice passes without the reply
         while True:
             try:
                 reply = _decode(sock.recv())
             except zmq.Again:
-                now = time.monotonic()
-                if not deadline:
-                    deadline = now + budget - slice_ms / 1000
-                if now >= deadline:
+                if time.monotonic() >= sent + budget:
                     raise DeadlineExceeded(
                         f"no reply from the daemon at {self.endpoint} within {budget:.3g}s"
                     ) from None

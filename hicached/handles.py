@@ -20,8 +20,8 @@ import numpy as np
 
 from hicached.namespace import NamespaceSpec
 
-_NO_GENS = np.empty(0, dtype=np.uint32)
-_NO_GENS.flags.writeable = False
+# over an immutable buffer: it cannot be made writeable again, or resized
+_NO_GENS = np.frombuffer(b"", dtype=np.uint32)
 
 
 def _no_gens() -> np.ndarray:

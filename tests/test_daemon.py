@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import subprocess
 import sys
@@ -14,7 +15,13 @@ import numpy as np
 import pytest
 
 import hicached
-from hicached.errors import DaemonUnavailable, StaleHandle, UnknownLease
+from hicached.errors import (
+    DaemonUnavailable,
+    ResourceExhausted,
+    StaleHandle,
+    UnknownLease,
+    UnknownNamespace,
+)
 from hicached.testing import scrape
 from tests.support import NS, PAGE_BYTES, PAGE_TOKENS, Daemon, page_bytes_for
 
@@ -291,6 +298,69 @@ def test_a_step_call_after_a_restart_says_hello_and_asks_again_under_the_new_ids
         assert c.exists_keys(kns, [bytes(36)]).l2 == 0
     finally:
         c.close()
+
+
+def test_a_hello_again_opens_the_session_only_with_every_namespace_renumbered(
+    daemon: Daemon,
+) -> None:
+    """An AsyncClient's other tasks wait while a hello re-registers namespaces:
+    the moment the session counts as open again, every namespace already has
+    the new daemon's id, and ids never carry over from the daemon before."""
+
+    async def run() -> None:
+        async with hicached.AsyncClient(daemon.endpoint, timeout=3.0) as c:
+            a = await c.register(**{**NS, "model": "test/a"})
+            b = await c.register(**{**NS, "model": "test/b"})
+            old = {a.id, b.id}
+            assert daemon.stop() == 0
+            daemon.start()
+            other = daemon.client()  # holds the namespaces, and so their ids, meanwhile
+            try:
+                other.register(**{**NS, "model": "test/decoy"})
+                now = {
+                    other.register(**{**NS, "model": "test/a"}).id,
+                    other.register(**{**NS, "model": "test/b"}).id,
+                }
+                assert not now & old  # a stale id names nothing on the new daemon
+                toks = np.arange(0, 2 * PAGE_TOKENS, dtype=np.uint32)
+                first = asyncio.get_running_loop().create_task(c.match(a, toks))
+                lost = False  # until the new daemon says the session is lost, then hello
+                while not lost or c._hello is None:
+                    lost = lost or c._hello is None
+                    await asyncio.sleep(0)
+                assert {a.id, b.id} == now  # open again: with every id renumbered
+                assert (await first).hits == 0 and (await c.match(b, toks)).hits == 0
+            finally:
+                other.close()
+
+    asyncio.run(run())
+
+
+def test_a_namespace_the_new_daemon_refuses_is_never_asked_for_under_another_id(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """A restarted daemon with room for one namespace less: the hello that
+    re-registers fails for one, which keeps id 0 and is refused by name, while
+    the other goes on; no request ever carries the refused one's old id."""
+    d = daemon_factory()
+    d.stop()
+    d.config.write_text(d.config.read_text().replace("[pool]\n", "[pool]\nmax_namespaces = 2\n"))
+    d.start()
+    toks = np.arange(0, 2 * PAGE_TOKENS, dtype=np.uint32)
+    with d.client(timeout=2.0) as c:
+        a = c.register(**{**NS, "model": "test/a"})
+        b = c.register(**{**NS, "model": "test/b"})
+        assert d.stop() == 0
+        d.start()
+        with d.client() as other:
+            other.register(**{**NS, "model": "test/decoy"})
+            with pytest.raises(ResourceExhausted):  # the hello of this call: b has no room
+                c.match(a, toks)
+            assert b.id == 0 and a.id != 0
+            c.store(a, toks, page_bytes_for(toks))
+            with pytest.raises(UnknownNamespace):
+                c.match(b, toks)
+            assert c.match(a, toks, lease=False).hits == 2
 
 
 def test_handles_from_before_a_restart_never_touch_the_new_pool(daemon: Daemon) -> None:

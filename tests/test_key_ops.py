@@ -236,6 +236,11 @@ def test_schemes_never_mix_and_bad_keys_are_refused(daemon: Daemon) -> None:
             c.match_keys(keyed, [b""])
         with pytest.raises(BadRequest, match="keys are bytes"):
             c.exists_keys(keyed, ["ab" * 32])  # type: ignore[list-item]
+        # keys of any iterable, a one-shot one too, are checked and sent whole
+        with pytest.raises(BadRequest, match="keys are bytes"):
+            c.exists_keys(keyed, (k for k in [engine_keys(1)[0], "ab"]))  # type: ignore[arg-type]
+        found = c.exists_keys(keyed, (k for k in engine_keys(2)))  # type: ignore[arg-type]
+        assert found.in_l2 == [False, False]  # both asked about, not none
         limit = c._hello.max_pages_per_request if c._hello else 0
         with pytest.raises(TooLarge):
             c.exists_keys(keyed, [b"k%d" % i for i in range(limit + 1)])
