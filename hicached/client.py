@@ -547,6 +547,10 @@ class _Core:
 
 def _keys(keys: Sequence[bytes]) -> list[bytes]:
     """Engine keys as the wire carries them (bytes each; the daemon checks lengths)."""
+    if isinstance(keys, np.ndarray) and keys.dtype.kind == "S":
+        # numpy's fixed-size bytes drop trailing NULs as items: take whole rows
+        width = keys.dtype.itemsize
+        return [row.tobytes() for row in keys.reshape(-1).view(np.uint8).reshape(-1, width)]
     wire = list(keys)  # once: ``keys`` may be a one-shot iterable
     if set(map(type, wire)) <= _BYTES:  # the common case, checked at C speed
         return wire

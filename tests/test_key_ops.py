@@ -501,3 +501,20 @@ def test_a_lease_on_unlinked_keyed_pages_holds_every_one_under_eviction(
         expect = np.stack([np.full(PAGE, key[0], np.uint8) for key in keys])
         assert np.array_equal(c.read_pages(held), expect)
         c.release(held)
+
+
+def test_keys_in_a_numpy_bytes_array_keep_their_trailing_nul_bytes(daemon: Daemon) -> None:
+    """vLLM's keys end in NUL bytes (a 4-byte group index of 0); numpy's
+    fixed-size bytes drop trailing NULs from each item, so an "S" array is
+    read by rows: its keys find the pages stored under the same keys."""
+    nul = [bytes([i]) * 32 + bytes(4) for i in (1, 2, 3)]
+    with daemon.client() as c:
+        ns = c.register(**SPEC)
+        res = c.reserve_keys(ns, nul)
+        c.write_pages(res, np.full((3, PAGE), 7, np.uint8))
+        c.commit(res)
+        rows = np.array(nul, dtype="S36")
+        assert c.exists_keys(ns, rows).in_l2 == [True, True, True]  # type: ignore[arg-type]
+        hit = c.match_keys(ns, rows)  # type: ignore[arg-type]
+        assert hit.hits == 3 and (c.read_pages(hit) == 7).all()
+        c.release(hit)
