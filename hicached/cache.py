@@ -576,12 +576,15 @@ class Cache:
     def match(self, session: Session, msg: p.Match) -> p.MatchOk:
         ns, tokens = self._namespace(session, msg.ns), msg.tokens
         pages = self._pages(ns, tokens)
-        first = page_keys(ns.digest, tokens, ns.spec.page_tokens, max_pages=1)
-        if first and not ns.tree.starts(first[0]) and first[0] not in self.l3:
-            # the first page is in neither tier, so none is: a miss, without
-            # hashing the rest (a store of it hashes them, as it would anyway)
-            return self._match(session, ns, [], msg.lease, tokens, msg.id, asked=pages)
-        keys = self.key_cache.keys(ns.digest, tokens, ns.spec.page_tokens)
+        seed, page_tokens = ns.digest, ns.spec.page_tokens
+        tag, keys = self.key_cache.cached(seed, tokens)
+        if keys is None:
+            first = page_keys(seed, tokens, page_tokens, max_pages=1)
+            if first and not ns.tree.starts(first[0]) and first[0] not in self.l3:
+                # the first page is in neither tier, so none is: a miss, without
+                # hashing the rest (a store of it hashes them, as it would anyway)
+                return self._match(session, ns, [], msg.lease, tokens, msg.id, asked=pages)
+            keys = self.key_cache.compute(tag, seed, tokens, page_tokens)
         return self._match(session, ns, keys, msg.lease, tokens, msg.id)
 
     def _match(

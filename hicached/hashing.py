@@ -16,6 +16,7 @@ import numpy as np
 import xxhash
 
 TOKEN_BYTES = 4
+Tag = tuple[bytes, int, bytes]  # what names a cached chain: seed, length and digest
 
 _digest = xxhash.xxh3_128_digest
 
@@ -55,20 +56,30 @@ class KeyCache:
         self.max_keys = max_keys
         self.size = 0
         self.hits = 0
-        self._chains: OrderedDict[tuple[bytes, int, bytes], list[bytes]] = OrderedDict()
+        self._chains: OrderedDict[Tag, list[bytes]] = OrderedDict()
 
     def keys(self, seed: bytes, tokens: bytes, page_tokens: int) -> list[bytes]:
         """``page_keys(seed, tokens, page_tokens)``, from the cache when it can; do not mutate."""
+        tag, chain = self.cached(seed, tokens)
+        return chain if chain is not None else self.compute(tag, seed, tokens, page_tokens)
+
+    def cached(self, seed: bytes, tokens: bytes) -> tuple[Tag | None, list[bytes] | None]:
+        """The chain of ``tokens`` if it is held (do not mutate), and its tag for
+        ``compute`` (None when the cache is off)."""
         if self.max_keys <= 0:
-            return page_keys(seed, tokens, page_tokens)
+            return None, None
         tag = (seed, len(tokens), _digest(tokens))
         chain = self._chains.get(tag)
         if chain is not None:
             self._chains.move_to_end(tag)
             self.hits += 1
-            return chain
+        return tag, chain
+
+    def compute(self, tag: Tag | None, seed: bytes, tokens: bytes, page_tokens: int) -> list[bytes]:
+        """``page_keys(seed, tokens, page_tokens)``, kept under ``tag`` (``cached``'s)."""
         chain = page_keys(seed, tokens, page_tokens)
-        self._keep(tag, chain)
+        if tag is not None:
+            self._keep(tag, chain)
         return chain
 
     def engine_keys(self, seed: bytes, keys: list[bytes], sizes: bytes) -> list[bytes]:
@@ -86,7 +97,7 @@ class KeyCache:
         self._keep(tag, chain)
         return chain
 
-    def _keep(self, tag: tuple[bytes, int, bytes], chain: list[bytes]) -> None:
+    def _keep(self, tag: Tag, chain: list[bytes]) -> None:
         if len(chain) <= self.max_keys:
             self._chains[tag] = chain
             self.size += len(chain)
