@@ -879,6 +879,11 @@ class AsyncClient(_Core):
         self._pending.clear()
 
     async def _do(self, gen: Exchange) -> Any:
+        if self._hello is None:
+            await self.connect()  # one hello at a time, not one inside each exchange
+        return await self._drive(gen)
+
+    async def _drive(self, gen: Exchange) -> Any:
         try:
             request = next(gen)
             while True:
@@ -900,7 +905,7 @@ class AsyncClient(_Core):
     async def connect(self) -> AsyncClient:
         async with self._lock:
             if self._hello is None:
-                await self._do(self._handshake())
+                await self._drive(self._handshake())
         return self
 
     async def register(self, spec: NamespaceSpec | None = None, **fields: Any) -> Namespace:
