@@ -122,7 +122,6 @@ def parse_header(header: bytes | bytearray | memoryview) -> Header | None:
 
 # magic, version and flags (0) as the header's first little-endian word
 _LEAD_WORD = int.from_bytes(MAGIC + VERSION.to_bytes(2, "little") + bytes(2), "little")
-_TAIL = struct.Struct("<52xQI")  # a header's payload checksum and header checksum
 SLICE_BYTES = 8 << 20  # payload bytes a parallel checksum slice takes, at least
 
 
@@ -163,16 +162,20 @@ def verify_many(
     expected[:, 1] = words[:, 1] if generations is None else generations
     expected[:, 2:4] = np.frombuffer(ns, "<u8")
     expected[:, 4:6] = np.frombuffer(b"".join(keys), "<u8").reshape(n, 2)
-    lengths = list(map(nbytes, payloads))
+    lengths = [p.nbytes if type(p) is memoryview else len(p) for p in payloads]
     fields = (words == expected).all(axis=1) & (headers.view("<u4")[:, 12] == lengths)
-    raw, body = headers.tobytes(), _BODY.size
-    tails = _TAIL.iter_unpack(raw)  # (payload checksum, header checksum) of each
-    sums = []
-    out = []
-    for i, (ok, (payload_sum, head_sum)) in enumerate(zip(fields.tolist(), tails, strict=True)):
-        start = i * HEADER_BYTES
-        out.append(ok and xxhash.xxh32_intdigest(raw[start : start + body]) == head_sum)
-        sums.append(payload_sum)
+    # the header checksum of each 60-byte body; then each payload's, below
+    raw, body, xxh32 = headers.tobytes(), _BODY.size, xxhash.xxh32_intdigest
+    out = [
+        ok and xxh32(raw[start : start + body]) == head_sum
+        for ok, start, head_sum in zip(
+            fields.tolist(),
+            range(0, n * HEADER_BYTES, HEADER_BYTES),
+            headers.view("<u4")[:, 15].tolist(),
+            strict=True,
+        )
+    ]
+    sums = headers[:, 52:60].copy().view("<u8")[:, 0].tolist()
     where = list(map(address_of, payloads)) if addresses is None else addresses
 
     def check(lo: int, hi: int) -> None:  # each slice writes its own items of out
