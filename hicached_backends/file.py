@@ -60,9 +60,6 @@ SUPER_VERSION = 2  # generations are store-wide sequence numbers (see above)
 SUPER_BYTES = 4096
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
 MIB = 1 << 20
-# a read batch's smallest part per I/O thread: alone, and beside other reads
-_PART_BYTES = 1 << 20
-_BUSY_PART_BYTES = 4 << 20
 
 
 @dataclass(slots=True)
@@ -128,7 +125,6 @@ class FileBackend(Backend):
         self._write_lock = asyncio.Lock()  # planning and writing records
         self._sync_lock = asyncio.Lock()  # fsync and publication, in group order
         self._pending: list[tuple[bytes, Sequence[PageRef], asyncio.Future[list[bool]]]] = []
-        self._reading = 0  # I/O threads that reads have taken (get)
         self.counters = {"recycled_segments": 0, "bad_records": 0, "discarded_on_start": 0}
 
     # -- lifecycle ---------------------------------------------------------------
@@ -461,27 +457,14 @@ class FileBackend(Backend):
             return out
         loop = asyncio.get_running_loop()
         todo.sort(key=lambda item: (item[1].segment, item[1].offset))
-        # A batch is split over the threads in parts of at least 1 MiB when no
-        # other read runs (for its latency), and of at least 4 MiB beside other
-        # reads: those give the threads work already, and each part costs a
-        # thread handoff, a verification call and GIL turns (small parts under
-        # load: 0.23 of raw for hot 64 KiB pages, against 0.37; docs/perf.md).
-        size = sum(loc.length for _, loc, _ in todo)
-        part = _PART_BYTES if self._reading == 0 else _BUSY_PART_BYTES
-        parts = max(1, min(self.options.io_threads, len(todo), size // part))
-        cut = [len(todo) * k // parts for k in range(parts + 1)]
-        self._reading += parts
-        try:
-            results = await asyncio.gather(
-                *(
-                    loop.run_in_executor(
-                        self._pool, self._read_chunk, ns, todo[cut[k] : cut[k + 1]]
-                    )
-                    for k in range(parts)
-                )
+        threads = min(self.options.io_threads, len(todo))
+        cut = [len(todo) * k // threads for k in range(threads + 1)]
+        results = await asyncio.gather(
+            *(
+                loop.run_in_executor(self._pool, self._read_chunk, ns, todo[cut[k] : cut[k + 1]])
+                for k in range(threads)
             )
-        finally:
-            self._reading -= parts
+        )
         for chunk_result in results:
             for i, ok in chunk_result:
                 out[i] = ok

@@ -38,8 +38,7 @@ class FileOptions(msgspec.Struct, **_Table):
     capacity_mib: int = 4096
     # One segment file's size in MiB; the oldest whole segment is recycled when full.
     segment_mib: int = 256
-    # Threads doing positional reads and writes. A read batch is split over them
-    # in parts of at least 1 MiB when it is the only read, and 4 MiB beside others.
+    # Threads doing positional reads and writes.
     io_threads: int = 4
 
     def __post_init__(self) -> None:

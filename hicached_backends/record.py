@@ -55,7 +55,7 @@ def _native_xxh3() -> Callable[[int, int], int] | None:
         import importlib
 
         library = ctypes.CDLL(importlib.import_module("xxhash._xxhash").__file__)
-    except (ImportError, OSError, TypeError):
+    except (ImportError, OSError, TypeError, AttributeError):  # no module, no file
         return None
     probe = bytearray(np.random.default_rng(0).bytes(4096))  # past the vector threshold
     at = ctypes.addressof(ctypes.c_char.from_buffer(probe))

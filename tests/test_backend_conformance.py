@@ -13,7 +13,6 @@ import itertools
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -139,50 +138,6 @@ def test_memory_backend() -> None:
 def test_file_backend() -> None:
     options = FileOptions(capacity_mib=2, segment_mib=1, io_threads=2)
     run_machine(conformance_machine(lambda d: FileBackend(options, BackendEnv(d))), 40)
-
-
-def test_file_reads_split_a_lone_batch_and_not_batches_beside_it(tmp_path: Path) -> None:
-    """A read batch alone is split over the I/O threads (its latency); batches
-    that come while it runs take one part each (throughput); every page of
-    every batch comes back intact either way."""
-    size, n = 64 << 10, 64  # 4 MiB a batch: four 1 MiB parts, or one 4 MiB part
-    ns = NAMESPACES[0]
-    keys = [i.to_bytes(16, "little") for i in range(n)]
-    data = np.random.default_rng(3).integers(0, 256, (n, size), dtype=np.uint8)
-
-    async def main() -> list[int]:
-        backend = FileBackend(
-            FileOptions(capacity_mib=64, segment_mib=16, io_threads=4), BackendEnv(tmp_path)
-        )
-        await backend.open()
-        try:
-            assert all(
-                await backend.put(ns, [PageRef(k, data[i].data) for i, k in enumerate(keys)])
-            )
-            parts: list[int] = []
-            read_chunk = backend._read_chunk
-
-            def counted(ns_: bytes, chunk: list[Any]) -> list[tuple[int, bool]]:
-                parts.append(len(chunk))
-                return read_chunk(ns_, chunk)
-
-            backend._read_chunk = counted  # type: ignore[method-assign]
-            targets = [np.zeros((n, size), np.uint8) for _ in range(4)]
-            got = await backend.get(
-                ns, [PageRef(k, targets[0][i].data) for i, k in enumerate(keys)]
-            )
-            assert all(got) and parts == [16] * 4
-            parts.clear()
-            batches = [[PageRef(k, t[i].data) for i, k in enumerate(keys)] for t in targets]
-            results = await asyncio.gather(*(backend.get(ns, b) for b in batches))
-            assert all(all(r) for r in results)
-            for target in targets:
-                assert np.array_equal(target, data)
-            return sorted(parts)
-        finally:
-            await backend.close()
-
-    assert asyncio.run(main()) == [16] * 4 + [64] * 3
 
 
 def test_s3_backend(s3: S3Server) -> None:
