@@ -162,7 +162,7 @@ def verify_many(
     expected[:, 1] = words[:, 1] if generations is None else generations
     expected[:, 2:4] = np.frombuffer(ns, "<u8")
     expected[:, 4:6] = np.frombuffer(b"".join(keys), "<u8").reshape(n, 2)
-    lengths = [p.nbytes if type(p) is memoryview else len(p) for p in payloads]
+    lengths = list(map(nbytes, payloads))
     fields = (words == expected).all(axis=1) & (headers.view("<u4")[:, 12] == lengths)
     # the header checksum of each 60-byte body; then each payload's, below
     raw, body, xxh32 = headers.tobytes(), _BODY.size, xxhash.xxh32_intdigest
