@@ -327,6 +327,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--mib", type=int, default=128, help="l3: MiB moved per page size")
     bench.add_argument("--rounds", type=int, default=5, help="l3: paired read rounds")
     bench.add_argument(
+        "--read-processes",
+        type=int,
+        default=None,
+        help="l3 file: the store's reader processes (default: storage.file.read_processes)",
+    )
+    bench.add_argument(
         "--s3-endpoint", default="", help="l3: use this S3 endpoint (default: start one)"
     )
     bench.add_argument("--s3-bucket", default="hicached-bench", help="l3: bucket at --s3-endpoint")

@@ -245,7 +245,7 @@ class Server:
             self._prepare(lambda done: populated.__setitem__(0, done >> 20))
             assert self.cache is not None and self.arena is not None
             if cfg.storage.backend:
-                backend = make_backend(cfg, self.arena.array.data)
+                backend = make_backend(cfg, self.arena.array.data, str(self.arena.path))
                 tier = Tier(self.cache, backend, self.arena)
                 scan = cfg.storage.scan_on_start and not cfg.storage.scan_in_background
                 progress.phase(

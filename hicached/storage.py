@@ -56,9 +56,14 @@ def backend_options(config: Config, cls: type[Backend]) -> Any:
     return options
 
 
-def make_backend(config: Config, pool: memoryview | None) -> Backend:
+def make_backend(config: Config, pool: memoryview | None, pool_path: str = "") -> Backend:
     cls = load_backend_class(config.storage.backend)
-    env = BackendEnv(data_dir=data_dir(config), pool=pool)
+    env = BackendEnv(
+        data_dir=data_dir(config),
+        pool=pool,
+        pool_path=pool_path,
+        pool_huge_pages=config.pool.huge_pages,
+    )
     return cls(backend_options(config, cls), env)
 
 

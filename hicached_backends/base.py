@@ -48,6 +48,8 @@ class BackendEnv:
 
     data_dir: Path
     pool: memoryview | None = None  # the whole arena, for backends that register it
+    pool_path: str = ""  # the arena's file, for backends whose helper processes map it
+    pool_huge_pages: str = "off"  # pool.huge_pages: how a helper process maps it
 
 
 class NoOptions(msgspec.Struct, forbid_unknown_fields=True):

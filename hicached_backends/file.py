@@ -49,8 +49,16 @@ import numpy as np
 import xxhash
 
 from hicached_backends.base import Backend, BackendEnv, BackendError, PageRef
+from hicached_backends.file_readers import (
+    IOV_MAX,
+    RECORD,
+    ReaderLost,
+    Readers,
+    read_records,
+    segment_name,
+)
 from hicached_backends.options import FileOptions
-from hicached_backends.record import HEADER_BYTES, pack_header, parse_header, verify, verify_many
+from hicached_backends.record import HEADER_BYTES, address_of, pack_header, parse_header, verify
 
 log = logging.getLogger("hicached.file")
 
@@ -58,7 +66,6 @@ SUPER = struct.Struct("<4sHHQQ")  # magic, version, pad, generation, durable fro
 SUPER_MAGIC = b"HCS1"
 SUPER_VERSION = 2  # generations are store-wide sequence numbers (see above)
 SUPER_BYTES = 4096
-_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
 MIB = 1 << 20
 
 
@@ -122,6 +129,7 @@ class FileBackend(Backend):
         self.active = 0
         self.top = 0  # the highest generation any segment file has carried
         self._pool: ThreadPoolExecutor | None = None
+        self._readers: Readers | None = None
         self._write_lock = asyncio.Lock()  # planning and writing records
         self._sync_lock = asyncio.Lock()  # fsync and publication, in group order
         self._pending: list[tuple[bytes, Sequence[PageRef], asyncio.Future[list[bool]]]] = []
@@ -136,12 +144,27 @@ class FileBackend(Backend):
             await loop.run_in_executor(self._pool, self._open_sync)
         except OSError as exc:
             raise BackendError(f"file store at {self.dir}: {exc.strerror or exc}") from None
+        if self.options.read_processes and self.env.pool is not None and self.env.pool_path:
+            readers = Readers(
+                self.options.read_processes,
+                pool=self.env.pool,
+                pool_path=self.env.pool_path,
+                huge_pages=self.env.pool_huge_pages,
+                store=self.dir,
+                n_segments=self.n_segments,
+                deadline_s=self.options.reader_deadline_s,
+            )
+            try:
+                await readers.start()
+            except ReaderLost as exc:  # the threads read meanwhile; starts are tried again
+                log.error("file store %s: %s; reading on threads", self.dir, exc)
+            self._readers = readers
 
     def _open_sync(self) -> None:
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         dropped = 0  # segments of an older format
         for i in range(self.n_segments):
-            path = self.dir / f"segment-{i:05d}.hcs"
+            path = self.dir / segment_name(i)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             if os.fstat(fd).st_size < self.segment_bytes:
                 try:
@@ -263,6 +286,9 @@ class FileBackend(Backend):
     async def close(self) -> None:
         if self._pool is None:
             return
+        if self._readers is not None:
+            readers, self._readers = self._readers, None
+            await readers.stop()
         async with self._write_lock:
             await asyncio.get_running_loop().run_in_executor(self._pool, self._close_sync)
         self._pool.shutdown(wait=True)
@@ -430,7 +456,7 @@ class FileBackend(Backend):
             iov: list[bytes | memoryview] = [header, page.buf]
             end = start + len(header) + len(page.buf)
             i += 1
-            while i < len(plan) and len(iov) < _IOV_MAX and plan[i][0] is seg and plan[i][2] == end:
+            while i < len(plan) and len(iov) < IOV_MAX and plan[i][0] is seg and plan[i][2] == end:
                 _, _, _, _, header, page = plan[i]
                 iov += (header, page.buf)
                 end += len(header) + len(page.buf)
@@ -455,67 +481,82 @@ class FileBackend(Backend):
                 todo.append((i, loc, page))
         if not todo:
             return out
-        loop = asyncio.get_running_loop()
         todo.sort(key=lambda item: (item[1].segment, item[1].offset))
+        slots = None
+        if self._readers is not None:
+            slots = self._readers.slots(
+                [address_of(page.buf) for _, _, page in todo], [loc.length for _, loc, _ in todo]
+            )
+        if slots is not None and self._readers is not None and self._readers.available():
+            results = await self._read_in_readers(ns, todo, slots, self._readers)
+        else:
+            results = await self._read_on_threads(ns, todo)
+        for i, ok in results:
+            out[i] = ok
+            if not ok:
+                self.counters["bad_records"] += 1
+                key = (ns, pages[i].key)
+                loc = self.index.get(key)
+                if loc is not None:  # a bad record is a miss and is dropped
+                    del self.index[key]
+                    self.forgot(ns, [pages[i].key])
+        return out
+
+    async def _read_on_threads(
+        self, ns: bytes, todo: list[tuple[int, _Loc, PageRef]]
+    ) -> list[tuple[int, bool]]:
+        loop = asyncio.get_running_loop()
         threads = min(self.options.io_threads, len(todo))
         cut = [len(todo) * k // threads for k in range(threads + 1)]
-        results = await asyncio.gather(
+        parts = await asyncio.gather(
             *(
                 loop.run_in_executor(self._pool, self._read_chunk, ns, todo[cut[k] : cut[k + 1]])
                 for k in range(threads)
             )
         )
-        for chunk_result in results:
-            for i, ok in chunk_result:
-                out[i] = ok
-                if not ok:
-                    self.counters["bad_records"] += 1
-                    key = (ns, pages[i].key)
-                    loc = self.index.get(key)
-                    if loc is not None:  # a bad record is a miss and is dropped
-                        del self.index[key]
-                        self.forgot(ns, [pages[i].key])
-        return out
+        return [item for part in parts for item in part]
+
+    async def _read_in_readers(
+        self,
+        ns: bytes,
+        todo: list[tuple[int, _Loc, PageRef]],
+        slots: list[int],
+        readers: Readers,
+    ) -> list[tuple[int, bool]]:
+        """Read in the reader processes; a part whose reader is lost is read on threads."""
+        records = np.empty(len(todo), RECORD)
+        records["segment"] = [loc.segment for _, loc, _ in todo]
+        records["length"] = [loc.length for _, loc, _ in todo]
+        records["offset"] = [loc.offset for _, loc, _ in todo]
+        records["generation"] = [loc.generation for _, loc, _ in todo]
+        records["slot"] = slots
+        records["key"] = [page.key for _, _, page in todo]
+        n = min(readers.available(), len(todo))
+        cut = [len(todo) * k // n for k in range(n + 1)]
+        replies = await readers.read(ns, [records[cut[k] : cut[k + 1]] for k in range(n)])
+        results: list[tuple[int, bool]] = []
+        for k, reply in enumerate(replies):
+            part = todo[cut[k] : cut[k + 1]]
+            if reply is None:
+                results += await self._read_on_threads(ns, part)
+            else:
+                results += [(i, ok == 1) for (i, _, _), ok in zip(part, reply, strict=True)]
+        return results
 
     def _read_chunk(
         self, ns: bytes, chunk: list[tuple[int, _Loc, PageRef]]
     ) -> list[tuple[int, bool]]:
-        """Read and verify pages (sorted by place); back-to-back records in one preadv."""
-        read = [False] * len(chunk)
-        heads = memoryview(bytearray(HEADER_BYTES * len(chunk)))
-        i = 0
-        while i < len(chunk):
-            first = chunk[i][1]
-            end = first.offset + HEADER_BYTES + first.length
-            j = i + 1
-            while (
-                j < len(chunk)
-                and 2 * (j - i) < _IOV_MAX
-                and chunk[j][1].segment == first.segment
-                and chunk[j][1].offset == end
-            ):
-                end += HEADER_BYTES + chunk[j][1].length
-                j += 1
-            iov: list[memoryview] = []
-            for k in range(i, j):
-                iov += (heads[k * HEADER_BYTES : (k + 1) * HEADER_BYTES], chunk[k][2].buf)
-            try:
-                n = os.preadv(self.segments[first.segment].fd, iov, first.offset)
-            except (OSError, IndexError):
-                n = -1
-            read[i:j] = [n == end - first.offset] * (j - i)
-            i = j
-        verified = verify_many(
-            np.frombuffer(heads, np.uint8).reshape(len(chunk), HEADER_BYTES),
-            [page.buf for _, _, page in chunk],
+        """Read and verify pages (sorted by place) on this thread."""
+        good = read_records(
+            lambda segment: self.segments[segment].fd,
             ns,
-            [page.key for _, _, page in chunk],
+            [loc.segment for _, loc, _ in chunk],
+            [loc.offset for _, loc, _ in chunk],
             [loc.generation for _, loc, _ in chunk],
+            [page.key for _, _, page in chunk],
+            [page.buf for _, _, page in chunk],
         )
-        return [
-            (index, ok and good)
-            for (index, _, _), ok, good in zip(chunk, read, verified, strict=True)
-        ]
+        return [(index, ok) for (index, _, _), ok in zip(chunk, good, strict=True)]
 
     async def delete(self, ns: bytes, keys: Sequence[bytes]) -> None:
         for key in keys:
@@ -527,7 +568,8 @@ class FileBackend(Backend):
 
     def stats(self) -> dict[str, int]:
         used = sum(seg.write_off - SUPER_BYTES for seg in self.segments)
-        return {"pages": len(self.index), "bytes_used": used, **self.counters}
+        readers = self._readers.stats() if self._readers is not None else {}
+        return {"pages": len(self.index), "bytes_used": used, **self.counters, **readers}
 
 
 def _superblock(fd: int) -> tuple[bool, int, int, int]:

@@ -40,9 +40,19 @@ class FileOptions(msgspec.Struct, **_Table):
     segment_mib: int = 256
     # Threads doing positional reads and writes.
     io_threads: int = 4
+    # Child processes that read and verify pages straight into the pool, each with an
+    # interpreter of its own, so checksums of small pages do not queue for one GIL
+    # (0 = the I/O threads read). Used by the daemon, whose pool is a file; a store
+    # opened without one reads on its threads. A lost reader's pages are read on the
+    # threads, and it is started again.
+    read_processes: int = 2
+    # Seconds a reader may take to start or to answer a request before it is killed.
+    reader_deadline_s: float = 60.0
 
     def __post_init__(self) -> None:
-        positive(self, "segment_mib", "io_threads")
+        positive(self, "segment_mib", "io_threads", "reader_deadline_s")
+        if not 0 <= self.read_processes <= 64:
+            raise ValueError(f"read_processes must be 0 to 64, got {self.read_processes}")
         if self.capacity_mib < 2 * self.segment_mib:
             raise ValueError("capacity_mib must hold at least two segments (2 x segment_mib)")
         if self.path and not self.path.startswith("/"):

@@ -62,6 +62,9 @@ def test_write_through_reaches_l3_on_commit_and_comes_back(
         assert (done.planned, done.completed, done.failed) == (20, 20, False)
         assert c.commit(pf).published == 20
         assert np.array_equal(c.load(ns, toks), page_bytes_for(toks))
+        # read by the store's reader processes, straight into the daemon's pool
+        assert l3_count(c, "store_readers_alive") == 2
+        assert l3_count(c, "store_reader_pages") == 20
         # already in L3: nothing is written twice
         assert l3_count(c, "written") == 20 + 256
 

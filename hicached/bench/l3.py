@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import mmap
 import os
 import statistics
 import tempfile
@@ -30,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from hicached.arena import Arena
 from hicached.config import StorageConfig
 from hicached_backends.base import Backend, BackendEnv, PageRef
 from hicached_backends.options import FileOptions, MooncakeOptions, S3Options
@@ -39,17 +39,23 @@ NS = bytes(range(16))
 
 
 class Buffers:
-    """Source pages and a read target, in one mapped region (the backend's 'pool')."""
+    """Source pages and a read target, in one pool file as the daemon maps it
+    (the backend's 'pool', which its helper processes map too)."""
 
-    def __init__(self, pages: int, size: int) -> None:
-        self.map = mmap.mmap(
-            -1, 2 * pages * size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        )
-        arr = np.frombuffer(self.map, dtype=np.uint8).reshape(2 * pages, size)
+    def __init__(self, pages: int, size: int, directory: Path) -> None:
+        self.arena = Arena.create(directory / f"bench-{size}.pool", 2 * pages * size)
+        arr = self.arena.array.reshape(2 * pages, size)
         self.src, self.dst = arr[:pages], arr[pages:]
         self.src[:] = np.random.default_rng(size).integers(0, 256, self.src.shape, dtype=np.uint8)
-        self.view = memoryview(self.map)
+        self.view = self.arena.array.data
         self.keys = [os.urandom(16) for _ in range(pages)]
+
+    def env(self, data_dir: Path) -> BackendEnv:
+        return BackendEnv(data_dir, pool=self.view, pool_path=str(self.arena.path))
+
+    def close(self) -> None:
+        del self.src, self.dst, self.view
+        self.arena.close()
 
     def refs(self, which: np.ndarray) -> list[PageRef]:
         return [PageRef(k, which[i].data) for i, k in enumerate(self.keys)]
@@ -261,10 +267,12 @@ class _RawMooncake:
 @contextlib.contextmanager
 def _backend_options(args: argparse.Namespace, tmp: Path) -> Iterator[Any]:
     if args.backend == "file":
+        readers = FileOptions().read_processes
         yield FileOptions(
             path=str(tmp / "store"),
             capacity_mib=max(4 * args.mib, 64),
             segment_mib=max(args.mib // 2, 16),
+            read_processes=readers if args.read_processes is None else args.read_processes,
         )
     elif args.backend == "s3":
         from hicached.testing import CREDENTIALS, S3Server
@@ -313,15 +321,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cls = load_backend_class(args.backend)
     config = StorageConfig()
     figures: dict[str, float] = {}
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
     with (
         tempfile.TemporaryDirectory(prefix="hc-bench-l3-") as tmp_name,
+        tempfile.TemporaryDirectory(prefix="hc-bench-l3-", dir=shm) as pool_dir,
         _backend_options(args, Path(tmp_name)) as options,
     ):
         tmp = Path(tmp_name)
         for tag, size in SIZES.items():
             pages = max(8, (args.mib << 20) // size)
-            buf = Buffers(pages, size)
-            backend = cls(options, BackendEnv(tmp, pool=buf.view))
+            buf = Buffers(pages, size, Path(pool_dir))
+            backend = cls(options, buf.env(tmp))
 
             async def measure(
                 backend: Backend = backend, buf: Buffers = buf
@@ -406,6 +416,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if args.backend == "file":
                 for seg in (tmp / "store").glob("segment-*.hcs"):
                     seg.unlink()
+            buf.close()
     return {
         "figures": figures,
         "params": {
@@ -414,6 +425,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "batch_pages": config.batch_pages,
             "concurrency": config.concurrency,
             "rounds": args.rounds,
+            "read_processes": getattr(options, "read_processes", None),
             "note": "raw: the backend's own client, same bytes (file: contiguous per-thread "
             "parts, vectored calls, the backend's thread count, one fdatasync); writes (new "
             "pages each round) and reads: medians of paired rounds that alternate who goes "

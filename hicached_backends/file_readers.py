@@ -1,0 +1,481 @@
+"""Reader processes of the file store: verified reads beside the daemon's GIL.
+
+In one process, every checksum of a small page gives up the GIL and takes it
+back, and the I/O threads queue for it: verified hot reads of 64 KiB pages
+stay at a fraction of a raw preadv however many cores are free (docs/perf.md).
+A reader is a child process with an interpreter of its own. It maps the pool
+file, opens the segment files read-only, reads each requested record's
+header into its own memory and its payload straight into the pool slot, and
+verifies it (``read_records``: the same code the I/O threads run).
+
+Wire, over the reader's stdin and stdout (little-endian; no pickle):
+
+    request: u32 body length | namespace digest 16 B | records (``RECORD``)
+    reply:   u32 length | one byte per record (1: read and verified)
+
+A reader says it is ready with one empty reply. It answers requests in
+order, and ends at EOF on its stdin or on a request it cannot take (wrong
+size, too many records), so a reply is never out of step. A record whose
+segment or slot lies outside the store or the pool is answered 0 unread.
+
+The parent side (``Readers``) has one task per reader that takes its replies
+in order. A reader that dies, or answers no request within ``deadline_s``,
+is killed and waited for: from then on it writes no slot. Its open requests
+fail with ReaderLost, and the caller reads those pages on its threads. The
+reader is started again on a later request, at most once a second (after
+starts that failed, less often).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import operator
+import os
+import signal
+import struct
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from hicached_backends.record import HEADER_BYTES, verify_many
+
+log = logging.getLogger("hicached.file")
+
+#: one record to read: where it is in the store, what it must be, which slot it fills
+RECORD = np.dtype(
+    [
+        ("segment", "<u4"),
+        ("length", "<u4"),
+        ("offset", "<u8"),
+        ("generation", "<u8"),
+        ("slot", "<u8"),  # byte offset of the page's slot in the pool
+        ("key", "S16"),
+    ]
+)
+MAX_RECORDS = 1 << 16  # records in one request (3 MiB of body)
+_FRAME = struct.Struct("<I")
+IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
+_RESTART_EVERY_S = 1.0
+_WATCH_S = 1.0  # how often a reader's oldest request is checked against the deadline
+
+
+def segment_name(index: int) -> str:
+    return f"segment-{index:05d}.hcs"
+
+
+def read_records(
+    fd_of: Callable[[int], int],
+    ns: bytes,
+    segments: Sequence[int],
+    offsets: Sequence[int],
+    generations: Sequence[int],
+    keys: Sequence[bytes],
+    bufs: Sequence[memoryview],
+    *,
+    native: bool = True,
+) -> list[bool]:
+    """Read records (sorted by place) into ``bufs`` and verify them; True where
+    a page was read whole and its record is the intact one of (ns, key) at that
+    generation. Back-to-back records of a segment are read by one preadv.
+    ``native``: hash without the GIL (for threads); a reader process, which
+    shares its GIL with no one, calls the Python function, which costs less."""
+    n = len(keys)
+    heads = memoryview(bytearray(HEADER_BYTES * n))
+    lengths = [buf.nbytes for buf in bufs]
+    read = [False] * n
+    i = 0
+    while i < n:
+        segment, start = segments[i], offsets[i]
+        end = start + HEADER_BYTES + lengths[i]
+        j = i + 1
+        while j < n and 2 * (j - i) < IOV_MAX and segments[j] == segment and offsets[j] == end:
+            end += HEADER_BYTES + lengths[j]
+            j += 1
+        iov: list[memoryview] = []
+        for k in range(i, j):
+            iov += (heads[k * HEADER_BYTES : (k + 1) * HEADER_BYTES], bufs[k])
+        try:
+            got = os.preadv(fd_of(segment), iov, start)
+        except (OSError, LookupError):  # a failed read, or a segment no longer there
+            got = -1
+        read[i:j] = [got == end - start] * (j - i)
+        i = j
+    verified = verify_many(
+        np.frombuffer(heads, np.uint8).reshape(n, HEADER_BYTES),
+        bufs,
+        ns,
+        keys,
+        generations,
+        addresses=None if native else [None] * n,
+    )
+    return [a and b for a, b in zip(read, verified, strict=True)]
+
+
+# -- the reader process ------------------------------------------------------------------
+
+
+def _read_exact(fd: int, n: int) -> bytes | None:
+    parts, left = [], n
+    while left:
+        part = os.read(fd, left)
+        if not part:
+            return None
+        parts.append(part)
+        left -= len(part)
+    return b"".join(parts)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def serve(pool_path: str, pool_bytes: int, store: str, n_segments: int, huge_pages: str) -> int:
+    """The reader's main loop; returns its exit code."""
+    from hicached.arena import Arena  # here, so that importing this module stays light
+
+    # A reader lives as long as its stdin: the daemon closes it at its stop, or dies.
+    # Signals meant for the daemon's group (a terminal's ^C, a service stop) would
+    # otherwise end readers before the daemon stops reading.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    arena = Arena.attach(pool_path, pool_bytes, huge_pages=huge_pages)
+    pool = arena.array.data
+    # page-table entries for the whole pool, off the request path
+    threading.Thread(target=arena.prefault, daemon=True).start()
+    fds: dict[int, int] = {}
+
+    def fd_of(segment: int) -> int:
+        fd = fds.get(segment)
+        if fd is None:
+            path = os.path.join(store, segment_name(segment))
+            fd = fds[segment] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return fd
+
+    _write_all(1, _FRAME.pack(0))  # ready
+    while True:
+        head = _read_exact(0, _FRAME.size)
+        if head is None:
+            return 0
+        (size,) = _FRAME.unpack(head)
+        if size < 16 or (size - 16) % RECORD.itemsize or size > 16 + MAX_RECORDS * RECORD.itemsize:
+            print(f"hicached file reader: a request of {size} bytes", file=sys.stderr)
+            return 3
+        body = _read_exact(0, size)
+        if body is None:
+            return 0
+        ns, records = body[:16], np.frombuffer(body, RECORD, offset=16)
+        slots, lengths = records["slot"], records["length"].astype(np.uint64)
+        fits = (
+            (records["segment"] < n_segments)
+            & (lengths <= pool_bytes)
+            & (slots <= pool_bytes - np.minimum(lengths, pool_bytes))
+        )
+        out = bytearray(len(records))
+        take = np.flatnonzero(fits).tolist()
+        if take:
+            chosen = records[take]
+            bufs = [
+                pool[slot : slot + length]
+                for slot, length in zip(
+                    chosen["slot"].tolist(), chosen["length"].tolist(), strict=True
+                )
+            ]
+            key_bytes = chosen["key"].tobytes()
+            good = read_records(
+                fd_of,
+                ns,
+                chosen["segment"].tolist(),
+                chosen["offset"].tolist(),
+                chosen["generation"].tolist(),
+                [key_bytes[16 * k : 16 * k + 16] for k in range(len(take))],
+                bufs,
+                native=False,
+            )
+            for at, ok in zip(take, good, strict=True):
+                out[at] = ok
+        _write_all(1, _FRAME.pack(len(out)) + bytes(out))
+
+
+# -- the parent side ---------------------------------------------------------------------
+
+
+class ReaderLost(Exception):
+    """A reader died or missed its deadline: read its pages another way."""
+
+
+class _Reader:
+    """One reader process and the requests it has not answered yet."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], deadline_s: float) -> None:
+        self.argv, self.env, self.deadline_s = argv, env, deadline_s
+        self.proc: asyncio.subprocess.Process | None = None
+        # requests sent and not answered yet, with when each was sent
+        self.waiting: collections.deque[tuple[asyncio.Future[bytes], float]] = collections.deque()
+        self.replies: asyncio.Task[None] | None = None
+        self.starting: asyncio.Task[None] | None = None
+        self.last_start = -_RESTART_EVERY_S
+        self.backoff_s = _RESTART_EVERY_S
+        self.lost = 0
+        self.overdue = False  # killed for missing the deadline
+        self.stopping = False
+        self.watch: asyncio.TimerHandle | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.replies is not None and not self.replies.done()
+
+    async def start(self) -> None:
+        self.last_start = time.monotonic()
+        proc = self.proc = await asyncio.create_subprocess_exec(
+            *self.argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            env=self.env,
+        )
+        assert proc.stdout is not None
+        try:
+            await asyncio.wait_for(proc.stdout.readexactly(_FRAME.size), self.deadline_s)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError):
+            await self.end()
+            self.backoff_s = min(60.0, 2 * self.backoff_s)
+            raise ReaderLost(
+                f"a file reader did not start within {self.deadline_s:.0f} s "
+                f"(exit code {proc.returncode}; its errors are in the daemon's log)"
+            ) from None
+        except BaseException:
+            await self.end()
+            raise
+        self.backoff_s = _RESTART_EVERY_S
+        self.overdue = False
+        self.replies = asyncio.create_task(self._take_replies(proc))
+
+    def restart_later(self) -> None:
+        """Start the process again: at most once a second, and after failed
+        starts, less often (up to once a minute)."""
+        if self.starting is not None and not self.starting.done():
+            return
+        if time.monotonic() - self.last_start < self.backoff_s:
+            return
+
+        async def again() -> None:
+            try:
+                await self.start()
+            except ReaderLost as exc:
+                log.warning("%s", exc)
+
+        self.starting = asyncio.create_task(again())
+
+    async def _take_replies(self, proc: asyncio.subprocess.Process) -> None:
+        """Replies, in order, to the oldest waiting requests, until the reader ends."""
+        assert proc.stdout is not None
+        self.watch = asyncio.get_running_loop().call_later(_WATCH_S, self._watch, proc)
+        why = "it closed its output"
+        try:
+            while True:
+                try:
+                    head = await proc.stdout.readexactly(_FRAME.size)
+                    body = await proc.stdout.readexactly(_FRAME.unpack(head)[0])
+                except asyncio.IncompleteReadError:
+                    break
+                if not self.waiting:
+                    why = "it sent a reply to no request"
+                    break
+                fut, _ = self.waiting.popleft()
+                if not fut.done():
+                    fut.set_result(body)
+        finally:
+            if self.watch is not None:
+                self.watch.cancel()
+            await asyncio.shield(self.end())
+            if self.overdue:
+                why = f"it answered no request within {self.deadline_s:g} s"
+            if not self.stopping:
+                self.lost += 1
+                log.warning(
+                    "file reader %d ended (%s, exit code %s); its pages are read on threads",
+                    proc.pid,
+                    why,
+                    proc.returncode,
+                )
+            while self.waiting:
+                fut, _ = self.waiting.popleft()
+                if not fut.done():
+                    fut.set_exception(ReaderLost(why))
+
+    def _watch(self, proc: asyncio.subprocess.Process) -> None:
+        """Every _WATCH_S while the reader runs: kill it once its oldest request
+        has waited past the deadline (its reply task then ends it)."""
+        if self.waiting and time.monotonic() - self.waiting[0][1] >= self.deadline_s:
+            self.overdue = True
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            return
+        self.watch = asyncio.get_running_loop().call_later(_WATCH_S, self._watch, proc)
+
+    async def end(self) -> None:
+        """Kill the process and wait until it is gone: then it writes no slot."""
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+        await proc.wait()
+
+    async def submit(self, body: bytes) -> asyncio.Future[bytes]:
+        proc = self.proc
+        assert proc is not None and proc.stdin is not None
+        fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self.waiting.append((fut, time.monotonic()))
+        try:
+            proc.stdin.write(_FRAME.pack(len(body)) + body)
+            await proc.stdin.drain()
+        except (ConnectionError, RuntimeError):
+            pass  # the reply task ends the reader and fails ``fut``
+        return fut
+
+    async def stop(self) -> None:
+        """Close stdin (the reader exits), then kill what is left; idempotent."""
+        self.stopping = True
+        if self.starting is not None:
+            self.starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.starting
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.stdin is not None:
+            proc.stdin.close()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(proc.wait(), self.deadline_s)
+        if self.replies is not None:
+            self.replies.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.replies
+        await self.end()
+
+
+class Readers:
+    """The reader processes of one store; ``read`` spreads a batch over them."""
+
+    def __init__(
+        self,
+        count: int,
+        *,
+        pool: memoryview,
+        pool_path: str,
+        huge_pages: str,
+        store: Path,
+        n_segments: int,
+        deadline_s: float,
+    ) -> None:
+        from hicached_backends.record import address_of
+
+        base = address_of(pool)
+        if base is None:
+            raise ValueError("the pool must be writable memory")
+        self.base, self.size = base, pool.nbytes
+        root = str(Path(__file__).resolve().parent.parent)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH", "")]))
+        argv = [
+            sys.executable,
+            "-m",
+            __name__,
+            pool_path,
+            str(self.size),
+            str(store),
+            str(n_segments),
+            huge_pages,
+        ]
+        self.readers = [_Reader(argv, env, deadline_s) for _ in range(count)]
+        self._next = 0
+        self.pages = 0  # pages the readers answered for (read and verified, or not)
+
+    async def start(self) -> None:
+        try:
+            await asyncio.gather(*(reader.start() for reader in self.readers))
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(reader.stop() for reader in self.readers))
+
+    def slots(self, addresses: Sequence[int | None], lengths: Sequence[int]) -> list[int] | None:
+        """Pool offsets of these buffers, or None unless every one lies in the pool."""
+        if None in addresses:
+            return None
+        at: list[int] = addresses  # type: ignore[assignment]  # no None, checked above
+        if not at or min(at) < self.base:
+            return None
+        if max(map(operator.add, at, lengths)) > self.base + self.size:
+            return None
+        return [a - self.base for a in at]
+
+    def available(self) -> int:
+        """Readers that take requests now; the others are started again meanwhile."""
+        n = 0
+        for reader in self.readers:
+            if reader.alive:
+                n += 1
+            else:
+                reader.restart_later()
+        return n
+
+    async def read(self, ns: bytes, parts: list[np.ndarray]) -> list[bytes | None]:
+        """Each part (RECORD rows) on a reader of its own (at most ``available()``
+        parts); the reply bytes of each, or None where its reader was lost.
+        Returns only when no reader still works on any part of the call."""
+        live = [reader for reader in self.readers if reader.alive]
+        if len(parts) > len(live):
+            raise ValueError(f"{len(parts)} parts for {len(live)} readers")
+        start = self._next
+        self._next = (start + len(parts)) % max(1, len(live))
+        chosen = [live[(start + k) % len(live)] for k in range(len(parts))]
+        futs: list[asyncio.Future[bytes]] = []
+        try:
+            for reader, part in zip(chosen, parts, strict=True):
+                futs.append(await reader.submit(ns + part.tobytes()))
+            replies = await asyncio.gather(*futs, return_exceptions=True)
+        except asyncio.CancelledError:
+            # slots of this call may still be written: end those readers first
+            # (gather cancelled the futures: a cancelled one had no reply)
+            busy = [r for r, f in zip(chosen, futs, strict=False) if f.cancelled() or not f.done()]
+            busy += chosen[len(futs) :]
+            await asyncio.shield(asyncio.gather(*(r.end() for r in busy)))
+            raise
+        out: list[bytes | None] = []
+        for reply, part in zip(replies, parts, strict=True):
+            if isinstance(reply, bytes) and len(reply) == len(part):
+                out.append(reply)
+                self.pages += len(reply)
+            elif isinstance(reply, ReaderLost | bytes):
+                out.append(None)
+            else:
+                raise reply
+        return out
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "readers_alive": sum(reader.alive for reader in self.readers),
+            "readers_lost": sum(reader.lost for reader in self.readers),
+            "reader_pages": self.pages,
+        }
+
+
+if __name__ == "__main__":
+    pool_path, pool_bytes, store, n_segments, huge_pages = sys.argv[1:6]
+    try:
+        sys.exit(serve(pool_path, int(pool_bytes), store, int(n_segments), huge_pages))
+    except BrokenPipeError:  # the daemon is gone
+        sys.exit(0)

@@ -1,0 +1,217 @@
+"""The file store's reader processes: real child processes reading into a
+real pool file. Faults are real too: readers are killed (SIGKILL) or stopped
+(SIGSTOP) by signal, records are corrupted in the segment file, and a reader
+is fed requests it must refuse."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from hicached.arena import Arena
+from hicached_backends.base import BackendEnv, PageRef
+from hicached_backends.file import FileBackend
+from hicached_backends.file_readers import RECORD
+from hicached_backends.options import FileOptions
+
+pytestmark = pytest.mark.timeout(120)
+
+NS = bytes(range(16))
+PAGE = 16 << 10
+PAGES = 96
+
+
+class Store:
+    def __init__(self, tmp: Path, readers: int = 2, deadline_s: float = 30.0) -> None:
+        self.arena = Arena.create(tmp / "pool", 2 * PAGES * PAGE, populate=False)
+        rows = self.arena.array.reshape(2 * PAGES, PAGE)
+        self.src, self.dst = rows[:PAGES], rows[PAGES:]
+        self.src[:] = np.random.default_rng(7).integers(0, 256, self.src.shape, dtype=np.uint8)
+        self.keys = [struct.pack("<QQ", 1, i) for i in range(PAGES)]
+        options = FileOptions(
+            path=str(tmp / "store"),
+            capacity_mib=8,
+            segment_mib=2,
+            io_threads=2,
+            read_processes=readers,
+            reader_deadline_s=deadline_s,
+        )
+        env = BackendEnv(tmp, pool=self.arena.array.data, pool_path=str(self.arena.path))
+        self.backend = FileBackend(options, env)
+
+    def refs(self, rows: np.ndarray) -> list[PageRef]:
+        return [PageRef(k, rows[i].data) for i, k in enumerate(self.keys)]
+
+    async def get(self) -> list[bool]:
+        self.dst[:] = 0
+        return await self.backend.get(NS, self.refs(self.dst))
+
+    def pids(self) -> list[int]:
+        readers = self.backend._readers
+        assert readers is not None
+        return [r.proc.pid for r in readers.readers if r.proc is not None and r.alive]
+
+    def stat(self, name: str) -> int:
+        return self.backend.stats()[name]
+
+
+@pytest_asyncio.fixture
+async def store(tmp_path: Path) -> AsyncIterator[Store]:
+    s = Store(tmp_path, deadline_s=2.0)
+    await s.backend.open()
+    assert all(await s.backend.put(NS, s.refs(s.src)))
+    yield s
+    await s.backend.close()
+
+
+async def _until(cond, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_readers_read_and_verify_into_the_pool(store: Store) -> None:
+    assert store.stat("readers_alive") == 2
+    assert all(await store.get())
+    assert np.array_equal(store.src, store.dst)
+    assert store.stat("reader_pages") == PAGES  # the readers answered, not the threads
+
+
+async def test_a_corrupt_record_is_a_miss_and_dropped(store: Store) -> None:
+    loc = store.backend.index[(NS, store.keys[5])]
+    seg = store.backend.segments[loc.segment]
+    at = loc.offset + 64 + 100  # a payload byte
+    byte = os.pread(seg.fd, 1, at)
+    os.pwrite(seg.fd, bytes([byte[0] ^ 0xFF]), at)
+    forgotten: list[bytes] = []
+    store.backend.on_forget = lambda ns, keys: forgotten.extend(keys)
+    got = await store.get()
+    assert got == [i != 5 for i in range(PAGES)]
+    assert forgotten == [store.keys[5]] and (NS, store.keys[5]) not in store.backend.index
+    assert store.stat("bad_records") == 1 and store.stat("reader_pages") == PAGES
+    good = [i for i in range(PAGES) if i != 5]
+    assert np.array_equal(store.src[good], store.dst[good])
+
+
+async def test_a_killed_reader_loses_nothing_and_comes_back(
+    store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    victim = store.pids()[0]
+    os.kill(victim, signal.SIGKILL)
+    await _until(lambda: store.stat("readers_alive") == 1)
+    assert store.stat("readers_lost") == 1
+    assert all(await store.get())  # the survivor and, as needed, the threads
+    assert np.array_equal(store.src, store.dst)
+    # started again (at most once a second) by a later read
+    await asyncio.sleep(1.1)
+    assert all(await store.get())
+    await _until(lambda: store.stat("readers_alive") == 2)
+    assert victim not in store.pids()
+    assert any("file reader" in r.message and "ended" in r.message for r in caplog.records)
+
+
+async def test_a_hung_reader_is_killed_at_its_deadline(store: Store) -> None:
+    pids = store.pids()
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)  # hangs mid-stream, as on a dead disk
+    t0 = time.monotonic()
+    got = await asyncio.wait_for(store.get(), 20)
+    took = time.monotonic() - t0
+    assert all(got) and np.array_equal(store.src, store.dst)
+    assert 1.5 < took < 10, took  # the deadline (2 s), then the threads
+    assert store.stat("readers_lost") == 2
+    assert not any(_alive(pid) for pid in pids)
+
+
+async def test_a_cancelled_read_ends_the_readers_that_still_write(store: Store) -> None:
+    pids = store.pids()
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    task = asyncio.ensure_future(store.get())
+    await asyncio.sleep(0.3)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # when the call has ended, nothing of it can write a slot any more
+    assert not any(_alive(pid) for pid in pids)
+
+
+async def test_buffers_outside_the_pool_are_read_on_threads(store: Store) -> None:
+    mine = [bytearray(PAGE) for _ in range(PAGES)]
+    refs = [PageRef(k, memoryview(b)) for k, b in zip(store.keys, mine, strict=True)]
+    assert all(await store.backend.get(NS, refs))
+    assert all(bytes(b) == store.src[i].tobytes() for i, b in enumerate(mine))
+    assert store.stat("reader_pages") == 0
+
+
+async def test_close_ends_the_readers_quietly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    s = Store(tmp_path)
+    await s.backend.open()
+    pids = s.pids()
+    assert len(pids) == 2
+    await s.backend.close()
+    assert not any(_alive(pid) for pid in pids)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+async def test_no_pool_file_means_threads(tmp_path: Path) -> None:
+    options = FileOptions(path=str(tmp_path / "store"), capacity_mib=8, segment_mib=2)
+    backend = FileBackend(options, BackendEnv(tmp_path))
+    await backend.open()
+    try:
+        assert backend._readers is None and "readers_alive" not in backend.stats()
+    finally:
+        await backend.close()
+
+
+def test_a_reader_refuses_what_it_cannot_take(tmp_path: Path) -> None:
+    """Requests outside the pool or the store are answered 0 unread; a frame of
+    the wrong size ends the reader."""
+    arena = Arena.create(tmp_path / "pool", 4 * PAGE, populate=False)
+    (tmp_path / "store").mkdir()
+    arena.array[:] = 0x5A
+    argv = [sys.executable, "-m", "hicached_backends.file_readers", str(arena.path)]
+    argv += [str(4 * PAGE), str(tmp_path / "store"), "2", "off"]
+    proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    with proc:
+        assert proc.stdout is not None and proc.stdin is not None
+        assert proc.stdout.read(4) == struct.pack("<I", 0)  # ready
+        records = np.zeros(4, RECORD)
+        records["length"] = PAGE
+        records["slot"] = [4 * PAGE, 3 * PAGE + 1, 0, 0]  # past the pool; over its end
+        records["segment"] = [0, 0, 2, 0]  # the third: past the store
+        records["offset"] = 4096
+        body = NS + records.tobytes()
+        proc.stdin.write(struct.pack("<I", len(body)) + body)
+        proc.stdin.flush()
+        assert proc.stdout.read(4) == struct.pack("<I", 4)
+        # the fourth names a segment file that does not exist: unread, not a crash
+        assert proc.stdout.read(4) == bytes(4)
+        assert (arena.array == 0x5A).all()  # no slot was touched
+        proc.stdin.write(struct.pack("<I", 17) + bytes(17))  # not a whole record
+        proc.stdin.flush()
+        assert proc.wait(10) == 3
+    arena.close()
