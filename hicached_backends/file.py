@@ -531,12 +531,9 @@ class FileBackend(Backend):
         records["generation"] = [loc.generation for _, loc, _ in todo]
         records["slot"] = slots
         records["key"] = [page.key for _, _, page in todo]
-        n = min(readers.available(), len(todo))
-        cut = [len(todo) * k // n for k in range(n + 1)]
-        replies = await readers.read(ns, [records[cut[k] : cut[k + 1]] for k in range(n)])
         results: list[tuple[int, bool]] = []
-        for k, reply in enumerate(replies):
-            part = todo[cut[k] : cut[k + 1]]
+        for lo, hi, reply in await readers.read(ns, records):
+            part = todo[lo:hi]
             if reply is None:
                 results += await self._read_on_threads(ns, part)
             else:

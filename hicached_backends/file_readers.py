@@ -36,9 +36,11 @@ import operator
 import os
 import signal
 import struct
+import subprocess
 import sys
 import threading
 import time
+import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -63,6 +65,7 @@ MAX_RECORDS = 1 << 16  # records in one request (3 MiB of body)
 _FRAME = struct.Struct("<I")
 IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
 _RESTART_EVERY_S = 1.0
+PART_BYTES = 1 << 20  # payload bytes of a read's part, at least, when it is spread
 _WATCH_S = 1.0  # how often a reader's oldest request is checked against the deadline
 
 
@@ -212,56 +215,173 @@ class ReaderLost(Exception):
     """A reader died or missed its deadline: read its pages another way."""
 
 
+class _Child(asyncio.SubprocessProtocol):
+    """One run of a reader process: its replies arrive by callback, in order."""
+
+    def __init__(self, deadline_s: float) -> None:
+        self.deadline_s = deadline_s
+        self.transport: asyncio.SubprocessTransport | None = None
+        self.stdin: asyncio.WriteTransport | None = None
+        self.inbox = bytearray()
+        # requests sent and not answered yet, with when each was sent
+        self.waiting: collections.deque[tuple[asyncio.Future[bytes], float]] = collections.deque()
+        loop = asyncio.get_running_loop()
+        self.ready: asyncio.Future[None] = loop.create_future()
+        self.exited: asyncio.Future[None] = loop.create_future()
+        self.up = False  # ready, and not lost since
+        self.why = ""  # why it was lost ("" while it is not)
+        self.watch: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # (uvloop's transports do not subclass asyncio's)
+        self.transport = typing.cast(asyncio.SubprocessTransport, transport)
+        self.stdin = typing.cast(asyncio.WriteTransport, self.transport.get_pipe_transport(0))
+
+    def pipe_data_received(self, fd: int, data: bytes) -> None:
+        inbox = self.inbox
+        inbox += data
+        at = 0
+        while len(inbox) - at >= _FRAME.size:
+            (size,) = _FRAME.unpack_from(inbox, at)
+            if len(inbox) - at - _FRAME.size < size:
+                break
+            body = bytes(inbox[at + _FRAME.size : at + _FRAME.size + size])
+            at += _FRAME.size + size
+            if not self.ready.done():
+                self.up = True
+                self.ready.set_result(None)
+                self.watch = asyncio.get_running_loop().call_later(_WATCH_S, self._watch)
+            elif self.waiting:
+                fut, _ = self.waiting.popleft()
+                if not fut.done():
+                    fut.set_result(body)
+            else:
+                self.lose("it sent a reply to no request")
+                return
+        del inbox[:at]
+
+    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
+        if fd == 1:
+            self.lose("it closed its output")
+
+    def process_exited(self) -> None:
+        """Only now, with the process gone, are its requests failed: from here on
+        nothing writes their slots."""
+        self.up = False
+        if self.watch is not None:
+            self.watch.cancel()
+        if not self.exited.done():
+            self.exited.set_result(None)
+        why = self.why or "it exited"
+        while self.waiting:
+            fut, _ = self.waiting.popleft()
+            if not fut.done():
+                fut.set_exception(ReaderLost(why))
+
+    def lose(self, why: str) -> None:
+        """Take no more requests and kill the process; process_exited fails the rest."""
+        self.up = False
+        if not self.why:
+            self.why = why
+        if self.transport is not None and self.transport.get_returncode() is None:
+            # os.kill, not transport.kill(): that polls the child first and so may
+            # reap it under the loop's child watcher, which then reports it lost
+            # with status 255. A zombie ignores the signal; its pid stays ours
+            # until the watcher reaps it.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.transport.get_pid(), signal.SIGKILL)
+
+    def _watch(self) -> None:
+        """Every _WATCH_S while the reader runs: kill it once its oldest request
+        has waited past the deadline."""
+        if self.waiting and time.monotonic() - self.waiting[0][1] >= self.deadline_s:
+            self.lose(f"it answered no request within {self.deadline_s:g} s")
+            return
+        self.watch = asyncio.get_running_loop().call_later(_WATCH_S, self._watch)
+
+    def send(self, body: bytes) -> asyncio.Future[bytes]:
+        fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        if not self.up or self.stdin is None or self.stdin.is_closing():
+            fut.set_exception(ReaderLost(self.why or "it is not running"))
+            return fut
+        self.waiting.append((fut, time.monotonic()))
+        self.stdin.write(_FRAME.pack(len(body)) + body)
+        return fut
+
+    async def end(self) -> None:
+        """Kill the process and wait until it is gone: then it writes no slot."""
+        self.lose("it was ended")
+        await asyncio.shield(self.exited)
+
+
 class _Reader:
-    """One reader process and the requests it has not answered yet."""
+    """One reader: its process now, and when to start it again."""
 
     def __init__(self, argv: list[str], env: dict[str, str], deadline_s: float) -> None:
         self.argv, self.env, self.deadline_s = argv, env, deadline_s
-        self.proc: asyncio.subprocess.Process | None = None
-        # requests sent and not answered yet, with when each was sent
-        self.waiting: collections.deque[tuple[asyncio.Future[bytes], float]] = collections.deque()
-        self.replies: asyncio.Task[None] | None = None
+        self.child: _Child | None = None
         self.starting: asyncio.Task[None] | None = None
         self.last_start = -_RESTART_EVERY_S
         self.backoff_s = _RESTART_EVERY_S
         self.lost = 0
-        self.overdue = False  # killed for missing the deadline
         self.stopping = False
-        self.watch: asyncio.TimerHandle | None = None
 
     @property
     def alive(self) -> bool:
-        return self.replies is not None and not self.replies.done()
+        return self.child is not None and self.child.up
+
+    @property
+    def busy(self) -> int:
+        """Requests sent and not answered yet."""
+        return len(self.child.waiting) if self.child is not None else 0
 
     async def start(self) -> None:
         self.last_start = time.monotonic()
-        proc = self.proc = await asyncio.create_subprocess_exec(
+        loop = asyncio.get_running_loop()
+        child = _Child(self.deadline_s)
+        await loop.subprocess_exec(
+            lambda: child,
             *self.argv,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=None,
             env=self.env,
         )
-        assert proc.stdout is not None
+        child.exited.add_done_callback(lambda _: self._ended(child))
         try:
-            await asyncio.wait_for(proc.stdout.readexactly(_FRAME.size), self.deadline_s)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError):
-            await self.end()
-            self.backoff_s = min(60.0, 2 * self.backoff_s)
-            raise ReaderLost(
-                f"a file reader did not start within {self.deadline_s:.0f} s "
-                f"(exit code {proc.returncode}; its errors are in the daemon's log)"
-            ) from None
+            await asyncio.wait_for(asyncio.shield(child.ready), self.deadline_s)
+        except asyncio.TimeoutError:
+            pass
         except BaseException:
-            await self.end()
+            await child.end()
             raise
+        if not child.up:
+            child.why = child.why or f"it did not start within {self.deadline_s:g} s"
+            await child.end()
+            self.backoff_s = min(60.0, 2 * self.backoff_s)
+            code = child.transport.get_returncode() if child.transport else None
+            raise ReaderLost(
+                f"a file reader did not start ({child.why}; exit code {code}; "
+                "its errors are in the daemon's log)"
+            )
         self.backoff_s = _RESTART_EVERY_S
-        self.overdue = False
-        self.replies = asyncio.create_task(self._take_replies(proc))
+        self.child = child
+
+    def _ended(self, child: _Child) -> None:
+        if child is not self.child or self.stopping:
+            return
+        self.lost += 1
+        code = child.transport.get_returncode() if child.transport else None
+        log.warning(
+            "file reader ended (%s, exit code %s); its pages are read on threads",
+            child.why or "it exited",
+            code,
+        )
 
     def restart_later(self) -> None:
         """Start the process again: at most once a second, and after failed
         starts, less often (up to once a minute)."""
-        if self.starting is not None and not self.starting.done():
+        if self.stopping or (self.starting is not None and not self.starting.done()):
             return
         if time.monotonic() - self.last_start < self.backoff_s:
             return
@@ -274,75 +394,6 @@ class _Reader:
 
         self.starting = asyncio.create_task(again())
 
-    async def _take_replies(self, proc: asyncio.subprocess.Process) -> None:
-        """Replies, in order, to the oldest waiting requests, until the reader ends."""
-        assert proc.stdout is not None
-        self.watch = asyncio.get_running_loop().call_later(_WATCH_S, self._watch, proc)
-        why = "it closed its output"
-        try:
-            while True:
-                try:
-                    head = await proc.stdout.readexactly(_FRAME.size)
-                    body = await proc.stdout.readexactly(_FRAME.unpack(head)[0])
-                except asyncio.IncompleteReadError:
-                    break
-                if not self.waiting:
-                    why = "it sent a reply to no request"
-                    break
-                fut, _ = self.waiting.popleft()
-                if not fut.done():
-                    fut.set_result(body)
-        finally:
-            if self.watch is not None:
-                self.watch.cancel()
-            await asyncio.shield(self.end())
-            if self.overdue:
-                why = f"it answered no request within {self.deadline_s:g} s"
-            if not self.stopping:
-                self.lost += 1
-                log.warning(
-                    "file reader %d ended (%s, exit code %s); its pages are read on threads",
-                    proc.pid,
-                    why,
-                    proc.returncode,
-                )
-            while self.waiting:
-                fut, _ = self.waiting.popleft()
-                if not fut.done():
-                    fut.set_exception(ReaderLost(why))
-
-    def _watch(self, proc: asyncio.subprocess.Process) -> None:
-        """Every _WATCH_S while the reader runs: kill it once its oldest request
-        has waited past the deadline (its reply task then ends it)."""
-        if self.waiting and time.monotonic() - self.waiting[0][1] >= self.deadline_s:
-            self.overdue = True
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            return
-        self.watch = asyncio.get_running_loop().call_later(_WATCH_S, self._watch, proc)
-
-    async def end(self) -> None:
-        """Kill the process and wait until it is gone: then it writes no slot."""
-        proc = self.proc
-        if proc is None:
-            return
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-        await proc.wait()
-
-    async def submit(self, body: bytes) -> asyncio.Future[bytes]:
-        proc = self.proc
-        assert proc is not None and proc.stdin is not None
-        fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        self.waiting.append((fut, time.monotonic()))
-        try:
-            proc.stdin.write(_FRAME.pack(len(body)) + body)
-            await proc.stdin.drain()
-        except (ConnectionError, RuntimeError):
-            pass  # the reply task ends the reader and fails ``fut``
-        return fut
-
     async def stop(self) -> None:
         """Close stdin (the reader exits), then kill what is left; idempotent."""
         self.stopping = True
@@ -350,18 +401,17 @@ class _Reader:
             self.starting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self.starting
-        proc = self.proc
-        if proc is None:
+        child = self.child
+        if child is None:
             return
-        if proc.stdin is not None:
-            proc.stdin.close()
+        child.up = False
+        if child.stdin is not None:
+            child.stdin.close()
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(proc.wait(), self.deadline_s)
-        if self.replies is not None:
-            self.replies.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.replies
-        await self.end()
+            await asyncio.wait_for(asyncio.shield(child.exited), self.deadline_s)
+        await child.end()
+        if child.transport is not None:
+            child.transport.close()
 
 
 class Readers:
@@ -432,35 +482,50 @@ class Readers:
                 reader.restart_later()
         return n
 
-    async def read(self, ns: bytes, parts: list[np.ndarray]) -> list[bytes | None]:
-        """Each part (RECORD rows) on a reader of its own (at most ``available()``
-        parts); the reply bytes of each, or None where its reader was lost.
-        Returns only when no reader still works on any part of the call."""
-        live = [reader for reader in self.readers if reader.alive]
-        if len(parts) > len(live):
-            raise ValueError(f"{len(parts)} parts for {len(live)} readers")
-        start = self._next
-        self._next = (start + len(parts)) % max(1, len(live))
-        chosen = [live[(start + k) % len(live)] for k in range(len(parts))]
-        futs: list[asyncio.Future[bytes]] = []
+    async def read(self, ns: bytes, records: np.ndarray) -> list[tuple[int, int, bytes | None]]:
+        """Read and verify ``records`` (RECORD rows, in store order) on the readers.
+
+        A read while readers are idle is spread over them, in parts of at least
+        PART_BYTES; beside other reads, it goes whole to the least busy reader,
+        so a busy store sends one request a batch. Returns (start, end, reply) of
+        each part: the reply has a byte a record, or is None where the part's
+        reader was lost (read those records another way). Returns only when no
+        reader still works on any part of the call."""
+        n = len(records)
+        live = [reader for reader in self.readers if reader.alive and reader.child is not None]
+        if not live or n == 0:
+            return [(0, n, None)]
+        first = self._next % len(live)
+        self._next += 1
+        live = live[first:] + live[:first]
+        idle = [reader for reader in live if not reader.busy]
+        if idle:
+            nbytes = int(records["length"].sum())
+            chosen = idle[: max(1, min(len(idle), n, nbytes // PART_BYTES))]
+        else:
+            chosen = [min(live, key=lambda reader: reader.busy)]
+        children = [reader.child for reader in chosen if reader.child is not None]
+        cut = [n * k // len(children) for k in range(len(children) + 1)]
+        futs = [
+            child.send(ns + records[cut[k] : cut[k + 1]].tobytes())
+            for k, child in enumerate(children)
+        ]
         try:
-            for reader, part in zip(chosen, parts, strict=True):
-                futs.append(await reader.submit(ns + part.tobytes()))
             replies = await asyncio.gather(*futs, return_exceptions=True)
         except asyncio.CancelledError:
             # slots of this call may still be written: end those readers first
             # (gather cancelled the futures: a cancelled one had no reply)
-            busy = [r for r, f in zip(chosen, futs, strict=False) if f.cancelled() or not f.done()]
-            busy += chosen[len(futs) :]
-            await asyncio.shield(asyncio.gather(*(r.end() for r in busy)))
+            busy = [c for c, f in zip(children, futs, strict=True) if f.cancelled()]
+            await asyncio.shield(asyncio.gather(*(child.end() for child in busy)))
             raise
-        out: list[bytes | None] = []
-        for reply, part in zip(replies, parts, strict=True):
-            if isinstance(reply, bytes) and len(reply) == len(part):
-                out.append(reply)
-                self.pages += len(reply)
+        out: list[tuple[int, int, bytes | None]] = []
+        for k, reply in enumerate(replies):
+            lo, hi = cut[k], cut[k + 1]
+            if isinstance(reply, bytes) and len(reply) == hi - lo:
+                out.append((lo, hi, reply))
+                self.pages += hi - lo
             elif isinstance(reply, ReaderLost | bytes):
-                out.append(None)
+                out.append((lo, hi, None))
             else:
                 raise reply
         return out

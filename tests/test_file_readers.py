@@ -29,7 +29,7 @@ from hicached_backends.options import FileOptions
 pytestmark = pytest.mark.timeout(120)
 
 NS = bytes(range(16))
-PAGE = 16 << 10
+PAGE = 32 << 10  # 3 MiB a read: spread over both readers (parts of 1 MiB at least)
 PAGES = 96
 
 
@@ -61,7 +61,11 @@ class Store:
     def pids(self) -> list[int]:
         readers = self.backend._readers
         assert readers is not None
-        return [r.proc.pid for r in readers.readers if r.proc is not None and r.alive]
+        return [
+            r.child.transport.get_pid()
+            for r in readers.readers
+            if r.alive and r.child is not None and r.child.transport is not None
+        ]
 
     def stat(self, name: str) -> int:
         return self.backend.stats()[name]
@@ -215,3 +219,33 @@ def test_a_reader_refuses_what_it_cannot_take(tmp_path: Path) -> None:
         proc.stdin.flush()
         assert proc.wait(10) == 3
     arena.close()
+
+
+def test_readers_under_the_default_event_loop(tmp_path: Path) -> None:
+    """The benches run asyncio's own loop, whose child watcher must be the only
+    one to reap a reader: each stop leaves exit code 0, and asyncio logs no
+    'Unknown child process' (status 255) for a reaped one."""
+    script = f"""
+import asyncio, sys
+from pathlib import Path
+from hicached.arena import Arena
+from hicached_backends.file_readers import Readers
+
+async def main():
+    arena = Arena.create(Path({str(tmp_path)!r}) / "pool", 1 << 20, populate=False)
+    readers = Readers(4, pool=arena.array.data, pool_path=str(arena.path), huge_pages="off",
+                      store=Path({str(tmp_path)!r}), n_segments=1, deadline_s=10)
+    await readers.start()
+    await readers.stop()
+    codes = [r.child.transport.get_returncode() for r in readers.readers]
+    assert codes == [0] * 4, codes
+    arena.close()
+
+for _ in range(8):
+    asyncio.run(main())
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Unknown child" not in done.stderr, done.stderr

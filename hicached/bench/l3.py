@@ -58,7 +58,14 @@ class Buffers:
         self.arena.close()
 
     def refs(self, which: np.ndarray) -> list[PageRef]:
-        return [PageRef(k, which[i].data) for i, k in enumerate(self.keys)]
+        """The pages of ``which`` (src or dst) as the daemon hands them to a
+        backend: slices of the pool's memoryview, made anew for each call."""
+        size = which.shape[1]
+        at = which.ctypes.data - self.src.ctypes.data  # where ``which`` starts in the pool
+        view = self.view
+        return [
+            PageRef(k, view[at + i * size : at + (i + 1) * size]) for i, k in enumerate(self.keys)
+        ]
 
 
 CHECKSUM_THREADS = (1, 2, 4)
