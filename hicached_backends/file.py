@@ -56,6 +56,7 @@ from hicached_backends.file_readers import (
     Readers,
     read_records,
     segment_name,
+    settle,
 )
 from hicached_backends.options import FileOptions
 from hicached_backends.record import HEADER_BYTES, address_of, pack_header, parse_header, verify
@@ -508,13 +509,14 @@ class FileBackend(Backend):
         loop = asyncio.get_running_loop()
         threads = min(self.options.io_threads, len(todo))
         cut = [len(todo) * k // threads for k in range(threads + 1)]
-        parts = await asyncio.gather(
-            *(
-                loop.run_in_executor(self._pool, self._read_chunk, ns, todo[cut[k] : cut[k + 1]])
-                for k in range(threads)
-            )
-        )
-        return [item for part in parts for item in part]
+        parts = [
+            loop.run_in_executor(self._pool, self._read_chunk, ns, todo[cut[k] : cut[k + 1]])
+            for k in range(threads)
+        ]
+        # a thread cannot be stopped: a cancelled read returns when its threads have
+        # ended, so none writes a buffer after the call that lent it
+        await settle(parts)
+        return [item for part in parts for item in part.result()]
 
     async def _read_in_readers(
         self,

@@ -43,6 +43,7 @@ import time
 import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -65,6 +66,7 @@ MAX_RECORDS = 1 << 16  # records in one request (3 MiB of body)
 _FRAME = struct.Struct("<I")
 IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
 _RESTART_EVERY_S = 1.0
+_STOP_GRACE_S = 2.0  # a stopping reader's time to finish its request and exit, then it is killed
 PART_BYTES = 1 << 20  # payload bytes of a read's part, at least, when it is spread
 _WATCH_S = 1.0  # how often a reader's oldest request is checked against the deadline
 
@@ -106,7 +108,7 @@ def read_records(
             iov += (heads[k * HEADER_BYTES : (k + 1) * HEADER_BYTES], bufs[k])
         try:
             got = os.preadv(fd_of(segment), iov, start)
-        except (OSError, LookupError):  # a failed read, or a segment no longer there
+        except (OSError, LookupError, OverflowError):  # a failed read, no such segment or offset
             got = -1
         read[i:j] = [got == end - start] * (j - i)
         i = j
@@ -209,6 +211,21 @@ def serve(pool_path: str, pool_bytes: int, store: str, n_segments: int, huge_pag
 
 
 # -- the parent side ---------------------------------------------------------------------
+
+
+async def settle(futures: Sequence[asyncio.Future[Any]]) -> None:
+    """Wait until every future is done, through any number of cancellations,
+    then raise CancelledError if there was one. For work that writes into
+    caller buffers: the call that lent them must not end before it does."""
+    pending = set(futures)
+    cancelled = False
+    while pending:
+        try:
+            _, pending = await asyncio.wait(pending)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 class ReaderLost(Exception):
@@ -408,7 +425,8 @@ class _Reader:
         if child.stdin is not None:
             child.stdin.close()
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(child.exited), self.deadline_s)
+            grace = min(self.deadline_s, _STOP_GRACE_S)
+            await asyncio.wait_for(asyncio.shield(child.exited), grace)
         await child.end()
         if child.transport is not None:
             child.transport.close()
@@ -452,11 +470,22 @@ class Readers:
         self.pages = 0  # pages the readers answered for (read and verified, or not)
 
     async def start(self) -> None:
+        """Start every reader; raise ReaderLost if one did not start (those that
+        did serve, and the others are tried again later)."""
         try:
-            await asyncio.gather(*(reader.start() for reader in self.readers))
+            results = await asyncio.gather(
+                *(reader.start() for reader in self.readers), return_exceptions=True
+            )
         except BaseException:
             await self.stop()
             raise
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, ReaderLost):
+                await self.stop()
+                raise result
+        for result in results:
+            if isinstance(result, ReaderLost):
+                raise result
 
     async def stop(self) -> None:
         await asyncio.gather(*(reader.stop() for reader in self.readers))
@@ -505,29 +534,39 @@ class Readers:
         else:
             chosen = [min(live, key=lambda reader: reader.busy)]
         children = [reader.child for reader in chosen if reader.child is not None]
-        cut = [n * k // len(children) for k in range(len(children) + 1)]
+        # no request over MAX_RECORDS: then several go to one reader, in turn
+        parts = max(len(children), -(-n // MAX_RECORDS))
+        cut = [n * k // parts for k in range(parts + 1)]
+        sent = [children[k % len(children)] for k in range(parts)]
         futs = [
-            child.send(ns + records[cut[k] : cut[k + 1]].tobytes())
-            for k, child in enumerate(children)
+            child.send(ns + records[cut[k] : cut[k + 1]].tobytes()) for k, child in enumerate(sent)
         ]
         try:
-            replies = await asyncio.gather(*futs, return_exceptions=True)
+            await asyncio.wait(futs)
         except asyncio.CancelledError:
-            # slots of this call may still be written: end those readers first
-            # (gather cancelled the futures: a cancelled one had no reply)
-            busy = [c for c, f in zip(children, futs, strict=True) if f.cancelled()]
-            await asyncio.shield(asyncio.gather(*(child.end() for child in busy)))
+            # slots of this call may still be written: end those readers, and
+            # return only when they are gone
+            busy = {child for child, fut in zip(sent, futs, strict=True) if not fut.done()}
+            for child in busy:
+                child.lose("a read it served was cancelled")
+            try:
+                await settle([child.exited for child in busy])
+            finally:
+                for fut in futs:
+                    if fut.done() and not fut.cancelled():
+                        fut.exception()  # retrieved: the call is cancelled anyway
             raise
         out: list[tuple[int, int, bytes | None]] = []
-        for k, reply in enumerate(replies):
+        for k, fut in enumerate(futs):
             lo, hi = cut[k], cut[k + 1]
-            if isinstance(reply, bytes) and len(reply) == hi - lo:
+            exc = fut.exception()
+            if exc is None and len(reply := fut.result()) == hi - lo:
                 out.append((lo, hi, reply))
                 self.pages += hi - lo
-            elif isinstance(reply, ReaderLost | bytes):
+            elif exc is None or isinstance(exc, ReaderLost):
                 out.append((lo, hi, None))
             else:
-                raise reply
+                raise exc
         return out
 
     def stats(self) -> dict[str, int]:

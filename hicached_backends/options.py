@@ -46,8 +46,9 @@ class FileOptions(msgspec.Struct, **_Table):
     # opened without one reads on its threads. A lost reader's pages are read on the
     # threads, and it is started again.
     read_processes: int = 2
-    # Seconds a reader may take to start or to answer a request before it is killed.
-    reader_deadline_s: float = 60.0
+    # Seconds a reader may take to start or to answer a request before it is killed
+    # (its pages are then read on the threads); keep it below storage.op_timeout_s.
+    reader_deadline_s: float = 20.0
 
     def __post_init__(self) -> None:
         positive(self, "segment_mib", "io_threads", "reader_deadline_s")

@@ -6,6 +6,7 @@ is fed requests it must refuse."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -16,6 +17,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import pytest_asyncio
@@ -23,7 +25,7 @@ import pytest_asyncio
 from hicached.arena import Arena
 from hicached_backends.base import BackendEnv, PageRef
 from hicached_backends.file import FileBackend
-from hicached_backends.file_readers import RECORD
+from hicached_backends.file_readers import MAX_RECORDS, RECORD, ReaderLost, Readers
 from hicached_backends.options import FileOptions
 
 pytestmark = pytest.mark.timeout(120)
@@ -249,3 +251,97 @@ for _ in range(8):
     )
     assert done.returncode == 0, done.stderr
     assert "Unknown child" not in done.stderr, done.stderr
+
+
+async def test_a_read_past_a_request_s_records_is_split(tmp_path: Path) -> None:
+    """More records than one request may carry (MAX_RECORDS), with one reader:
+    several requests, none refused."""
+    n, size = MAX_RECORDS + 100, 64
+    arena = Arena.create(tmp_path / "pool", 2 * n * size, populate=False)
+    rows = arena.array.reshape(2 * n, size)
+    rows[:n] = np.random.default_rng(3).integers(0, 256, (n, size), dtype=np.uint8)
+    keys = [struct.pack("<QQ", 2, i) for i in range(n)]
+    options = FileOptions(path=str(tmp_path / "store"), capacity_mib=64, segment_mib=16)
+    env = BackendEnv(tmp_path, pool=arena.array.data, pool_path=str(arena.path))
+    backend = FileBackend(msgspec.structs.replace(options, read_processes=1), env)
+    await backend.open()
+    try:
+        assert all(await backend.put(NS, [PageRef(k, rows[i].data) for i, k in enumerate(keys)]))
+        got = await backend.get(NS, [PageRef(k, rows[n + i].data) for i, k in enumerate(keys)])
+        assert all(got) and np.array_equal(rows[:n], rows[n:])
+        stats = backend.stats()
+        assert (stats["reader_pages"], stats["readers_lost"]) == (n, 0)
+    finally:
+        await backend.close()
+        arena.close()
+
+
+async def test_a_read_cancelled_twice_still_outlives_its_readers(store: Store) -> None:
+    pids = store.pids()
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    task = asyncio.ensure_future(store.get())
+    await asyncio.sleep(0.3)
+    task.cancel()
+    await asyncio.sleep(0)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not any(_alive(pid) for pid in pids)
+
+
+async def test_a_cancelled_read_on_threads_outlives_its_threads(tmp_path: Path) -> None:
+    s = Store(tmp_path, readers=0)
+    await s.backend.open()
+    try:
+        assert all(await s.backend.put(NS, s.refs(s.src)))
+        for _ in range(20):
+            task = asyncio.ensure_future(s.get())
+            await asyncio.sleep(0)  # the threads have their parts
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            seen = s.dst.copy()
+            await asyncio.sleep(0.05)
+            assert np.array_equal(seen, s.dst), "a buffer was written after its read ended"
+    finally:
+        await s.backend.close()
+
+
+async def test_close_does_not_wait_out_a_stuck_reader(tmp_path: Path) -> None:
+    s = Store(tmp_path, deadline_s=30.0)
+    await s.backend.open()
+    pids = s.pids()
+    os.kill(pids[0], signal.SIGSTOP)
+    t0 = time.monotonic()
+    await s.backend.close()
+    assert time.monotonic() - t0 < 10  # a short grace, then killed; not the 30 s deadline
+    assert not any(_alive(pid) for pid in pids)
+
+
+async def test_readers_that_start_serve_beside_one_that_does_not(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    arena = Arena.create(tmp_path / "pool", 1 << 20, populate=False)
+    readers = Readers(
+        2,
+        pool=arena.array.data,
+        pool_path=str(arena.path),
+        huge_pages="off",
+        store=tmp_path,
+        n_segments=1,
+        deadline_s=10,
+    )
+    readers.readers[1].argv = [sys.executable, "-c", "raise SystemExit(1)"]  # fails at start
+    try:
+        with pytest.raises(ReaderLost, match="did not start"):
+            await readers.start()
+        assert readers.stats()["readers_alive"] == 1
+        child = readers.readers[0].child
+        assert child is not None and child.transport is not None
+        os.kill(child.transport.get_pid(), signal.SIGKILL)  # a later loss still counts
+        await _until(lambda: readers.stats()["readers_lost"] == 1)
+        assert any("file reader ended" in r.message for r in caplog.records)
+    finally:
+        await readers.stop()
+        arena.close()
