@@ -356,19 +356,26 @@ class _Reader:
         self.last_start = time.monotonic()
         loop = asyncio.get_running_loop()
         child = _Child(self.deadline_s)
-        await loop.subprocess_exec(
-            lambda: child,
-            *self.argv,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=None,
-            env=self.env,
-        )
+        try:
+            await loop.subprocess_exec(
+                lambda: child,
+                *self.argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=None,
+                env=self.env,
+            )
+        except OSError as exc:  # no file descriptors, no processes, no interpreter
+            self.backoff_s = min(60.0, 2 * self.backoff_s)
+            raise ReaderLost(f"a file reader could not be started: {exc}") from None
         child.exited.add_done_callback(lambda _: self._ended(child))
         try:
-            await asyncio.wait_for(asyncio.shield(child.ready), self.deadline_s)
-        except asyncio.TimeoutError:
-            pass
+            # ready, or gone before it was (then at once, not at the deadline)
+            await asyncio.wait(
+                {child.ready, child.exited},
+                timeout=self.deadline_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
         except BaseException:
             await child.end()
             raise
@@ -385,6 +392,8 @@ class _Reader:
         self.child = child
 
     def _ended(self, child: _Child) -> None:
+        if child.transport is not None:
+            child.transport.close()  # the process is gone: its pipes go too
         if child is not self.child or self.stopping:
             return
         self.lost += 1
@@ -408,6 +417,9 @@ class _Reader:
                 await self.start()
             except ReaderLost as exc:
                 log.warning("%s", exc)
+            except Exception:  # never out of this task: stop() awaits it
+                self.backoff_s = min(60.0, 2 * self.backoff_s)
+                log.exception("a file reader could not be started")
 
         self.starting = asyncio.create_task(again())
 
@@ -416,7 +428,7 @@ class _Reader:
         self.stopping = True
         if self.starting is not None:
             self.starting.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self.starting
         child = self.child
         if child is None:

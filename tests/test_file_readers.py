@@ -330,12 +330,14 @@ async def test_readers_that_start_serve_beside_one_that_does_not(
         huge_pages="off",
         store=tmp_path,
         n_segments=1,
-        deadline_s=10,
+        deadline_s=30,
     )
     readers.readers[1].argv = [sys.executable, "-c", "raise SystemExit(1)"]  # fails at start
     try:
+        t0 = time.monotonic()
         with pytest.raises(ReaderLost, match="did not start"):
             await readers.start()
+        assert time.monotonic() - t0 < 10  # known at its exit, not at the 30 s deadline
         assert readers.stats()["readers_alive"] == 1
         child = readers.readers[0].child
         assert child is not None and child.transport is not None
@@ -345,3 +347,22 @@ async def test_readers_that_start_serve_beside_one_that_does_not(
     finally:
         await readers.stop()
         arena.close()
+
+
+async def test_a_reader_that_cannot_be_spawned_leaves_the_store_on_threads(
+    store: Store,
+) -> None:
+    """No interpreter at the reader's path (a replaced install, no descriptors
+    left): the store reads on its threads, retries later, and closes cleanly."""
+    readers = store.backend._readers
+    assert readers is not None
+    for reader in readers.readers:
+        reader.argv = ["/nonexistent/python3", *reader.argv[1:]]
+    for pid in store.pids():
+        os.kill(pid, signal.SIGKILL)
+    await _until(lambda: store.stat("readers_alive") == 0)
+    for _ in range(3):
+        assert all(await store.get()) and np.array_equal(store.src, store.dst)
+        await asyncio.sleep(0.6)
+    assert store.stat("readers_alive") == 0
+    # close (in the fixture) must not raise the failed starts' errors
