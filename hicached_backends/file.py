@@ -483,13 +483,14 @@ class FileBackend(Backend):
         if not todo:
             return out
         todo.sort(key=lambda item: (item[1].segment, item[1].offset))
+        readers = self._readers
         slots = None
-        if self._readers is not None:
-            slots = self._readers.slots(
+        if readers is not None and readers.available():
+            slots = readers.slots(
                 [address_of(page.buf) for _, _, page in todo], [loc.length for _, loc, _ in todo]
             )
-        if slots is not None and self._readers is not None and self._readers.available():
-            results = await self._read_in_readers(ns, todo, slots, self._readers)
+        if readers is not None and slots is not None:
+            results = await self._read_in_readers(ns, todo, slots, readers)
         else:
             results = await self._read_on_threads(ns, todo)
         for i, ok in results:

@@ -32,7 +32,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import operator
 import os
 import signal
 import struct
@@ -47,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from hicached_backends.record import HEADER_BYTES, verify_many
+from hicached_backends.record import HEADER_BYTES, address_of, all_within, verify_many
 
 log = logging.getLogger("hicached.file")
 
@@ -458,8 +457,6 @@ class Readers:
         n_segments: int,
         deadline_s: float,
     ) -> None:
-        from hicached_backends.record import address_of
-
         base = address_of(pool)
         if base is None:
             raise ValueError("the pool must be writable memory")
@@ -504,12 +501,10 @@ class Readers:
 
     def slots(self, addresses: Sequence[int | None], lengths: Sequence[int]) -> list[int] | None:
         """Pool offsets of these buffers, or None unless every one lies in the pool."""
-        if None in addresses:
+        if not addresses or None in addresses:
             return None
         at: list[int] = addresses  # type: ignore[assignment]  # no None, checked above
-        if not at or min(at) < self.base:
-            return None
-        if max(map(operator.add, at, lengths)) > self.base + self.size:
+        if not all_within(self.base, self.size, at, lengths):
             return None
         return [a - self.base for a in at]
 

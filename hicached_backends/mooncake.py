@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import operator
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -26,7 +25,14 @@ from mooncake.store import MooncakeDistributedStore
 
 from hicached_backends.base import Backend, BackendEnv, BackendError, PageRef
 from hicached_backends.options import MooncakeOptions
-from hicached_backends.record import HEADER_BYTES, address_of, nbytes, pack_header, verify_many
+from hicached_backends.record import (
+    HEADER_BYTES,
+    address_of,
+    all_within,
+    nbytes,
+    pack_header,
+    verify_many,
+)
 
 log = logging.getLogger("hicached.mooncake")
 
@@ -131,10 +137,9 @@ class MooncakeBackend(Backend):
 
     def _all_in_arena(self, addresses: list[int], lengths: list[int]) -> bool:
         """Whether every buffer lies in the registered pool (as pool slots do)."""
-        if self._arena is None or not addresses:
+        if self._arena is None:
             return not addresses
-        base, size = self._arena
-        return min(addresses) >= base and max(map(operator.add, addresses, lengths)) <= base + size
+        return all_within(*self._arena, addresses, lengths)
 
     async def _take_headers(self, n: int) -> list[int]:
         async with self._header_wait:

@@ -14,6 +14,7 @@ segment tell its current records from leftovers of an earlier use.
 from __future__ import annotations
 
 import ctypes
+import operator
 import struct
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -85,6 +86,14 @@ def address_of(payload: bytes | memoryview) -> int | None:
         return ctypes.addressof(ctypes.c_char.from_buffer(payload))
     except (TypeError, ValueError, BufferError):  # read-only, not contiguous, or empty
         return None
+
+
+def all_within(base: int, size: int, addresses: Sequence[int], lengths: Sequence[int]) -> bool:
+    """Whether every buffer (``address_of`` and length) lies in ``[base, base + size)``,
+    as pool slots lie in the pool; True for none."""
+    if not addresses:
+        return True
+    return min(addresses) >= base and max(map(operator.add, addresses, lengths)) <= base + size
 
 
 def nbytes(payload: bytes | memoryview) -> int:
