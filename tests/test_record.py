@@ -6,6 +6,7 @@ import os
 
 import numpy as np
 import pytest
+import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -50,6 +51,9 @@ def test_any_changed_payload_byte_is_refused(offset: int, delta: int) -> None:
     damaged[offset] ^= delta
     payloads[2] = bytes(damaged)
     assert verify_many(headers, payloads, NS, keys) == [True, True, False]
+    # checksums the caller took as it read (a reader process) are held to the same
+    sums = [xxhash.xxh3_64_intdigest(payload) for payload in payloads]
+    assert verify_many(headers, payloads, NS, keys, payload_sums=sums) == [True, True, False]
 
 
 def test_another_page_namespace_length_or_generation_is_refused() -> None:
