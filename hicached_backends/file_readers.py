@@ -89,20 +89,24 @@ def read_records(
     bufs: Sequence[memoryview],
     *,
     native: bool = True,
+    as_read: bool = False,
 ) -> list[bool]:
     """Read records (sorted by place) into ``bufs`` and verify them; True where
     a page was read whole and its record is the intact one of (ns, key) at that
     generation. Back-to-back records of a segment are read by one preadv.
     ``native``: hash without the GIL (for threads), once every run is read; a
-    reader process, which shares its GIL with no one, reads runs of at most
-    ``CACHED_RUN_BYTES`` and hashes each with the Python function (it costs
-    less) right after its preadv, while the pages are still in the CPU's cache."""
+    reader process, which shares its GIL with no one, calls the Python
+    function, which costs less. ``as_read``: read runs of at most
+    ``CACHED_RUN_BYTES`` and hash each (Python function) right after its
+    preadv, while its pages are still in the CPU's cache; only for buffers
+    that do not overlap (``disjoint``), since a later run would otherwise
+    write over a page already hashed."""
     n = len(keys)
     heads = memoryview(bytearray(HEADER_BYTES * n))
     lengths = [buf.nbytes for buf in bufs]
-    run_bytes = 1 << 62 if native else CACHED_RUN_BYTES
+    run_bytes = CACHED_RUN_BYTES if as_read else 1 << 62
     read = [False] * n
-    sums: list[int] | None = None if native else [0] * n
+    sums: list[int] | None = [0] * n if as_read else None
     i = 0
     while i < n:
         segment, start = segments[i], offsets[i]
@@ -134,9 +138,17 @@ def read_records(
         ns,
         keys,
         generations,
+        addresses=None if native else [None] * n,
         payload_sums=sums,
     )
     return [a and b for a, b in zip(read, verified, strict=True)]
+
+
+def disjoint(starts: np.ndarray, lengths: np.ndarray) -> bool:
+    """Whether no two of these byte ranges overlap."""
+    order = np.argsort(starts, kind="stable")
+    ends = starts[order] + lengths[order]
+    return bool((ends[:-1] <= starts[order][1:]).all())
 
 
 # -- the reader process ------------------------------------------------------------------
@@ -220,6 +232,7 @@ def serve(pool_path: str, pool_bytes: int, store: str, n_segments: int, huge_pag
                 [key_bytes[16 * k : 16 * k + 16] for k in range(len(take))],
                 bufs,
                 native=False,
+                as_read=disjoint(chosen["slot"], chosen["length"].astype(np.uint64)),
             )
             for at, ok in zip(take, good, strict=True):
                 out[at] = ok

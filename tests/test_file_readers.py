@@ -25,7 +25,7 @@ import pytest_asyncio
 from hicached.arena import Arena
 from hicached_backends.base import BackendEnv, PageRef
 from hicached_backends.file import FileBackend
-from hicached_backends.file_readers import MAX_RECORDS, RECORD, ReaderLost, Readers
+from hicached_backends.file_readers import MAX_RECORDS, RECORD, ReaderLost, Readers, disjoint
 from hicached_backends.options import FileOptions
 
 pytestmark = pytest.mark.timeout(120)
@@ -118,6 +118,29 @@ async def test_a_corrupt_record_is_a_miss_and_dropped(store: Store) -> None:
     assert store.stat("bad_records") == 1 and store.stat("reader_pages") == PAGES
     good = [i for i in range(PAGES) if i != 5]
     assert np.array_equal(store.src[good], store.dst[good])
+
+
+async def test_pages_lent_one_slot_are_answered_for_the_last_read_only(store: Store) -> None:
+    """A reader hashes each run right after reading it; where two pages of a
+    request share a slot, the later overwrites the earlier after its hash, so
+    the reader must hash them only once all are read, as the threads do."""
+    store.dst[:] = 0
+    slot = store.dst[0].data
+    pages = [PageRef(store.keys[3], slot), PageRef(store.keys[20], slot)]  # two runs
+    got = await store.backend.get(NS, pages)
+    assert store.stat("reader_pages") == 2  # a reader answered, not the threads
+    assert np.array_equal(store.dst[0], store.src[20])
+    assert got == [False, True]  # True for the first page would be a lie
+
+
+def test_disjoint_ranges() -> None:
+    u8 = np.uint64
+    assert disjoint(np.array([0, 10, 20], u8), np.array([10, 10, 10], u8))
+    assert disjoint(np.array([20, 0, 10], u8), np.array([10, 10, 10], u8))
+    assert not disjoint(np.array([20, 0, 9], u8), np.array([10, 10, 10], u8))
+    assert not disjoint(np.array([5, 5], u8), np.array([1, 1], u8))
+    assert disjoint(np.array([5, 5], u8), np.array([0, 1], u8))  # an empty range overlaps nothing
+    assert disjoint(np.array([], u8), np.array([], u8))
 
 
 async def test_a_killed_reader_loses_nothing_and_comes_back(
