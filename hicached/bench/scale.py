@@ -1,9 +1,10 @@
 """Scale: how match latency, index memory, start-up and the L3 scan grow with pages.
 
-- match latency through a real daemon with 1K, 100K and 1M pages in its
-  index (one daemon, filled in steps; each step matches a 64-page sequence
-  that hits, ``--requests`` times), beside a raw echo of the same request and
-  reply sizes in the same run;
+- match latency through real daemons with 1K, 100K and 1M pages in their
+  indexes (three daemons, up side by side; each matches a 64-page sequence
+  that hits, ``--requests`` times in all, in ROUNDS rounds in which the
+  daemons take turns), beside a raw echo of the same request and reply sizes
+  after each match; ratios to 1K are medians of the rounds' ratios;
 - index bytes per page: a page index (the daemon's own class) of 1M pages in
   chains of 1,024, measured with tracemalloc;
 - start-to-ready with 1M pages in the file store (written here with the
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import multiprocessing as mp
 import os
@@ -28,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from hicached import protocol as p
 from hicached.bench.control import _echo_request, _echo_server
 from hicached.client import Client
 from hicached.hashing import pack_tokens, page_keys
@@ -37,6 +40,7 @@ from hicached.testing import DaemonProcess
 PAGE_BYTES = 256
 CHAIN = 1024  # pages a stored sequence has
 MATCH_PAGES = 64
+ROUNDS = 8  # rounds of the match figures, each daemon in turn in every round
 # whole sequences: 1K, 100K and 1M pages, give or take a few percent
 STEPS = {"1k": CHAIN, "100k": 100 * CHAIN, "1m": CHAIN * CHAIN}
 NS = dict(
@@ -64,8 +68,9 @@ def _fill(client: Client, ns: Any, start: int, pages: int) -> int:
 
 def _match_latency(
     client: Client, ns: Any, echo: Any, sizes: tuple[int, int], n: int
-) -> tuple[float, float]:
-    """p50 of a leased match (and its release) of 64 pages that hit, and of the echo."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """Round trips (us) of ``n`` leased matches of 64 pages that hit (each then
+    released), and of as many echoes, one after each match."""
     tokens = pack_tokens(_sequence(0)[:MATCH_PAGES])
     request = _echo_request(*sizes)
     match = np.empty(n, np.int64)
@@ -81,7 +86,42 @@ def _match_latency(
         echo.send(request)
         echo.recv()
         raw[i] = clock() - t0
-    return float(np.median(match)) / 1e3, float(np.median(raw)) / 1e3
+    return match / 1e3, raw / 1e3
+
+
+def _match_rounds(
+    clients: dict[str, tuple[Client, Any]], echo: Any, sizes: tuple[int, int], requests: int
+) -> dict[str, float]:
+    """Match latency of each daemon (one an index size) in ROUNDS rounds, the
+    daemons taking turns and who goes first rotating, so that the machine's
+    drift falls on every size alike; each ratio to 1K is the median of its
+    rounds' ratios, with the lowest and highest."""
+    tags = list(clients)
+    per = max(1, requests // ROUNDS)
+    matches: dict[str, list[np.ndarray]] = {tag: [] for tag in tags}
+    echoes: dict[str, list[np.ndarray]] = {tag: [] for tag in tags}
+    for client, ns in clients.values():  # warm up, untimed
+        _match_latency(client, ns, echo, sizes, min(per, 100))
+    for r in range(ROUNDS):
+        for tag in tags[r % len(tags) :] + tags[: r % len(tags)]:
+            match, raw = _match_latency(*clients[tag], echo, sizes, per)
+            matches[tag].append(match)
+            echoes[tag].append(raw)
+    figures: dict[str, float] = {}
+    for tag in tags:
+        figures[f"match_p50_us_{tag}"] = round(float(np.median(np.concatenate(matches[tag]))), 1)
+        figures[f"echo_p50_us_{tag}"] = round(float(np.median(np.concatenate(echoes[tag]))), 1)
+    first = tags[0]
+    for tag in tags[1:]:
+        ratios = [
+            float(np.median(m) / np.median(b))
+            for m, b in zip(matches[tag], matches[first], strict=True)
+        ]
+        name = f"match_{tag}_vs_{first}"
+        figures[name] = round(float(np.median(ratios)), 3)
+        figures[f"{name}_min"] = round(min(ratios), 3)
+        figures[f"{name}_max"] = round(max(ratios), 3)
+    return figures
 
 
 def _index_bytes_per_page(pages: int) -> float:
@@ -160,13 +200,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import zmq
 
     figures: dict[str, float] = {}
-    size_mib = (STEPS["1m"] * PAGE_BYTES >> 20) + 64
-    with (
-        DaemonProcess(
-            size_mib=size_mib, slab_mib=4, populate=False, extra="max_pages_per_request = 16384"
-        ) as daemon,
-        tempfile.TemporaryDirectory(prefix="hc-echo-", dir="/tmp") as tmp,
-    ):
+    with contextlib.ExitStack() as stack:
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="hc-echo-", dir="/tmp"))
+        # one daemon a size, all up at once: their rounds alternate
+        daemons = {
+            tag: stack.enter_context(
+                DaemonProcess(
+                    size_mib=(pages * PAGE_BYTES >> 20) + 64,
+                    slab_mib=4,
+                    populate=False,
+                    extra="max_pages_per_request = 16384",
+                )
+            )
+            for tag, pages in STEPS.items()
+        }
         os.chmod(tmp, 0o700)
         echo_endpoint = f"ipc://{tmp}/echo.sock"
         ctx = mp.get_context("spawn")
@@ -179,29 +226,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         echo.setsockopt(zmq.LINGER, 0)
         echo.connect(echo_endpoint)
         try:
-            with daemon.client(timeout=30) as client:
+            clients: dict[str, tuple[Client, Any]] = {}
+            for tag, pages in STEPS.items():
+                client = stack.enter_context(daemons[tag].client(timeout=30))
                 ns = client.register(**NS)  # type: ignore[arg-type]
-                _fill(client, ns, 0, MATCH_PAGES)
-                hit = client.match(ns, _sequence(0)[:MATCH_PAGES])
-                client.release(hit)
-                from hicached import protocol as p
-
-                big = 1 << 40
-                request = p.Match(
-                    id=big,
-                    deadline_ms=big,
-                    ns=ns.id,
-                    tokens=pack_tokens(_sequence(0)[:MATCH_PAGES]),
-                )
-                reply = p.MatchOk(id=big, hits=hit.hits, offsets=hit.offsets, lease=1 << 62)
-                sizes = (len(p.encode(request)), len(p.encode(reply)))
-                start = 0
-                for tag, pages in STEPS.items():
-                    start = _fill(client, ns, start, pages)
-                    assert client.stats().pages >= pages
-                    match_us, echo_us = _match_latency(client, ns, echo, sizes, args.requests)
-                    figures[f"match_p50_us_{tag}"] = round(match_us, 1)
-                    figures[f"echo_p50_us_{tag}"] = round(echo_us, 1)
+                _fill(client, ns, 0, pages)
+                assert client.stats().pages >= pages
+                clients[tag] = (client, ns)
+            client, ns = clients["1k"]
+            hit = client.match(ns, _sequence(0)[:MATCH_PAGES])
+            client.release(hit)
+            big = 1 << 40
+            request = p.Match(
+                id=big,
+                deadline_ms=big,
+                ns=ns.id,
+                tokens=pack_tokens(_sequence(0)[:MATCH_PAGES]),
+            )
+            reply = p.MatchOk(id=big, hits=hit.hits, offsets=hit.offsets, lease=1 << 62)
+            sizes = (len(p.encode(request)), len(p.encode(reply)))
+            figures.update(_match_rounds(clients, echo, sizes, args.requests))
         finally:
             echo.send(b"stop")
             server.join(5)
@@ -213,7 +257,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"{k}_{args.pool_gib}g": v for k, v in attach_figures(args.pool_gib, args.hugetlbfs).items()
     }
     figures.update(pool)
-    figures["match_1m_vs_1k"] = round(figures["match_p50_us_1m"] / figures["match_p50_us_1k"], 3)
     figures["index_bytes_per_page"] = round(_index_bytes_per_page(STEPS["1m"]), 1)
     ready_s, scan_rate = _ready_and_scan(STEPS["1m"])
     figures["ready_s_1m"] = round(ready_s, 2)
@@ -228,8 +271,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "pool_gib": args.pool_gib,
             "hugetlbfs": args.hugetlbfs,
             "note": (
-                "match: a leased match of 64 pages that hit, p50, at each index size, beside a "
-                "raw echo of the same request and reply sizes; index bytes: tracemalloc of the "
+                "match: a leased match of 64 pages that hit, p50, at each index size (one "
+                "daemon a size, in 8 rounds in which the daemons take turns; match_X_vs_1k: "
+                "median of the rounds' ratios, with their lowest and highest), beside a raw "
+                "echo of the same request and reply sizes; index bytes: tracemalloc of the "
                 "daemon's page index with 1M pages; ready: start to READY with 1M pages in the "
                 "file store; the scan runs after READY; attach: a client process maps a pool "
                 "of pool_gib (tmpfs, and hugetlbfs when given), then touches every 4 KiB: "
