@@ -72,6 +72,9 @@ _STOP_GRACE_S = 2.0  # a stopping reader's time to finish its request and exit, 
 # is read first (the preadv alone: 10.7; docs/perf.md)
 CACHED_RUN_BYTES = 512 << 10
 PART_BYTES = 1 << 20  # payload bytes of a read's part, at least, when it is spread
+# the same for a reader with requests queued: it stays busy without, and a request
+# costs the daemon about 80 us of CPU
+BUSY_PART_BYTES = 4 << 20
 _WATCH_S = 1.0  # how often a reader's oldest request is checked against the deadline
 
 
@@ -257,6 +260,24 @@ async def settle(futures: Sequence[asyncio.Future[Any]]) -> None:
         raise asyncio.CancelledError
 
 
+def shares(loads: Sequence[int], nbytes: int, least: int, least_busy: int) -> list[int]:
+    """Bytes of a read of ``nbytes`` to give each reader, which has ``loads``
+    bytes queued: the least loaded are filled to one level, as many of them as
+    can each take ``least`` or more (``least_busy`` or more where the reader
+    has a queue already); the least loaded one always takes a part."""
+    order = sorted(range(len(loads)), key=loads.__getitem__)
+    out = [0] * len(loads)
+    for k in range(len(order), 0, -1):
+        chosen = order[:k]
+        level = (sum(loads[i] for i in chosen) + nbytes) // k
+        if k == 1 or all(level - loads[i] >= (least_busy if loads[i] else least) for i in chosen):
+            for i in chosen:
+                out[i] = level - loads[i]
+            out[chosen[0]] += nbytes - sum(out)  # what the division left over
+            return out
+    return out  # no readers
+
+
 class ReaderLost(Exception):
     """A reader died or missed its deadline: read its pages another way."""
 
@@ -269,8 +290,11 @@ class _Child(asyncio.SubprocessProtocol):
         self.transport: asyncio.SubprocessTransport | None = None
         self.stdin: asyncio.WriteTransport | None = None
         self.inbox = bytearray()
-        # requests sent and not answered yet, with when each was sent
-        self.waiting: collections.deque[tuple[asyncio.Future[bytes], float]] = collections.deque()
+        # requests sent and not answered yet, with when each was sent and its payload bytes
+        self.waiting: collections.deque[tuple[asyncio.Future[bytes], float, int]] = (
+            collections.deque()
+        )
+        self.queued = 0  # payload bytes of the requests waiting
         loop = asyncio.get_running_loop()
         self.ready: asyncio.Future[None] = loop.create_future()
         self.exited: asyncio.Future[None] = loop.create_future()
@@ -298,7 +322,8 @@ class _Child(asyncio.SubprocessProtocol):
                 self.ready.set_result(None)
                 self.watch = asyncio.get_running_loop().call_later(_WATCH_S, self._watch)
             elif self.waiting:
-                fut, _ = self.waiting.popleft()
+                fut, _, nbytes = self.waiting.popleft()
+                self.queued -= nbytes
                 if not fut.done():
                     fut.set_result(body)
             else:
@@ -320,9 +345,10 @@ class _Child(asyncio.SubprocessProtocol):
             self.exited.set_result(None)
         why = self.why or "it exited"
         while self.waiting:
-            fut, _ = self.waiting.popleft()
+            fut, _, _ = self.waiting.popleft()
             if not fut.done():
                 fut.set_exception(ReaderLost(why))
+        self.queued = 0
 
     def lose(self, why: str) -> None:
         """Take no more requests and kill the process; process_exited fails the rest."""
@@ -345,12 +371,14 @@ class _Child(asyncio.SubprocessProtocol):
             return
         self.watch = asyncio.get_running_loop().call_later(_WATCH_S, self._watch)
 
-    def send(self, body: bytes) -> asyncio.Future[bytes]:
+    def send(self, body: bytes, nbytes: int = 0) -> asyncio.Future[bytes]:
+        """Send a request (``nbytes``: the payload bytes it reads); its reply, in time."""
         fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         if not self.up or self.stdin is None or self.stdin.is_closing():
             fut.set_exception(ReaderLost(self.why or "it is not running"))
             return fut
-        self.waiting.append((fut, time.monotonic()))
+        self.waiting.append((fut, time.monotonic(), nbytes))
+        self.queued += nbytes
         self.stdin.write(_FRAME.pack(len(body)) + body)
         return fut
 
@@ -375,11 +403,6 @@ class _Reader:
     @property
     def alive(self) -> bool:
         return self.child is not None and self.child.up
-
-    @property
-    def busy(self) -> int:
-        """Requests sent and not answered yet."""
-        return len(self.child.waiting) if self.child is not None else 0
 
     async def start(self) -> None:
         self.last_start = time.monotonic()
@@ -551,32 +574,51 @@ class Readers:
     async def read(self, ns: bytes, records: np.ndarray) -> list[tuple[int, int, bytes | None]]:
         """Read and verify ``records`` (RECORD rows, in store order) on the readers.
 
-        A read while readers are idle is spread over them, in parts of at least
-        PART_BYTES; beside other reads, it goes whole to the least busy reader,
-        so a busy store sends one request a batch. Returns (start, end, reply) of
-        each part: the reply has a byte a record, or is None where the part's
-        reader was lost (read those records another way). Returns only when no
-        reader still works on any part of the call."""
+        The read is spread over the readers by payload bytes: the least loaded
+        are filled to one level of queued bytes, as many as can each take
+        PART_BYTES or more, BUSY_PART_BYTES where a reader has a queue
+        (``shares``). So a lone read is split over idle readers; one beside
+        others goes whole to the least loaded reader unless it is large.
+        Returns (start, end, reply) of each part: the reply has a byte a
+        record, or is None where the part's reader was lost (read those
+        records another way). Returns only when no reader still works on any
+        part of the call."""
         n = len(records)
         live = [reader for reader in self.readers if reader.alive and reader.child is not None]
         if not live or n == 0:
             return [(0, n, None)]
         first = self._next % len(live)
         self._next += 1
-        live = live[first:] + live[:first]
-        idle = [reader for reader in live if not reader.busy]
-        if idle:
-            nbytes = int(records["length"].sum())
-            chosen = idle[: max(1, min(len(idle), n, nbytes // PART_BYTES))]
-        else:
-            chosen = [min(live, key=lambda reader: reader.busy)]
-        children = [reader.child for reader in chosen if reader.child is not None]
-        # no request over MAX_RECORDS: then several go to one reader, in turn
-        parts = max(len(children), -(-n // MAX_RECORDS))
-        cut = [n * k // parts for k in range(parts + 1)]
-        sent = [children[k % len(children)] for k in range(parts)]
+        live = live[first:] + live[:first]  # ties go round
+        ends = np.cumsum(records["length"], dtype=np.int64)
+        children = [typing.cast(_Child, reader.child) for reader in live]
+        give = shares(
+            [child.queued for child in children], int(ends[-1]), PART_BYTES, BUSY_PART_BYTES
+        )
+        taking = [(child, share) for child, share in zip(children, give, strict=True) if share]
+        if not taking:  # no payload bytes at all
+            taking = [(min(children, key=lambda child: child.queued), 0)]
+        sent: list[_Child] = []
+        cut = [0]
+        total = 0
+        for k, (child, share) in enumerate(taking):
+            lo = cut[-1]
+            if lo == n:
+                break
+            total += share
+            hi = n
+            if k < len(taking) - 1:  # the last takes what is left
+                hi = min(n, max(lo + 1, int(np.searchsorted(ends, total, side="right"))))
+            # no request over MAX_RECORDS: then several go to one reader, in turn
+            pieces = -(-(hi - lo) // MAX_RECORDS)
+            cut += [lo + (hi - lo) * j // pieces for j in range(1, pieces + 1)]
+            sent += [child] * pieces
         futs = [
-            child.send(ns + records[cut[k] : cut[k + 1]].tobytes()) for k, child in enumerate(sent)
+            child.send(
+                ns + records[cut[k] : cut[k + 1]].tobytes(),
+                int(ends[cut[k + 1] - 1] - (ends[cut[k] - 1] if cut[k] else 0)),
+            )
+            for k, child in enumerate(sent)
         ]
         try:
             await asyncio.wait(futs)

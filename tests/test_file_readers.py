@@ -25,7 +25,14 @@ import pytest_asyncio
 from hicached.arena import Arena
 from hicached_backends.base import BackendEnv, PageRef
 from hicached_backends.file import FileBackend
-from hicached_backends.file_readers import MAX_RECORDS, RECORD, ReaderLost, Readers, disjoint
+from hicached_backends.file_readers import (
+    MAX_RECORDS,
+    RECORD,
+    ReaderLost,
+    Readers,
+    disjoint,
+    shares,
+)
 from hicached_backends.options import FileOptions
 
 pytestmark = pytest.mark.timeout(120)
@@ -131,6 +138,25 @@ async def test_pages_lent_one_slot_are_answered_for_the_last_read_only(store: St
     assert store.stat("reader_pages") == 2  # a reader answered, not the threads
     assert np.array_equal(store.dst[0], store.src[20])
     assert got == [False, True]  # True for the first page would be a lie
+
+
+def test_shares_fill_the_least_loaded_readers_to_one_level() -> None:
+    mib = 1 << 20
+    # idle readers split a read in parts of `least` or more
+    assert shares([0, 0], 4 * mib, mib, 4 * mib) == [2 * mib, 2 * mib]
+    assert shares([0, 0, 0], 2 * mib, mib, 4 * mib) == [mib, mib, 0]
+    assert shares([0, 0], mib // 2, mib, 4 * mib) == [mib // 2, 0]
+    # beside a queue, a large read levels the readers and a small one goes whole
+    assert shares([32 * mib, 32 * mib], 64 * mib, mib, 4 * mib) == [32 * mib, 32 * mib]
+    assert shares([32 * mib, 0], 64 * mib, mib, 4 * mib) == [16 * mib, 48 * mib]
+    assert shares([2 * mib, 2 * mib], 4 * mib, mib, 4 * mib) == [4 * mib, 0]
+    assert shares([3 * mib, 2 * mib], 4 * mib, mib, 4 * mib) == [0, 4 * mib]
+    assert shares([8 * mib, 0, 2 * mib], 5 * mib, mib, mib) == [0, 7 * mib // 2, 3 * mib // 2]
+    # every byte is given, none twice, whatever the division leaves
+    for loads, nbytes in (([5, 0, 7], 1000), ([1, 2, 3, 4], 7), ([0], 0), ([9, 9], 1)):
+        got = shares(loads, nbytes, 3, 5)
+        assert sum(got) == nbytes and min(got) >= 0
+    assert shares([], 10, 1, 1) == []
 
 
 def test_disjoint_ranges() -> None:
