@@ -595,9 +595,16 @@ class Readers:
         give = shares(
             [child.queued for child in children], int(ends[-1]), PART_BYTES, BUSY_PART_BYTES
         )
-        taking = [(child, share) for child, share in zip(children, give, strict=True) if share]
+        # the least loaded first: a part's first record is its own however large,
+        # so an idle reader is never left out behind a busy one
+        taking = sorted(
+            ((child, share) for child, share in zip(children, give, strict=True) if share),
+            key=lambda item: item[0].queued,
+        )
         if not taking:  # no payload bytes at all
             taking = [(min(children, key=lambda child: child.queued), 0)]
+        # twice each record's middle: a record goes to the part its middle falls in
+        middles = 2 * ends - records["length"]
         sent: list[_Child] = []
         cut = [0]
         total = 0
@@ -608,7 +615,8 @@ class Readers:
             total += share
             hi = n
             if k < len(taking) - 1:  # the last takes what is left
-                hi = min(n, max(lo + 1, int(np.searchsorted(ends, total, side="right"))))
+                at = int(np.searchsorted(middles, 2 * total, side="right"))
+                hi = min(n, max(lo + 1, at))
             # no request over MAX_RECORDS: then several go to one reader, in turn
             pieces = -(-(hi - lo) // MAX_RECORDS)
             cut += [lo + (hi - lo) * j // pieces for j in range(1, pieces + 1)]

@@ -159,6 +159,60 @@ def test_shares_fill_the_least_loaded_readers_to_one_level() -> None:
     assert shares([], 10, 1, 1) == []
 
 
+async def test_a_large_read_beside_a_stuck_one_goes_to_the_idle_reader(tmp_path: Path) -> None:
+    """Pages of 8 MiB: a reader stuck (SIGSTOP) on one has 8 MiB queued. Each
+    next read of two pages must go whole to the idle reader, whatever the
+    rotation: a part's first record is its own, so the busy reader, if it
+    came first, would take a page it cannot read until its deadline."""
+    page, pages = 8 << 20, 3
+    arena = Arena.create(tmp_path / "pool", 2 * pages * page, populate=False)
+    rows = arena.array.reshape(2 * pages, page)
+    src, dst = rows[:pages], rows[pages:]
+    src[:] = np.random.default_rng(3).integers(0, 256, src.shape, dtype=np.uint8)
+    keys = [struct.pack("<QQ", 2, i) for i in range(pages)]
+    options = FileOptions(
+        path=str(tmp_path / "store"),
+        capacity_mib=64,
+        segment_mib=32,
+        io_threads=2,
+        read_processes=2,
+        reader_deadline_s=60.0,
+    )
+    env = BackendEnv(tmp_path, pool=arena.array.data, pool_path=str(arena.path))
+    backend = FileBackend(options, env)
+    await backend.open()
+    try:
+        assert all(await backend.put(NS, [PageRef(k, src[i].data) for i, k in enumerate(keys)]))
+        readers = backend._readers
+        assert readers is not None
+        children = [reader.child for reader in readers.readers]
+        assert all(child is not None for child in children)
+        pids = {child: child.transport.get_pid() for child in children}  # type: ignore[union-attr]
+        for pid in pids.values():
+            os.kill(pid, signal.SIGSTOP)
+        stuck = asyncio.ensure_future(backend.get(NS, [PageRef(keys[0], dst[0].data)]))
+        await _until(lambda: any(child.queued for child in pids))
+        busy = next(child for child in pids if child.queued)
+        idle = next(child for child in pids if child is not busy)
+        os.kill(pids[idle], signal.SIGCONT)
+        for _ in range(2):  # both turns of the rotation
+            dst[1:] = 0
+            got = await asyncio.wait_for(
+                backend.get(NS, [PageRef(keys[i], dst[i].data) for i in (1, 2)]), 10
+            )
+            assert got == [True, True] and np.array_equal(src[1:], dst[1:])
+            assert busy.queued == page and not stuck.done()
+        os.kill(pids[busy], signal.SIGCONT)
+        assert await asyncio.wait_for(stuck, 10) == [True]
+        assert np.array_equal(src[0], dst[0])
+        assert backend.stats()["readers_lost"] == 0 and backend.stats()["reader_pages"] == 5
+    finally:
+        for pid in pids.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        await backend.close()
+
+
 def test_disjoint_ranges() -> None:
     u8 = np.uint64
     assert disjoint(np.array([0, 10, 20], u8), np.array([10, 10, 10], u8))
