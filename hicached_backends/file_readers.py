@@ -294,7 +294,6 @@ class _Child(asyncio.SubprocessProtocol):
         self.waiting: collections.deque[tuple[asyncio.Future[bytes], float, int]] = (
             collections.deque()
         )
-        self.queued = 0  # payload bytes of the requests waiting
         loop = asyncio.get_running_loop()
         self.ready: asyncio.Future[None] = loop.create_future()
         self.exited: asyncio.Future[None] = loop.create_future()
@@ -322,8 +321,7 @@ class _Child(asyncio.SubprocessProtocol):
                 self.ready.set_result(None)
                 self.watch = asyncio.get_running_loop().call_later(_WATCH_S, self._watch)
             elif self.waiting:
-                fut, _, nbytes = self.waiting.popleft()
-                self.queued -= nbytes
+                fut, _, _ = self.waiting.popleft()
                 if not fut.done():
                     fut.set_result(body)
             else:
@@ -348,7 +346,6 @@ class _Child(asyncio.SubprocessProtocol):
             fut, _, _ = self.waiting.popleft()
             if not fut.done():
                 fut.set_exception(ReaderLost(why))
-        self.queued = 0
 
     def lose(self, why: str) -> None:
         """Take no more requests and kill the process; process_exited fails the rest."""
@@ -378,9 +375,13 @@ class _Child(asyncio.SubprocessProtocol):
             fut.set_exception(ReaderLost(self.why or "it is not running"))
             return fut
         self.waiting.append((fut, time.monotonic(), nbytes))
-        self.queued += nbytes
         self.stdin.write(_FRAME.pack(len(body)) + body)
         return fut
+
+    @property
+    def queued(self) -> int:
+        """Payload bytes of the requests waiting for their replies."""
+        return sum(nbytes for _, _, nbytes in self.waiting)
 
     async def end(self) -> None:
         """Kill the process and wait until it is gone: then it writes no slot."""
@@ -590,10 +591,11 @@ class Readers:
         first = self._next % len(live)
         self._next += 1
         live = live[first:] + live[:first]  # ties go round
-        ends = np.cumsum(records["length"], dtype=np.int64)
+        # bounds[i]: payload bytes before record i
+        bounds = np.concatenate(([0], np.cumsum(records["length"], dtype=np.int64)))
         children = [typing.cast(_Child, reader.child) for reader in live]
         give = shares(
-            [child.queued for child in children], int(ends[-1]), PART_BYTES, BUSY_PART_BYTES
+            [child.queued for child in children], int(bounds[-1]), PART_BYTES, BUSY_PART_BYTES
         )
         # the least loaded first: a part's first record is its own however large,
         # so an idle reader is never left out behind a busy one
@@ -604,7 +606,7 @@ class Readers:
         if not taking:  # no payload bytes at all
             taking = [(min(children, key=lambda child: child.queued), 0)]
         # twice each record's middle: a record goes to the part its middle falls in
-        middles = 2 * ends - records["length"]
+        middles = bounds[:-1] + bounds[1:]
         sent: list[_Child] = []
         cut = [0]
         total = 0
@@ -624,7 +626,7 @@ class Readers:
         futs = [
             child.send(
                 ns + records[cut[k] : cut[k + 1]].tobytes(),
-                int(ends[cut[k + 1] - 1] - (ends[cut[k] - 1] if cut[k] else 0)),
+                int(bounds[cut[k + 1]] - bounds[cut[k]]),
             )
             for k, child in enumerate(sent)
         ]

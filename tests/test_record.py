@@ -51,9 +51,11 @@ def test_any_changed_payload_byte_is_refused(offset: int, delta: int) -> None:
     damaged[offset] ^= delta
     payloads[2] = bytes(damaged)
     assert verify_many(headers, payloads, NS, keys) == [True, True, False]
-    # checksums the caller took as it read (a reader process) are held to the same
+    # checksums the caller took as it read (a reader process) are what is compared
     sums = [xxhash.xxh3_64_intdigest(payload) for payload in payloads]
     assert verify_many(headers, payloads, NS, keys, payload_sums=sums) == [True, True, False]
+    sums[0] ^= 1
+    assert verify_many(headers, payloads, NS, keys, payload_sums=sums) == [False, True, False]
 
 
 def test_another_page_namespace_length_or_generation_is_refused() -> None:

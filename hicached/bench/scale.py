@@ -55,15 +55,12 @@ def _sequence(i: int) -> np.ndarray:
     )
 
 
-def _fill(client: Client, ns: Any, start: int, pages: int) -> int:
-    """Store sequences from ``start`` until the index holds ``pages``; the next start."""
-    i = start
-    while i * CHAIN < pages:
+def _fill(client: Client, ns: Any, pages: int) -> None:
+    """Store whole sequences until the index holds ``pages``."""
+    for i in range(-(-pages // CHAIN)):
         res = client.reserve(ns, _sequence(i))
         assert not res.pool_full, "the bench pool is too small"
         client.commit(res)  # the bytes are whatever the slots held: only counts matter here
-        i += 1
-    return i
 
 
 def _match_latency(
@@ -230,7 +227,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for tag, pages in STEPS.items():
                 client = stack.enter_context(daemons[tag].client(timeout=30))
                 ns = client.register(**NS)  # type: ignore[arg-type]
-                _fill(client, ns, 0, pages)
+                _fill(client, ns, pages)
                 assert client.stats().pages >= pages
                 clients[tag] = (client, ns)
             client, ns = clients["1k"]
