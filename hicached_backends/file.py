@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import logging
 import os
 import struct
@@ -68,6 +69,7 @@ SUPER_MAGIC = b"HCS1"
 SUPER_VERSION = 2  # generations are store-wide sequence numbers (see above)
 SUPER_BYTES = 4096
 MIB = 1 << 20
+LOCK_NAME = "store.lock"  # held (flock) by the daemon that has the store open
 
 
 @dataclass(slots=True)
@@ -76,30 +78,6 @@ class _Loc:
     offset: int
     length: int
     generation: int
-
-
-_Plan = tuple[
-    "_Segment", int, int, bytes, bytes, PageRef
-]  # seg, generation, offset, ns, header, page
-
-
-@dataclass(slots=True)
-class _Group:
-    """Writes of concurrent put calls that share one fsync."""
-
-    batch: list[tuple[bytes, Sequence[PageRef], asyncio.Future[list[bool]]]]
-    plan: list[_Plan] = field(default_factory=list)
-    outcomes: list[list[bool]] = field(default_factory=list)
-    ends: dict[int, tuple[_Segment, int, int]] = field(default_factory=dict)
-
-    def fail(self, exc: BaseException) -> None:
-        for *_, fut in self.batch:
-            if fut.done():
-                continue
-            if isinstance(exc, asyncio.CancelledError):
-                fut.cancel()
-            else:
-                fut.set_exception(exc)
 
 
 @dataclass(slots=True)
@@ -112,6 +90,44 @@ class _Segment:
     durable_off: int = SUPER_BYTES
     keys: list[tuple[bytes, bytes]] = field(default_factory=list)
     dirty_super: bool = True
+    # where a group whose fsync failed began: nothing at or past it is published,
+    # and the segment takes no more records until it is recycled
+    failed_at: int | None = None
+
+
+@dataclass(slots=True)
+class _Entry:
+    """One record a write group plans: where it goes, and the flag it answers."""
+
+    seg: _Segment
+    generation: int
+    offset: int
+    ns: bytes
+    header: bytes
+    page: PageRef
+    out: list[bool]  # the put call's answers
+    at: int  # this page's place in them
+
+
+@dataclass(slots=True)
+class _Group:
+    """Writes of concurrent put calls that share one fsync."""
+
+    batch: list[tuple[bytes, Sequence[PageRef], asyncio.Future[list[bool]]]]
+    plan: list[_Entry] = field(default_factory=list)
+    outcomes: list[list[bool]] = field(default_factory=list)
+    ends: dict[int, tuple[_Segment, int, int]] = field(default_factory=dict)
+    starts: dict[int, tuple[_Segment, int, int]] = field(default_factory=dict)
+
+    def fail(self, exc: BaseException, own: asyncio.Future[list[bool]]) -> None:
+        """Fail every call of the group but ``own``, whose caller raises ``exc`` itself."""
+        for *_, fut in self.batch:
+            if fut.done() or fut is own:
+                continue
+            if isinstance(exc, asyncio.CancelledError):
+                fut.cancel()
+            else:
+                fut.set_exception(exc)
 
 
 _LOAD_CHUNK = 4 << 20  # bytes of a segment read at once when its index is rebuilt
@@ -131,6 +147,7 @@ class FileBackend(Backend):
         self.top = 0  # the highest generation any segment file has carried
         self._pool: ThreadPoolExecutor | None = None
         self._readers: Readers | None = None
+        self._lock = -1  # the open lock file while the store is open
         self._write_lock = asyncio.Lock()  # planning and writing records
         self._sync_lock = asyncio.Lock()  # fsync and publication, in group order
         self._pending: list[tuple[bytes, Sequence[PageRef], asyncio.Future[list[bool]]]] = []
@@ -163,6 +180,29 @@ class FileBackend(Backend):
 
     def _open_sync(self) -> None:
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # one daemon a store: two would write the same segments at the same offsets
+        lock = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(lock)
+            raise OSError(errno.EBUSY, f"in use by another daemon (it holds {LOCK_NAME})") from None
+        self._lock = lock
+        try:
+            self._load_all()
+        except BaseException:
+            self._unlock()
+            raise
+
+    def _unlock(self) -> None:
+        for seg in self.segments:
+            os.close(seg.fd)
+        self.segments = []
+        if self._lock >= 0:
+            os.close(self._lock)  # closing the file lets go of its lock
+            self._lock = -1
+
+    def _load_all(self) -> None:
         dropped = 0  # segments of an older format
         for i in range(self.n_segments):
             path = self.dir / segment_name(i)
@@ -300,8 +340,7 @@ class FileBackend(Backend):
             seg.dirty_super = seg.dirty_super or seg.durable_off != seg.write_off
             self._write_super(seg, seg.write_off)
             os.fdatasync(seg.fd)
-            os.close(seg.fd)
-        self.segments = []
+        self._unlock()
 
     async def health(self) -> None:
         if self._pool is None or not self.dir.is_dir():
@@ -333,19 +372,21 @@ class FileBackend(Backend):
                 try:
                     await self._write_group(group)
                 except BaseException as exc:
-                    group.fail(exc)
+                    group.fail(exc, done)
                     raise
         if group is not None:
             async with self._sync_lock:
                 try:
                     await self._sync_group(group)
                 except BaseException as exc:
-                    group.fail(exc)
+                    group.fail(exc, done)
                     raise
         return await done
 
-    async def _write_group(self, group: _Group) -> None:
-        """Plan every queued page and write the records (not yet durable)."""
+    def _plan(self, group: _Group) -> None:
+        """Place every page of the group's calls. A page whose record cannot be
+        placed is answered False: larger than a segment, or the ring would have to
+        recycle a segment this group writes to already."""
         planned: set[tuple[bytes, bytes]] = set()
         for ns, pages, _ in group.batch:
             out = [True] * len(pages)
@@ -354,19 +395,26 @@ class FileBackend(Backend):
                 if key in self.index or key in planned:
                     continue  # already stored: writes are idempotent
                 size = HEADER_BYTES + len(page.buf)
-                if size > self.segment_bytes - SUPER_BYTES:
+                seg = self._room(size, group.starts) if size <= self._usable else None
+                if seg is None:
                     out[i] = False
                     continue
-                seg = self._room(size)
+                group.starts.setdefault(seg.id, (seg, seg.generation, seg.write_off))
                 header = pack_header(ns, page.key, page.buf, seg.generation)
-                group.plan.append((seg, seg.generation, seg.write_off, ns, header, page))
+                group.plan.append(
+                    _Entry(seg, seg.generation, seg.write_off, ns, header, page, out, i)
+                )
                 planned.add(key)
                 seg.write_off += size
             group.outcomes.append(out)
+        for entry in group.plan:
+            group.ends[entry.seg.id] = (entry.seg, entry.generation, entry.seg.write_off)
+
+    async def _write_group(self, group: _Group) -> None:
+        """Plan every queued page and write the records (not yet durable)."""
+        self._plan(group)
         if not group.plan:
             return
-        for seg, *_ in group.plan:
-            group.ends[seg.id] = (seg, seg.generation, seg.write_off)
         segs = [seg for seg, _, _ in group.ends.values()]
         loop = asyncio.get_running_loop()
         plan = group.plan
@@ -381,7 +429,13 @@ class FileBackend(Backend):
                 )
             )
         except OSError as exc:
-            # Nothing of this group is published; its space is simply skipped.
+            # Nothing of this group is published, and no later group has been placed
+            # (they wait for this lock): its space goes back, so a failing disk takes
+            # no room from the records before it, and a restart's scan, which ends at
+            # the first record it cannot read, finds no hole below later records.
+            for seg, generation, start in group.starts.values():
+                if seg.generation == generation and seg.failed_at is None:
+                    seg.write_off = start
             raise BackendError(f"file store write failed: {exc.strerror or exc}") from None
 
     async def _sync_group(self, group: _Group) -> None:
@@ -391,22 +445,46 @@ class FileBackend(Backend):
             try:
                 await asyncio.get_running_loop().run_in_executor(self._pool, self._sync, segs)
             except OSError as exc:
+                # Later groups may have written past this group's records already:
+                # the segment is closed to writes where this group began, and no
+                # record at or past that point is published (so none is answered True).
+                for seg, generation, start in group.starts.values():
+                    if seg.generation == generation:
+                        seg.failed_at = min(start, seg.failed_at or start)
+                        seg.write_off = self.segment_bytes
                 raise BackendError(f"file store fsync failed: {exc.strerror or exc}") from None
-            for seg, generation, off, ns, _header, page in group.plan:
-                if seg.generation != generation:
-                    continue  # the ring wrapped around and recycled it meanwhile
-                key = (ns, page.key)
-                self.index[key] = _Loc(seg.id, off, len(page.buf), generation)
+            for entry in group.plan:
+                seg = entry.seg
+                if seg.generation != entry.generation or (
+                    seg.failed_at is not None and entry.offset >= seg.failed_at
+                ):
+                    # recycled meanwhile by a later group (the ring wrapped around), or
+                    # past an earlier group's failed fsync: not stored
+                    entry.out[entry.at] = False
+                    continue
+                key = (entry.ns, entry.page.key)
+                self.index[key] = _Loc(seg.id, entry.offset, len(entry.page.buf), entry.generation)
                 seg.keys.append(key)
             for seg, generation, end in group.ends.values():
-                if seg.generation == generation and end > seg.durable_off:
+                if seg.generation != generation or end <= seg.durable_off:
+                    continue
+                if seg.failed_at is None or end <= seg.failed_at:
                     seg.durable_off = end
                     seg.dirty_super = True
         for (_, _, fut), out in zip(group.batch, group.outcomes, strict=True):
             if not fut.done():
                 fut.set_result(out)
 
-    def _room(self, size: int) -> _Segment:
+    @property
+    def _usable(self) -> int:
+        """Bytes of records one segment holds."""
+        return self.segment_bytes - SUPER_BYTES
+
+    def _room(
+        self, size: int, keep: dict[int, tuple[_Segment, int, int]] | None = None
+    ) -> _Segment | None:
+        """The segment the next record of ``size`` bytes goes to; None if that
+        would recycle a segment in ``keep`` (a group's own)."""
         seg = self.segments[self.active]
         if seg.write_off + size <= self.segment_bytes:
             return seg
@@ -414,6 +492,8 @@ class FileBackend(Backend):
         # generation. Generations rise along the ring, so this is the next one.
         n = self.n_segments
         seg = min(self.segments, key=lambda s: (s.generation, (s.id - self.active - 1) % n))
+        if keep is not None and seg.id in keep:
+            return None
         self.active = seg.id
         self._recycle(seg)
         return seg
@@ -433,6 +513,7 @@ class FileBackend(Backend):
         seg.generation = self.top
         seg.write_off = seg.durable_off = SUPER_BYTES
         seg.dirty_super = True
+        seg.failed_at = None
         for ns, keys in forgotten.items():
             self.forgot(ns, keys)
 
@@ -449,18 +530,22 @@ class FileBackend(Backend):
             self._write_super(seg, seg.durable_off)
 
     @staticmethod
-    def _write_records(plan: list[_Plan]) -> None:
+    def _write_records(plan: list[_Entry]) -> None:
         """Write records; back-to-back records of a segment go out in one pwritev."""
         i = 0
         while i < len(plan):
-            seg, _, start, _, header, page = plan[i]
-            iov: list[bytes | memoryview] = [header, page.buf]
-            end = start + len(header) + len(page.buf)
+            seg, start = plan[i].seg, plan[i].offset
+            iov: list[bytes | memoryview] = [plan[i].header, plan[i].page.buf]
+            end = start + len(plan[i].header) + len(plan[i].page.buf)
             i += 1
-            while i < len(plan) and len(iov) < IOV_MAX and plan[i][0] is seg and plan[i][2] == end:
-                _, _, _, _, header, page = plan[i]
-                iov += (header, page.buf)
-                end += len(header) + len(page.buf)
+            while (
+                i < len(plan)
+                and len(iov) < IOV_MAX
+                and plan[i].seg is seg
+                and plan[i].offset == end
+            ):
+                iov += (plan[i].header, plan[i].page.buf)
+                end += len(plan[i].header) + len(plan[i].page.buf)
                 i += 1
             written = os.pwritev(seg.fd, iov, start)
             if written != end - start:
@@ -493,14 +578,14 @@ class FileBackend(Backend):
             results = await self._read_in_readers(ns, todo, slots, readers)
         else:
             results = await self._read_on_threads(ns, todo)
+        read = {i: loc for i, loc, _ in todo}
         for i, ok in results:
             out[i] = ok
             if not ok:
                 self.counters["bad_records"] += 1
                 key = (ns, pages[i].key)
-                loc = self.index.get(key)
-                if loc is not None:  # a bad record is a miss and is dropped
-                    del self.index[key]
+                if self.index.get(key) is read[i]:  # a bad record is a miss and is dropped
+                    del self.index[key]  # (not a newer one, written while this was read)
                     self.forgot(ns, [pages[i].key])
         return out
 

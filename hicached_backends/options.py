@@ -74,7 +74,8 @@ class S3Options(msgspec.Struct, **_Table):
     # Credentials; "" = the standard chain (environment, files, instance role).
     access_key_id: str = ""
     secret_access_key: str = ""
-    # Threads (and HTTP connections) doing requests.
+    # Threads (and HTTP connections) for reads (GET, HEAD), and as many again for
+    # writes and deletes, so that prefetch reads never queue behind writes.
     threads: int = 16
     # Attempts per request in botocore's standard retry mode (1 = no retry).
     max_attempts: int = 3

@@ -45,7 +45,8 @@ class S3Backend(Backend):
         if not options.bucket:
             raise BackendError("storage.s3.bucket is empty: name the bucket that holds the pages")
         self.prefix = options.prefix.strip("/")
-        self._pool: ThreadPoolExecutor | None = None
+        self._pool: ThreadPoolExecutor | None = None  # writes and deletes
+        self._reads: ThreadPoolExecutor | None = None  # GETs, HEADs: never behind writes
         self._client: Any = None
         self.counters = {"requests": 0, "errors": 0, "bad_objects": 0}
 
@@ -55,7 +56,7 @@ class S3Backend(Backend):
         o = self.options
         config = botocore.config.Config(
             retries={"mode": "standard", "max_attempts": o.max_attempts},
-            max_pool_connections=o.threads,
+            max_pool_connections=2 * o.threads,  # reads and writes each have their own
             connect_timeout=o.connect_timeout_s,
             read_timeout=o.read_timeout_s,
             s3={"addressing_style": o.addressing_style} if o.addressing_style else None,
@@ -67,22 +68,38 @@ class S3Backend(Backend):
         )
         self._client = session.client("s3", endpoint_url=o.endpoint_url or None, config=config)
         self._pool = ThreadPoolExecutor(o.threads, thread_name_prefix="hicached-s3")
+        self._reads = ThreadPoolExecutor(o.threads, thread_name_prefix="hicached-s3-read")
         try:
-            await self._run(self._client.head_bucket, Bucket=o.bucket)
+            await self._bucket(retriable=False)
         except BackendError as exc:
             if not exc.retriable:
-                raise BackendError(f"S3 bucket {o.bucket!r}: {exc.message}") from None
+                raise
             # unreachable now: serve from L2, the breaker retries later
             log.warning("S3 at %s not reachable at start: %s", o.endpoint_url or "AWS", exc.message)
 
     async def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        # Calls still running (past the stop deadline) are not waited for: each
+        # ends on its own within the client's timeouts and retries.
+        for pool in (self._pool, self._reads):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = self._reads = None
         self._client = None
 
     async def health(self) -> None:
-        await self._run(self._client.head_bucket, Bucket=self.options.bucket)
+        await self._bucket(retriable=True)
+
+    async def _bucket(self, *, retriable: bool) -> None:
+        """The bucket must exist: a store without one fails every write."""
+        bucket = self.options.bucket
+        try:
+            found = await self._run(self._client.head_bucket, reads=True, Bucket=bucket)
+        except BackendError as exc:
+            if exc.retriable:
+                raise
+            raise BackendError(f"S3 bucket {bucket!r}: {exc.message}") from None
+        if found is None:
+            raise BackendError(f"S3 bucket {bucket!r} does not exist", retriable=retriable)
 
     # -- helpers -------------------------------------------------------------------
 
@@ -90,11 +107,12 @@ class S3Backend(Backend):
         k = key.hex()
         return f"{self.prefix}/{k[:2]}/{ns.hex()}/{k}"
 
-    async def _run(self, fn: Any, **kwargs: Any) -> Any:
-        if self._pool is None:
+    async def _run(self, fn: Any, *, reads: bool = False, **kwargs: Any) -> Any:
+        pool = self._reads if reads else self._pool
+        if pool is None:
             raise BackendError("S3 backend is closed", retriable=True)
         return await asyncio.get_running_loop().run_in_executor(
-            self._pool, lambda: self._call(fn, kwargs)
+            pool, lambda: self._call(fn, kwargs)
         )
 
     def _call(self, fn: Any, kwargs: dict[str, Any]) -> Any:
@@ -114,14 +132,16 @@ class S3Backend(Backend):
             self.counters["errors"] += 1
             raise BackendError(f"S3 unreachable: {exc}", retriable=True) from None
 
-    async def _each(self, fn: Any, items: Sequence[Any]) -> list[Any]:
-        """``fn(item)`` for every item in the pool; exceptions are returned, not raised."""
-        if self._pool is None:
+    async def _each(self, fn: Any, items: Sequence[Any], *, reads: bool = False) -> list[Any]:
+        """``fn(item)`` for every item, on the read or the write threads; exceptions
+        are returned, not raised."""
+        pool = self._reads if reads else self._pool
+        if pool is None:
             raise BackendError("S3 backend is closed", retriable=True)
         loop = asyncio.get_running_loop()
         return list(
             await asyncio.gather(
-                *(loop.run_in_executor(self._pool, fn, item) for item in items),
+                *(loop.run_in_executor(pool, fn, item) for item in items),
                 return_exceptions=True,
             )
         )
@@ -160,7 +180,7 @@ class S3Backend(Backend):
             span = hi - lo
             probes = sorted({lo + span * k // width for k in range(width)} | {lo})
             probes = [i for i in probes if i < hi]
-            found = await self._each(lambda i: self._head(ns, keys[i]), probes)
+            found = await self._each(lambda i: self._head(ns, keys[i]), probes, reads=True)
             errors = [hit for hit in found if isinstance(hit, BaseException)]
             if errors:
                 if lo == 0 and len(errors) == len(found):
@@ -221,7 +241,7 @@ class S3Backend(Backend):
             page.buf[:] = memoryview(body)[HEADER_BYTES:]
             return True
 
-        return self._settle(await self._each(get_one, pages))
+        return self._settle(await self._each(get_one, pages, reads=True))
 
     async def delete(self, ns: bytes, keys: Sequence[bytes]) -> None:
         for start in range(0, len(keys), 1000):

@@ -5,6 +5,8 @@ it lets through is answered by the real server. Modes per request, drawn at
 the configured rates: ``slowdown`` (503 SlowDown), ``error`` (500
 InternalError), ``reset`` (the TCP connection is reset, no response).
 ``hang`` makes every request wait without an answer (an outage).
+``delay`` holds requests of a method (``{"PUT": 0.3}``) that long before
+passing them on (a slow store).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class FaultProxy:
         self.upstream = (host, int(port))
         self.rates: dict[str, float] = {}
         self.hang = threading.Event()
+        self.delay: dict[str, float] = {}
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.seen: Counter[str] = Counter()  # requests per (method path)
@@ -60,6 +63,8 @@ class FaultProxy:
                     if draw < edge:
                         mode = name
                         break
+                if self.command in proxy.delay:
+                    threading.Event().wait(proxy.delay[self.command])
                 if proxy.hang.is_set():
                     proxy.hang_wait()
                     mode = "reset"

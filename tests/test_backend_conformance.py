@@ -184,6 +184,73 @@ def test_s3_exists_is_a_bisection(s3: S3Server) -> None:
         loop.close()
 
 
+def test_s3_reads_never_queue_behind_writes(s3: S3Server) -> None:
+    """Writes slowed to 0.3 s each by the fault proxy fill the write threads
+    three times over; a read (a bisection and a GET) started after them is
+    answered while they are still running, not after them."""
+    from hicached_backends.s3 import S3Backend
+    from tests.faults import FaultProxy
+
+    proxy = FaultProxy(s3.endpoint)
+    options = S3Options(
+        bucket=s3.make_bucket("reads-first"), endpoint_url=proxy.endpoint, threads=2, **CREDENTIALS
+    )
+    backend = S3Backend(options, BackendEnv(Path("/nonexistent")))
+    ns, page = NAMESPACES[0], bytes(range(256)) * 2
+
+    async def run() -> None:
+        await backend.open()
+        held = PageRef(KEYS[0], memoryview(bytearray(page)))
+        assert await backend.put(ns, [held]) == [True]
+        proxy.delay["PUT"] = 0.3
+        writes = asyncio.ensure_future(
+            backend.put(ns, [PageRef(k, memoryview(bytearray(page))) for k in KEYS[1:7]])
+        )
+        await asyncio.sleep(0.05)  # the six PUTs hold both write threads
+        assert await backend.exists(ns, KEYS[:1]) == 1
+        got = bytearray(len(page))
+        assert await backend.get(ns, [PageRef(KEYS[0], memoryview(got))]) == [True]
+        assert got == page
+        assert not writes.done(), "the read waited for the writes"
+        assert await writes == [True] * 6
+
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(run())
+    finally:
+        loop.run_until_complete(backend.close())
+        loop.close()
+        proxy.stop()
+
+
+def test_s3_missing_bucket_is_an_error_not_a_healthy_store(s3: S3Server) -> None:
+    """A store whose bucket does not exist would fail every write: opening it
+    fails, and its health probe fails (retriable) if the bucket goes away."""
+    from hicached_backends.base import BackendError
+    from hicached_backends.s3 import S3Backend
+
+    def backend(bucket: str) -> S3Backend:
+        options = S3Options(bucket=bucket, endpoint_url=s3.endpoint, threads=2, **CREDENTIALS)
+        return S3Backend(options, BackendEnv(Path("/nonexistent")))
+
+    loop = asyncio.new_event_loop()
+    missing, present = backend("no-such-bucket"), backend(s3.make_bucket("goes-away"))
+    try:
+        with pytest.raises(BackendError, match="does not exist") as refused:
+            loop.run_until_complete(missing.open())
+        assert not refused.value.retriable
+        loop.run_until_complete(present.open())
+        loop.run_until_complete(present.health())
+        s3.client().delete_bucket(Bucket=present.options.bucket)  # type: ignore[attr-defined]
+        with pytest.raises(BackendError, match="does not exist") as down:
+            loop.run_until_complete(present.health())
+        assert down.value.retriable
+    finally:
+        for b in (missing, present):
+            loop.run_until_complete(b.close())
+        loop.close()
+
+
 def test_mooncake_backend(mooncake: MooncakeMaster) -> None:
     from hicached_backends.mooncake import MooncakeBackend
 

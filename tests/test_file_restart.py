@@ -8,13 +8,18 @@ segment ever filled, and the last ``SEGMENTS`` of those are what is kept.
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import os
 import struct
+import threading
 from pathlib import Path
+from typing import Any
 
+import pytest
 import xxhash
 
-from hicached_backends.base import BackendEnv, PageRef
+from hicached_backends.base import BackendEnv, BackendError, PageRef
 from hicached_backends.file import SUPER, SUPER_BYTES, FileBackend
 from hicached_backends.options import FileOptions
 from hicached_backends.record import HEADER_BYTES, pack_header
@@ -71,9 +76,7 @@ class Store:
         if not crash:
             await backend.close()
             return
-        for seg in backend.segments:
-            os.close(seg.fd)
-        backend.segments = []
+        backend._unlock()  # the files are closed as the kernel closes a dead process's
         assert backend._pool is not None
         backend._pool.shutdown(wait=True)
         backend._pool = None
@@ -197,3 +200,97 @@ async def test_an_old_format_store_is_dropped_and_never_read(tmp_path: Path) -> 
     await store.start()
     assert await store.kept() == list(range(written))
     await store.stop()
+
+
+# -- failed writes ---------------------------------------------------------------
+# The disk faults below are injected by replacing os.pwritev / os.fdatasync for
+# one call (a fake for fault injection only); every other call is the real one.
+
+
+def _refs(pages: range) -> list[PageRef]:
+    return [PageRef(key(i), memoryview(bytearray(payload(i)))) for i in pages]
+
+
+async def test_a_failed_write_takes_no_room_and_hides_no_later_page(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write group fails after part of it reached the file. Its space goes
+    back: the store holds as much as before, and the pages written after it
+    survive a restart (a hole below them would end the restart's scan)."""
+    store = Store(tmp_path / "pages")
+    backend = await store.start()
+    await store.put(range(5))
+    used = backend.stats()["bytes_used"]
+    real = os.pwritev
+
+    def torn(fd: int, iov: list[Any], offset: int) -> int:
+        monkeypatch.setattr(os, "pwritev", real)
+        real(fd, iov[:1], offset)  # the first record's header reaches the file
+        raise OSError(errno.EIO, "injected")
+
+    monkeypatch.setattr(os, "pwritev", torn)
+    with pytest.raises(BackendError, match="write failed"):
+        await backend.put(NS, _refs(range(100, 103)))
+    assert backend.stats()["bytes_used"] == used, "a failed write took room"
+    await store.put(range(5, 9))
+    for crash in (False, True):
+        await store.stop(crash=crash)
+        await store.start()
+        assert await store.kept() == list(range(9)), "acknowledged pages lost"
+
+
+async def test_after_a_failed_fsync_nothing_past_it_is_acknowledged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Group A's fsync fails while group B, written after A in the same segment,
+    waits for its own. B's pages there are answered False, not True: if A's
+    bytes never reached the disk, a restart's scan ends at them and never
+    reaches B's. Writes then go on in the next segment."""
+    store = Store(tmp_path / "pages")
+    backend = await store.start()
+    await store.put(range(3))
+    real = os.fdatasync
+    entered, release = threading.Event(), threading.Event()
+
+    def failing(fd: int) -> None:
+        monkeypatch.setattr(os, "fdatasync", real)
+        entered.set()
+        release.wait(10)
+        raise OSError(errno.EIO, "injected")
+
+    monkeypatch.setattr(os, "fdatasync", failing)
+    a = asyncio.ensure_future(backend.put(NS, _refs(range(100, 102))))
+    await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
+    b = asyncio.ensure_future(backend.put(NS, _refs(range(200, 202))))
+    for _ in range(100):  # until B is written and waits for A's fsync
+        await asyncio.sleep(0.01)
+        if backend.segments[0].write_off > SUPER_BYTES + 5 * 64 * 1024:
+            break
+    release.set()
+    with pytest.raises(BackendError, match="fsync failed"):
+        await a
+    assert await b == [False, False], "pages past a failed fsync were acknowledged"
+    await store.put(range(3, 6))  # into the next segment
+    assert backend.active == 1
+    for crash in (False, True):
+        await store.stop(crash=crash)
+        await store.start()
+        kept = await store.kept()  # every listed page reads back intact
+        assert [i for i in kept if i < 100] == list(range(6))
+
+
+async def test_a_put_larger_than_the_ring_answers_false_for_what_it_cannot_keep(
+    tmp_path: Path,
+) -> None:
+    """One call with more pages than the ring holds must not recycle a segment
+    that holds its own earlier pages and still answer True for them."""
+    store = Store(tmp_path / "pages")
+    backend = await store.start()
+    count = SEGMENTS * PER_SEGMENT + 10
+    answers = await backend.put(NS, _refs(range(count)))
+    stored = [i for i, ok in enumerate(answers) if ok]
+    assert 0 < len(stored) < count
+    assert await store.kept() == stored, "a page answered True is not stored"
+    await store.stop()
+    await store.start()
+    assert await store.kept() == stored

@@ -370,6 +370,30 @@ def test_no_room_for_one_segment_is_a_clear_error(tmp_path: Path) -> None:
         subprocess.run(["rm", "-rf", f"/tmp/hc-rt-{os.getpid()}"], check=False)
 
 
+def test_a_second_daemon_on_the_same_file_store_is_refused(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """Two daemons would write the same segments at the same offsets: the second
+    exits 2 and says why; the first keeps serving its pages."""
+    tail = f'[storage.file]\npath = "{tmp_path / "store"}"\ncapacity_mib = 8\nsegment_mib = 2\n'
+    first = daemon_factory(size_mib=1, slab_mib=1, storage=storage("file"), tail=tail)
+    with first.client() as c:
+        ns = c.register(**NS)
+        toks = seq(0, 4)
+        c.store(ns, toks, page_bytes_for(toks))
+        settle_writes(c)
+    second = Daemon(size_mib=1, slab_mib=1, storage=storage("file"), tail=tail)
+    try:
+        with pytest.raises(RuntimeError, match="exited with 2") as refused:
+            second.start()
+        assert "in use by another daemon" in str(refused.value)
+    finally:
+        second.cleanup()
+    with first.client() as c:
+        ns = c.register(**NS)
+        assert c.match(ns, seq(0, 4)).hits + c.match(ns, seq(0, 4)).l3_hits == 4
+
+
 def test_write_back_of_a_page_evicted_for_another_namespace_keeps_its_own(
     file_daemon: Callable[..., Daemon],
 ) -> None:

@@ -77,6 +77,17 @@ def test_two_hosts_share_pages_through_one_bucket(
     )
 
 
+def test_a_missing_bucket_stops_the_start(s3: S3Server) -> None:
+    """A daemon whose bucket does not exist would fail every write: it exits 2."""
+    d = Daemon(size_mib=1, slab_mib=1, storage=storage("s3"), tail=s3_tail(s3.endpoint, "absent"))
+    try:
+        with pytest.raises(RuntimeError, match="exited with 2") as refused:
+            d.start()
+        assert "S3 bucket 'absent' does not exist" in str(refused.value)
+    finally:
+        d.cleanup()
+
+
 def test_s3_faults_never_give_wrong_bytes(
     daemon_factory: Callable[..., Daemon], s3: S3Server, bucket: str, proxy: FaultProxy
 ) -> None:
