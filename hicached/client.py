@@ -51,6 +51,7 @@ from hicached.errors import (
     VersionMismatch,
 )
 from hicached.handles import (
+    TOKEN_WRITE,
     Fetch,
     FetchProgress,
     Hit,
@@ -333,6 +334,8 @@ class _Core:
         retired = handle.kind == "read" and self._retired_mapping(handle.instance) is not None
         if self._hello is None or (handle.instance != self._instance and not retired):
             raise StaleHandle("this handle is from another daemon instance than this client's")
+        if handle.kind == "write" and not handle.spec.keyed:
+            raise BadRequest(TOKEN_WRITE)
         ns = Namespace(handle.spec, 0, b"")
         gens = np.frombuffer(handle.gens, dtype=np.uint32).copy()
         if len(gens) != len(handle.offsets):

@@ -8,6 +8,7 @@ ConfigError naming the key, e.g. ``pool.size_mib: ... - at `$.pool```.
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import re
 import sys
@@ -170,7 +171,7 @@ class LeaseConfig(msgspec.Struct, **_Section):
     ttl_s: float = 30.0
     # Open leases at once, over all clients; one more is refused.
     max_leases: int = 65536
-    # How often expired leases are looked for, in seconds.
+    # How often expired leases are looked for, in seconds (at most ttl_s).
     sweep_interval_s: float = 0.25
     # Seconds the fresh slots of an expired write lease wait before reuse, so a
     # copy a client started just before its lease ran out cannot land in a page
@@ -181,6 +182,11 @@ class LeaseConfig(msgspec.Struct, **_Section):
     def __post_init__(self) -> None:
         if self.ttl_s <= 0 or self.sweep_interval_s <= 0 or self.quarantine_s <= 0:
             raise ValueError("ttl_s, sweep_interval_s and quarantine_s must be positive")
+        if self.sweep_interval_s > self.ttl_s:
+            raise ValueError(
+                f"sweep_interval_s ({self.sweep_interval_s}) must not exceed ttl_s "
+                f"({self.ttl_s}): expired leases are looked for at least once a TTL"
+            )
         positive(self, "max_leases")
 
 
@@ -505,9 +511,15 @@ def parse_config(text: str | bytes, source: str = "<config>") -> Config:
     """Decode TOML text into a Config or raise ConfigError naming the key."""
     raw = text.encode() if isinstance(text, str) else text
     try:
-        tomllib.loads(raw.decode())
+        tree = tomllib.loads(raw.decode())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    for key, value in _leaves(tree).items():
+        # TOML has nan and inf; no knob means either, and a comparison with NaN
+        # is always false, so range checks alone would let it through
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, float) and not math.isfinite(item):
+                raise ConfigError(f"{source}: {key}: must be a finite number, got {item}")
     try:
         return msgspec.toml.decode(raw, type=Config)
     except msgspec.ValidationError as exc:

@@ -18,10 +18,17 @@ from typing import Self
 import msgspec
 import numpy as np
 
+from hicached.errors import BadRequest
 from hicached.namespace import NamespaceSpec
 
 # over an immutable buffer: it cannot be made writeable again, or resized
 _NO_GENS = np.frombuffer(b"", dtype=np.uint32)
+
+
+TOKEN_WRITE = (
+    "only reservations of key-addressed namespaces can be handed to other processes: "
+    "a token reservation's slots are not fenced against writes after its commit"
+)
 
 
 def _no_gens() -> np.ndarray:
@@ -74,7 +81,12 @@ class _Leased:
 
     def portable(self) -> PortableHandle:
         """This handle in plain fields, for a worker process on the same host that
-        copies through it (``Client.adopt``); the lease stays this handle's."""
+        copies through it (``Client.adopt``); the lease stays this handle's.
+        Reservations of key-addressed namespaces only: their commit moves each
+        published slot's generation and their release quarantines the rest, so
+        a worker's late write can never land in a published or reused page."""
+        if isinstance(self, Reservation) and not self.ns.spec.keyed:
+            raise BadRequest(TOKEN_WRITE)
         return PortableHandle(
             kind="write" if isinstance(self, Reservation) else "read",
             spec=self.ns.spec,  # type: ignore[attr-defined]

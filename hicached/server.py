@@ -200,6 +200,7 @@ class Server:
         self._curve_keys: tuple[bytes, bytes] | None = None
         self._tenants: TenantMap | None = None  # with [tenants]: who each peer is
         self._reload_wanted = asyncio.Event()
+        self._resweep = asyncio.Event()  # set by a reload: the sweep takes its new interval
         self._fault_logged = -math.inf  # monotonic time of the last logged internal error
         self._faults_unlogged = 0  # internal errors since then, not logged
         self.ready = asyncio.Event()
@@ -630,7 +631,10 @@ class Server:
     async def _sweep(self) -> None:
         assert self.cache is not None
         while True:
-            await asyncio.sleep(self.config.leases.sweep_interval_s)
+            # a reload wakes it, so a shorter interval applies at once
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._resweep.wait(), self.config.leases.sweep_interval_s)
+            self._resweep.clear()
             ended = self.cache.expire()
             if ended:
                 log.info("expired %d leases", ended)
@@ -681,6 +685,7 @@ class Server:
         assert self.cache is not None
         self.config = config
         evicted = self.cache.reconfigure(config)
+        self._resweep.set()
         if self.tier is not None:
             self.tier.config = config.storage
         logging.getLogger().setLevel(config.log.level.upper())

@@ -63,6 +63,15 @@ def test_no_file_means_defaults() -> None:
         ),
         ("[storage.s3]\nthreds = 2\n", "storage.s3.threds", "unknown key"),
         ("[storage.mooncake]\nprotocol = 'udp'\n", "storage.mooncake.protocol", "'tcp' or 'rdma'"),
+        ("[leases]\nquarantine_s = nan\n", "leases.quarantine_s", "finite"),
+        ("[leases]\nttl_s = inf\n", "leases.ttl_s", "finite"),
+        ("[server]\nsession_idle_s = nan\n", "server.session_idle_s", "finite"),
+        ("[storage]\nflush_deadline_s = -inf\n", "storage.flush_deadline_s", "finite"),
+        (
+            "[leases]\nttl_s = 1.0\nsweep_interval_s = 2.0\n",
+            "leases.sweep_interval_s",
+            "at least once a TTL",
+        ),
     ],
 )
 def test_bad_config_names_its_key(text: str, key: str, hint: str) -> None:

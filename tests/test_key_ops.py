@@ -18,7 +18,7 @@ from hicached import Client
 from hicached import protocol as p
 from hicached.errors import BadRequest, InvalidNamespace, StaleHandle, TooLarge
 from hicached.events import batch_decoder, block_hash
-from hicached.handles import Hit, Reservation
+from hicached.handles import Hit, PortableHandle, Reservation
 from hicached.keyindex import KeyIndex
 from tests.l3util import wait_for
 from tests.support import Daemon
@@ -117,6 +117,40 @@ def test_pages_come_back_from_l3_by_key(daemon_factory: Callable[..., Daemon]) -
         hit = c.match_keys(ns, keys)
         assert hit.hits == 5 and np.array_equal(c.read_pages(hit), data)
         c.release(hit)
+
+
+def test_a_token_reservation_is_never_handed_to_another_process(daemon: Daemon) -> None:
+    """A token namespace's commit does not move its slots' generations, so a
+    worker's write through an adopted handle after the commit would land in
+    the published page unseen: such a handle is refused at both ends, and the
+    published page keeps the bytes committed."""
+    from tests.support import NS, PAGE_TOKENS, page_bytes_for
+
+    tokens = np.arange(4 * PAGE_TOKENS, dtype=np.uint32)
+    data = page_bytes_for(tokens)
+    with daemon.client() as owner, daemon.client() as worker:
+        ns = owner.register(**NS)
+        res = owner.reserve(ns, tokens)
+        with pytest.raises(BadRequest, match="key-addressed"):
+            res.portable()
+        forged = PortableHandle(
+            kind="write",
+            spec=ns.spec,
+            instance=res.instance,
+            lease=res.lease,
+            deadline=res.deadline,
+            offsets=list(res.offsets),
+            gens=np.asarray(res.gens, np.uint32).tobytes(),
+        )
+        with pytest.raises(BadRequest, match="key-addressed"):
+            worker.adopt(forged)
+        owner.write_pages(res, data)
+        assert owner.commit(res).published == 4
+        hit = owner.match(ns, tokens)
+        assert np.array_equal(owner.read_pages(hit), data)
+        owner.release(hit)
+        view = worker.adopt(owner.match(ns, tokens).portable())  # reads stay portable
+        assert isinstance(view, Hit) and np.array_equal(worker.read_pages(view), data)
 
 
 def test_wide_pages_written_by_workers_through_one_lease(daemon: Daemon) -> None:
