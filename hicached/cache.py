@@ -695,7 +695,8 @@ class Cache:
         n = len(present)
         wanted = keys[n:] if msg.max_pages < 0 else keys[n : n + msg.max_pages]
         if self.tier is None or not wanted:
-            return p.PrefetchOk(id=msg.id, lease=0, l2_hits=n)
+            held = self._l2_only(session, ns, present, keys[:n], [])
+            return p.PrefetchOk(id=msg.id, lease=held, l2_hits=n)
         if len(set(msg.keys)) != len(msg.keys):
             raise BadRequest("keys of one prefetch must differ: they follow one another")
         lease = self._new_lease(session, ns, present)
@@ -959,7 +960,8 @@ class Cache:
         if msg.max_pages >= 0:
             wanted = wanted[: msg.max_pages]
         if self.tier is None or not wanted:
-            return p.PrefetchOk(id=msg.id, lease=0, l2_hits=len(present))
+            held = self._l2_only(session, ns, present, keys[: len(present)], None, msg.tokens)
+            return p.PrefetchOk(id=msg.id, lease=held, l2_hits=len(present))
         lease = self._new_lease(session, ns, present)
         lease.keys = keys[: len(present)]
         lease.prefetch = PrefetchState(wanted)
@@ -967,6 +969,27 @@ class Cache:
         self._count_l3("prefetches")
         self.tier.prefetch(lease)
         return p.PrefetchOk(id=msg.id, lease=lease.id, l2_hits=len(present))
+
+    def _l2_only(
+        self,
+        session: Session,
+        ns: NamespaceState,
+        present: list[int],
+        keys: list[bytes],
+        chain: list[KeyedPage] | None,
+        tokens: bytes = b"",
+    ) -> int:
+        """A prefetch with nothing to read (all in L2, or no L3): its L2 hit is
+        still held until the commit, as for any prefetch, so ranks that agree on
+        it find it there. The lease (0 for no hit) reports done at once."""
+        if not present:
+            return 0
+        lease = self._new_lease(session, ns, present)
+        lease.keys = keys
+        lease.chain = chain
+        lease.tokens = tokens
+        lease.prefetch = PrefetchState([], planned=0, done=True, running=False)
+        return lease.id
 
     def progress(self, session: Session, msg: p.Progress) -> p.ProgressOk:
         lease = self.leases.get(msg.lease)

@@ -21,6 +21,13 @@ pages before it come along, as the daemon's index keeps prefixes whole), a
 state pool only if every rank loaded the state; else the pool is released on
 every rank. A pool whose result is missing (the daemon said no, or errored)
 counts as 0 pages: handled, not a crash.
+
+With PP, stage 0 decides on the other stages' values of one step before
+(dist.py). Those only grow while a rank's prefetches hold their pins, so
+the decision is one every rank can honour. A rank whose prefetch was lost
+in that step (its daemon restarted, or its lease ended), or whose commit
+fails, cannot: it releases everything it still holds and raises
+PrefetchLost, never a Decision for pages it does not have.
 """
 
 from __future__ import annotations
@@ -39,6 +46,14 @@ from hicached.errors import HicachedError
 log = logging.getLogger("hicached.coordinator")
 
 SITES = ("prefetch.step",)
+
+
+class PrefetchLost(HicachedError):
+    """The ranks agreed on pages this rank no longer holds: a prefetch was lost
+    between its last report and the commit. Nothing of this request is
+    committed here; the engine must not take the decision for this request."""
+
+    code = "prefetch_lost"
 
 
 @dataclass(frozen=True)
@@ -139,6 +154,7 @@ class PrefetchCoordinator:
         if self._run is not None:
             raise RuntimeError("a prefetch is already running: step() it to the end first")
         n_tokens = len(tokens)
+        self.agreement.new_run()  # the last prefetch's values say nothing of this one
         run = _Running(n_tokens, time.monotonic(), self._safe_prefetch(self.kv_ns, tokens, -1))
         run.ended = run.kv is None  # nothing can be committed: no reason to wait for others
         for pool in self.sidecars:
@@ -221,7 +237,11 @@ class PrefetchCoordinator:
     def _finish(self, run: _Running, agreed: dict[str, int], waited: float) -> Decision:
         self._run = None
         length = agreed["kv"]
-        self._settle(run, "kv", run.kv, max(0, length - run.kv.l2_hits) if run.kv else None)
+        failed: list[str] = []  # what this rank cannot honour; every pool is settled first
+        if length > 0 and "kv" in run.lost:
+            failed.append(f"kv: its prefetch was lost, {length} pages agreed")
+        kv_pages = max(0, length - run.kv.l2_hits) if run.kv else None
+        self._settle(run, "kv", run.kv, None if failed else kv_pages, failed)
         committed = {}
         for pool in self.sidecars:
             pf = run.sidecars[pool.name]
@@ -232,24 +252,36 @@ class PrefetchCoordinator:
             else:
                 keep = agreed[pool.name] >= pool.pages  # every rank has all of it
                 end = pool.pages
+            if keep and pool.name in run.lost:
+                failed.append(f"{pool.name}: its prefetch was lost")
             # a partial window is released, never committed
-            self._settle(run, pool.name, pf, max(0, end - pf.l2_hits) if pf and keep else None)
+            pages = max(0, end - pf.l2_hits) if pf and keep and not failed else None
+            self._settle(run, pool.name, pf, pages, failed)
             committed[pool.name] = keep
+        if failed:
+            raise PrefetchLost(
+                f"rank {self.agreement.topo.rank}: the ranks agreed on {length} KV pages, but "
+                f"this rank cannot commit them ({'; '.join(failed)}); it released the rest"
+            )
         reason = "ended by a rank" if agreed["terminated"] else "willing"
         l2 = min(length, run.kv.l2_hits) if run.kv is not None else 0
         return Decision(length, committed, run.steps, f"{self.policy.kind}: {reason}", waited, l2)
 
-    def _settle(self, run: _Running, name: str, pf: Fetch | None, pages: int | None) -> None:
-        """Commit ``pages`` of a prefetch, or release it (None)."""
+    def _settle(
+        self, run: _Running, name: str, pf: Fetch | None, pages: int | None, failed: list[str]
+    ) -> None:
+        """Commit ``pages`` of a prefetch, or release it (None); a commit that fails
+        (the lease was lost since the last report) goes into ``failed``."""
         if pf is None:
             return
-        if name in run.lost:  # its lease is most likely gone already; release what may be left
-            with contextlib.suppress(HicachedError):
+        if name in run.lost or pages is None:
+            with contextlib.suppress(HicachedError):  # a lost lease is most likely gone already
                 self.client.cancel(pf)
-        elif pages is None:
-            self.client.cancel(pf)
-        else:
+            return
+        try:
             self.client.commit(pf, pages=pages)
+        except HicachedError as exc:
+            failed.append(f"{name}: commit failed: {exc}")
 
     def close(self) -> None:
         self.agreement.close()

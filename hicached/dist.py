@@ -17,12 +17,19 @@ views into one answer per step:
   every step, so the list stays bounded. So that stage 0's decision covers
   every stage, each stage also folds its own reduced values into the relayed
   message and the last stage sends the fold back to stage 0, which uses it
-  one step later. Every field is monotone over a prefetch (pages only grow,
-  flags only rise), so a one-step-old value is always safe: it can delay a
-  decision by a step, never allow one a stage cannot honour. Until the first
-  fold arrives, stage 0 assumes the most cautious values (0 pages, busy).
+  one step later. Every field is monotone over a run of agreements (one
+  prefetch: its pages are pinned as they arrive, so they only grow, and flags
+  only rise), so a one-step-old value is safe: it can delay a decision by a
+  step, never allow one a stage cannot honour. Until the first fold of a run
+  arrives, stage 0 assumes the most cautious values (0 pages, busy); a new
+  run (``Agreement.new_run``) never takes the last run's fold. A stage whose
+  pins were lost meanwhile (its daemon restarted) cannot honour the decision
+  and must say so (coordinator.PrefetchLost).
 - Mismatch detection: ranks that reach different call sites or steps see
-  different fingerprints; every rank raises RankMismatch naming them. A dead
+  different fingerprints; every rank raises RankMismatch naming them. Every
+  agreement sends the same number of words (``WIRE``), whatever its fields,
+  so that ranks running two different agreements out of order still meet in
+  one collective of one size and see the mismatch. A dead
   rank makes the others raise RankFailure at once; a stuck one within the
   group timeout.
 - CPU only: the packed tensor stays on the CPU, so every group it crosses
@@ -44,6 +51,7 @@ import torch.distributed as dist
 
 from hicached.errors import HicachedError
 
+WIRE = 16  # int64 words of every agreement's message: fields, padding, fingerprint
 _BIG = (1 << 62) - 1  # "no constraint" for a MIN field
 _POISON = -(1 << 62)  # sent along PP by a rank that found a mismatch
 
@@ -228,13 +236,23 @@ class Fields:
     max: tuple[str, ...] = ()
     cautious: tuple[tuple[str, int], ...] = ()
 
+    def __post_init__(self) -> None:
+        if len(self.min) + len(self.max) > WIRE - 2:
+            raise ValueError(f"an agreement carries at most {WIRE - 2} fields")
+
     @property
     def width(self) -> int:
-        return len(self.min) + len(self.max) + 2  # + fingerprint and its negation
+        return WIRE  # the fields, zeros after them, the fingerprint and its negation
+
+    def pack(self, values: dict[str, int]) -> list[int]:
+        """The fields in order, MAX ones negated, padded to the message's width less
+        the fingerprint's two words."""
+        body = [int(values[n]) for n in self.min] + [-int(values[n]) for n in self.max]
+        return body + [0] * (WIRE - 2 - len(body))
 
     def cautious_packed(self) -> list[int]:
         hold = dict(self.cautious)
-        return [0] * len(self.min) + [-hold.get(name, 0) for name in self.max]
+        return self.pack({n: hold.get(n, 0) for n in self.min + self.max})
 
 
 class Agreement:
@@ -254,6 +272,13 @@ class Agreement:
         self.pending: list[dist.Work] = []
         self.collectives = 0  # collectives issued, for tests and the bench
         self._fold: list[int] | None = None  # stage 0: the last stage's fold, one step old
+        self._fresh = True  # stage 0: no fold of this run has arrived yet
+
+    def new_run(self) -> None:
+        """The values agreed from the next step on start afresh (a new prefetch):
+        stage 0 holds back until a fold of this run has arrived. Every rank calls
+        it at the same point."""
+        self._fresh = True
 
     # -- the fingerprint ------------------------------------------------------------
 
@@ -278,7 +303,7 @@ class Agreement:
             raise ValueError(f"agree({site!r}): missing fields {missing}, unknown fields {extra}")
         self.step += 1
         fp = self._fingerprint(site)
-        packed = [int(values[n]) for n in f.min] + [-int(values[n]) for n in f.max] + [fp, -fp]
+        packed = [*f.pack(values), fp, -fp]
         tensor = torch.tensor(packed, dtype=torch.int64)
         try:
             self._reduce(tensor)
@@ -323,12 +348,13 @@ class Agreement:
         if topo.pp_rank == 0:
             if self.step > 1:
                 self._fold = self._recv(self._last_stage(), width)
-            if self._fold is None:
+            if self._fold is None or self._fresh:  # the last run's values say nothing
                 values = self.fields.cautious_packed()
             else:
                 values = self._fold[:-2]
-                if self._fold[-2] != -self._fold[-1]:  # stages disagreed last step
-                    own = [*own[:-2], _POISON, -_POISON]
+            self._fresh = False
+            if self._fold is not None and self._fold[-2] != -self._fold[-1]:
+                own = [*own[:-2], _POISON, -_POISON]  # stages disagreed last step
             decision = [min(a, b) for a, b in zip(own[:-2], values, strict=True)] + own[-2:]
             fold = own
         else:

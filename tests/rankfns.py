@@ -225,3 +225,110 @@ def inconsistent_attn_group(topo: Topology) -> str:
     except ValueError as exc:
         return str(exc)
     return "accepted"
+
+
+def two_agreements_out_of_order(topo: Topology) -> str:
+    """Rank 1 runs two agreements of different widths in the other order."""
+    small = Agreement(topo, Fields(min=("finished",)), sites=("backups.finished",))
+    wide = Agreement(topo, FIELDS, sites=("prefetch.step",))
+    if topo.rank == 0:
+        small.agree("backups.finished", finished=5)
+    wide.agree("prefetch.step", pages=1, acks=1, busy=0, done=0)
+    small.agree("backups.finished", finished=5)
+    return "no mismatch seen"
+
+
+def _prefetch_setup(topo: Topology, endpoint: str, pools: tuple[str, ...]) -> tuple[Any, Any, Any]:
+    """A client, its namespaces and tokens whose pages are in L3 only."""
+    import numpy as np
+    import torch.distributed as dist
+
+    from hicached import Client
+    from tests.l3util import evict_everything, settle_writes
+    from tests.support import page_bytes_for
+
+    client = Client(endpoint, timeout=10).connect()
+    spaces = {name: client.register(**spec_fields(coords(topo), name)) for name in pools}
+    toks = np.arange(PAGES * PAGE_TOKENS, dtype=np.uint32) + 7
+    for name, ns in spaces.items():
+        client.store(ns, toks, page_bytes_for(toks, salt=hash((name, topo.rank))))
+    settle_writes(client)
+    dist.barrier()
+    if topo.rank == 0:
+        evict_everything(client, client.register(**spec_fields((0, 1, 0, 1), "filler")))
+    dist.barrier()
+    return client, spaces, toks
+
+
+def _to_the_end(coordinator: Any) -> Any:
+    decision = None
+    while decision is None:
+        decision = coordinator.step()
+        time.sleep(0.005)
+    return decision
+
+
+def two_prefetches_in_a_row(topo: Topology, endpoint: str, terminator: int) -> dict[str, Any]:
+    """One coordinator, two prefetches, as an engine runs request after request;
+    ``terminator`` ends the first one. The second must start from nothing the
+    first agreed: it is not 'ended by a rank', and ends with every page read."""
+    import torch.distributed as dist
+
+    from hicached.coordinator import PrefetchCoordinator, StopPolicy
+
+    client, spaces, toks = _prefetch_setup(topo, endpoint, ("kv",))
+    coordinator = PrefetchCoordinator(
+        client, topo, spaces["kv"], policy=StopPolicy("wait_complete")
+    )
+    coordinator.start(toks[: 4 * PAGE_TOKENS])
+    if topo.rank == terminator:
+        coordinator.terminate()
+    first = _to_the_end(coordinator)
+    dist.barrier()
+    coordinator.start(toks)
+    second = _to_the_end(coordinator)
+    in_l2 = client.match(spaces["kv"], toks, lease=False).hits
+    coordinator.close()
+    dist.barrier()
+    client.close()
+    return {"first": first.reason, "second": (second.kv_pages, second.reason), "in_l2": in_l2}
+
+
+def lose_after_the_agreement(topo: Topology, endpoint: str, loser: int) -> dict[str, Any]:
+    """``loser``'s KV prefetch ends (as when its lease expires or its daemon
+    restarts) right after a step's agreement, before the commit."""
+    import torch.distributed as dist
+
+    from hicached.coordinator import PoolSpec, PrefetchCoordinator, PrefetchLost, StopPolicy
+
+    client, spaces, toks = _prefetch_setup(topo, endpoint, ("kv", "swa"))
+    coordinator = PrefetchCoordinator(
+        client,
+        topo,
+        spaces["kv"],
+        sidecars=[PoolSpec.window("swa", spaces["swa"], WINDOW_TOKENS)],
+        policy=StopPolicy("wait_complete"),
+    )
+    coordinator.start(toks)
+    if topo.rank == loser:
+        agree = coordinator.agreement.agree
+
+        def agree_then_lose(site: str, **values: int) -> dict[str, int]:
+            agreed = agree(site, **values)
+            if not agreed["must_not_terminate"]:  # the deciding step
+                run = coordinator._run
+                assert run is not None and run.kv is not None
+                client.cancel(run.kv)
+            return agreed
+
+        coordinator.agreement.agree = agree_then_lose  # type: ignore[method-assign]
+    try:
+        outcome: Any = _to_the_end(coordinator).kv_pages
+    except PrefetchLost as exc:
+        outcome = f"PrefetchLost: {exc}"
+    dist.barrier()  # both ranks have settled their prefetches
+    leases = client.stats().leases
+    coordinator.close()
+    dist.barrier()
+    client.close()
+    return {"outcome": outcome, "leases": leases}

@@ -38,6 +38,18 @@ def test_a_rank_that_skips_a_sync_point_makes_every_rank_raise(layout: str) -> N
     assert any("sync.second" in e and "sync.third" in e for e in mismatches)
 
 
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_agreements_of_different_widths_out_of_order_are_a_mismatch(layout: str) -> None:
+    """Every agreement sends the same number of words, so ranks that run two
+    agreements in different orders meet in one collective and see the mismatch
+    (different sizes would abort the process inside the collective)."""
+    with pytest.raises(RankError) as info:
+        launch(rankfns.two_agreements_out_of_order, **LAYOUTS[layout], timeout=10, deadline=60)
+    errors = info.value.errors
+    assert set(errors) == {0, 1}, errors
+    assert any("RankMismatch" in e for e in errors.values()), errors
+
+
 def test_pp_stages_with_different_ack_timings_apply_the_same_counts() -> None:
     results = launch(rankfns.many_steps, 3000, 2, tp=2, pp=2, timeout=20, deadline=180)
     assert len({(r["last"], r["sum"]) for r in results}) == 1, results

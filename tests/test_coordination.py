@@ -217,3 +217,31 @@ def test_a_rank_killed_mid_prefetch_makes_the_others_raise(
     errors = info.value.errors
     assert errors[1].startswith("died"), errors[1]
     assert "RankFailure" in errors[0], errors[0]
+
+
+def test_a_second_prefetch_starts_from_nothing_the_first_agreed(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """PP: stage 0 decides on the last stage's values of one step before. Those
+    of the first prefetch (which the last stage ended) must not decide the
+    second one's first step."""
+    d = faulty_daemon(daemon_factory)
+    results = launch(rankfns.two_prefetches_in_a_row, d.endpoint, 1, pp=2, timeout=20, deadline=120)
+    assert all(r["first"] == "wait_complete: ended by a rank" for r in results), results
+    assert all(r["second"] == (rankfns.PAGES, "wait_complete: willing") for r in results), results
+    assert all(r["in_l2"] == rankfns.PAGES for r in results)
+
+
+def test_a_prefetch_lost_before_its_commit_is_an_error_on_that_rank_only(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """A rank whose prefetch is gone between the agreement and the commit raises
+    PrefetchLost (never a Decision for pages it does not hold) and releases its
+    window's prefetch; the other rank commits what was agreed."""
+    d = faulty_daemon(daemon_factory)
+    results = launch(
+        rankfns.lose_after_the_agreement, d.endpoint, 1, tp=2, timeout=20, deadline=120
+    )
+    assert results[0]["outcome"] == rankfns.PAGES
+    assert str(results[1]["outcome"]).startswith("PrefetchLost: rank 1: the ranks agreed on 12")
+    assert all(r["leases"] == 0 for r in results), "a prefetch lease was left open"

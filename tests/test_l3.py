@@ -148,6 +148,32 @@ def test_prefetch_commit_shorter_than_completed_and_cancel(
         assert np.array_equal(c.load(ns, toks), page_bytes_for(toks)[:8])
 
 
+@pytest.mark.parametrize("tier", [False, True], ids=["no_l3", "file_l3"])
+def test_a_prefetch_with_nothing_to_read_still_holds_its_l2_hit(
+    daemon_factory: Callable[..., Daemon], tier: bool
+) -> None:
+    """Ranks agree on a prefetch's L2 hit plus what it read: the hit must stay
+    until the commit even when there is nothing to read (all in L2, or no L3),
+    or a rank could agree on pages evicted meanwhile."""
+    more = {"storage": storage("file"), "tail": FILE_STORE} if tier else {}
+    d = daemon_factory(size_mib=1, slab_mib=1, **more)
+    with d.client() as c:
+        ns = c.register(**NS)
+        toks = seq(0, 8)
+        c.store(ns, toks, page_bytes_for(toks))
+        pf = c.prefetch(ns, toks)
+        assert pf.lease and pf.l2_hits == 8
+        progress = c.progress(pf)
+        assert progress.done and progress.completed == 0
+        filler = seq(10**6, 256)  # a pool's worth of other pages
+        c.store(ns, filler, page_bytes_for(filler))
+        assert c.match(ns, toks, lease=False).hits == 8, "the hit was not held"
+        c.commit(pf, pages=0)
+        assert c.stats().leases == 0
+        evict_everything(c, ns, salt=9)
+        assert c.match(ns, toks, lease=False).hits == 0  # no longer held
+
+
 def test_prefetch_declines_cleanly_when_the_pool_is_full(
     file_daemon: Callable[..., Daemon],
 ) -> None:
