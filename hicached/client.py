@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import os
 import threading
 import time
@@ -47,6 +48,7 @@ from hicached.errors import (
     HicachedError,
     SessionLost,
     StaleHandle,
+    TooLarge,
     UnknownLease,
     VersionMismatch,
 )
@@ -136,6 +138,9 @@ class _Core:
             raise BadRequest(str(exc)) from None
         self.curve = curve
         self.map_pool = map_pool
+        for what, seconds in (("timeout", timeout), ("connect_timeout", connect_timeout)):
+            if not (math.isfinite(seconds) and seconds > 0):
+                raise BadRequest(f"{what} must be a positive number of seconds, got {seconds}")
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.name = name or f"pid-{os.getpid()}"
@@ -403,7 +408,16 @@ class _Core:
         """``request`` with a fresh id and its deadline (``timeout`` from now), encoded."""
         request.id = next(self._ids)
         request.deadline_ms = int((time.time() + self.timeout) * 1000)
-        return _encode(request)
+        raw = _encode(request)
+        hello = self._hello
+        if hello is not None and len(raw) > hello.max_message_bytes:
+            # the daemon would refuse it, or past twice the limit drop the
+            # connection, and with it this client's session and leases
+            raise TooLarge(
+                f"a {type(request).__name__} request of {len(raw)} bytes is over the daemon's "
+                f"max_message_bytes ({hello.max_message_bytes}): send fewer tokens or keys"
+            )
+        return raw
 
     def _unavailable(self) -> DaemonUnavailable:
         what = "" if self._hello else " (is it running?)"

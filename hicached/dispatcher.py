@@ -119,7 +119,13 @@ class Dispatcher:
                 self.running,
                 len(self._hung),
             )
-        await self.backend.close()
+        # Closing waits for no call still running (each backend's close leaves
+        # its threads to end on their own); a close that hangs itself is given
+        # up on a second past the deadline.
+        try:
+            await asyncio.wait_for(self.backend.close(), max(1.0, until + 1.0 - time.monotonic()))
+        except TimeoutError:
+            log.warning("%s: the backend did not close by the stop deadline", self.name)
 
     @property
     def queued(self) -> int:

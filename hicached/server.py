@@ -26,6 +26,7 @@ import os
 import signal
 import stat
 import struct
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -708,3 +709,21 @@ def serve(config: Config, config_path: str | None = None) -> None:
         asyncio.run(server.run())
     else:
         uvloop.run(server.run())
+    _exit_past_stuck_calls()
+
+
+def _exit_past_stuck_calls(grace_s: float = 0.5) -> None:
+    """The daemon has stopped; a storage call that still hangs past the stop
+    deadline (an unreachable store) runs on a thread that the interpreter would
+    wait for at exit. Wait a moment for them, then exit without them."""
+    end = time.monotonic() + grace_s
+    stuck = []
+    for thread in threading.enumerate():
+        if thread.name.startswith("hicached-") and not thread.daemon:
+            thread.join(max(0.0, end - time.monotonic()))
+            if thread.is_alive():
+                stuck.append(thread.name)
+    if stuck:
+        log.warning("exiting with %d storage calls still running: %s", len(stuck), stuck)
+        logging.shutdown()
+        os._exit(0)

@@ -103,12 +103,11 @@ class MooncakeBackend(Backend):
         if self._store is not None:
             store, self._store = self._store, None
             await self._blocking(store.close)
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
-        if self._hashers is not None:
-            self._hashers.shutdown(wait=True)
-            self._hashers = None
+        # calls still running past the stop deadline are not waited for
+        for pool in (self._pool, self._hashers):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = self._hashers = None
 
     async def health(self) -> None:
         if self._store is None:

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import zmq
 
+from hicached import Client
 from hicached import protocol as p
-from hicached.errors import ForeignLease, UnknownLease
+from hicached.errors import BadRequest, ForeignLease, TooLarge, UnknownLease
 from hicached.server import peek_request
 from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
 
@@ -120,6 +121,27 @@ def test_oversized_messages(small_daemon: Daemon, raw: Raw) -> None:
     assert raw.recv(300) is None
     stats = still_serving(small_daemon)
     assert stats.errors["too_large"] == 1
+
+
+def test_the_client_refuses_a_request_over_the_limit_and_keeps_its_session(
+    small_daemon: Daemon,
+) -> None:
+    """A request the daemon would refuse (or, far past the limit, drop with the
+    connection, and with it the client's session and its leases) is refused by
+    the client at once; its open reservation still commits."""
+    with small_daemon.client(timeout=2.0) as c:
+        ns = c.register(**NS)
+        toks = np.arange(0, 2 * PAGE_TOKENS, dtype=np.uint32)
+        res = c.reserve(ns, toks)
+        huge = np.arange(0, 40 * 65536 // 4, dtype=np.uint32)  # 40x max_message_bytes
+        started = time.monotonic()
+        with pytest.raises(TooLarge, match="max_message_bytes"):
+            c.match(ns, huge)
+        assert time.monotonic() - started < 1.0  # refused here, not after the timeout
+        c.write_pages(res, page_bytes_for(toks))
+        assert c.commit(res).published == 2
+    with pytest.raises(BadRequest, match="positive number of seconds"):
+        Client(small_daemon.endpoint, timeout=float("nan"))
 
 
 def test_too_many_pages_and_bad_tokens(small_daemon: Daemon, raw: Raw) -> None:

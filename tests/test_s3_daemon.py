@@ -166,3 +166,30 @@ def test_s3_outage_never_blocks_l2(
         c.store(ns, toks, page_bytes_for(toks))
         wait_for(lambda: c.stats().l3_state == "up" and l3_count(c, "written") >= 8, timeout=20)
         assert scrape(metrics)[("hicached_l3_up", (("backend", "s3"),))] == 1
+
+
+def test_a_stop_keeps_its_deadline_while_s3_hangs(
+    daemon_factory: Callable[..., Daemon], s3: S3Server, bucket: str, proxy: FaultProxy
+) -> None:
+    """S3 stops answering with writes in flight (each may take 3 x 10 s with
+    retries): a graceful stop still ends near storage.flush_deadline_s, saying
+    what it left, instead of waiting for the hung calls."""
+    d = daemon_factory(
+        size_mib=4,
+        slab_mib=1,
+        storage=storage("s3", more="flush_deadline_s = 1.0\nbreaker_failures = 1000\n"),
+        tail=s3_tail(proxy.endpoint, bucket, max_attempts=3, read_timeout_s=10.0),
+    )
+    with d.client() as c:
+        ns = c.register(**NS)
+        proxy.hang.set()
+        toks = seq(0, 16)
+        c.store(ns, toks, page_bytes_for(toks))
+        wait_for(lambda: l3_count(c, "in_flight_pages") > 0)
+    started = time.monotonic()
+    try:
+        assert d.stop(timeout=20) == 0
+        assert time.monotonic() - started < 8.0, "the stop waited for hung S3 calls"
+    finally:
+        proxy.hang.clear()
+    assert "storage calls still running" in d.log.read_text()
