@@ -44,6 +44,7 @@ from hicached.errors import (
     ForeignLease,
     ForeignTenant,
     HicachedError,
+    InvalidNamespace,
     ResourceExhausted,
     SessionLost,
     TooLarge,
@@ -69,6 +70,7 @@ from hicached.sessions import (
 
 __all__ = ["OP_NAMES", "Cache", "Lease", "NamespaceState", "PrefetchState", "Session", "TierPort"]
 
+MAX_SLOTS_PER_SLAB = 1 << 16  # so a page size's slots a slab are listed in bounded memory
 OP_NAMES = {cls: str(cls.__struct_config__.tag) for cls in get_args(p.AnyRequest)}
 
 
@@ -312,6 +314,14 @@ class Cache:
     def register(self, session: Session, msg: p.RegisterNamespace) -> p.NamespaceOk:
         spec = msg.spec
         validate_spec(spec, self.config.pool.max_page_bytes)
+        slab = self.config.pool.slab_mib << 20
+        if slab // spec.page_bytes > MAX_SLOTS_PER_SLAB:
+            # a slab's free slots are listed when it is carved: bound that list
+            raise InvalidNamespace(
+                f"page_bytes {spec.page_bytes} is too small for slabs of "
+                f"{self.config.pool.slab_mib} MiB: at least {-(-slab // MAX_SLOTS_PER_SLAB)} "
+                f"(at most {MAX_SLOTS_PER_SLAB} pages a slab)"
+            )
         spec = _own_spec(session, spec)
         digest = namespace_digest(spec)
         ns = self._ns_by_digest.get(digest)

@@ -14,7 +14,7 @@ import zmq
 
 from hicached import Client
 from hicached import protocol as p
-from hicached.errors import BadRequest, ForeignLease, TooLarge, UnknownLease
+from hicached.errors import BadRequest, ForeignLease, InvalidNamespace, TooLarge, UnknownLease
 from hicached.server import peek_request
 from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
 
@@ -269,3 +269,16 @@ def test_peek_request_reads_the_head_of_a_map_only() -> None:
     for cut in range(len(whole)):
         assert peek_request(whole[:cut])[1] is None
     assert peek_request(b"") == peek_request(b"\x93\x01\x02\x03") == ("", None)
+
+
+def test_a_page_size_that_would_list_millions_of_slots_is_refused(daemon: Daemon) -> None:
+    """A slab's slots are listed when it is carved: pages so small that a slab
+    holds more than 65,536 of them are refused, not listed (1-byte pages in a
+    64 MiB slab would take gigabytes of the daemon's memory)."""
+    with daemon.client() as c:
+        with pytest.raises(InvalidNamespace, match="too small for slabs of 1 MiB: at least 16"):
+            c.register(**{**NS, "page_bytes": 8})
+        ns = c.register(**{**NS, "page_bytes": 16, "model": "test/small"})
+        toks = np.arange(0, 2 * PAGE_TOKENS, dtype=np.uint32)
+        c.store(ns, toks, page_bytes_for(toks, page_bytes=16))
+        assert c.match(ns, toks, lease=False).hits == 2
