@@ -50,8 +50,9 @@ SITES = ("prefetch.step",)
 
 class PrefetchLost(HicachedError):
     """The ranks agreed on pages this rank no longer holds: a prefetch was lost
-    between its last report and the commit. Nothing of this request is
-    committed here; the engine must not take the decision for this request."""
+    between its last report and the commit, or its commit failed. What is not
+    committed by then is released; the engine must not take the decision for
+    this request."""
 
     code = "prefetch_lost"
 
@@ -240,7 +241,8 @@ class PrefetchCoordinator:
         failed: list[str] = []  # what this rank cannot honour; every pool is settled first
         if length > 0 and "kv" in run.lost:
             failed.append(f"kv: its prefetch was lost, {length} pages agreed")
-        kv_pages = max(0, length - run.kv.l2_hits) if run.kv else None
+        # nothing agreed: released, so a lease that ran out meanwhile is no failure
+        kv_pages = max(0, length - run.kv.l2_hits) if run.kv and length > 0 else None
         self._settle(run, "kv", run.kv, None if failed else kv_pages, failed)
         committed = {}
         for pool in self.sidecars:

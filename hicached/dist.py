@@ -271,7 +271,12 @@ class Agreement:
             self.sites[zlib.crc32(site.encode()) & 0x7FFFFFFF] = site
         self.pending: list[dist.Work] = []
         self.collectives = 0  # collectives issued, for tests and the bench
+        # PP messages of this agreement travel under a tag of its own, so that two
+        # agreements of one topology never take each other's messages
+        kind = repr((fields.min, fields.max, sorted(self.sites.values())))
+        self._tag = zlib.crc32(kind.encode()) & 0x3FFFFFFF
         self._fold: list[int] | None = None  # stage 0: the last stage's fold, one step old
+        self._last_fp = 0  # stage 0: the fingerprint of its previous step
         self._fresh = True  # stage 0: no fold of this run has arrived yet
 
     def new_run(self) -> None:
@@ -348,13 +353,15 @@ class Agreement:
         if topo.pp_rank == 0:
             if self.step > 1:
                 self._fold = self._recv(self._last_stage(), width)
+            last_fp, self._last_fp = self._last_fp, own[-2]
             if self._fold is None or self._fresh:  # the last run's values say nothing
                 values = self.fields.cautious_packed()
             else:
                 values = self._fold[:-2]
             self._fresh = False
-            if self._fold is not None and self._fold[-2] != -self._fold[-1]:
-                own = [*own[:-2], _POISON, -_POISON]  # stages disagreed last step
+            # stages disagreed last step, or the fold is not of this agreement's last step
+            if self._fold is not None and not self._fold[-2] == -self._fold[-1] == last_fp:
+                own = [*own[:-2], _POISON, -_POISON]
             decision = [min(a, b) for a, b in zip(own[:-2], values, strict=True)] + own[-2:]
             fold = own
         else:
@@ -377,13 +384,14 @@ class Agreement:
         return self._first_stage() + (self.topo.pp_size - 1) * self.topo.stage_size
 
     def _send(self, values: list[int], dst: int) -> None:
-        work = dist.isend(torch.tensor(values, dtype=torch.int64), dst, group=self.topo.relay_group)
+        tensor = torch.tensor(values, dtype=torch.int64)
+        work = dist.isend(tensor, dst, group=self.topo.relay_group, tag=self._tag)
         assert work is not None, "isend returns a handle for a peer rank"
         self.pending.append(work)
 
     def _recv(self, src: int, width: int) -> list[int]:
         buf = torch.empty(width, dtype=torch.int64)
-        work = dist.irecv(buf, src, group=self.topo.relay_group)
+        work = dist.irecv(buf, src, group=self.topo.relay_group, tag=self._tag)
         assert work is not None, "irecv returns a handle for a peer rank"
         if not work.wait(self.topo.timeout):
             raise RankFailure(

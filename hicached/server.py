@@ -26,6 +26,7 @@ import os
 import signal
 import stat
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -201,6 +202,8 @@ class Server:
         self._curve_keys: tuple[bytes, bytes] | None = None
         self._tenants: TenantMap | None = None  # with [tenants]: who each peer is
         self._reload_wanted = asyncio.Event()
+        # the process is this daemon's own (serve): it may exit past stuck calls
+        self.exit_past_stuck_calls = False
         self._resweep = asyncio.Event()  # set by a reload: the sweep takes its new interval
         self._fault_logged = -math.inf  # monotonic time of the last logged internal error
         self._faults_unlogged = 0  # internal errors since then, not logged
@@ -221,6 +224,10 @@ class Server:
             await self.shutdown()
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
+        if self.exit_past_stuck_calls:  # a stop, not a failure (its error stays the exit's)
+            # before the runner waits for every task: a read stuck in a storage
+            # call would hold it past the stop deadline
+            _exit_past_stuck_calls()
 
     def stop(self) -> None:
         self._stop.set()
@@ -703,13 +710,13 @@ def serve(config: Config, config_path: str | None = None) -> None:
     """Run a daemon in this process until SIGTERM or SIGINT; SIGHUP reloads
     ``config_path`` (by default the file ``config`` was loaded from)."""
     server = Server(config, config_path)
+    server.exit_past_stuck_calls = True
     try:
         import uvloop
     except ImportError:  # pragma: no cover
         asyncio.run(server.run())
     else:
         uvloop.run(server.run())
-    _exit_past_stuck_calls()
 
 
 def _exit_past_stuck_calls(grace_s: float = 0.5) -> None:
@@ -726,4 +733,6 @@ def _exit_past_stuck_calls(grace_s: float = 0.5) -> None:
     if stuck:
         log.warning("exiting with %d storage calls still running: %s", len(stuck), stuck)
         logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
         os._exit(0)

@@ -91,7 +91,8 @@ class _Segment:
     keys: list[tuple[bytes, bytes]] = field(default_factory=list)
     dirty_super: bool = True
     # where a group whose fsync failed began: nothing at or past it is published,
-    # and the segment takes no more records until it is recycled
+    # the frontier stays below it, and the segment takes no more records until
+    # it is recycled
     failed_at: int | None = None
 
 
@@ -161,6 +162,8 @@ class FileBackend(Backend):
         try:
             await loop.run_in_executor(self._pool, self._open_sync)
         except OSError as exc:
+            self._pool.shutdown(wait=True)
+            self._pool = None
             raise BackendError(f"file store at {self.dir}: {exc.strerror or exc}") from None
         if self.options.read_processes and self.env.pool is not None and self.env.pool_path:
             readers = Readers(
@@ -332,13 +335,16 @@ class FileBackend(Backend):
             await readers.stop()
         async with self._write_lock:
             await asyncio.get_running_loop().run_in_executor(self._pool, self._close_sync)
-        self._pool.shutdown(wait=True)
+        # a read still stuck in the kernel past the stop deadline is not waited for
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self._pool = None
 
     def _close_sync(self) -> None:
         for seg in self.segments:
-            seg.dirty_super = seg.dirty_super or seg.durable_off != seg.write_off
-            self._write_super(seg, seg.write_off)
+            # a closed segment's frontier stays below what a failed fsync may have lost
+            end = seg.write_off if seg.failed_at is None else min(seg.durable_off, seg.failed_at)
+            seg.dirty_super = seg.dirty_super or seg.durable_off != end
+            self._write_super(seg, end)
             os.fdatasync(seg.fd)
         self._unlock()
 
@@ -375,12 +381,12 @@ class FileBackend(Backend):
                     group.fail(exc, done)
                     raise
         if group is not None:
-            async with self._sync_lock:
-                try:
+            try:  # cancelled while waiting for the lock too: the group's calls end
+                async with self._sync_lock:
                     await self._sync_group(group)
-                except BaseException as exc:
-                    group.fail(exc, done)
-                    raise
+            except BaseException as exc:
+                group.fail(exc, done)
+                raise
         return await done
 
     def _plan(self, group: _Group) -> None:
@@ -448,10 +454,12 @@ class FileBackend(Backend):
                 # Later groups may have written past this group's records already:
                 # the segment is closed to writes where this group began, and no
                 # record at or past that point is published (so none is answered True).
+                # An fsync reports a write-back error once per file, whichever
+                # group's pages it was: a segment a later group recycled is
+                # closed from its start.
                 for seg, generation, start in group.starts.values():
-                    if seg.generation == generation:
-                        seg.failed_at = min(start, seg.failed_at or start)
-                        seg.write_off = self.segment_bytes
+                    at = start if seg.generation == generation else SUPER_BYTES
+                    seg.failed_at = at if seg.failed_at is None else min(at, seg.failed_at)
                 raise BackendError(f"file store fsync failed: {exc.strerror or exc}") from None
             for entry in group.plan:
                 seg = entry.seg
@@ -486,7 +494,7 @@ class FileBackend(Backend):
         """The segment the next record of ``size`` bytes goes to; None if that
         would recycle a segment in ``keep`` (a group's own)."""
         seg = self.segments[self.active]
-        if seg.write_off + size <= self.segment_bytes:
+        if seg.failed_at is None and seg.write_off + size <= self.segment_bytes:
             return seg
         # The oldest segment: an empty one first (in ring order), else the lowest
         # generation. Generations rise along the ring, so this is the next one.

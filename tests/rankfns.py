@@ -332,3 +332,20 @@ def lose_after_the_agreement(topo: Topology, endpoint: str, loser: int) -> dict[
     dist.barrier()
     client.close()
     return {"outcome": outcome, "leases": leases}
+
+
+def two_agreements_interleaved(topo: Topology) -> list[dict[str, int]]:
+    """Two agreements on one topology, run in the same order on every rank, one
+    idle while the other runs: each must take only its own relayed values.
+    The last stage holds no pages and is busy; stage 0 holds 100 and is willing."""
+    prefetch = Agreement(topo, FIELDS, sites=("prefetch.step",))
+    backups = Agreement(topo, Fields(min=("finished",)), sites=("backups.finished",))
+    last = topo.pp_rank == topo.pp_size - 1
+    mine = dict(pages=0 if last else 100, acks=0 if last else 100, busy=int(last), done=0)
+    seen = [prefetch.agree("prefetch.step", **mine)]
+    for _ in range(3):
+        backups.agree("backups.finished", finished=1000)
+    seen += [prefetch.agree("prefetch.step", **mine) for _ in range(2)]
+    prefetch.close()
+    backups.close()
+    return seen

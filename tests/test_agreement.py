@@ -38,16 +38,25 @@ def test_a_rank_that_skips_a_sync_point_makes_every_rank_raise(layout: str) -> N
     assert any("sync.second" in e and "sync.third" in e for e in mismatches)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2xpp2"])
 def test_agreements_of_different_widths_out_of_order_are_a_mismatch(layout: str) -> None:
-    """Every agreement sends the same number of words, so ranks that run two
-    agreements in different orders meet in one collective and see the mismatch
-    (different sizes would abort the process inside the collective)."""
+    """Every agreement sends the same number of words, so ranks of a stage that
+    run two agreements in different orders meet in one collective and see the
+    mismatch (different sizes would abort the process inside the collective).
+    Along PP each agreement's messages travel under its own tag."""
     with pytest.raises(RankError) as info:
         launch(rankfns.two_agreements_out_of_order, **LAYOUTS[layout], timeout=10, deadline=60)
     errors = info.value.errors
-    assert set(errors) == {0, 1}, errors
+    assert set(errors) == set(range(2 if layout == "tp2" else 4)), errors
     assert any("RankMismatch" in e for e in errors.values()), errors
+
+
+def test_two_agreements_of_one_topology_never_take_each_others_relay() -> None:
+    """PP folds of two agreements travel apart: the prefetch agreement never
+    decides on the backups' values (1000, not busy), only on its own stages'."""
+    results = launch(rankfns.two_agreements_interleaved, pp=2, timeout=10, deadline=60)
+    for seen in results:
+        assert all(step["pages"] == 0 and step["busy"] == 1 for step in seen), seen
 
 
 def test_pp_stages_with_different_ack_timings_apply_the_same_counts() -> None:
