@@ -95,8 +95,12 @@ class Topology:
 
     ``stage_group`` holds every rank of this PP stage (all TP x CP ranks);
     ``pp_prev``/``pp_next`` are the global ranks at the same TP/CP place in the
-    neighbouring stages (None at the ends); the relay along PP sends over
-    ``relay_group`` (None: the default group). Every group used must reduce
+    neighbouring stages (None at the ends), ``pp_first``/``pp_last`` those in
+    the first and the last stage (the relay's ring closes between them; by
+    default ``rank -+ pp_rank * tp * cp`` and so on, which a layout whose
+    neighbours are not ``rank -+ tp * cp`` must replace: it is refused
+    without them); the relay along PP sends over ``relay_group`` (None: the
+    default group). Every group used must reduce
     CPU tensors: one that cannot raises RankFailure here (``check``).
     """
 
@@ -113,9 +117,27 @@ class Topology:
     pp_next: int | None = None
     timeout: timedelta = timedelta(seconds=30)
     relay_group: dist.ProcessGroup | None = None
+    pp_first: int | None = None
+    pp_last: int | None = None
 
     def __post_init__(self) -> None:
         self.check()
+        if self.pp_size > 1 and (self.pp_first is None or self.pp_last is None):
+            stage = self.stage_size
+            dense = (self.pp_prev is None or self.pp_prev == self.rank - stage) and (
+                self.pp_next is None or self.pp_next == self.rank + stage
+            )
+            if not dense:
+                raise ValueError(
+                    f"rank {self.rank}: pp_prev {self.pp_prev} / pp_next {self.pp_next} are not "
+                    f"this rank -+ tp x cp ({stage}): pass pp_first and pp_last, the ranks at "
+                    "this place in the first and the last stage, where the relay's ring closes"
+                )
+            first = self.rank - self.pp_rank * stage
+            self.pp_first = first if self.pp_first is None else self.pp_first
+            self.pp_last = (
+                first + (self.pp_size - 1) * stage if self.pp_last is None else self.pp_last
+            )
 
     def check(self) -> None:
         """Refuse, before any collective, a group that cannot carry CPU tensors."""
@@ -190,13 +212,18 @@ class Topology:
         pp_next: int | None = None,
         pp_group: dist.ProcessGroup | None = None,
         timeout: float = 30.0,
+        pp_first: int | None = None,
+        pp_last: int | None = None,
     ) -> Topology:
         """Wrap an engine's own groups. ``attn_group`` (all TP x CP ranks of the
         stage) gives one collective; without it, every group of size > 1 is
         reduced in turn. ``pp_group`` (holding this rank and ``pp_prev`` /
         ``pp_next``, which stay global ranks) carries the PP relay; None: the
-        default group. Every group must reduce CPU tensors (gloo): an NCCL-only
-        group raises RankFailure here, before any collective."""
+        default group. ``pp_first``/``pp_last``: the global ranks at this place
+        in the first and the last stage, needed where neighbours are not
+        ``rank -+ tp x cp`` (data-parallel instances interleaved, say). Every
+        group must reduce CPU tensors (gloo): an NCCL-only group raises
+        RankFailure here, before any collective."""
         size = dist.get_world_size
         tp_size = size(tp_group) if tp_group is not None else 1
         cp_size = size(cp_group) if cp_group is not None else 1
@@ -220,6 +247,8 @@ class Topology:
             pp_next=pp_next,
             timeout=timedelta(seconds=timeout),
             relay_group=pp_group,
+            pp_first=pp_first,
+            pp_last=pp_last,
         )
 
 
@@ -378,10 +407,12 @@ class Agreement:
         return decision
 
     def _first_stage(self) -> int:
-        return self.topo.rank - self.topo.pp_rank * self.topo.stage_size
+        assert self.topo.pp_first is not None
+        return self.topo.pp_first
 
     def _last_stage(self) -> int:
-        return self._first_stage() + (self.topo.pp_size - 1) * self.topo.stage_size
+        assert self.topo.pp_last is not None
+        return self.topo.pp_last
 
     def _send(self, values: list[int], dst: int) -> None:
         tensor = torch.tensor(values, dtype=torch.int64)

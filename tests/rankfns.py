@@ -349,3 +349,34 @@ def two_agreements_interleaved(topo: Topology) -> list[dict[str, int]]:
     prefetch.close()
     backups.close()
     return seen
+
+
+def interleaved_instances(topo: Topology, ends: bool) -> list[Any]:
+    """World 4: two data-parallel instances of pp=2, laid out pp outermost as
+    engines do (instance 0 is ranks 0 and 2, instance 1 is ranks 1 and 3),
+    each with its own PP group. Instance 0's stages hold 100 and 50 pages,
+    instance 1's 200 and 200. ``ends``: the ring's ends are given."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    pp_rank, dp_rank = divmod(rank, 2)
+    groups = [dist.new_group([0, 2], backend="gloo"), dist.new_group([1, 3], backend="gloo")]
+    try:
+        engine = Topology.from_groups(
+            tp_group=None,
+            pp_rank=pp_rank,
+            pp_size=2,
+            pp_prev=rank - 2 if pp_rank else None,
+            pp_next=rank + 2 if not pp_rank else None,
+            pp_group=groups[dp_rank],
+            pp_first=dp_rank if ends else None,
+            pp_last=dp_rank + 2 if ends else None,
+            timeout=10,
+        )
+    except ValueError as exc:
+        return [str(exc)]
+    agreement = Agreement(engine, Fields(min=("pages",)))
+    pages = (100 if pp_rank == 0 else 50) if dp_rank == 0 else 200
+    seen = [agreement.agree("step", pages=pages)["pages"] for _ in range(3)]
+    agreement.close()
+    return seen

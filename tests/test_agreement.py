@@ -59,6 +59,17 @@ def test_two_agreements_of_one_topology_never_take_each_others_relay() -> None:
         assert all(step["pages"] == 0 and step["busy"] == 1 for step in seen), seen
 
 
+def test_interleaved_instances_close_their_own_relay_ring() -> None:
+    """Data-parallel instances of PP laid out pp outermost: with the ring's ends
+    given, each instance agrees on its own stages' values (the first step holds
+    back, then the MIN); without them the layout is refused, never relayed to
+    another instance's stage 0."""
+    given = launch(rankfns.interleaved_instances, True, tp=2, pp=2, timeout=10, deadline=60)
+    assert given == [[0, 50, 50], [0, 200, 200], [0, 50, 50], [0, 200, 200]], given
+    refused = launch(rankfns.interleaved_instances, False, tp=2, pp=2, timeout=10, deadline=60)
+    assert all("pass pp_first and pp_last" in r[0] for r in refused), refused
+
+
 def test_pp_stages_with_different_ack_timings_apply_the_same_counts() -> None:
     results = launch(rankfns.many_steps, 3000, 2, tp=2, pp=2, timeout=20, deadline=180)
     assert len({(r["last"], r["sum"]) for r in results}) == 1, results
