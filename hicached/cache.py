@@ -185,6 +185,10 @@ class Cache:
             if isinstance(request, p.Goodbye):
                 self.goodbye(routing_id, peer)
                 return p.Ok(id=request.id)
+            if isinstance(request, p.Stats) and routing_id not in self.sessions:
+                # a probe takes no client slot: `hicached status` answers even
+                # while every slot is held by clients with leases (crashed ones too)
+                return p.StatsOk(id=request.id, stats=self.stats())
             session = self.session(routing_id, peer)
             handler = self._handlers.get(type(request))
             if handler is not None:

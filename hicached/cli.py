@@ -50,14 +50,17 @@ def _cmd_status(args: argparse.Namespace) -> int:
         if not (args.curve_server_key and args.curve_key):
             raise SystemExit("--curve-server-key and --curve-key go together")
         curve = CurveKeys.load(args.curve_server_key, args.curve_key)
-    with Client(
+    client = Client(
         args.endpoint,
         timeout=args.timeout,
         name="hicached-status",
         curve=curve,
         map_pool=False,  # status needs no slots, and may ask another host
-    ) as client:
+    )
+    try:  # no hello: a probe takes no client slot (server.max_clients)
         stats = client.stats()
+    finally:
+        client.close()
     if args.json:
         print(json.dumps(msgspec.to_builtins(stats), indent=2, sort_keys=True))
         return 0

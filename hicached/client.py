@@ -401,7 +401,13 @@ class _Core:
         return None
 
     def _stats(self) -> Exchange:
-        ok = yield from self._exchange(lambda: p.Stats(id=0), p.StatsOk)
+        if self._hello is None:  # a probe: the daemon answers it without a session
+            reply = yield p.Stats(id=0)
+            if isinstance(reply, p.StatsOk):
+                return reply.stats
+            if not (isinstance(reply, p.Error) and reply.code == SessionLost.code):
+                self._refused(reply, p.StatsOk, _SESSION_TRIES)  # raises its error
+        ok = yield from self._exchange(lambda: p.Stats(id=0), p.StatsOk)  # an older daemon
         return ok.stats
 
     def _stamp(self, request: p.Request) -> bytes:

@@ -108,8 +108,10 @@ def test_unknown_op_and_bad_fields_get_error_replies(small_daemon: Daemon, raw: 
 
 
 def test_requests_before_hello_are_told_to_hello(small_daemon: Daemon, raw: Raw) -> None:
-    reply = raw.call(p.Stats(id=9))
+    reply = raw.call(p.Renew(id=9, lease=1))
     assert isinstance(reply, p.Error) and reply.code == "no_session" and reply.retriable
+    probe = raw.call(p.Stats(id=10))  # stats alone needs no session
+    assert isinstance(probe, p.StatsOk) and probe.id == 10
 
 
 def test_oversized_messages(small_daemon: Daemon, raw: Raw) -> None:

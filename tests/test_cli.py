@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +18,7 @@ import pytest
 
 from hicached.arena import arena_path
 from hicached.config import Config, load_config
+from hicached.errors import ResourceExhausted
 from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,6 +46,27 @@ def test_status_human_and_json(daemon: Daemon) -> None:
     data = json.loads(js.stdout)
     assert data["pages"] == 3 and data["pool_used_bytes"] == 3 * NS["page_bytes"]  # type: ignore[operator]
     assert data["requests"]["commit"] == 1 and data["pool_bytes"] == 16 << 20
+
+
+def test_status_answers_while_every_client_slot_holds_leases(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """Two clients (the limit) hold leases, as crashed engines' would until their
+    TTL: a third client is refused, but `hicached status` takes no slot."""
+    d = daemon_factory(extra="max_clients = 2\n")
+    holders = [d.client(name=f"engine-{i}") for i in range(2)]
+    try:
+        for i, c in enumerate(holders):
+            ns = c.register(**NS)
+            c.reserve(ns, np.arange(i * 1000, i * 1000 + 2 * PAGE_TOKENS, dtype=np.uint32))
+        with pytest.raises(ResourceExhausted), d.client():
+            pass
+        out = hicached("status", "--json", "--endpoint", d.endpoint, "--timeout", "2")
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["leases"] == 2
+    finally:
+        for c in holders:
+            c.close()
 
 
 def test_status_without_a_daemon_says_so(tmp_path: Path) -> None:

@@ -92,7 +92,8 @@ def test_a_namespace_takes_the_connections_tenant_and_another_is_refused() -> No
     assert isinstance(refused, p.Error) and refused.code == ForeignTenant.code
     assert "belongs to tenant 'alpha'" in refused.message
     # a peer no tenant lists: status, but no namespace
-    assert isinstance(_call(cache, b"n", "!uid 7, gid 7, pid 1", p.Stats(id=1)), p.Error)
+    probe = _call(cache, b"n", "!uid 7, gid 7, pid 1", p.Stats(id=1))  # no session needed
+    assert isinstance(probe, p.StatsOk) and b"n" not in cache.sessions
     _call(cache, b"n", "!uid 7, gid 7, pid 1", HELLO)
     assert isinstance(_call(cache, b"n", "!uid 7, gid 7, pid 1", p.Stats(id=2)), p.StatsOk)
     nobody = _call(cache, b"n", "!uid 7, gid 7, pid 1", p.RegisterNamespace(id=3, spec=SPEC))
