@@ -860,10 +860,20 @@ class AsyncClient(_Core):
         # The daemon holds a bounded number of replies per client: never ask for more.
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_in_flight)
-        async with self._slots:
-            return await self._roundtrip_now(request)
+        started = time.monotonic()
+        try:  # a call queued behind max_in_flight others keeps its own deadline
+            await asyncio.wait_for(self._slots.acquire(), self.timeout)
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(
+                f"{self.max_in_flight} requests to {self.endpoint} stayed in flight for "
+                f"{self.timeout:.3g}s: this one was not sent"
+            ) from None
+        try:
+            return await self._roundtrip_now(request, self.timeout - (time.monotonic() - started))
+        finally:
+            self._slots.release()
 
-    async def _roundtrip_now(self, request: p.Request) -> p.AnyReply:
+    async def _roundtrip_now(self, request: p.Request, budget: float) -> p.AnyReply:
         loop = asyncio.get_running_loop()
         if self._reader is None or self._reader.done():  # first call, or the reader failed
             if self._reader is not None:
@@ -871,7 +881,8 @@ class AsyncClient(_Core):
                 self._fail_all(self._reader)  # its waiters fail now, not the new ones
             self._reader = loop.create_task(self._read())
             self._reader.add_done_callback(self._fail_all)
-        payload, request_id, budget = self._stamp(request), request.id, self.timeout
+        payload, request_id = self._stamp(request), request.id
+        budget = max(budget, 0.001)
         sock = self._sock
         if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
             # no connection (IMMEDIATE): wait briefly for one, as after a restart

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import time
 from collections.abc import Callable
 
@@ -13,7 +15,7 @@ import zmq
 
 import hicached
 from hicached import protocol as p
-from hicached.errors import DaemonUnavailable
+from hicached.errors import DaemonUnavailable, DeadlineExceeded
 from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
 
 
@@ -110,6 +112,25 @@ async def test_the_async_reader_restarts_after_a_failure(daemon: Daemon) -> None
         reader.cancel()  # the reader ends (fault injection)
         await asyncio.wait([reader])
         assert (await c.stats()).clients == 1  # a new reader answers
+
+
+async def test_a_call_queued_behind_max_in_flight_keeps_its_own_deadline(
+    daemon: Daemon,
+) -> None:
+    """The daemon stops answering (SIGSTOP): five calls behind one slot each
+    fail at about their own timeout, not one after another's."""
+    assert daemon.proc is not None
+    async with hicached.AsyncClient(daemon.endpoint, timeout=0.4, max_in_flight=1) as c:
+        await c.stats()
+        os.kill(daemon.proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            results = await asyncio.gather(*(c.stats() for _ in range(5)), return_exceptions=True)
+            waited = time.monotonic() - started
+        finally:
+            os.kill(daemon.proc.pid, signal.SIGCONT)
+        assert all(isinstance(r, DeadlineExceeded) for r in results), results
+        assert waited < 1.5, f"queued calls waited {waited:.2f}s (one after another: 2.0s)"
 
 
 def test_replies_ignore_fields_a_newer_daemon_adds() -> None:
