@@ -407,7 +407,12 @@ class _Core:
                 return reply.stats
             if not (isinstance(reply, p.Error) and reply.code == SessionLost.code):
                 self._refused(reply, p.StatsOk, _SESSION_TRIES)  # raises its error
-        ok = yield from self._exchange(lambda: p.Stats(id=0), p.StatsOk)  # an older daemon
+        ok = yield from self._exchange(lambda: p.Stats(id=0), p.StatsOk)
+        if ok.stats.instance != self._instance:
+            # answered without this client's session (stats needs none): the daemon
+            # restarted, so say hello to the new one, as any other call would
+            self._hello = None
+            ok = yield from self._exchange(lambda: p.Stats(id=0), p.StatsOk)
         return ok.stats
 
     def _stamp(self, request: p.Request) -> bytes:
