@@ -12,9 +12,11 @@
 - A retriable failure (or a timeout) is retried with exponential backoff,
   ``retries`` times; then the call fails.
 - A circuit breaker: ``breaker_failures`` failed calls in a row mark the
-  backend down. While down, calls fail at once (writes are dropped, reads
-  miss), so L2 keeps serving at full speed; after ``breaker_cooldown_s`` one
-  probe (``health``) decides whether it is up again.
+  backend down. For ``breaker_cooldown_s`` calls then fail at once (writes
+  are dropped, reads miss), so L2 keeps serving at full speed; after it, the
+  next call first runs one probe (``health``): it passes, and the backend is
+  up again; it fails, and another cooldown begins. The backend is reported
+  down until a probe passes, not just until the cooldown ends.
 - A call that times out is *not* abandoned: its completion callback runs
   when the backend finally returns, so the pool slots it reads or writes stay
   held until then; meanwhile it counts in ``hung_calls``.
@@ -75,7 +77,8 @@ class Dispatcher:
         self._tasks: list[asyncio.Task[None]] = []
         self._accepting = False
         self._failures = 0
-        self._down_until = 0.0
+        self._down = False  # the breaker is open: down until a probe passes
+        self._down_until = 0.0  # the end of its cooldown
         #: monotonic time by which a stop must be done; inf while serving
         self.stop_by = math.inf
         self.running = 0  # backend calls in progress, hung ones included
@@ -143,7 +146,12 @@ class Dispatcher:
 
     @property
     def state(self) -> str:
-        return "down" if time.monotonic() < self._down_until else "up"
+        return "down" if self._down else "up"
+
+    @property
+    def cooling(self) -> bool:
+        """Down, and within the cooldown: calls fail without a probe."""
+        return self._down and time.monotonic() < self._down_until
 
     async def wait_room(self, timeout: float) -> None:
         """Return when written pages leave the queue bound, or after ``timeout``."""
@@ -158,7 +166,7 @@ class Dispatcher:
         if not self._accepting:
             self.counters["write_refused_stopping"] += 1
             return False
-        if self.state == "down":
+        if self.cooling:
             self.counters["write_skipped_down"] += 1
             return False
         if self.room <= 0:
@@ -299,7 +307,7 @@ class Dispatcher:
         A timed-out attempt is not retried (it may still own its buffers): it
         raises _Late, whose task is still running and holds its call slot.
         """
-        if self.state == "down" and not await self._probe():
+        if self._down and not await self._probe():
             raise Unavailable(f"{self.name} is down")
         what = getattr(fn, "__name__", "call")
         attempts = self.config.retries + 1
@@ -320,14 +328,15 @@ class Dispatcher:
                 raise Unavailable(str(exc)) from exc
             self.counters["retries"] += 1
             await asyncio.sleep(self.config.retry_backoff_s * (2**attempt))
-            if self.state == "down":
+            if self.cooling:
                 raise Unavailable(f"{self.name} is down")
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _failed(self, why: str) -> None:
         self._failures += 1
         self.counters["failures"] += 1
-        if self._failures >= self.config.breaker_failures and self.state == "up":
+        if self._failures >= self.config.breaker_failures and not self._down:
+            self._down = True
             self._down_until = time.monotonic() + self.config.breaker_cooldown_s
             self.counters["breaker_opened"] += 1
             log.warning(
@@ -344,6 +353,7 @@ class Dispatcher:
             log.info("%s still down: %s", self.name, exc)
             return False
         self._failures = 0
+        self._down = False
         self._down_until = 0.0
         log.info("%s is up again", self.name)
         return True

@@ -196,7 +196,7 @@ class Tier:
             i = 0
             while i < len(pages) and (now := time.monotonic()) < end:
                 room = dispatcher.room
-                if room <= 0 or dispatcher.state == "down":
+                if room <= 0 or dispatcher.cooling:
                     await dispatcher.wait_room(min(0.05, end - now))
                     continue
                 step = pages[i : i + room]

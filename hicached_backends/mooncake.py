@@ -49,6 +49,9 @@ def _address(buf: memoryview) -> int:
     return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if found is None else found
 
 
+_PROBE = "hc/health-probe"  # an object name no page has (pages: hc/<ns hex>/<key hex>)
+
+
 class MooncakeBackend(Backend):
     options_type = MooncakeOptions
 
@@ -115,6 +118,13 @@ class MooncakeBackend(Backend):
         rc = await self._blocking(self._store.health_check)
         if rc != 0:
             raise BackendError(f"Mooncake health check failed (code {rc})", retriable=True)
+        # the client's own check passes with the master gone: ask the master
+        found = await self._blocking(self._store.batch_is_exist, [_PROBE])
+        if all(code < 0 for code in found):
+            raise BackendError(
+                f"Mooncake master at {self.options.master} does not answer (code {found[0]})",
+                retriable=True,
+            )
 
     # -- helpers -------------------------------------------------------------------
 

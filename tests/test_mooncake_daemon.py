@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -39,3 +40,38 @@ def test_two_hosts_share_pages_through_one_master(
         assert cb.commit(pf).published == 24
         assert np.array_equal(cb.load(ns_b, toks), page_bytes_for(toks))
         assert cb.stats().l3_backend == "mooncake"
+
+
+def test_a_dead_master_keeps_the_backend_down(daemon_factory: Callable[..., Daemon]) -> None:
+    """With the master gone, writes fail and the breaker opens; its health probe
+    must fail too (the client's own check passes without a master), so L3 stays
+    down instead of flapping up between failures. L2 keeps serving."""
+    master = MooncakeMaster()
+    try:
+        d = daemon_factory(
+            size_mib=1,
+            slab_mib=1,
+            storage=storage(
+                "mooncake", more="breaker_failures = 1\nbreaker_cooldown_s = 0.3\nretries = 0\n"
+            ),
+            tail=master.toml(),
+        )
+        with d.client(timeout=10.0) as c:
+            ns = c.register(**NS)
+            toks = seq(0, 4)
+            c.store(ns, toks, page_bytes_for(toks))
+            wait_for(lambda: l3_count(c, "written") == 4)
+            master.stop()
+            more = seq(10**6, 4)
+            c.store(ns, more, page_bytes_for(more))
+            wait_for(lambda: c.stats().l3_state == "down", timeout=30)
+            states = set()
+            for k in range(8):  # several cooldowns; each write after one runs a probe
+                page = seq(2 * 10**6 + k * 1000, 1)
+                c.store(ns, page, page_bytes_for(page))
+                time.sleep(0.5)
+                states.add(c.stats().l3_state)
+            assert "up" not in states, states
+            assert np.array_equal(c.load(ns, toks), page_bytes_for(toks))
+    finally:
+        master.stop()
