@@ -44,6 +44,7 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from hicached.client import Client, CurveKeys
+    from hicached.errors import ResourceExhausted
 
     curve = None
     if args.curve_server_key or args.curve_key:
@@ -57,8 +58,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
         curve=curve,
         map_pool=False,  # status needs no slots, and may ask another host
     )
-    try:  # no hello: a probe takes no client slot (server.max_clients)
-        stats = client.stats()
+    try:
+        try:
+            stats = client.stats()
+        except ResourceExhausted:  # every client slot holds leases: ask without a session
+            stats = client.stats(session=False)
     finally:
         client.close()
     if args.json:

@@ -400,8 +400,8 @@ class _Core:
                 handle.state.closed = True  # ended here, or already ended before
         return None
 
-    def _stats(self) -> Exchange:
-        if self._hello is None:  # a probe: the daemon answers it without a session
+    def _stats(self, session: bool = True) -> Exchange:
+        if not session and self._hello is None:  # a probe: answered without a session
             reply = yield p.Stats(id=0)
             if isinstance(reply, p.StatsOk):
                 return reply.stats
@@ -415,10 +415,11 @@ class _Core:
             ok = yield from self._exchange(lambda: p.Stats(id=0), p.StatsOk)
         return ok.stats
 
-    def _stamp(self, request: p.Request) -> bytes:
-        """``request`` with a fresh id and its deadline (``timeout`` from now), encoded."""
+    def _stamp(self, request: p.Request, budget: float | None = None) -> bytes:
+        """``request`` with a fresh id and its deadline (``budget``, by default
+        ``timeout``, from now), encoded."""
         request.id = next(self._ids)
-        request.deadline_ms = int((time.time() + self.timeout) * 1000)
+        request.deadline_ms = int((time.time() + (budget or self.timeout)) * 1000)
         raw = _encode(request)
         hello = self._hello
         if hello is not None and len(raw) > hello.max_message_bytes:
@@ -782,8 +783,10 @@ class Client(_Core):
         """Push the handle's lease deadline ``leases.ttl_s`` into the future."""
         self._do(self._renew(handle))
 
-    def stats(self) -> p.DaemonStats:
-        return self._do(self._stats())
+    def stats(self, *, session: bool = True) -> p.DaemonStats:
+        """The daemon's figures. ``session=False`` asks without saying hello when
+        this client has no session (a probe: it takes no client slot)."""
+        return self._do(self._stats(session))
 
     def store(self, ns: Namespace, tokens: Any, pages: np.ndarray) -> p.CommitOk:
         """Store every full page of ``tokens``; ``pages[i]`` holds page i's bytes."""
@@ -886,8 +889,9 @@ class AsyncClient(_Core):
                 self._fail_all(self._reader)  # its waiters fail now, not the new ones
             self._reader = loop.create_task(self._read())
             self._reader.add_done_callback(self._fail_all)
-        payload, request_id = self._stamp(request), request.id
-        budget = max(budget, 0.001)
+        if budget < 0.001:
+            raise DeadlineExceeded(f"no time left of {self.timeout:.3g}s to send this request")
+        payload, request_id = self._stamp(request, budget), request.id
         sock = self._sock
         if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
             # no connection (IMMEDIATE): wait briefly for one, as after a restart
@@ -1018,8 +1022,8 @@ class AsyncClient(_Core):
     async def renew(self, handle: Reservation | Hit) -> None:
         await self._do(self._renew(handle))
 
-    async def stats(self) -> p.DaemonStats:
-        return await self._do(self._stats())
+    async def stats(self, *, session: bool = True) -> p.DaemonStats:
+        return await self._do(self._stats(session))
 
     async def store(self, ns: Namespace, tokens: Any, pages: np.ndarray) -> p.CommitOk:
         res = await self.reserve(ns, tokens)

@@ -78,6 +78,7 @@ class Dispatcher:
         self._accepting = False
         self._failures = 0
         self._down = False  # the breaker is open: down until a probe passes
+        self._prober: asyncio.Task[None] | None = None  # probes while down
         self._down_until = 0.0  # the end of its cooldown
         #: monotonic time by which a stop must be done; inf while serving
         self.stop_by = math.inf
@@ -100,6 +101,8 @@ class Dispatcher:
         what is left, then close the backend."""
         self._accepting = False
         self.stop_by = min(self.stop_by, until)
+        if self._prober is not None:
+            self._prober.cancel()
         while (self._queue or self.writing) and time.monotonic() < until:
             self._wake.set()
             await self.wait_room(min(0.05, max(0.0, until - time.monotonic())))
@@ -338,6 +341,8 @@ class Dispatcher:
         if self._failures >= self.config.breaker_failures and not self._down:
             self._down = True
             self._down_until = time.monotonic() + self.config.breaker_cooldown_s
+            if self._accepting and (self._prober is None or self._prober.done()):
+                self._prober = asyncio.get_running_loop().create_task(self._recover())
             self.counters["breaker_opened"] += 1
             log.warning(
                 "%s marked down after %d failures (last: %s)", self.name, self._failures, why
@@ -346,17 +351,26 @@ class Dispatcher:
     async def _probe(self) -> bool:
         if time.monotonic() < self._down_until:
             return False
+        # one probe at a time: other calls fail at once while it runs
+        self._down_until = time.monotonic() + self.config.breaker_cooldown_s
         try:
             await asyncio.wait_for(self.backend.health(), self.config.op_timeout_s)
         except Exception as exc:  # any failure keeps it down for another cooldown
             self._down_until = time.monotonic() + self.config.breaker_cooldown_s
             log.info("%s still down: %s", self.name, exc)
             return False
-        self._failures = 0
+        self._failures = self.config.breaker_failures - 1  # one more failure: down again
         self._down = False
         self._down_until = 0.0
         log.info("%s is up again", self.name)
         return True
+
+    async def _recover(self) -> None:
+        """While down, probe after each cooldown even without calls, so a backend
+        that came back is reported up on an idle daemon too."""
+        while self._down:
+            await asyncio.sleep(max(0.0, self._down_until - time.monotonic()))
+            await self._probe()
 
     async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int:
         """Leading keys held by the backend; 0 when it cannot tell now."""

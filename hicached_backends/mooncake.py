@@ -122,7 +122,7 @@ class MooncakeBackend(Backend):
         found = await self._blocking(self._store.batch_is_exist, [_PROBE])
         if all(code < 0 for code in found):
             raise BackendError(
-                f"Mooncake master at {self.options.master} does not answer (code {found[0]})",
+                f"Mooncake master at {self.options.master} does not answer (codes {found})",
                 retriable=True,
             )
 

@@ -151,6 +151,12 @@ def test_a_token_reservation_is_never_handed_to_another_process(daemon: Daemon) 
         owner.release(hit)
         view = worker.adopt(owner.match(ns, tokens).portable())  # reads stay portable
         assert isinstance(view, Hit) and np.array_equal(worker.read_pages(view), data)
+        late = Client(daemon.endpoint)  # never connected: adopt says hello first
+        try:
+            view = late.adopt(owner.match(ns, tokens).portable())
+            assert np.array_equal(late.read_pages(view), data)
+        finally:
+            late.close()
 
 
 def test_wide_pages_written_by_workers_through_one_lease(daemon: Daemon) -> None:

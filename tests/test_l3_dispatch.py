@@ -15,7 +15,7 @@ import msgspec
 
 from hicached.config import StorageConfig
 from hicached.dispatcher import Dispatcher, WriteJob
-from hicached_backends.base import BackendEnv, PageRef
+from hicached_backends.base import BackendEnv, BackendError, PageRef
 from hicached_backends.memory import MemoryBackend
 from hicached_backends.options import MemoryOptions
 
@@ -178,3 +178,61 @@ async def test_reads_never_wait_behind_writes(tmp_path: Path) -> None:
         await asyncio.sleep(0.01)
     assert done == [True] * 40  # and every write still went through
     await d.stop(time.monotonic() + 5)
+
+
+class Outage(MemoryBackend):
+    """A memory backend that is down (every call and its health probe fail)
+    while ``down`` is set: fault injection."""
+
+    def __init__(self, tmp: Path) -> None:
+        super().__init__(MemoryOptions(), BackendEnv(data_dir=tmp))
+        self.down = True
+        self.probes = 0
+        self.probing = 0
+        self.peak_probing = 0
+
+    async def health(self) -> None:
+        self.probes += 1
+        self.probing += 1
+        self.peak_probing = max(self.peak_probing, self.probing)
+        try:
+            await asyncio.sleep(0.01)  # within op_timeout_s (0.05)
+            if self.down:
+                raise BackendError("injected outage", retriable=True)
+        finally:
+            self.probing -= 1
+
+    async def get(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
+        if self.down:
+            raise BackendError("injected outage", retriable=True)
+        return await super().get(ns, pages)
+
+
+async def test_the_breaker_reports_down_until_one_probe_passes(tmp_path: Path) -> None:
+    """Down until a health probe passes, not just until the cooldown ends; one
+    probe at a time however many calls arrive; a probe after each cooldown
+    even with no calls, so an idle daemon sees the backend come back; and one
+    more failure after it reopens the breaker."""
+    backend = Outage(tmp_path)
+    d = Dispatcher(backend, config(breaker_failures=2, breaker_cooldown_s=0.2), "outage")
+    await d.start()
+    try:
+        page = [PageRef(bytes(16), memoryview(bytearray(64)))]
+        for _ in range(2):
+            assert await d.get(NS, page) == [False]
+        assert d.state == "down"
+        await asyncio.sleep(0.3)  # the cooldown is over, and still no probe passed
+        assert d.state == "down"
+        await asyncio.gather(*(d.get(NS, page) for _ in range(20)))
+        assert backend.peak_probing == 1, "calls after the cooldown probed side by side"
+        backend.down = False  # it comes back; no call is made
+        for _ in range(60):  # the next probe, within a cooldown or two
+            if d.state == "up":
+                break
+            await asyncio.sleep(0.05)
+        assert d.state == "up"
+        backend.down = True
+        assert await d.get(NS, page) == [False]
+        assert d.state == "down", "one failure after a passed probe reopens it"
+    finally:
+        await d.stop(time.monotonic() + 1.0)
