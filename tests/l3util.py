@@ -10,7 +10,7 @@ import numpy as np
 
 from hicached import Client, Fetch, FetchProgress, Namespace
 from hicached.hashing import pack_tokens, page_keys
-from tests.support import PAGE_BYTES, PAGE_TOKENS
+from tests.support import PAGE_BYTES, PAGE_TOKENS, Daemon
 
 FILE_STORE = "[storage.file]\ncapacity_mib = 8\nsegment_mib = 2\nio_threads = 2\n"
 
@@ -60,3 +60,15 @@ def record_offset(store: Path, ns_digest: bytes, tokens: np.ndarray, page: int) 
         if at >= 0:
             return segment, at - 16
     raise AssertionError("record not found")
+
+
+def refused_start(d: Daemon, reason: str) -> None:
+    """``d`` (not started) must exit 2 at start, saying ``reason``; cleaned up."""
+    try:
+        d.start()
+    except RuntimeError as exc:
+        assert "exited with 2" in str(exc) and reason in str(exc), str(exc)
+    else:
+        raise AssertionError(f"the daemon started; expected it to refuse: {reason}")
+    finally:
+        d.cleanup()

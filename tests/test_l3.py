@@ -21,6 +21,7 @@ from tests.l3util import (
     evict_everything,
     l3_count,
     record_offset,
+    refused_start,
     settle_writes,
     storage,
     wait_for,
@@ -409,12 +410,7 @@ def test_a_second_daemon_on_the_same_file_store_is_refused(
         c.store(ns, toks, page_bytes_for(toks))
         settle_writes(c)
     second = Daemon(size_mib=1, slab_mib=1, storage=storage("file"), tail=tail)
-    try:
-        with pytest.raises(RuntimeError, match="exited with 2") as refused:
-            second.start()
-        assert "in use by another daemon" in str(refused.value)
-    finally:
-        second.cleanup()
+    refused_start(second, "in use by another daemon")
     with first.client() as c:
         ns = c.register(**NS)
         assert c.match(ns, seq(0, 4)).hits + c.match(ns, seq(0, 4)).l3_hits == 4

@@ -11,7 +11,15 @@ import pytest
 
 from hicached.testing import scrape
 from tests.faults import FaultProxy
-from tests.l3util import evict_everything, l3_count, settle_writes, storage, wait_for, wait_prefetch
+from tests.l3util import (
+    evict_everything,
+    l3_count,
+    refused_start,
+    settle_writes,
+    storage,
+    wait_for,
+    wait_prefetch,
+)
 from tests.services import S3Server
 from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
 
@@ -80,12 +88,7 @@ def test_two_hosts_share_pages_through_one_bucket(
 def test_a_missing_bucket_stops_the_start(s3: S3Server) -> None:
     """A daemon whose bucket does not exist would fail every write: it exits 2."""
     d = Daemon(size_mib=1, slab_mib=1, storage=storage("s3"), tail=s3_tail(s3.endpoint, "absent"))
-    try:
-        with pytest.raises(RuntimeError, match="exited with 2") as refused:
-            d.start()
-        assert "S3 bucket 'absent' does not exist" in str(refused.value)
-    finally:
-        d.cleanup()
+    refused_start(d, "S3 bucket 'absent' does not exist")
 
 
 def test_s3_faults_never_give_wrong_bytes(
