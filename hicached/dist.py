@@ -138,6 +138,12 @@ class Topology:
             self.pp_last = (
                 first + (self.pp_size - 1) * stage if self.pp_last is None else self.pp_last
             )
+        ends = {0: self.pp_first, self.pp_size - 1: self.pp_last}
+        if self.pp_size > 1 and self.pp_rank in ends and ends[self.pp_rank] != self.rank:
+            raise ValueError(
+                f"rank {self.rank} is PP stage {self.pp_rank}, but pp_first / pp_last are "
+                f"{self.pp_first} / {self.pp_last}: they are global ranks, this one at its end"
+            )
 
     def check(self) -> None:
         """Refuse, before any collective, a group that cannot carry CPU tensors."""

@@ -351,11 +351,12 @@ def two_agreements_interleaved(topo: Topology) -> list[dict[str, int]]:
     return seen
 
 
-def interleaved_instances(topo: Topology, ends: bool) -> list[Any]:
+def interleaved_instances(topo: Topology, ends: str) -> list[Any]:
     """World 4: two data-parallel instances of pp=2, laid out pp outermost as
     engines do (instance 0 is ranks 0 and 2, instance 1 is ranks 1 and 3),
     each with its own PP group. Instance 0's stages hold 100 and 50 pages,
-    instance 1's 200 and 200. ``ends``: the ring's ends are given."""
+    instance 1's 200 and 200. ``ends``: the ring's ends are "given" (global
+    ranks), "local" (ranks within the instance's PP group: wrong) or "none"."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -369,8 +370,8 @@ def interleaved_instances(topo: Topology, ends: bool) -> list[Any]:
             pp_prev=rank - 2 if pp_rank else None,
             pp_next=rank + 2 if not pp_rank else None,
             pp_group=groups[dp_rank],
-            pp_first=dp_rank if ends else None,
-            pp_last=dp_rank + 2 if ends else None,
+            pp_first={"given": dp_rank, "local": 0}.get(ends),
+            pp_last={"given": dp_rank + 2, "local": 1}.get(ends),
             timeout=10,
         )
     except ValueError as exc:

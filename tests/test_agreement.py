@@ -64,10 +64,17 @@ def test_interleaved_instances_close_their_own_relay_ring() -> None:
     given, each instance agrees on its own stages' values (the first step holds
     back, then the MIN); without them the layout is refused, never relayed to
     another instance's stage 0."""
-    given = launch(rankfns.interleaved_instances, True, tp=2, pp=2, timeout=10, deadline=60)
+    given = launch(rankfns.interleaved_instances, "given", tp=2, pp=2, timeout=10, deadline=60)
     assert given == [[0, 50, 50], [0, 200, 200], [0, 50, 50], [0, 200, 200]], given
-    refused = launch(rankfns.interleaved_instances, False, tp=2, pp=2, timeout=10, deadline=60)
+    refused = launch(rankfns.interleaved_instances, "none", tp=2, pp=2, timeout=10, deadline=60)
     assert all("pass pp_first and pp_last" in r[0] for r in refused), refused
+    # ranks within the PP group instead of global ones: refused by every rank at
+    # an end they do not match (rank 0 matches by chance, and then has no peer)
+    with pytest.raises(RankError) as info:
+        launch(rankfns.interleaved_instances, "local", tp=2, pp=2, timeout=10, deadline=60)
+    refused_here = info.value.results
+    assert sorted(refused_here) == [1, 2, 3], info.value
+    assert all("they are global ranks" in r[0] for r in refused_here.values())
 
 
 def test_pp_stages_with_different_ack_timings_apply_the_same_counts() -> None:
