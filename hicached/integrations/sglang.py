@@ -33,6 +33,7 @@ is a miss, and so is every key after it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
@@ -394,13 +395,18 @@ class HicachedStorage(HiCacheStorage):
             return False
         deadline = time.monotonic() + self.settings.prefetch_timeout_s
         pause = 0.0005
-        while not (progress := c.progress(fetch)).done and time.monotonic() < deadline:
-            time.sleep(pause)
-            pause = min(pause * 2, 0.02)
-        if not progress.completed:
-            c.release(fetch)
-            return False
-        c.commit(fetch, pages=progress.completed)
+        try:
+            while not (progress := c.progress(fetch)).done and time.monotonic() < deadline:
+                time.sleep(pause)
+                pause = min(pause * 2, 0.02)
+            if not progress.completed:
+                c.release(fetch)
+                return False
+            c.commit(fetch, pages=progress.completed)
+        except BaseException:  # the prefetch's lease ends now, not at its TTL
+            with contextlib.suppress(HicachedError, *UNREACHABLE):
+                c.release(fetch)
+            raise
         return True
 
     def _store(

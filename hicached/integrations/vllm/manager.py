@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import os
 import shutil
@@ -313,18 +314,23 @@ class HicachedManager(OffloadingManager):
         deadline = time.monotonic() + self.settings.prefetch_timeout_s
         client, _ = await link.session()
         pause = 0.001
-        while not (progress := await client.progress(fetch)).done:
-            if time.monotonic() >= deadline:
-                break
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, 0.02)
-        if not progress.completed:
-            await client.release(fetch)
-            return hit
-        await client.commit(fetch, pages=progress.completed)
-        longer = await link.guarded(lambda c, ns: c.match_keys(ns, keys))
-        await client.release(hit)
-        return longer
+        try:
+            while not (progress := await client.progress(fetch)).done:
+                if time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, 0.02)
+            if not progress.completed:
+                await client.release(fetch)
+                return hit
+            await client.commit(fetch, pages=progress.completed)
+        except BaseException:  # the prefetch's lease ends now, not at its TTL
+            with contextlib.suppress(HicachedError, *UNREACHABLE):
+                await client.release(fetch)
+            raise
+        # ``hit`` stays leased: a load may copy through it already; _answer ends
+        # its lease once the longer answer replaces it, unless a load holds it
+        return await link.guarded(lambda c, ns: c.match_keys(ns, keys))
 
     def _fresh(self, answer: _Answer) -> bool:
         """Not too old, and from the daemon that runs now (a restarted one holds
