@@ -240,8 +240,10 @@ def _model(event: AnyEvent) -> str:
 QUEUE_DROPS = "events_queue"
 # Replay messages sent before the loop runs other work.
 REPLAY_SLICE = 256
-# Replays served at once; a request beyond it is refused and counted (replay_busy).
+# Replays served at once, and per reader (one sent, one waiting for it); a request
+# beyond either is refused at once with an end marker and counted (replay_busy).
 MAX_REPLAYS = 32
+REPLAYS_PER_READER = 2
 # Replay requests read per wake-up before other work gets the loop.
 REPLAY_REQUESTS_PER_WAKE = 64
 
@@ -382,6 +384,7 @@ class Publisher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._flusher: asyncio.Task[None] | None = None
         self._replays: dict[bytes, asyncio.Task[None]] = {}  # each reader's last replay
+        self._per_reader: collections.Counter[bytes] = collections.Counter()  # live replays
         self._live: set[asyncio.Task[None]] = set()
         log.count_drops_in(dropped)
 
@@ -494,20 +497,33 @@ class Publisher:
             envelope, body = frames[:-1], frames[-1]
             if not envelope or len(body) != 8 or len(frames) > 3:
                 self._count("bad_replay_request")
+                self._refuse(envelope)
                 continue
-            if len(self._live) >= MAX_REPLAYS:
+            reader = envelope[0]
+            if len(self._live) >= MAX_REPLAYS or self._per_reader[reader] >= REPLAYS_PER_READER:
                 self._count("replay_busy")
+                self._refuse(envelope)
                 continue
             start = int.from_bytes(body, "big", signed=True)
-            reader = envelope[0]
             task = loop.create_task(self._replay(envelope, start, self._replays.get(reader)))
             self._replays[reader] = task
+            self._per_reader[reader] += 1
             self._live.add(task)
             task.add_done_callback(functools.partial(self._replay_done, reader))
         loop.call_soon(self._on_requests)  # more may wait; let others run first
 
+    def _refuse(self, envelope: list[bytes]) -> None:
+        """Answer a request that is not served with the end marker alone, so the
+        reader learns it at once (nothing is sent if its queue is full)."""
+        if envelope and self._router is not None:
+            with contextlib.suppress(zmq.ZMQError):
+                self._router.send_multipart([*envelope, b"", END_SEQ, b""], zmq.NOBLOCK)
+
     def _replay_done(self, reader: bytes, task: asyncio.Task[None]) -> None:
         self._live.discard(task)
+        self._per_reader[reader] -= 1
+        if not self._per_reader[reader]:
+            del self._per_reader[reader]
         if self._replays.get(reader) is task:
             del self._replays[reader]
         if not task.cancelled() and task.exception() is not None:

@@ -144,3 +144,24 @@ async def test_queue_drops_use_up_a_sequence_number(setup: Setup) -> None:
         seqs.append(int.from_bytes((await recv(sub))[1], "big"))
     assert seqs == [0, 1, 3]
     assert setup.dropped == {"events_queue": 3}
+
+
+@pytest.mark.parametrize("setup", [{"replay_batches": 100, "replay_timeout_s": 3.0}], indirect=True)
+async def test_one_reader_cannot_take_every_replay_and_a_refusal_is_answered(
+    setup: Setup,
+) -> None:
+    """A reader that asks 40 times and reads nothing holds two replays (one sent,
+    one waiting); the rest are refused at once. Another reader is served, and
+    a refused request gets its end marker, not silence."""
+    setup.publish(100, tokens=4000)  # ~20 KB each: the greedy reader's queue fills
+    greedy = setup.reader(hwm=1)
+    for _ in range(40):
+        greedy.send_multipart([b"", (0).to_bytes(8, "big")])
+    await asyncio.sleep(0.3)
+    assert setup.dropped.get("replay_busy") == 38
+    other = setup.reader()
+    other.send_multipart([b"", (0).to_bytes(8, "big")])
+    assert await read_replay(other) == list(range(100))
+    malformed = setup.reader()
+    malformed.send_multipart([b"", b"\x00\x01"])  # not 8 bytes
+    assert (await recv(malformed, timeout=2.0))[2] == END_SEQ
