@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, NamedTuple
@@ -23,6 +24,15 @@ from typing import Any, ClassVar, NamedTuple
 import msgspec
 
 from hicached.errors import HicachedError
+
+
+def let_go(*pools: Executor | None) -> None:
+    """Shut thread pools down at a backend's close without waiting for calls still
+    running (past the stop deadline, a hung store's): each ends on its own, and
+    the daemon exits without them (server.py); queued calls are dropped."""
+    for pool in pools:
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 class BackendError(HicachedError):

@@ -49,7 +49,7 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
-from hicached_backends.base import Backend, BackendEnv, BackendError, PageRef
+from hicached_backends.base import Backend, BackendEnv, BackendError, PageRef, let_go
 from hicached_backends.file_readers import (
     IOV_MAX,
     RECORD,
@@ -108,6 +108,10 @@ class _Entry:
     page: PageRef
     out: list[bool]  # the put call's answers
     at: int  # this page's place in them
+
+    @property
+    def end(self) -> int:
+        return self.offset + len(self.header) + len(self.page.buf)
 
 
 @dataclass(slots=True)
@@ -335,8 +339,7 @@ class FileBackend(Backend):
             await readers.stop()
         async with self._write_lock:
             await asyncio.get_running_loop().run_in_executor(self._pool, self._close_sync)
-        # a read still stuck in the kernel past the stop deadline is not waited for
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        let_go(self._pool)  # a read still stuck in the kernel is not waited for
         self._pool = None
 
     def _close_sync(self) -> None:
@@ -542,18 +545,15 @@ class FileBackend(Backend):
         """Write records; back-to-back records of a segment go out in one pwritev."""
         i = 0
         while i < len(plan):
-            seg, start = plan[i].seg, plan[i].offset
+            seg, start, end = plan[i].seg, plan[i].offset, plan[i].end
             iov: list[bytes | memoryview] = [plan[i].header, plan[i].page.buf]
-            end = start + len(plan[i].header) + len(plan[i].page.buf)
             i += 1
-            while (
-                i < len(plan)
-                and len(iov) < IOV_MAX
-                and plan[i].seg is seg
-                and plan[i].offset == end
-            ):
-                iov += (plan[i].header, plan[i].page.buf)
-                end += len(plan[i].header) + len(plan[i].page.buf)
+            while i < len(plan) and len(iov) < IOV_MAX and plan[i].seg is seg:
+                entry = plan[i]
+                if entry.offset != end:
+                    break
+                iov += (entry.header, entry.page.buf)
+                end = entry.end
                 i += 1
             written = os.pwritev(seg.fd, iov, start)
             if written != end - start:

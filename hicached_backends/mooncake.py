@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 from mooncake.store import MooncakeDistributedStore
 
-from hicached_backends.base import Backend, BackendEnv, BackendError, PageRef
+from hicached_backends.base import Backend, BackendEnv, BackendError, PageRef, let_go
 from hicached_backends.options import MooncakeOptions
 from hicached_backends.record import (
     HEADER_BYTES,
@@ -106,10 +106,7 @@ class MooncakeBackend(Backend):
         if self._store is not None:
             store, self._store = self._store, None
             await self._blocking(store.close)
-        # calls still running past the stop deadline are not waited for
-        for pool in (self._pool, self._hashers):
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+        let_go(self._pool, self._hashers)
         self._pool = self._hashers = None
 
     async def health(self) -> None:

@@ -24,7 +24,7 @@ import boto3
 import botocore.config
 import botocore.exceptions
 
-from hicached_backends.base import Backend, BackendEnv, BackendError, PageRef
+from hicached_backends.base import Backend, BackendEnv, BackendError, PageRef, let_go
 from hicached_backends.options import S3Options
 from hicached_backends.record import HEADER_BYTES, pack_header, verify
 
@@ -73,16 +73,13 @@ class S3Backend(Backend):
             await self._bucket(retriable=False)
         except BackendError as exc:
             if not exc.retriable:
+                await self.close()  # the start fails: no thread stays behind
                 raise
             # unreachable now: serve from L2, the breaker retries later
             log.warning("S3 at %s not reachable at start: %s", o.endpoint_url or "AWS", exc.message)
 
     async def close(self) -> None:
-        # Calls still running (past the stop deadline) are not waited for: each
-        # ends on its own within the client's timeouts and retries.
-        for pool in (self._pool, self._reads):
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+        let_go(self._pool, self._reads)  # a call ends within the client's timeouts
         self._pool = self._reads = None
         self._client = None
 
