@@ -442,7 +442,8 @@ class Cache:
 
         ``stale``: the lease expired or its client left without ending it; a
         copy into its fresh slots may still be running, so they go to
-        quarantine instead of the free list. A prefetch reader may still be
+        quarantine instead of the free list, as a key-addressed reservation's
+        always do (``_free_after``: one rule for every end). A prefetch reader may still be
         writing into fresh slots: then they are left to it, and
         ``prefetch_finished`` frees them.
         """
@@ -458,20 +459,26 @@ class Cache:
             if pf.running:
                 ns.holds += 1  # the reader still holds it; released when it finishes
                 return
-        quarantine = self.config.leases.quarantine_s
-        if stale and lease.client_writes:
-            self.l2.quarantine(lease.fresh, self.clock() + quarantine)
-        elif lease.chain is not None and lease.client_writes:
-            # Worker processes may copy through a key-addressed reservation (adopt)
-            # until its deadline, which its owner's release does not move: its
-            # slots sit out the quarantine from that deadline on.
-            until = max(self.clock(), lease.deadline) + quarantine
-            self.l2.quarantine(lease.fresh, until)
+        if lease.client_writes and (stale or lease.chain is not None):
+            self.l2.quarantine(lease.fresh, self._free_after(lease))
         else:
             for slot in lease.fresh:
                 self.l2.free(slot, ns.spec.page_bytes)
         lease.fresh = []
         self._maybe_forget(ns)
+
+    def _free_after(self, lease: Lease) -> float:
+        """When a client's copies into ``lease``'s fresh slots are over for sure.
+
+        The one rule for every way a write lease ends without a commit of all
+        its slots (release, a commit mask, goodbye, a session dropped, expiry):
+        the copier checks the lease's deadline before each copy, so the slots
+        sit out ``leases.quarantine_s`` past that deadline, or past now if it
+        is over. Worker processes copy through an adopted key-addressed
+        reservation until that deadline whatever its owner does, so the end of
+        the owner's session does not move it.
+        """
+        return max(self.clock(), lease.deadline) + self.config.leases.quarantine_s
 
     def renew(self, session: Session, msg: p.Renew) -> p.RenewOk:
         lease = self.leases.get(msg.lease)

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import msgspec
 import numpy as np
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -142,19 +143,21 @@ class CacheMachine(RuleBasedStateMachine):
         self.mapping = PoolMapping(self.arena, self.cache.instance, GEN_GRANULE, self.clock)
         self.ns: dict[tuple[bytes, str], ClientNamespace] = {}
         for rid in (b"A", b"B"):
-            ok = self.call(rid, p.Hello(id=0, major=p.PROTOCOL_MAJOR, minor=p.PROTOCOL_MINOR))
-            assert isinstance(ok, p.HelloOk)
-            for name, spec in SPECS.items():
-                reg = self.call(rid, p.RegisterNamespace(id=0, spec=spec))
-                assert isinstance(reg, p.NamespaceOk)
-                self.ns[rid, name] = ClientNamespace(spec, reg.ns, reg.digest)
-            reg = self.call(rid, p.RegisterNamespace(id=0, spec=KEYED))
-            assert isinstance(reg, p.NamespaceOk)
-            self.ns[rid, "keyed"] = ClientNamespace(KEYED, reg.ns, reg.digest)
+            self.connect(rid)
         # handles survive a restart on purpose: using them again must be harmless
         if not hasattr(self, "writes"):
             self.writes: list[tuple[bytes, Reservation, list[bytes]]] = []
             self.reads: list[tuple[bytes, Hit, list[bytes]]] = []
+            self.stalled: list[tuple[Reservation, list[bytes]]] = []
+
+    def connect(self, rid: bytes) -> None:
+        """A client says hello and registers every namespace."""
+        ok = self.call(rid, p.Hello(id=0, major=p.PROTOCOL_MAJOR, minor=p.PROTOCOL_MINOR))
+        assert isinstance(ok, p.HelloOk)
+        for name, spec in [*SPECS.items(), ("keyed", KEYED)]:
+            reg = self.call(rid, p.RegisterNamespace(id=0, spec=spec))
+            assert isinstance(reg, p.NamespaceOk)
+            self.ns[rid, name] = ClientNamespace(spec, reg.ns, reg.digest)
 
     def teardown(self) -> None:
         self.arena.close()
@@ -433,6 +436,58 @@ class CacheMachine(RuleBasedStateMachine):
                 assert isinstance(reply, p.Error) and reply.code == "foreign_lease"
                 return
 
+    @precondition(lambda self: self.writes)
+    @rule(data=st.data())
+    def write_stalls(self, data: st.DataObject) -> None:
+        """A copy passes its fences, then its process stops before the bytes land
+        (``stalled_write_lands``)."""
+        _, res, keys = data.draw(st.sampled_from(self.writes))
+        if not res.offsets:
+            return
+        try:
+            self.mapping._fence(res, "reservation")
+        except StaleHandle:
+            return
+        _, gidx = self.mapping._row_index(res.ns, res.offsets)
+        if self.mapping._moved(res, gidx) < 0:
+            self.stalled.append((res, keys[res.present :][: len(res.offsets)]))
+
+    @precondition(lambda self: self.stalled)
+    @rule(data=st.data())
+    def stalled_write_lands(self, data: st.DataObject) -> None:
+        """The stalled copy's bytes land, up to the lease's deadline plus the
+        quarantine (what the quarantine covers, docs/protocol.md): never in a slot
+        that another key's page or another lease holds."""
+        res, keys = self.stalled.pop(data.draw(st.integers(0, len(self.stalled) - 1)))
+        if self.clock.now >= res.deadline + lease_margin(TTL) + QUARANTINE:
+            return  # stopped for longer than the quarantine covers
+        if res.instance != self.cache.instance:
+            return  # the daemon restarted: a new pool owner (the model's stand-in)
+        size = res.ns.page_bytes
+        others: dict[int, str] = {}
+        for index in self.cache.l2.indexes():
+            for key, slot, _ in index.items():
+                others[slot] = f"the page of another key ({key.hex()[:8]})"
+        for lease in self.cache.leases:
+            if lease.id != res.lease:
+                for slot in lease.fresh:
+                    others[slot] = f"a slot of lease {lease.id}"
+        rows = self.arena.rows(size)
+        for slot, key in zip(res.offsets, keys, strict=True):
+            owner = others.get(slot)
+            index = self.cache.l2.index(size, keyed=res.ns.spec.keyed)
+            mine = any(k == key and s == slot for k, s, _ in index.items())
+            assert owner is None or mine, f"a late write landed in {owner}"
+            rows[slot // size] = pattern(key, size)
+
+    @rule(rid=RID)
+    def goodbye(self, rid: bytes) -> None:
+        """The owner of reservations ends its session (close) while workers that
+        adopted them may still copy: ``write`` and ``write_late`` go on using its
+        handles, and no such copy may land in a page another key owns."""
+        assert isinstance(self.call(rid, p.Goodbye(id=0)), p.Ok)
+        self.connect(rid)
+
     @rule(seconds=st.sampled_from([0.5, 3.0, 6.0, 11.0]))
     def time_passes(self, seconds: float) -> None:
         self.clock.now += seconds
@@ -551,6 +606,45 @@ class CacheMachine(RuleBasedStateMachine):
 
 CacheMachine.TestCase.settings = settings(max_examples=500, stateful_step_count=40, deadline=None)
 test_cache_model = CacheMachine.TestCase
+
+
+class _Draw:
+    """Stands in for hypothesis' data object: hands out the values given."""
+
+    def __init__(self, *values: object) -> None:
+        self.values = list(values)
+
+    def draw(self, strategy: object) -> object:
+        return self.values.pop(0)
+
+
+@pytest.mark.parametrize("ends", ["goodbye", "release", "expiry"])
+def test_a_copy_stalled_across_the_end_of_its_lease_lands_in_no_other_page(ends: str) -> None:
+    """The model's steps that found an owner's goodbye freeing slots a worker
+    could still write, as a fixed sequence, for each way a lease ends early: the
+    copy passes its fences, its lease ends, time passes beyond the quarantine
+    (before the deadline, or just after it for an expiry), another client
+    reserves, and the copy lands."""
+    machine = CacheMachine()
+    try:
+        machine.start("write_through")
+        for seq in ([1, 2, 3], [4, 5, 6], [7, 8, 9]):
+            machine.reserve_keys(b"A", seq, 0, True)
+        rid, res, _ = machine.writes[0]
+        machine.write_stalls(_Draw(machine.writes[0]))  # type: ignore[arg-type]
+        if ends == "goodbye":
+            machine.goodbye(rid)
+        elif ends == "release":
+            machine.abort(_Draw(0))  # type: ignore[arg-type]
+        else:
+            machine.time_passes(11.0)  # past its deadline: expired
+        machine.time_passes(3.0 if ends == "expiry" else 6.0)  # < deadline + quarantine
+        assert machine.clock.now < res.deadline + lease_margin(TTL) + QUARANTINE
+        for seq in ([11, 12, 13], [14, 15, 16], [17, 18, 19], [20, 21, 22]):
+            machine.reserve_keys(b"B", seq, 0, True)
+        machine.stalled_write_lands(_Draw(0))  # type: ignore[arg-type]
+    finally:
+        machine.teardown()
 
 
 def test_stats_encode() -> None:

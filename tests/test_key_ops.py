@@ -5,9 +5,11 @@ engine's keys, and the bad input these operations can meet."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from collections.abc import Callable
+from threading import Event, Thread
 
 import msgspec
 import numpy as np
@@ -400,6 +402,85 @@ def test_a_released_reservation_is_quarantined_past_its_deadline(
         time.sleep(1.0)  # past the quarantine, not past the lease's deadline
         assert owner.stats().quarantined_pages == 2
         wait_for(lambda: owner.stats().quarantined_pages == 0, timeout=10)
+
+
+def _stalled_copy(worker: Client, handle: Reservation, data: np.ndarray, stall: float) -> Thread:
+    """A worker's copy through ``handle`` whose process stops for ``stall``
+    seconds after its fences passed and before its bytes land (fault injection:
+    the copy's first generation check sleeps); runs in a thread, started once
+    the fences passed."""
+    mapping = worker.mapping
+    check = mapping._moved
+    checked = Event()
+
+    def moved_then_stall(handle: Reservation | Hit, gidx: np.ndarray) -> int:
+        moved = check(handle, gidx)
+        if not checked.is_set():
+            checked.set()
+            time.sleep(stall)
+        return moved
+
+    def copy() -> None:
+        with contextlib.suppress(StaleHandle):  # the worker learns it after the copy
+            worker.write_pages(handle, data)
+
+    mapping._moved = moved_then_stall  # type: ignore[method-assign]
+    thread = Thread(target=copy)
+    thread.start()
+    assert checked.wait(5)
+    return thread
+
+
+@pytest.mark.parametrize("ends", ["goodbye", "expiry"])
+def test_an_owner_leaving_does_not_free_slots_an_adopted_copy_may_write(
+    daemon_factory: Callable[..., Daemon], ends: str
+) -> None:
+    """The vLLM shape: a scheduler process owns a reservation, a worker copies
+    through the adopted handle. The owner ends its session (goodbye), or lets the
+    lease expire and is then dropped as idle, while the worker's copy is stalled
+    between its fences and its bytes; a third client churns the whole pool
+    meanwhile. Its pages must read back byte for byte: the slots stay out of
+    reuse until the lease's deadline plus the quarantine."""
+    ttl = 20.0 if ends == "goodbye" else 2.5
+    d = daemon_factory(
+        size_mib=1,
+        slab_mib=1,
+        extra=(
+            "session_idle_s = 0.3\n"
+            f"[leases]\nttl_s = {ttl}\nquarantine_s = 0.3\nsweep_interval_s = 0.05\n"
+        ),
+    )
+    slots = (1 << 20) // PAGE
+    owner, worker, churn = d.client(), d.client(), d.client()
+    try:
+        ns = owner.register(**SPEC)
+        res = owner.reserve_keys(ns, engine_keys(8, salt=40))
+        handle = worker.adopt(res.portable())
+        stall = 0.8 if ends == "goodbye" else 0.6
+        copying = _stalled_copy(worker, handle, pages(8, 40), stall)  # type: ignore[arg-type]
+        if ends == "goodbye":
+            owner.close()
+        else:
+            time.sleep(ttl - 1.2)  # the copy began before the worker's deadline
+        time.sleep(0.45)  # past the quarantine counted from the session's end
+        mine = churn.register(**{**SPEC, "model": "org/churn"})
+        keys = engine_keys(slots, salt=41)
+        data = pages(slots, 41)
+        for start in range(0, slots, 16):
+            store(churn, mine, keys[start : start + 16], data[start : start + 16])
+        copying.join(5)
+        wrong = held = 0
+        for start in range(0, slots, 16):
+            hit = churn.match_keys(mine, keys[start : start + 16])
+            got = churn.read_pages(hit)
+            held += hit.hits
+            wrong += sum(not np.array_equal(got[i], data[start + i]) for i in range(hit.hits))
+            churn.release(hit)
+        assert held >= slots - 16, held  # the churn's pages are in L2 (some gave way)
+        assert wrong == 0, f"{wrong} pages of another client hold the worker's bytes"
+    finally:
+        for c in (owner, worker, churn):
+            c.close()
 
 
 def test_keys_of_one_reservation_differ(daemon: Daemon) -> None:
