@@ -32,7 +32,8 @@ import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol, get_args
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol, get_args
 
 import msgspec
 import numpy as np
@@ -88,6 +89,35 @@ class TierPort(Protocol):
         ...
 
 
+class Origin(NamedTuple):
+    """What the L3 BlockStored of an L2 page names besides the page itself."""
+
+    up: bytes | None  # the daemon's key of the page before it (None: first, or unnamed)
+    eparent: bytes | None  # what events call that page
+    tokens: bytes  # the page's packed token ids (none in a key-addressed namespace)
+    up_slot: int  # the slot of the page before it when this page was stored (-1: none)
+
+
+class HeldEvent(NamedTuple):
+    """An L3 BlockStored waiting for its parent's to go out first."""
+
+    key: bytes  # what events call the page
+    parent: bytes | None
+    tokens: list[int]
+    page_tokens: int
+    model: str
+
+
+@dataclass(slots=True)
+class InBoth:
+    """An L2 page that L3 holds too: where it is, and when L3 took it."""
+
+    ns: NamespaceState
+    slot: int
+    at: int  # bytes L3 had acknowledged when it took the page (-1: unknown)
+    rewritten: bool  # written again in this stay in L2 after L3 let it go
+
+
 class Cache:
     """Everything the daemon knows; owned by the event-loop thread."""
 
@@ -135,9 +165,21 @@ class Cache:
         self.events = EventLog(config.events.queue_events, enabled=bool(config.events.endpoint))
         self.events.add(Cleared())  # a new daemon's L2 starts empty; L3 is announced by its scan
         self.l3_medium = config.storage.backend.upper()
-        # write_back with events: each L2 page's parent key and packed token ids,
-        # for the BlockStored of its write when it leaves L2 (the index keeps keys only).
-        self._origins: dict[bytes, tuple[bytes | None, bytes]] = {}
+        # With events and an L3 tier: each L2 page's parent and token ids, for the
+        # BlockStored of its L3 write whenever it happens (the index keeps keys only).
+        self._origins: dict[bytes, Origin] = {}
+        # L3 BlockStored events that wait for their parent's (parent key -> events),
+        # so a chain's events go out parent first; ``_held_self``: their keys.
+        self._held: dict[bytes, list[tuple[bytes, HeldEvent]]] = {}
+        self._held_self: set[bytes] = set()
+        self._held_count = 0
+        # L2 pages that L3 holds too, as far as this daemon wrote or read them: what
+        # a rewrite needs when L3 lets one go while it stays in L2.
+        self._both: dict[bytes, InBoth] = {}
+        self._l3_taken = 0  # bytes L3 has acknowledged since the start
+        self.committed_pages = 0  # pages clients committed into L2 (prefetches aside)
+        self.l3_undersized = False  # L3 lets go of pages sooner than L2 does
+        self.l3_undersized_times = 0  # times it became so
         # key-addressed pages in L2, with events on: the daemon's key -> the engine's
         # (event) key, for the events of pages that leave L2 or reach L3
         self._ekeys: dict[bytes, bytes] = {}
@@ -523,32 +565,47 @@ class Cache:
         write_back = self.tier is not None and self.config.storage.write_policy == "write_back"
         hits, origins = self._hits, self._origins
         owners: dict[NamespaceState, list[bytes]] = {}
-        for key, slot, owner in victims:
+        # parents first: eviction takes a sequence from its tail, L3 gets it from its head
+        for key, slot, owner in reversed(victims):
             hits.pop(key, None)
             ns = self.namespaces[owner]
             ns.pages -= 1
             ns.book.evicted += 1
             owners.setdefault(ns, []).append(key)
             origin = origins.pop(key, None) if origins else None
-            unwritten = key not in self.l3 and key not in self.writing
-            if write_back and unwritten and self._write_evicted(ns, key, slot, origin):
+            self._both.pop(key, None)
+            written = False
+            if write_back and key not in self.l3 and key not in self.writing:
+                if origin is not None:
+                    self._write_ancestors(ns, origin)
+                written = self._write(ns, key, slot, origin, evicted=True)
+            if key in self._held and key not in self.writing:
+                self._emit_held(self._held.pop(key))  # their parent will not reach L3
+            if written:
                 continue
             self.l2.free(slot, ns.spec.page_bytes)
         for ns, keys in owners.items():
             self.events.removed(self._event_keys(ns, keys, forget=True), MEDIUM_L2, ns.spec.model)
             self._maybe_forget(ns)
 
-    def _write_evicted(
-        self, ns: NamespaceState, key: bytes, slot: int, origin: tuple[bytes | None, bytes] | None
-    ) -> bool:
-        if ns.spec.keyed:
-            ekey = self._ekeys.get(key)
-            return self._write(ns, key, slot, evicted=True, ekey=ekey)
-        if origin is None:  # not recorded (events off): the event has neither
-            return self._write(ns, key, slot, evicted=True)
-        parent, packed = origin
-        ids = _token_ids(packed, 0, ns.spec.page_tokens)
-        return self._write(ns, key, slot, evicted=True, parent=parent, tokens=ids)
+    def _write_ancestors(self, ns: NamespaceState, origin: Origin) -> None:
+        """write_back: a page on its way to L3 goes after the pages before it that
+        L2 still holds and L3 lacks, so L3 holds its prefix and the chain's
+        events go out parent first (``_stored_l3``)."""
+        chain: list[tuple[bytes, int]] = []
+        up, slot = origin.up, origin.up_slot
+        index, origins, l3, writing = ns.index, self._origins, self.l3, self.writing
+        limit = self.config.server.max_pages_per_request
+        while up is not None and up not in l3 and up not in writing and len(chain) < limit:
+            if not index.holds(up, slot):
+                break
+            chain.append((up, slot))
+            above = origins.get(up)
+            if above is None:
+                break
+            up, slot = above.up, above.up_slot
+        for key, slot in reversed(chain):
+            self._write(ns, key, slot)
 
     def commit(self, session: Session, msg: p.Commit) -> p.CommitOk:
         lease = self.leases.get(msg.lease)
@@ -579,19 +636,22 @@ class Cache:
             self.l2.free(slot, ns.spec.page_bytes)
         self._end_lease(lease)
         new = n - published
+        page_tokens = ns.spec.page_tokens
         if published:
-            page_tokens = ns.spec.page_tokens
             parent = keys[new - 1] if new else None
             tokens = _token_ids(lease.tokens, new * page_tokens, n * page_tokens)
             self.events.stored(keys[new:], parent, tokens, page_tokens, MEDIUM_L2, ns.spec.model)
-        # A prefetch's pages were recorded as held by L3 as they were read; one that
-        # L3 dropped since (a recycled segment) must not be recorded again here.
-        if published and self.tier is not None and pf is None:
-            policy = self.config.storage.write_policy
-            if policy == "write_through":
-                self._write_pages(ns, keys, slots, new, lease.tokens)
-            elif policy == "write_back" and self.events.enabled:
-                self._remember_origins(ns, keys, new, lease.tokens)
+        if pf is None:
+            self.committed_pages += published
+        if published and self.tier is not None:
+            if self.events.enabled:
+                self._remember_origins(keys, slots, new, lease.tokens, page_tokens)
+            # A prefetch's pages were recorded as held by L3 as they were read; one
+            # that L3 dropped since (a recycled segment) must not be recorded again.
+            if pf is not None:
+                self._in_both(ns, keys[new:], slots[new:])
+            elif self.config.storage.write_policy == "write_through":
+                self._write_pages(ns, keys[new:], slots[new:])
         return p.CommitOk(id=msg.id, published=published, duplicates=count - published)
 
     def match(self, session: Session, msg: p.Match) -> p.MatchOk:
@@ -604,9 +664,9 @@ class Cache:
             if first and not ns.tree.starts(first[0]) and first[0] not in self.l3:
                 # the first page is in neither tier, so none is: a miss, without
                 # hashing the rest (a store of it hashes them, as it would anyway)
-                return self._match(session, ns, [], msg.lease, tokens, msg.id, asked=pages)
+                return self._match(session, ns, [], msg.lease, msg.id, asked=pages)
             keys = self.key_cache.compute(tag, seed, tokens, page_tokens)
-        return self._match(session, ns, keys, msg.lease, tokens, msg.id)
+        return self._match(session, ns, keys, msg.lease, msg.id)
 
     def _match(
         self,
@@ -614,14 +674,12 @@ class Cache:
         ns: NamespaceState,
         keys: list[bytes],
         lease: bool,
-        tokens: bytes,
         request_id: int,
         asked: int | None = None,
     ) -> p.MatchOk:
         """The leading ``keys`` in L2 (pinned under a read lease if asked), and how
-        many more L3 holds; for ``match`` and ``match_keys`` alike (``tokens``:
-        the sequence, for the events of a selective write; empty for keys;
-        ``asked``: the pages asked for, when ``keys`` stops short of them)."""
+        many more L3 holds; for ``match`` and ``match_keys`` alike (``asked``:
+        the pages asked for, when ``keys`` stops short of them)."""
         slots = ns.index.match(keys) if keys else []
         hits = len(slots)
         lease_id = self._new_lease(session, ns, slots).id if lease and slots else 0
@@ -638,7 +696,7 @@ class Cache:
             and self.tier is not None
             and self.config.storage.write_policy == "write_through_selective"
         ):
-            self._count_hit(ns, keys[:hits], slots, tokens)
+            self._count_hit(ns, keys[:hits], slots)
         return p.MatchOk(id=request_id, hits=hits, offsets=slots, lease=lease_id, l3_hits=l3_hits)
 
     # -- key-addressed operations ----------------------------------------------------
@@ -655,7 +713,7 @@ class Cache:
 
     def match_keys(self, session: Session, msg: p.MatchKeys) -> p.MatchOk:
         ns = self._namespace(session, msg.ns)
-        return self._match(session, ns, self._ikeys(ns, msg.keys), msg.lease, b"", msg.id)
+        return self._match(session, ns, self._ikeys(ns, msg.keys), msg.lease, msg.id)
 
     def _chain(
         self, ns: NamespaceState, keys: list[bytes], ekeys: list[bytes], parent: bytes
@@ -770,18 +828,20 @@ class Cache:
         if stored:
             self._remember_ekeys(ns, stored)
             self._stored_events(ns, stored, MEDIUM_L2)
-        write_through = self.config.storage.write_policy == "write_through"
-        if stored and self.tier is not None and lease.prefetch is None and write_through:
-            for page, slot in zip(stored, slots, strict=True):
-                if page.key not in self.l3 and page.key not in self.writing:
-                    self._write(
-                        ns,
-                        page.key,
-                        slot,
-                        evicted=False,
-                        parent=page.eparent or None,
-                        ekey=page.ekey,
-                    )
+        if lease.prefetch is None:
+            self.committed_pages += len(stored)
+        if stored and self.tier is not None:
+            if self.events.enabled:
+                table = ns.table
+                for page in stored:
+                    up = page.parent or None
+                    slot = table.slot(up) if up is not None else -1
+                    self._origins[page.key] = Origin(up, page.eparent or None, b"", slot)
+            keys = [page.key for page in stored]
+            if lease.prefetch is not None:
+                self._in_both(ns, keys, slots)
+            elif self.config.storage.write_policy == "write_through":
+                self._write_pages(ns, keys, slots)
         return p.CommitOk(id=msg.id, published=len(stored), duplicates=len(chosen) - len(stored))
 
     def _stored_events(self, ns: NamespaceState, pages: list[KeyedPage], medium: str) -> None:
@@ -800,17 +860,25 @@ class Cache:
             self.events.stored(run, parent or None, [], spec.page_tokens, medium, spec.model)
 
     def _remember_origins(
-        self, ns: NamespaceState, keys: list[bytes], start: int, tokens: bytes
+        self, keys: list[bytes], slots: list[int], start: int, tokens: bytes, page_tokens: int
     ) -> None:
-        """write_back: keep what the L3 event of pages ``start..`` will need."""
-        step = ns.spec.page_tokens * TOKEN_BYTES
+        """Keep what the L3 events (and write-backs) of token pages ``start..`` of
+        a sequence stored in ``slots`` will need."""
+        step = page_tokens * TOKEN_BYTES
         origins = self._origins
         for i in range(start, len(keys)):
-            origins[keys[i]] = (keys[i - 1] if i else None, tokens[i * step : (i + 1) * step])
+            up, slot = (keys[i - 1], slots[i - 1]) if i else (None, -1)
+            origins[keys[i]] = Origin(up, up, tokens[i * step : (i + 1) * step], slot)
 
-    def _count_hit(
-        self, ns: NamespaceState, keys: list[bytes], slots: list[int], tokens: bytes
-    ) -> None:
+    def _in_both(self, ns: NamespaceState, keys: list[bytes], slots: list[int]) -> None:
+        """Pages now in L2 that L3 holds (read from it, or written before), at an
+        age in L3 this daemon does not know."""
+        l3, both = self.l3, self._both
+        for key, slot in zip(keys, slots, strict=True):
+            if key in l3:
+                both[key] = InBoth(ns, slot, -1, False)
+
+    def _count_hit(self, ns: NamespaceState, keys: list[bytes], slots: list[int]) -> None:
         """write_through_selective: a prefix matched often enough goes to L3.
 
         Only the deepest page of each match is counted: its prefix is matched
@@ -824,46 +892,43 @@ class Cache:
             self._hits[last] = count
             return
         self._hits.pop(last, None)
-        self._write_pages(ns, keys, slots, 0, tokens)
+        self._write_pages(ns, keys, slots)
 
-    def _write_pages(
-        self, ns: NamespaceState, keys: list[bytes], slots: list[int], start: int, tokens: bytes
-    ) -> None:
-        """Write pages ``start..`` of a sequence that L3 lacks, each with its parent
-        and token ids for its L3 event."""
-        page_tokens = ns.spec.page_tokens
-        ekeys = self._ekeys if ns.spec.keyed else None
-        for i in range(start, len(keys)):
-            key = keys[i]
-            if key not in self.l3 and key not in self.writing:
-                parent = keys[i - 1] if i else None
-                if ekeys is not None:
-                    eparent = ekeys.get(parent) if parent else None
-                    ekey = ekeys.get(key)
-                    self._write(ns, key, slots[i], evicted=False, parent=eparent, ekey=ekey)
-                    continue
-                ids = _token_ids(tokens, i * page_tokens, (i + 1) * page_tokens)
-                self._write(ns, key, slots[i], evicted=False, parent=parent, tokens=ids)
+    def _write_pages(self, ns: NamespaceState, keys: list[bytes], slots: list[int]) -> None:
+        """Write the pages L3 lacks; those it holds are noted as held by both tiers."""
+        l3, writing = self.l3, self.writing
+        for key, slot in zip(keys, slots, strict=True):
+            if key in l3:
+                if key not in self._both:
+                    self._both[key] = InBoth(ns, slot, -1, False)
+            elif key not in writing:
+                self._write(ns, key, slot)
 
     def _write(
         self,
         ns: NamespaceState,
         key: bytes,
         slot: int,
+        origin: Origin | None = None,
         *,
-        evicted: bool,
-        parent: bytes | None = None,
-        tokens: list[int] | None = None,
-        ekey: bytes | None = None,
+        evicted: bool = False,
+        rewrite: bool = False,
     ) -> bool:
         """Send one page to L3; its slot is held until the write ends.
 
-        ``evicted``: the page already left the index; its slot is held on its
-        way back to the free list (counted by the allocator) until the write
-        ends, instead of pinned. ``ekey``: what events call the page in a
-        key-addressed namespace (none there: no event).
+        ``evicted``: the page already left the index (and ``origin`` with it);
+        its slot is held on its way back to the free list (counted by the
+        allocator) until the write ends, instead of pinned. ``rewrite``: L3 let
+        go of the page while it stayed in L2. The write's BlockStored names the
+        page as events do (the engine's key in a key-addressed namespace: none
+        there when it is not known), with the parent and token ids its origin
+        keeps, after its parent's own (``_stored_l3``).
         """
         assert self.tier is not None
+        if origin is None:
+            origin = self._origins.get(key)
+        spec = ns.spec
+        named = self._ekeys.get(key) if spec.keyed else key
         if evicted:
             self.l2.hold(slot)
         else:
@@ -876,12 +941,13 @@ class Cache:
             self._count_l3("written" if ok else "write_failed")
             if ok:
                 self.l3.add(key)
-                spec = ns.spec
-                named = ekey or (None if spec.keyed else key)
+                self._l3_taken += spec.page_bytes
+                if not evicted:
+                    self._both[key] = InBoth(ns, slot, self._l3_taken, rewrite)
                 if named is not None:
-                    self.events.stored(
-                        [named], parent, tokens or [], spec.page_tokens, self.l3_medium, spec.model
-                    )
+                    self._stored_l3(key, named, origin, spec)
+            elif key in self._held:
+                self._emit_held(self._held.pop(key))  # their parent did not reach L3
             if evicted:
                 self.l2.give_back(slot)
             else:
@@ -898,32 +964,103 @@ class Cache:
             self.l2.unhold(slot)
         else:
             ns.index.unpinned(self.pool.unpin([slot]))
+        if key in self._held:
+            self._emit_held(self._held.pop(key))
         return False
+
+    def _stored_l3(
+        self, key: bytes, named: bytes, origin: Origin | None, spec: NamespaceSpec
+    ) -> None:
+        """The L3 BlockStored of page ``key``: now, or once its parent's went out
+        when the parent's write is in flight (write_back sends a page's
+        ancestors ahead of it, ``_write_ancestors``), so a chain's events go out
+        parent first. At most ``events.queue_events`` wait; past that the
+        longest waiting go out as they are."""
+        if not self.events.enabled:
+            return
+        tokens = _token_ids(origin.tokens, 0, spec.page_tokens) if origin else []
+        event = HeldEvent(
+            named, origin.eparent if origin else None, tokens, spec.page_tokens, spec.model
+        )
+        up = origin.up if origin is not None else None
+        if up is not None and self._parent_coming(up):
+            self._held.setdefault(up, []).append((key, event))
+            self._held_self.add(key)
+            self._held_count += 1
+            while self._held_count > self.config.events.queue_events:
+                oldest = next(iter(self._held))
+                self._count_l3("events_out_of_order", len(self._held[oldest]))
+                self._emit_held(self._held.pop(oldest))
+            return
+        self._emit_held([(key, event)])
+
+    def _parent_coming(self, up: bytes) -> bool:
+        """Whether the L3 BlockStored of page ``up`` is on its way (its write is
+        in flight, or its own event waits for its parent's)."""
+        return up in self.writing or up in self._held_self
+
+    def _emit_held(self, events: list[tuple[bytes, HeldEvent]]) -> None:
+        """Publish ``events``, each followed by the events that waited for it."""
+        stack = events[::-1]
+        medium = self.l3_medium
+        while stack:
+            key, event = stack.pop()
+            if key in self._held_self:
+                self._held_self.discard(key)
+                self._held_count -= 1
+            self.events.stored(
+                [event.key], event.parent, event.tokens, event.page_tokens, medium, event.model
+            )
+            waiting = self._held.pop(key, None)
+            if waiting:
+                stack.extend(waiting[::-1])
 
     def _count_l3(self, what: str, n: int = 1) -> None:
         self.l3_counters[what] = self.l3_counters.get(what, 0) + n
 
     def forget_l3(self, keys: Iterable[bytes], ns_digest: bytes = b"") -> None:
         """The backend no longer holds these pages (of namespace ``ns_digest``,
-        where known). Those still in L2 are written again under the
-        write-through policies, so L3 never keeps a sequence whose head it
-        lost while that head sits in L2 (write_back writes them when they
-        leave L2, as L3 lacks them now)."""
+        where known).
+
+        Under the write-through policies a page L3 let go of while it stays in
+        L2 is written again, so L3 does not keep a sequence whose head it lost
+        while that head sits in L2; write_back writes it when it leaves L2. A
+        rewrite is bounded: at most once per stay in L2, and none while L3
+        proves smaller than L2 (it let go of a page after taking fewer bytes
+        than L2 holds): rewriting then would only push out other pages L2
+        holds, which would be rewritten in turn, for ever. L3 then keeps the
+        pages written last, and ``l3_undersized`` says so until L3 lets go of
+        pages L2 no longer holds.
+        """
         gone = [key for key in keys if key in self.l3]
         for key in gone:
             self.l3.discard(key)
         ns_of = self._ns_by_digest.get(ns_digest)
         named = self._event_keys(ns_of, gone) if ns_of is not None else gone
         self.events.removed(named, self.l3_medium, self._model_of(ns_digest))
-        if not gone or self.tier is None or self.config.storage.write_policy == "write_back":
+        if not gone or self.tier is None:
             return
-        wanted = set(gone)
-        rewritten = 0
-        for ns, key, slot, _ in self.unwritten_pages():
-            if key in wanted:
-                ekey = self._ekeys.get(key) if ns.spec.keyed else None
-                rewritten += self._write(ns, key, slot, evicted=False, ekey=ekey)
+        both = self._both
+        found = [(key, both.pop(key)) for key in gone if key in both]
+        if self.config.storage.write_policy == "write_back":
+            return
+        l2_bytes = self.pool.used_bytes
+        taken = self._l3_taken
+        short = any(page.at >= 0 and taken - page.at <= l2_bytes for _, page in found)
+        if short != self.l3_undersized:
+            self.l3_undersized = short
+            self.l3_undersized_times += short
+        if not found or short:
+            self._count_l3("rewrite_skipped", len(found))
+            return
+        rewritten = skipped = 0
+        for key, page in found:
+            if page.rewritten or key in self.writing:
+                skipped += 1
+                continue
+            rewritten += self._write(page.ns, key, page.slot, rewrite=True)
         self._count_l3("rewritten", rewritten)
+        self._count_l3("rewrite_skipped", skipped)
 
     def _model_of(self, ns_digest: bytes) -> str:
         ns = self._ns_by_digest.get(ns_digest)
@@ -961,16 +1098,7 @@ class Cache:
                 continue
             if int(gens[slot // GEN_GRANULE]) != gen and not ns.index.holds(key, slot):
                 continue  # freed since (or a neighbour in its granule was), perhaps reused
-            if ns.spec.keyed:
-                queued += self._write(ns, key, slot, evicted=False, ekey=self._ekeys.get(key))
-                continue
-            origin = self._origins.get(key)
-            if origin is None:
-                queued += self._write(ns, key, slot, evicted=False)
-                continue
-            parent, packed = origin
-            ids = _token_ids(packed, 0, ns.spec.page_tokens)
-            queued += self._write(ns, key, slot, evicted=False, parent=parent, tokens=ids)
+            queued += self._write(ns, key, slot)
         return queued
 
     def prefetch(self, session: Session, msg: p.Prefetch) -> p.PrefetchOk:
@@ -1176,6 +1304,7 @@ class Cache:
             if len(lease.pinned) > len(lease.pins):
                 tails.setdefault(lease.ns.tree, []).append(lease.pins[-1])
         held = len(pool.pins) + sum(ix.held_beyond(t, pool.pins) for ix, t in tails.items())
+        written = self.l3_counters.get("written", 0)
         return p.DaemonStats(
             instance=self.instance,
             uptime_s=round(self.clock() - self.started, 3),
@@ -1201,6 +1330,11 @@ class Cache:
             l3_state=getattr(self.tier, "state", "") if self.tier is not None else "",
             l3_pages_known=len(self.l3),
             l3_known_max=self.l3.limit,
+            committed_pages=self.committed_pages,
+            l3_undersized=self.l3_undersized,
+            l3_write_amplification=round(written / self.committed_pages, 3)
+            if self.committed_pages
+            else 0.0,
             l3={**self.l3_counters, **(getattr(self.tier, "counters", None) or {})},
             match_pages=dict(self.match_pages),
             events_pending=len(self.events.pending),

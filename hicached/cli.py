@@ -86,6 +86,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if stats.l3_backend:
         lines.append(
             f"L3:         {stats.l3_backend} {stats.l3_state}, {stats.l3_pages_known} pages known; "
+            f"{stats.l3_write_amplification:.2f} pages written a page committed"
+            + (
+                " (undersized: smaller than L2, keeps the pages written last)"
+                if stats.l3_undersized
+                else ""
+            )
+            + "; "
             + _pairs(stats.l3)
         )
     lines.append(f"metrics:    {stats.metrics_endpoint or 'off'}")

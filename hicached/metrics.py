@@ -138,6 +138,11 @@ class _Snapshot(Collector):
             s.reclaimed_slabs,
         )
         yield _total("hicached_expired_leases", "Leases that expired.", s.expired_leases)
+        yield _total(
+            "hicached_committed_pages",
+            "Pages clients committed into L2 (prefetched pages aside).",
+            s.committed_pages,
+        )
         if s.l3_backend:
             up = GaugeMetricFamily(
                 "hicached_l3_up",
@@ -148,6 +153,17 @@ class _Snapshot(Collector):
             yield up
             yield _gauge(
                 "hicached_l3_pages_known", "Pages the index knows L3 holds.", s.l3_pages_known
+            )
+            yield _gauge(
+                "hicached_l3_undersized",
+                "1 while L3 lets go of pages sooner than L2 does (it keeps the pages "
+                "written last; none is written again).",
+                int(s.l3_undersized),
+            )
+            yield _gauge(
+                "hicached_l3_write_amplification",
+                "Pages written to L3, rewrites included, per page committed into L2.",
+                s.l3_write_amplification,
             )
             gauges = {k: v for k, v in s.l3.items() if k in _L3_GAUGES}
             counters = {k: v for k, v in s.l3.items() if k not in _L3_GAUGES}

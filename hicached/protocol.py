@@ -299,6 +299,11 @@ class DaemonStats(msgspec.Struct, kw_only=True):
     # evicted pages whose slot is held until their write-back to L3 ends
     writeback_pages: int = 0
     l3_known_max: int = 0  # the bound on keys remembered as held by L3
+    committed_pages: int = 0  # pages clients committed into L2 (prefetched pages aside)
+    # L3 lets go of pages sooner than L2 does: it keeps the pages written last
+    l3_undersized: bool = False
+    # pages written to L3 (rewrites included) per page committed
+    l3_write_amplification: float = 0.0
     metrics_endpoint: str = ""  # "" when metrics are off
 
 

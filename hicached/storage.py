@@ -97,7 +97,23 @@ class Tier:
         self.scanning = False
         self.scan_pages = 0  # pages the startup scan has found so far
         self._flush: FlushCounts | None = None  # while a write-back flush counts its pages
-        backend.on_forget = lambda ns, keys: cache.forget_l3(keys, ns)
+        self._undersized_told = False
+        backend.on_forget = self._forget
+
+    def _forget(self, ns: bytes, keys: list[bytes]) -> None:
+        """The store let go of ``keys``; the first time it proves smaller than L2,
+        say so (once: status and metrics show it from then on)."""
+        cache = self.cache
+        cache.forget_l3(keys, ns)
+        if cache.l3_undersized and not self._undersized_told:
+            self._undersized_told = True
+            log.warning(
+                "L3 (%s) lets go of pages sooner than L2 does: it cannot hold L2's working "
+                "set, so it keeps the pages written last and none is written again "
+                "(hicached status shows 'undersized' while this lasts); a larger store "
+                "keeps more",
+                self.config.backend,
+            )
 
     # -- lifecycle -----------------------------------------------------------------
 

@@ -241,6 +241,7 @@ class CacheMachine(RuleBasedStateMachine):
     def commit(self, data: st.DataObject) -> None:
         i = data.draw(st.integers(0, len(self.writes) - 1))
         rid, res, keys = self.writes.pop(i)
+        self.returned(res, commit=True)
         pages = data.draw(st.integers(-1, len(res.offsets)))
         keyed = res.ns.spec.keyed
         mask = data.draw(
@@ -354,6 +355,7 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def abort(self, data: st.DataObject) -> None:
         rid, res, _ = self.writes.pop(data.draw(st.integers(0, len(self.writes) - 1)))
+        self.returned(res, commit=False)
         if res.instance == self.cache.instance:
             reply = self.call(rid, p.Release(id=0, lease=res.lease))
             assert isinstance(reply, p.Ok) or reply.code == "unknown_lease"
@@ -435,6 +437,13 @@ class CacheMachine(RuleBasedStateMachine):
                 reply = self.call(other, p.Release(id=0, lease=handle.lease))
                 assert isinstance(reply, p.Error) and reply.code == "foreign_lease"
                 return
+
+    def returned(self, res: Reservation, *, commit: bool) -> None:
+        """The owner of ``res`` commits or releases it, so its own copies have
+        returned: only workers that adopted a key-addressed reservation may still
+        copy after its release (docs/protocol.md)."""
+        if commit or not res.ns.spec.keyed:
+            self.stalled = [(r, k) for r, k in self.stalled if r is not res]
 
     @precondition(lambda self: self.writes)
     @rule(data=st.data())

@@ -251,23 +251,46 @@ def test_double_free_and_wrong_size_free_are_caught() -> None:
     pool.free(b, PAGE)
 
 
-def test_a_page_l3_dropped_is_written_again_while_it_sits_in_l2(tmp_path: Path) -> None:
+def test_a_page_l3_dropped_is_written_again_once_a_stay_while_l3_outlasts_l2(
+    tmp_path: Path,
+) -> None:
+    """A page L3 lets go of while it stays in L2 is written again: once in that
+    stay, and only if L3 had taken more bytes since than L2 holds (else L3 is
+    smaller than L2, and a rewrite would only push out other pages of L2)."""
     rig = Rig(tmp_path, policy="write_through")
+    cache = rig.cache
     tokens = [1, 2, 3, 4]
+    keys = cache._keys(cache.namespaces[rig.ns.id], pack_tokens(tokens))
+
+    def land() -> None:
+        for done in rig.tier.pending:
+            done(True)
+        rig.tier.pending.clear()
+
+    def churn(first: int) -> None:
+        """More than L2 holds goes to L3 while the sequence stays hot in L2."""
+        for i in range(first, first + 20):
+            rig.store([i], 9)
+            land()
+            rig.cache.release(rig.cache.sessions[b"A"], rig.match(tokens).lease)
+        assert cache.namespaces[rig.ns.id].pages >= 4 and all(k in cache.l3 for k in keys[2:])
+
     rig.store(tokens, 1)
-    assert len(rig.tier.pending) == 4
-    for done in rig.tier.pending:
-        done(True)
-    rig.tier.pending.clear()
-    keys = rig.cache._keys(rig.cache.namespaces[rig.ns.id], pack_tokens(tokens))
-    assert all(key in rig.cache.l3 for key in keys)
-    rig.cache.forget_l3(keys[:2])  # the store recycled the segment holding the head
-    assert [key in rig.cache.l3 for key in keys] == [False, False, True, True]
-    assert len(rig.tier.pending) == 2  # the head goes to L3 again from L2
-    for done in rig.tier.pending:
-        done(True)
-    assert all(key in rig.cache.l3 for key in keys)
-    assert rig.cache.stats().l3["rewritten"] == 2
+    land()
+    assert all(key in cache.l3 for key in keys)
+    cache.forget_l3(keys[:2])  # dropped right after L3 took it: L3 holds less than L2
+    assert [key in cache.l3 for key in keys] == [False, False, True, True]
+    assert rig.tier.pending == [] and cache.stats().l3_undersized
+    churn(100)
+    cache.forget_l3(keys[2:])  # L3 had taken more than L2 holds since: rewritten
+    assert not cache.stats().l3_undersized
+    assert len(rig.tier.pending) == 2
+    land()
+    assert [key in cache.l3 for key in keys] == [False, False, True, True]
+    assert cache.stats().l3["rewritten"] == 2
+    churn(200)
+    cache.forget_l3(keys[2:])  # again in the same stay in L2: not rewritten
+    assert rig.tier.pending == [] and cache.stats().l3["rewrite_skipped"] >= 2
     rig.arena.close()
 
 
