@@ -247,6 +247,8 @@ SUBSCRIBER_DROPS = "events_subscriber_full"
 # Subscription messages read per flush (each subscriber sends one or two a
 # connection; reading them keeps the socket's own queue of them short).
 SUBSCRIPTIONS_PER_FLUSH = 1024
+# Refused batches are logged at most this often, in seconds.
+REFUSAL_WARNING_S = 60.0
 # Replay messages sent before the loop runs other work.
 REPLAY_SLICE = 256
 # Replays served at once, and per reader (one sent, one waiting for it); a request
@@ -411,7 +413,7 @@ class Publisher:
         self._replays: dict[bytes, asyncio.Task[None]] = {}  # each reader's last replay
         self._per_reader: collections.Counter[bytes] = collections.Counter()  # live replays
         self._live: set[asyncio.Task[None]] = set()
-        self._refusing = False  # the last live batch was refused (for the log)
+        self._warned_at = -REFUSAL_WARNING_S  # when refused batches were last logged
         log.count_drops_in(dropped)
 
     def _count(self, reason: str, n: int = 1) -> None:
@@ -511,17 +513,15 @@ class Publisher:
         except zmq.Again:
             # Some subscriber's queue is full: nobody got it (a gap for all), counted.
             self._count(SUBSCRIBER_DROPS)
-            if not self._refusing:
-                self._refusing = True
+            now = time.monotonic()
+            if now - self._warned_at >= REFUSAL_WARNING_S:
+                self._warned_at = now
                 log.warning(
                     "a KV event subscriber's queue is full (events.hwm): batches are "
-                    "dropped for every subscriber until it reads (%s)",
+                    "dropped for every subscriber until it reads (%d so far, %s)",
+                    self.dropped[SUBSCRIBER_DROPS],
                     SUBSCRIBER_DROPS,
                 )
-            return
-        if self._refusing:
-            self._refusing = False
-            log.info("KV event subscribers take batches again")
 
     def _read_subscriptions(self, pub: zmq.Socket[bytes]) -> None:
         """Read what subscribers sent (subscribe and unsubscribe messages) so the
