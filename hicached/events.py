@@ -387,6 +387,8 @@ class Publisher:
     keeps the live stream down for all of them, each seeing counted gaps
     that replay fills; ZeroMQ has no way to drop one subscriber's copy and
     count it, and a socket that dropped silently could not count at all.
+    (libzmq 4.3.5 keeps a refused batch's subscribers matched until a send
+    succeeds, so a full queue refuses the batches of other topics too.)
 
     A replay goes to its reader in slices of ``REPLAY_SLICE`` messages with
     the loop free between them. The ROUTER refuses (never silently drops) a
