@@ -292,7 +292,8 @@ class EventsConfig(msgspec.Struct, **_Section):
     flush_interval_s: float = 0.01
     # Published batches kept for replay.
     replay_batches: int = 10000
-    # ZeroMQ high-water mark of the PUB socket, in messages.
+    # Batches queued per subscriber on the events socket, at most: a batch that
+    # finds any subscriber's queue full is dropped for all of them and counted.
     hwm: int = 100000
     # A replay whose reader reads nothing for this many seconds ends there: the
     # reader gets the batches sent so far, then the end marker.

@@ -2,11 +2,15 @@
 
 The cache (synchronous) appends events to an ``EventLog``, a bounded queue
 that drops and counts when full. The server's ``Publisher`` sends them in
-batches on a ZeroMQ PUB socket as frames ``[topic, seq, payload]``: seq is
-an 8-byte big-endian counter, payload a msgpack ``KVEventBatch`` encoded as
-vLLM encodes it now (events as maps; ``events.format = "array"`` gives the
-older positional layout). Events the queue dropped use up a sequence number
-that is never sent, so subscribers see a gap. The publisher keeps the last
+batches on a ZeroMQ XPUB socket (plain SUB sockets subscribe to it as to a
+PUB) as frames ``[topic, seq, payload]``: seq is an 8-byte big-endian counter,
+payload a msgpack ``KVEventBatch`` encoded as vLLM encodes it now (events as
+maps; ``events.format = "array"`` gives the older positional layout). Events
+the queue dropped use up a sequence number that is never sent, so
+subscribers see a gap. A batch that a subscriber's full queue refuses is
+dropped for every subscriber and counted (XPUB_NODROP makes ZeroMQ refuse
+it instead of dropping it unseen): its sequence number is a gap on the live
+stream, and the batch is kept for replay. The publisher keeps the last
 batches for a replay ROUTER, which answers as vLLM's does: a client sends
 ``start_seq`` (8 bytes, big-endian) and gets every kept batch from there as
 ``[topic, seq, payload]``, then ``[b"", END_SEQ, b""]``. The publisher never
@@ -238,6 +242,13 @@ def _model(event: AnyEvent) -> str:
 
 # Reason under which events the full queue refused are counted in ``dropped``.
 QUEUE_DROPS = "events_queue"
+# Reason under which batches are counted that a subscriber's full queue refused.
+SUBSCRIBER_DROPS = "events_subscriber_full"
+# Subscription messages read per flush (each subscriber sends one or two a
+# connection; reading them keeps the socket's own queue of them short).
+SUBSCRIPTIONS_PER_FLUSH = 1024
+# Refused batches are logged at most this often, in seconds.
+REFUSAL_WARNING_S = 60.0
 # Replay messages sent before the loop runs other work.
 REPLAY_SLICE = 256
 # Replays served at once, and per reader (one sent, one waiting for it); a request
@@ -355,11 +366,29 @@ Bind = Callable[["zmq.Socket[bytes]", str, str], None]
 class Publisher:
     """Sends the cache's KV events and serves replays; owned by the server.
 
-    ``start`` binds the PUB socket (and the replay ROUTER when configured)
+    ``start`` binds the XPUB socket (and the replay ROUTER when configured)
     and publishes what the ``EventLog`` holds every ``flush_interval_s``;
     ``stop`` publishes what is still queued and closes the sockets, giving
     queued messages ``close_linger_s`` to leave. Drops are counted in the
     ``dropped`` counters (the cache's, which status and metrics export).
+
+    Live batches, with several subscribers: a batch goes to every subscriber
+    or to none. The socket queues up to ``hwm`` messages per subscriber and,
+    with XPUB_NODROP, refuses a batch when any subscriber's queue is full
+    (the send never blocks); the batch is then dropped for all of them,
+    counted once (``events_subscriber_full``), and its sequence number stays
+    a gap on the live stream, so each subscriber's gaps are exactly the
+    counted drops: no subscriber misses a batch that was not counted. The
+    refused batch is kept for replay like any other, where a subscriber that
+    saw the gap fetches it. Nothing is held back for a retry: memory stays
+    the replay ring's, and the next batch is offered as if nothing happened,
+    so the live stream resumes for everyone as soon as the slow subscriber
+    reads (or goes away). A subscriber that stays connected and never reads
+    keeps the live stream down for all of them, each seeing counted gaps
+    that replay fills; ZeroMQ has no way to drop one subscriber's copy and
+    count it, and a socket that dropped silently could not count at all.
+    (libzmq 4.3.5 keeps a refused batch's subscribers matched until a send
+    succeeds, so a full queue refuses the batches of other topics too.)
 
     A replay goes to its reader in slices of ``REPLAY_SLICE`` messages with
     the loop free between them. The ROUTER refuses (never silently drops) a
@@ -386,6 +415,7 @@ class Publisher:
         self._replays: dict[bytes, asyncio.Task[None]] = {}  # each reader's last replay
         self._per_reader: collections.Counter[bytes] = collections.Counter()  # live replays
         self._live: set[asyncio.Task[None]] = set()
+        self._warned_at = -REFUSAL_WARNING_S  # when refused batches were last logged
         log.count_drops_in(dropped)
 
     def _count(self, reason: str, n: int = 1) -> None:
@@ -398,9 +428,12 @@ class Publisher:
         publishing; call on the event loop."""
         cfg = self.config
         loop = self._loop = asyncio.get_running_loop()
-        pub = ctx.socket(zmq.PUB)
+        pub = ctx.socket(zmq.XPUB)
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, cfg.hwm)
+        # A subscriber's full queue refuses the send (zmq.Again), so the drop is ours
+        # to count; a PUB socket would drop the batch for that subscriber unseen.
+        pub.setsockopt(zmq.XPUB_NODROP, 1)
         bind(pub, cfg.endpoint, "events.endpoint")
         self._pub = pub
         if cfg.replay_endpoint:
@@ -459,6 +492,7 @@ class Publisher:
         pub = self._pub
         if pub is None:
             return
+        self._read_subscriptions(pub)
         log, size = self.log, self.config.batch_events
         while True:
             events, gap = log.take(size)
@@ -475,11 +509,30 @@ class Publisher:
 
     def _publish(self, pub: zmq.Socket[bytes], model: str, events: list[AnyEvent]) -> None:
         topic, payload = self.topic(model), self.wire.encode(events)
-        seq = self.replay.next(topic, payload)
+        seq = self.replay.next(topic, payload)  # kept for replay, sent or not
         try:
             pub.send_multipart([topic, seq, payload], zmq.NOBLOCK)
         except zmq.Again:
-            self._count("events_send")
+            # Some subscriber's queue is full: nobody got it (a gap for all), counted.
+            self._count(SUBSCRIBER_DROPS)
+            now = time.monotonic()
+            if now - self._warned_at >= REFUSAL_WARNING_S:
+                self._warned_at = now
+                log.warning(
+                    "a KV event subscriber's queue is full (events.hwm): batches are "
+                    "dropped for every subscriber until it reads (%d so far, %s)",
+                    self.dropped[SUBSCRIBER_DROPS],
+                    SUBSCRIBER_DROPS,
+                )
+
+    def _read_subscriptions(self, pub: zmq.Socket[bytes]) -> None:
+        """Read what subscribers sent (subscribe and unsubscribe messages) so the
+        socket does not keep them; nothing is done with them."""
+        for _ in range(SUBSCRIPTIONS_PER_FLUSH):
+            try:
+                pub.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
 
     # -- replay ------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -346,6 +347,85 @@ def test_a_queue_overflow_is_counted_and_leaves_a_seq_gap(
         replay.send_multipart([b"", seqs[0].to_bytes(8, "big")])
         assert read_replay(replay) == seqs
     finally:
+        for sock in sockets:
+            sock.close()
+        ctx.term()
+
+
+def test_a_subscriber_too_slow_for_the_hwm_sees_exactly_the_counted_drops(
+    daemon_factory: Callable[..., Daemon], events_dir: Path
+) -> None:
+    """One subscriber stops reading (its queue holds 20 batches, the daemon's
+    hwm 20) while the daemon publishes a few hundred batches of ~3 KB; another
+    reads all along. A batch the full queue refuses is dropped for both and
+    counted: the slow one, reading again, misses exactly the counted batches,
+    and the fast one got exactly what the slow one got."""
+    d, pub, replay_at = events_daemon(
+        daemon_factory,
+        events_dir,
+        "batch_events = 1\nhwm = 20\n",
+        size_mib=8,
+        storage='backend = "memory"\n',
+    )
+    ctx = zmq.Context()
+    slow = ctx.socket(zmq.SUB)
+    slow.setsockopt(zmq.RCVHWM, 20)
+    sockets = [slow]
+    fast_seqs: list[int] = []
+    done = threading.Event()
+
+    def read_fast(sub: zmq.Socket) -> None:
+        while not done.is_set():
+            if sub.poll(20):
+                fast_seqs.append(int.from_bytes(sub.recv_multipart()[1], "big"))
+
+    try:
+        slow.setsockopt(zmq.LINGER, 0)
+        slow.setsockopt(zmq.SUBSCRIBE, b"")
+        slow.connect(pub)
+        fast = subscriber(ctx, pub)
+        sockets.append(fast)
+        reader = ctx.socket(zmq.DEALER)
+        sockets.append(reader)
+        reader.setsockopt(zmq.LINGER, 0)
+        reader.connect(replay_at)
+        reader.send_multipart([b"", (0).to_bytes(8, "big")])
+        first = len(read_replay(reader))  # published before the subscribers joined
+        thread = threading.Thread(target=read_fast, args=(fast,), daemon=True)
+        thread.start()
+        pages, page_tokens = 400, 1024  # one L3 write event (~3 KB) per page
+        with d.client() as c:
+            ns = c.register(**{**NS, "page_tokens": page_tokens})
+            for i in range(pages // 100):  # 100 pages a store: within max_message_bytes
+                toks = np.arange(
+                    i * 100 * page_tokens, (i + 1) * 100 * page_tokens, dtype=np.uint32
+                )
+                c.store(ns, toks, np.zeros((100, PAGE_BYTES), np.uint8))
+            wait_for(lambda: l3_count(c, "written") == pages)
+            wait_for(lambda: c.stats().events_pending == 0)
+            time.sleep(0.2)  # the last flush
+            dropped = c.stats().dropped
+        reader.send_multipart([b"", first.to_bytes(8, "big")])
+        published = read_replay(reader)  # the refused batches were kept too
+        assert len(published) > pages and published == list(range(first, first + len(published)))
+        counted = dropped.get("events_subscriber_full", 0)
+        assert 0 < counted < len(published)
+        assert "events_queue" not in dropped
+        slow_seqs: list[int] = []
+        while len(slow_seqs) < len(published) - counted:
+            assert slow.poll(5_000), f"stalled after {len(slow_seqs)} batches"
+            seq = int.from_bytes(slow.recv_multipart()[1], "big")
+            if seq >= first:  # not the AllBlocksCleared, had it come after the subscription
+                slow_seqs.append(seq)
+        assert not slow.poll(300)  # nothing beyond the batches not counted
+        missing = set(published) - set(slow_seqs)
+        assert len(missing) == counted and slow_seqs == sorted(slow_seqs)
+        wait_for(lambda: len([s for s in fast_seqs if s >= first]) >= len(slow_seqs), timeout=5.0)
+        done.set()
+        thread.join(5)
+        assert [s for s in fast_seqs if s >= first] == slow_seqs
+    finally:
+        done.set()
         for sock in sockets:
             sock.close()
         ctx.term()

@@ -15,7 +15,14 @@ import pytest
 import zmq
 
 from hicached.config import EventsConfig
-from hicached.events import END_SEQ, REPLAY_SLICE, EventLog, Publisher, batch_decoder
+from hicached.events import (
+    END_SEQ,
+    REPLAY_SLICE,
+    SUBSCRIBER_DROPS,
+    EventLog,
+    Publisher,
+    batch_decoder,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -165,3 +172,79 @@ async def test_one_reader_cannot_take_every_replay_and_a_refusal_is_answered(
     malformed = setup.reader()
     malformed.send_multipart([b"", b"\x00\x01"])  # not 8 bytes
     assert (await recv(malformed, timeout=2.0))[2] == END_SEQ
+
+
+def subscriber(setup: Setup, hwm: int = 1000) -> zmq.Socket[Any]:
+    sub = setup.ctx.socket(zmq.SUB)
+    setup.readers.append(sub)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.RCVHWM, hwm)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(setup.config.endpoint)
+    return sub
+
+
+def drain(sock: zmq.Socket[Any], into: list[int]) -> None:
+    while sock.poll(0):
+        into.append(int.from_bytes(sock.recv_multipart()[1], "big"))
+
+
+@pytest.mark.parametrize("setup", [{"hwm": 20, "replay_batches": 5000}], indirect=True)
+async def test_a_full_subscriber_queue_drops_a_batch_for_all_counted_as_its_gap(
+    setup: Setup,
+) -> None:
+    """A subscriber that stops reading: once its queue (hwm 20 on each side, and
+    the socket buffers) is full, each batch is refused, dropped for every
+    subscriber and counted. What it reads later has gaps exactly where the
+    count says; a subscriber that kept reading got the same batches, no more,
+    no fewer; the dropped batches are in the replay; the stream then goes on."""
+    slow, fast = subscriber(setup, hwm=20), subscriber(setup)
+    await asyncio.sleep(0.3)  # let the subscriptions reach the publisher
+    fast_seqs: list[int] = []
+    total = 0
+    for _ in range(60):  # ~3 KB a batch: the slow queue and its buffers fill early on
+        setup.publish(20, tokens=1000)
+        total += 20
+        await asyncio.sleep(0.002)
+        drain(fast, fast_seqs)
+    dropped = setup.dropped.get(SUBSCRIBER_DROPS, 0)
+    assert 0 < dropped < total
+    slow_seqs: list[int] = []
+    while len(slow_seqs) < total - dropped:
+        slow_seqs.append(int.from_bytes((await recv(slow))[1], "big"))
+    drain(fast, fast_seqs)
+    missing = sorted(set(range(total)) - set(slow_seqs))
+    assert len(missing) == dropped and slow_seqs == sorted(slow_seqs)
+    assert fast_seqs == slow_seqs
+    assert setup.dropped == {SUBSCRIBER_DROPS: dropped}
+    # The dropped batches were kept: a replay from the first gap has them all.
+    reader = setup.reader()
+    reader.send_multipart([b"", missing[0].to_bytes(8, "big")])
+    assert await read_replay(reader) == list(range(missing[0], total))
+    # Both read again: the live stream goes on for both, with nothing dropped.
+    setup.publish(10)
+    after_slow, after_fast = (
+        [await recv(slow) for _ in range(10)],
+        [await recv(fast) for _ in range(10)],
+    )
+    want = [seq.to_bytes(8, "big") for seq in range(total, total + 10)]
+    assert [m[1] for m in after_slow] == want == [m[1] for m in after_fast]
+    assert setup.dropped == {SUBSCRIBER_DROPS: dropped}
+
+
+async def test_subscription_messages_are_read_not_kept(setup: Setup) -> None:
+    """The XPUB socket passes subscribe and unsubscribe messages up; each flush
+    reads them, so subscribers that come and go leave nothing queued."""
+    for i in range(50):
+        sub = setup.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, f"kv@{i}".encode())
+        sub.connect(setup.config.endpoint)
+        await asyncio.sleep(0.005)
+        sub.close()
+    await asyncio.sleep(0.3)
+    pub = setup.publisher._pub
+    assert pub is not None and pub.poll(0)  # subscribe and unsubscribe messages wait
+    setup.publisher.flush()
+    assert not pub.poll(0)
+    assert setup.dropped == {}
