@@ -28,7 +28,7 @@ from tests.l3util import l3_count, settle_writes, storage, wait_for
 from tests.services import S3Server
 from tests.support import NS, PAGE_BYTES, PAGE_TOKENS, Daemon
 
-SEQS = 40  # sequences of each kind (tokens, keys)
+SEQS = 24  # sequences of each kind (tokens, keys)
 SEQ_PAGES = 8  # at most storage.s3.threads: S3's bisecting exists asks each key, so counts exactly
 PAGES = 2 * SEQS * SEQ_PAGES
 KEYED = dict(NS, model="test/keyed", key_scheme="vllm-sha256")
@@ -176,7 +176,7 @@ def test_file_pages_are_found_while_the_scan_runs(
 
 
 def test_pages_forgotten_by_the_bound_are_found(daemon_factory: Callable[..., Daemon]) -> None:
-    """known_keys remembers 64 of 640 pages: the scan has ended, yet every page
+    """known_keys remembers 64 of 384 pages: the scan has ended, yet every page
     is found, by asking the store about those the daemon forgot."""
     d = daemon_factory(
         size_mib=16,
