@@ -23,6 +23,14 @@ track of which keys L3 holds; the tier (storage.py) does the moving. Pending
 L3 writes are tracked per page key and hold their slot (pinned, or kept
 out of the free list after an eviction) until the backend is done with it,
 so splitting or evicting index nodes never loses or corrupts one.
+
+Unknown is not absent: while the record of what L3 holds is incomplete (the
+startup scan runs, or keys were forgotten to stay within
+``storage.known_keys``), a match or exists whose L3 part stops at a key the
+record does not know returns an ``L3Lookup`` instead of its reply; the server
+has the tier ask the backend about those keys under a deadline, and sends
+what ``finish`` makes of the answer. Requests the record can answer return
+their reply at once, as always.
 """
 
 from __future__ import annotations
@@ -69,7 +77,16 @@ from hicached.sessions import (
     Session,
 )
 
-__all__ = ["OP_NAMES", "Cache", "Lease", "NamespaceState", "PrefetchState", "Session", "TierPort"]
+__all__ = [
+    "OP_NAMES",
+    "Cache",
+    "L3Lookup",
+    "Lease",
+    "NamespaceState",
+    "PrefetchState",
+    "Session",
+    "TierPort",
+]
 
 MAX_SLOTS_PER_SLAB = 1 << 16  # so a page size's slots a slab are listed in bounded memory
 OP_NAMES = {cls: str(cls.__struct_config__.tag) for cls in get_args(p.AnyRequest)}
@@ -116,6 +133,33 @@ class InBoth:
     slot: int
     at: int  # bytes L3 had acknowledged when it took the page (-1: unknown)
     rewritten: bool  # written again in this stay in L2 after L3 let it go
+
+
+class L3Lookup:
+    """A reply that waits on L3: the record of what L3 holds is incomplete and
+    does not know ``keys`` (of namespace digest ``ns``, in order), so the
+    backend is asked how many of them it holds before they are answered as
+    absent. ``finish(found)`` makes the reply, ``found`` being that leading
+    count (0 when the backend could not tell in time: the reply says what the
+    record knows then, and a miss is always legal). ``lease``: the read lease
+    the reply will carry (0 for none), ended if the reply cannot be sent;
+    ``id``: the request's, for an error reply."""
+
+    __slots__ = ("finish", "id", "keys", "lease", "ns")
+
+    def __init__(
+        self,
+        ns: bytes,
+        keys: list[bytes],
+        finish: Callable[[int], p.AnyReply],
+        request_id: int,
+        lease: int = 0,
+    ) -> None:
+        self.ns = ns
+        self.keys = keys
+        self.finish = finish
+        self.id = request_id
+        self.lease = lease
 
 
 class Cache:
@@ -184,7 +228,7 @@ class Cache:
         # (event) key, for the events of pages that leave L2 or reach L3
         self._ekeys: dict[bytes, bytes] = {}
         # what answers each request of a session (hello and goodbye come before one)
-        self._handlers: dict[type, Callable[[Session, Any], p.AnyReply]] = {
+        self._handlers: dict[type, Callable[[Session, Any], p.AnyReply | L3Lookup]] = {
             p.RegisterNamespace: self.register,
             p.Reserve: self.reserve,
             p.Commit: self.commit,
@@ -212,8 +256,9 @@ class Cache:
 
     def handle(
         self, routing_id: bytes, request: p.AnyRequest, peer: str | None = None
-    ) -> p.AnyReply:
-        """Apply one request; never raises for a request's own faults.
+    ) -> p.AnyReply | L3Lookup:
+        """Apply one request; never raises for a request's own faults. A match
+        or exists may return an ``L3Lookup`` to finish once L3 was asked.
 
         ``peer``: who sent it, as the connection's credentials say (server.py):
         its tenant's name, "!..." for a peer no tenant lists, or None when
@@ -243,7 +288,7 @@ class Cache:
     def count_drop(self, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
 
-    def undelivered(self, routing_id: bytes, reply: p.AnyReply) -> None:
+    def undelivered(self, routing_id: bytes, reply: p.AnyReply | L3Lookup) -> None:
         """A reply could not be sent (the client reads no replies): a lease it
         granted ends now, as the client never learned of it."""
         lease_id = getattr(reply, "lease", 0)
@@ -654,16 +699,22 @@ class Cache:
                 self._write_pages(ns, keys[new:], slots[new:])
         return p.CommitOk(id=msg.id, published=published, duplicates=count - published)
 
-    def match(self, session: Session, msg: p.Match) -> p.MatchOk:
+    def match(self, session: Session, msg: p.Match) -> p.MatchOk | L3Lookup:
         ns, tokens = self._namespace(session, msg.ns), msg.tokens
         pages = self._pages(ns, tokens)
         seed, page_tokens = ns.digest, ns.spec.page_tokens
         tag, keys = self.key_cache.cached(seed, tokens)
         if keys is None:
             first = page_keys(seed, tokens, page_tokens, max_pages=1)
-            if first and not ns.tree.starts(first[0]) and first[0] not in self.l3:
+            if (
+                first
+                and not ns.tree.starts(first[0])
+                and first[0] not in self.l3
+                and self.l3.complete
+            ):
                 # the first page is in neither tier, so none is: a miss, without
-                # hashing the rest (a store of it hashes them, as it would anyway)
+                # hashing the rest (a store of it hashes them, as it would anyway);
+                # while L3's record is incomplete, L3 is asked about them all
                 return self._match(session, ns, [], msg.lease, msg.id, asked=pages)
             keys = self.key_cache.compute(tag, seed, tokens, page_tokens)
         return self._match(session, ns, keys, msg.lease, msg.id)
@@ -676,10 +727,12 @@ class Cache:
         lease: bool,
         request_id: int,
         asked: int | None = None,
-    ) -> p.MatchOk:
+    ) -> p.MatchOk | L3Lookup:
         """The leading ``keys`` in L2 (pinned under a read lease if asked), and how
         many more L3 holds; for ``match`` and ``match_keys`` alike (``asked``:
-        the pages asked for, when ``keys`` stops short of them)."""
+        the pages asked for, when ``keys`` stops short of them). Where the L3
+        part stops at a key an incomplete record does not know, an L3Lookup
+        for the rest."""
         slots = ns.index.match(keys) if keys else []
         hits = len(slots)
         lease_id = self._new_lease(session, ns, slots).id if lease and slots else 0
@@ -688,7 +741,6 @@ class Cache:
         counted = self.match_pages
         counted["asked"] += asked
         counted["l2"] += hits
-        counted["l3"] += l3_hits
         ns.book.asked += asked
         ns.book.hits += hits
         if (
@@ -697,11 +749,24 @@ class Cache:
             and self.config.storage.write_policy == "write_through_selective"
         ):
             self._count_hit(ns, keys[:hits], slots)
+        known = hits + l3_hits
+        if known < len(keys) and not self.l3.complete:
+            unknown = keys[known:]
+
+            def finish(found: int) -> p.MatchOk:
+                more = max(found, self.l3.leading(unknown, 0))  # the scan may have found them
+                counted["l3"] += l3_hits + more
+                return p.MatchOk(
+                    id=request_id, hits=hits, offsets=slots, lease=lease_id, l3_hits=l3_hits + more
+                )
+
+            return L3Lookup(ns.digest, unknown, finish, request_id, lease_id)
+        counted["l3"] += l3_hits
         return p.MatchOk(id=request_id, hits=hits, offsets=slots, lease=lease_id, l3_hits=l3_hits)
 
     # -- key-addressed operations ----------------------------------------------------
 
-    def exists_keys(self, session: Session, msg: p.ExistsKeys) -> p.ExistsKeysOk:
+    def exists_keys(self, session: Session, msg: p.ExistsKeys) -> p.ExistsKeysOk | L3Lookup:
         ns = self._namespace(session, msg.ns)
         keys = self._ikeys(ns, msg.keys)
         in_l2 = ns.table.present(keys)  # a byte per key: 1 in L2, | 2 in L3
@@ -709,9 +774,31 @@ class Cache:
         if self.l3:
             in_l3 = np.array(self.l3.which(keys), dtype=np.uint8) << 1
             where = (np.frombuffer(in_l2, dtype=np.uint8) | in_l3).tobytes()
-        return p.ExistsKeysOk(id=msg.id, l2=_leading(in_l2), leading=_leading(where), where=where)
+        leading = _leading(where)
+        if leading < len(keys) and not self.l3.complete:
+            return self._exists_lookup(msg.id, ns, keys, in_l2, leading)
+        return p.ExistsKeysOk(id=msg.id, l2=_leading(in_l2), leading=leading, where=where)
 
-    def match_keys(self, session: Session, msg: p.MatchKeys) -> p.MatchOk:
+    def _exists_lookup(
+        self, request_id: int, ns: NamespaceState, keys: list[bytes], in_l2: bytes, known: int
+    ) -> L3Lookup:
+        """``exists_keys`` past its ``known`` leading keys, once L3 was asked:
+        the run the backend holds from there is marked as in L3."""
+        unknown = keys[known:]
+
+        def finish(found: int) -> p.ExistsKeysOk:
+            flags = np.frombuffer(in_l2, dtype=np.uint8).copy()
+            if self.l3:  # as known now: the scan may have found more meanwhile
+                flags |= np.array(self.l3.which(keys), dtype=np.uint8) << 1
+            flags[known : known + found] |= 2
+            where = flags.tobytes()
+            return p.ExistsKeysOk(
+                id=request_id, l2=_leading(in_l2), leading=_leading(where), where=where
+            )
+
+        return L3Lookup(ns.digest, unknown, finish, request_id)
+
+    def match_keys(self, session: Session, msg: p.MatchKeys) -> p.MatchOk | L3Lookup:
         ns = self._namespace(session, msg.ns)
         return self._match(session, ns, self._ikeys(ns, msg.keys), msg.lease, msg.id)
 
@@ -1065,6 +1152,17 @@ class Cache:
     def _model_of(self, ns_digest: bytes) -> str:
         ns = self._ns_by_digest.get(ns_digest)
         return ns.spec.model if ns is not None else ""
+
+    def learn_l3(self, ns_digest: bytes, keys: list[bytes]) -> int:
+        """A lookup found ``keys`` in L3: known from now on, and announced as the
+        scan announces what it finds (it announces no key known before it);
+        returns how many were not known."""
+        l3 = self.l3
+        new = [key for key in keys if key not in l3]
+        if new:
+            l3.update(new)
+            self.announce_l3(ns_digest, new)
+        return len(new)
 
     def announce_l3(self, ns_digest: bytes, keys: list[bytes]) -> None:
         """The startup scan found ``keys`` in L3: one BlockStored for them, with no

@@ -238,6 +238,16 @@ class StorageConfig(msgspec.Struct, **_Section):
     # are found; status shows state "scanning" and scan_pages); false = scan
     # before READY.
     scan_in_background: bool = True
+    # While the daemon does not know every key the store holds (the scan runs,
+    # did not end, or keys were forgotten to stay within known_keys), a match
+    # or exists_keys whose L3 part stops at a key it does not know asks the
+    # backend (exists) before answering it as absent. At most this many such
+    # lookups run at once; past it a request is answered from what the daemon
+    # knows (0 = never ask).
+    lookups_in_flight: int = 64
+    # Seconds a request waits for its lookup; then it is answered from what the
+    # daemon knows, and the lookup goes on: what it finds is known from then on.
+    lookup_timeout_s: float = 0.5
     memory: MemoryOptions = msgspec.field(default_factory=MemoryOptions)
     file: FileOptions = msgspec.field(default_factory=FileOptions)
     s3: S3Options = msgspec.field(default_factory=S3Options)
@@ -256,6 +266,9 @@ class StorageConfig(msgspec.Struct, **_Section):
         positive(
             self, "op_timeout_s", "breaker_failures", "breaker_cooldown_s", "prefetch_batch_pages"
         )
+        if self.lookups_in_flight < 0:
+            raise ValueError("lookups_in_flight must not be negative (0 = no lookups)")
+        positive(self, "lookup_timeout_s")
         if self.retries < 0 or self.retry_backoff_s < 0 or self.flush_deadline_s < 0:
             raise ValueError("retries, retry_backoff_s and flush_deadline_s must not be negative")
 

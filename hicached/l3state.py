@@ -10,6 +10,11 @@ Bounded in two generations: keys are added to the young one; when it holds
 half the bound, it becomes the old one and the previous old generation is
 forgotten whole. Lookups see both. That keeps the most recently learned keys
 at a cost of one set entry per key (no per-key order to maintain).
+
+Unknown is not absent: the set is ``complete`` only once a listing of the
+store has ended and while no key was forgotten to stay within the bound.
+While it is not, a key it does not know is asked of the backend before a
+match or an exists answers it as absent (cache.L3Lookup, storage.Tier.lookup).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from collections.abc import Iterable
 class KnownKeys:
     """Keys L3 holds as far as this daemon knows, at most ``limit`` of them."""
 
-    __slots__ = ("_old", "_young", "forgotten", "limit")
+    __slots__ = ("_old", "_young", "complete", "forgotten", "limit")
 
     def __init__(self, limit: int) -> None:
         assert limit >= 2, "the bound must hold two generations"
@@ -28,6 +33,9 @@ class KnownKeys:
         self._young: set[bytes] = set()
         self._old: set[bytes] = set()
         self.forgotten = 0  # keys dropped to stay within the bound
+        #: every key the store holds is known: its listing ended (the tier says
+        #: when; without a store, nothing is unknown) and none was forgotten
+        self.complete = True
 
     def __contains__(self, key: bytes) -> bool:
         return key in self._young or key in self._old
@@ -47,6 +55,13 @@ class KnownKeys:
             self.forgotten += len(self._old)
             self._old = young
             self._young = set()
+            if self.forgotten:
+                self.complete = False
+
+    def listed(self, done: bool) -> None:
+        """Whether a listing of the whole store has ended (False while it runs,
+        after it failed, or when the store was never listed)."""
+        self.complete = done and not self.forgotten
 
     def update(self, keys: Iterable[bytes]) -> None:
         for key in keys:

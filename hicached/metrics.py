@@ -225,6 +225,8 @@ _L3_GAUGES = {
     "in_flight_pages",
     "hung_calls",
     "scanning",
+    "index_complete",
+    "lookups_in_flight",
     "store_pages",
     "store_bytes_used",
 }

@@ -39,7 +39,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from hicached import protocol as p
 from hicached.arena import Arena, arena_path
-from hicached.cache import OP_NAMES, Cache
+from hicached.cache import OP_NAMES, Cache, L3Lookup
 from hicached.config import (
     Config,
     config_source,
@@ -567,12 +567,45 @@ class Server:
             cache.count_drop("past_deadline")
             return
         if self.metrics is None:
-            self._send(routing_id, cache.handle(routing_id, request, peer))
+            reply = cache.handle(routing_id, request, peer)
+        else:
+            started = time.perf_counter()
+            reply = cache.handle(routing_id, request, peer)
+            self.metrics.observe_request(OP_NAMES[type(request)], time.perf_counter() - started)
+        if isinstance(reply, L3Lookup):  # L3's record is incomplete: the backend is asked
+            self._lookup(routing_id, reply)
             return
-        started = time.perf_counter()
-        reply = cache.handle(routing_id, request, peer)
-        self.metrics.observe_request(OP_NAMES[type(request)], time.perf_counter() - started)
         self._send(routing_id, reply)
+
+    def _lookup(self, routing_id: bytes, lookup: L3Lookup) -> None:
+        """Send a reply that waits on L3 once the tier has asked the backend (or
+        at its deadline); a lease it carries ends if it cannot be sent."""
+        cache, tier = self.cache, self.tier
+        assert cache is not None
+
+        def answer(found: int) -> None:
+            sock = self._sock
+            if sock is None or sock.closed:  # stopping: nobody reads it
+                cache.count_drop("unroutable")
+                cache.undelivered(routing_id, lookup)
+                return
+            try:
+                reply = lookup.finish(found)
+            except Exception as exc:  # a bug: this request fails, the daemon goes on
+                cache.undelivered(routing_id, lookup)
+                cache.errors["internal"] = cache.errors.get("internal", 0) + 1
+                log.error(
+                    "internal error finishing request %d after an L3 lookup",
+                    lookup.id,
+                    exc_info=exc,
+                )
+                reply = p.Error(id=lookup.id, code="internal", message=INTERNAL)
+            self._send(routing_id, reply)
+
+        if tier is None:  # pragma: no cover - the cache asks only with a tier
+            answer(0)
+        else:
+            tier.lookup(lookup.ns, lookup.keys, answer)
 
     def _reject(self, routing_id: bytes, payload: bytes, exc: HicachedError) -> None:
         """Answer an unusable message if it names a request id, else drop and count it."""

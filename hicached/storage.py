@@ -4,7 +4,9 @@ The cache (synchronous) decides which pages to write and which to prefetch;
 this module turns those decisions into backend calls and feeds the results
 back into the cache on the event loop. It also loads the configured backend,
 learns what the store holds (a scan at start, in the background by default,
-so the daemon serves meanwhile), and flushes at a graceful stop: under one
+so the daemon serves meanwhile), asks the backend about keys the cache does
+not know while what it knows is incomplete (``lookup``: under a deadline and
+a bound on lookups in flight), and flushes at a graceful stop: under one
 deadline, in steps as the write queue drains.
 """
 
@@ -93,6 +95,9 @@ class Tier:
         self.backend = backend
         self.dispatcher = Dispatcher(backend, self.config, f"backend {self.config.backend!r}")
         self._prefetches: set[asyncio.Task[None]] = set()
+        self._lookups: set[asyncio.Future[int]] = set()  # backend calls of lookups in flight
+        self._lookup_counts = {"lookups": 0, "lookups_skipped": 0, "lookups_late": 0}
+        self.lookup_pages = 0  # pages lookups found that the cache did not know
         self._scan: asyncio.Task[None] | None = None
         self.scanning = False
         self.scan_pages = 0  # pages the startup scan has found so far
@@ -121,6 +126,9 @@ class Tier:
         """Open the backend; learn what the store holds, in the background
         (storage.scan_in_background) or before returning."""
         await self.dispatcher.start()
+        # Unknown is not absent until a listing has ended: a key the cache does
+        # not know is asked of the backend meanwhile (and ever, without a scan).
+        self.cache.l3.listed(False)
         if not self.config.scan_on_start:
             return
         self.scanning = True
@@ -162,6 +170,7 @@ class Tier:
             self.dispatcher.counters["scan_failed"] += 1
             log.exception("L3 scan failed after %d pages", self.scan_pages)
         else:
+            l3.listed(True)
             log.info(
                 "L3 holds %d pages (scanned in %.2fs)", self.scan_pages, time.monotonic() - started
             )
@@ -180,10 +189,11 @@ class Tier:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._scan
             self._scan = None
-        for task in list(self._prefetches):
-            task.cancel()
-        if self._prefetches:
-            await asyncio.wait(self._prefetches, timeout=max(0.0, end - time.monotonic()))
+        running: set[asyncio.Future[Any]] = {*self._prefetches, *self._lookups}
+        for task in running:
+            task.cancel()  # a lookup cancelled is answered from the index at once
+        if running:
+            await asyncio.wait(running, timeout=max(0.0, end - time.monotonic()))
         counts = None
         if self.config.write_policy == "write_back":
             counts = await self._flush_write_back(end)
@@ -246,6 +256,11 @@ class Tier:
             "hung_calls": d.hung_calls,
             "scan_pages": self.scan_pages,
             "scanning": int(self.scanning),
+            "index_complete": int(self.cache.l3.complete),
+            "known_forgotten": self.cache.l3.forgotten,
+            **self._lookup_counts,
+            "lookups_in_flight": len(self._lookups),
+            "lookup_pages": self.lookup_pages,
             **{f"store_{k}": v for k, v in self.backend.stats().items()},
         }
 
@@ -270,6 +285,54 @@ class Tier:
                 inner(ok)
 
         return self.dispatcher.submit_write(WriteJob(ns.digest, key, self._view(ns, slot), done))
+
+    def lookup(self, ns: bytes, keys: list[bytes], answer: Callable[[int], None]) -> None:
+        """Ask the backend how many leading ``keys`` (of namespace ``ns``) it
+        holds, for a request the cache could not answer from what it knows;
+        ``answer(found)`` runs once: with the count when the backend tells it
+        within ``storage.lookup_timeout_s``, else with 0 at that deadline (and
+        at once past ``storage.lookups_in_flight`` lookups, or while the backend
+        is down). A lookup past its deadline still runs to its end, and counts
+        in flight until then: what it finds the cache knows from then on."""
+        counts = self._lookup_counts
+        if len(self._lookups) >= self.config.lookups_in_flight or self.dispatcher.cooling:
+            counts["lookups_skipped"] += 1
+            answer(0)
+            return
+        counts["lookups"] += 1
+        loop = asyncio.get_running_loop()
+        call = loop.create_task(self.dispatcher.exists(ns, keys))
+        self._lookups.add(call)
+        answered = False
+
+        def reply(found: int) -> None:
+            nonlocal answered
+            if not answered:
+                answered = True
+                answer(found)
+
+        def late() -> None:
+            if not answered:
+                counts["lookups_late"] += 1
+                reply(0)
+
+        timer = loop.call_later(self.config.lookup_timeout_s, late)
+
+        def ended(call: asyncio.Future[int]) -> None:
+            self._lookups.discard(call)
+            timer.cancel()
+            found = 0
+            if not call.cancelled():
+                exc = call.exception()
+                if exc is not None:
+                    log.error("L3 lookup failed", exc_info=exc)
+                else:
+                    found = min(call.result(), len(keys))
+            if found:
+                self.lookup_pages += self.cache.learn_l3(ns, keys[:found])
+            reply(found)
+
+        call.add_done_callback(ended)
 
     def prefetch(self, lease: Lease) -> None:
         task = asyncio.get_running_loop().create_task(self._prefetch(lease))

@@ -1,0 +1,278 @@
+"""After a restart, L3 pages are found at once: unknown is not absent.
+
+While the daemon does not know every key the store holds (its startup scan
+runs, or keys were forgotten to stay within ``storage.known_keys``), a match
+or exists_keys that stops at a key it does not know asks the backend first.
+Real daemons, a real S3 server (moto) and real file stores. Fault injection
+only to make the startup scan slow and deterministic: the faulty backend
+wraps the real store and sleeps ``scan_delay_s`` per page it lists, so a few
+hundred pages take seconds to list, as tens of thousands do in production.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+from hicached import Client, Namespace
+from hicached.hashing import engine_page_keys, pack_tokens, page_keys
+from hicached.testing import scrape
+from tests.l3util import l3_count, settle_writes, storage, wait_for
+from tests.services import S3Server
+from tests.support import NS, PAGE_BYTES, PAGE_TOKENS, Daemon
+
+SEQS = 24  # sequences of each kind (tokens, keys)
+SEQ_PAGES = 8  # at most storage.s3.threads: S3's bisecting exists asks each key, so counts exactly
+PAGES = 2 * SEQS * SEQ_PAGES
+KEYED = dict(NS, model="test/keyed", key_scheme="vllm-sha256")
+# lookups wait long enough for a loaded test machine: these tests want every page
+LOOKUPS = "lookup_timeout_s = 10.0\n"
+_buckets = itertools.count()
+
+
+def token_seqs() -> list[np.ndarray]:
+    return [
+        np.arange(k * 10**6, k * 10**6 + SEQ_PAGES * PAGE_TOKENS, dtype=np.uint32)
+        for k in range(SEQS)
+    ]
+
+
+def key_seqs() -> list[list[bytes]]:
+    out = []
+    for k in range(SEQS):
+        parent, keys = bytes(32), []
+        for i in range(SEQ_PAGES):
+            parent = hashlib.sha256(parent + bytes([k, i])).digest()
+            keys.append(parent)
+        out.append(keys)
+    return out
+
+
+def fill(c: Client) -> None:
+    """Store every sequence of both kinds (written through to L3)."""
+    ns, kns = c.register(**NS), c.register(**KEYED)
+    data = np.full((SEQ_PAGES, PAGE_BYTES), 7, np.uint8)
+    for toks in token_seqs():
+        c.store(ns, toks, data)
+    for keys in key_seqs():
+        res = c.reserve_keys(kns, keys)
+        c.write_pages(res, data[res.indices])
+        c.commit(res)
+
+
+def expected(ns: Namespace, kns: Namespace, held: set[bytes] | None) -> tuple[list[int], list[int]]:
+    """Per sequence, the leading pages L3 holds: all of them, or the run of ``held``
+    (the daemon's keys the store holds)."""
+
+    def run(keys: list[bytes]) -> int:
+        return next((i for i, key in enumerate(keys) if key not in held), len(keys))  # type: ignore[operator]
+
+    if held is None:
+        return [SEQ_PAGES] * SEQS, [SEQ_PAGES] * SEQS
+    tokens = [run(page_keys(ns.digest, pack_tokens(t), PAGE_TOKENS)) for t in token_seqs()]
+    keyed = [run(engine_page_keys(kns.digest, keys)) for keys in key_seqs()]
+    return tokens, keyed
+
+
+def restart_and_look(d: Daemon, held: Callable[[], set[bytes] | None], sig: int) -> Client:
+    """Stop ``d`` with ``sig``, start it again and check, before its scan ends,
+    that match and exists_keys find every page the store holds; returns a
+    connected client (close it)."""
+    assert d.stop(sig) == (0 if sig == signal.SIGTERM else -signal.SIGKILL)
+    d.start()
+    c = d.client(timeout=30.0)
+    try:
+        ns, kns = c.register(**NS), c.register(**KEYED)
+        s = c.stats()
+        assert s.l3["scanning"] == 1 and s.l3["index_complete"] == 0
+        assert s.l3_pages_known < PAGES
+        want_tokens, want_keyed = expected(ns, kns, held())
+        assert sum(want_tokens) + sum(want_keyed) > 0
+        found = [c.match(ns, toks, lease=False).l3_hits for toks in token_seqs()]
+        assert found == want_tokens
+        leading = [c.exists_keys(kns, keys).leading for keys in key_seqs()]
+        assert leading == want_keyed
+        assert [c.match_keys(kns, keys, lease=False).l3_hits for keys in key_seqs()] == want_keyed
+        s = c.stats()  # found by asking the store, not by its listing: it still runs
+        assert s.l3["scanning"] == 1 and s.l3["scan_pages"] < PAGES
+        assert s.l3["lookups"] > 0 and s.l3["lookups_late"] == 0 and s.l3["lookup_pages"] > 0
+        return c
+    except BaseException:
+        c.close()
+        raise
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "kill9"])
+def test_s3_pages_are_found_while_the_scan_runs(
+    daemon_factory: Callable[..., Daemon], s3: S3Server, sig: int
+) -> None:
+    """After a SIGTERM, every page acknowledged before it; after kill -9 in the
+    middle of writes, every page the bucket holds (listed with boto3)."""
+    bucket = s3.make_bucket(f"lookup-{next(_buckets)}")
+    d = daemon_factory(
+        size_mib=16,
+        storage=storage("faulty", more=LOOKUPS),
+        tail='[storage.extra]\ninner = "s3"\nscan_delay_s = 0.02\n'
+        f"write_delay_s = {0.0 if sig == signal.SIGTERM else 0.2}\n"
+        "[storage.extra.inner_options]\n"
+        f'bucket = "{bucket}"\nendpoint_url = "{s3.endpoint}"\naccess_key_id = "testing"\n'
+        'secret_access_key = "testing"\nregion = "us-east-1"\nthreads = 8\n',
+    )
+    with d.client() as c:
+        fill(c)
+        # SIGTERM once every page is acknowledged; kill -9 with writes still under way
+        done = PAGES if sig == signal.SIGTERM else PAGES // 3
+        wait_for(lambda: l3_count(c, "written") >= done, timeout=60)
+
+    def held() -> set[bytes] | None:
+        if sig == signal.SIGTERM:
+            return None  # every page was acknowledged
+        listed = s3.client().get_paginator("list_objects_v2").paginate(Bucket=bucket)  # type: ignore[attr-defined]
+        return {
+            bytes.fromhex(o["Key"].rsplit("/", 1)[1])
+            for page in listed
+            for o in page.get("Contents", [])
+        }
+
+    with restart_and_look(d, held, sig):
+        pass
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "kill9"])
+def test_file_pages_are_found_while_the_scan_runs(
+    daemon_factory: Callable[..., Daemon], sig: int
+) -> None:
+    """Every page acknowledged before the stop (SIGTERM or kill -9); status and
+    metrics show the scan, the incomplete index and the lookups."""
+    d = daemon_factory(
+        size_mib=16,
+        storage=storage("faulty", more=LOOKUPS),
+        tail='[storage.extra]\ninner = "file"\nscan_delay_s = 0.02\n'
+        "[storage.extra.inner_options]\ncapacity_mib = 32\nsegment_mib = 4\nio_threads = 2\n",
+    )
+    with d.client() as c:
+        fill(c)
+        wait_for(lambda: l3_count(c, "written") == PAGES)
+    with restart_and_look(d, lambda: None, sig) as c:
+        status = subprocess.run(
+            [sys.executable, "-m", "hicached", "status", "--endpoint", d.endpoint],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+        assert "faulty scanning" in status and "index_complete=0" in status
+        assert "scanning=1" in status and "lookups=" in status and "lookup_pages=" in status
+        metrics = scrape(c.stats().metrics_endpoint)
+        assert metrics[("hicached_l3_state", (("what", "scanning"),))] == 1
+        assert metrics[("hicached_l3_state", (("what", "index_complete"),))] == 0
+        assert metrics[("hicached_l3_total", (("what", "lookups"),))] > 0
+
+
+def test_pages_forgotten_by_the_bound_are_found(daemon_factory: Callable[..., Daemon]) -> None:
+    """known_keys remembers 64 of 384 pages: the scan has ended, yet every page
+    is found, by asking the store about those the daemon forgot."""
+    d = daemon_factory(
+        size_mib=16,
+        storage=storage("file", more="known_keys = 64\n" + LOOKUPS),
+        tail="[storage.file]\ncapacity_mib = 32\nsegment_mib = 4\nio_threads = 2\n",
+    )
+    with d.client() as c:
+        fill(c)
+        wait_for(lambda: l3_count(c, "written") == PAGES)
+        settle_writes(c)
+    d.stop()
+    d.start()
+    with d.client(timeout=30.0) as c:
+        ns, kns = c.register(**NS), c.register(**KEYED)
+        wait_for(lambda: c.stats().l3["scanning"] == 0)
+        s = c.stats()
+        assert s.l3["known_forgotten"] > 0 and s.l3["index_complete"] == 0
+        assert s.l3_pages_known <= 64
+        assert [c.match(ns, t, lease=False).l3_hits for t in token_seqs()] == [SEQ_PAGES] * SEQS
+        assert [c.exists_keys(kns, k).leading for k in key_seqs()] == [SEQ_PAGES] * SEQS
+        s = c.stats()
+        assert s.l3["known_forgotten"] > 0 and s.l3["lookup_pages"] >= PAGES - 64
+
+
+def test_lookups_are_bounded(daemon_factory: Callable[..., Daemon]) -> None:
+    """lookups_in_flight = 0: while the scan runs, what the daemon does not know
+    is a miss (always legal), and counted as a lookup skipped."""
+    d = daemon_factory(
+        size_mib=16,
+        storage=storage("faulty", more="lookups_in_flight = 0\n"),
+        tail='[storage.extra]\ninner = "file"\nscan_delay_s = 0.02\n'
+        "[storage.extra.inner_options]\ncapacity_mib = 32\nsegment_mib = 4\nio_threads = 2\n",
+    )
+    with d.client() as c:
+        fill(c)
+        wait_for(lambda: l3_count(c, "written") == PAGES)
+    d.stop()
+    d.start()
+    with d.client() as c:
+        ns = c.register(**NS)
+        found = sum(c.match(ns, t, lease=False).l3_hits for t in token_seqs())
+        s = c.stats()
+        assert s.l3["scanning"] == 1 and found < SEQS * SEQ_PAGES
+        assert s.l3["lookups"] == 0 and s.l3["lookups_skipped"] > 0
+
+
+def test_the_cache_asks_only_what_it_does_not_know() -> None:
+    """The cache alone (synchronous; its tier takes no writes here): a complete
+    record answers at once; an incomplete one returns an L3Lookup for the keys
+    past what it knows, whose reply carries the L2 hit's lease, and whose lease
+    ends if that reply cannot be sent."""
+    from hicached import protocol as p
+    from hicached.cache import Cache, L3Lookup
+    from hicached.config import Config, PoolConfig, StorageConfig
+
+    class NoTier:
+        def write(self, *args: object) -> bool:
+            return False
+
+        def prefetch(self, lease: object) -> None:  # pragma: no cover - not used here
+            raise AssertionError
+
+    config = Config(
+        pool=PoolConfig(size_mib=1, slab_mib=1, max_page_bytes=PAGE_BYTES),
+        storage=StorageConfig(backend="x"),
+    )
+    cache = Cache(config, pool_path="x")
+    cache.tier = NoTier()
+    cache.handle(b"a", p.Hello(id=0, major=p.PROTOCOL_MAJOR, minor=0))
+    reg = cache.handle(b"a", p.RegisterNamespace(id=0, spec=p.NamespaceSpec(**NS)))
+    assert isinstance(reg, p.NamespaceOk)
+    toks = pack_tokens(token_seqs()[0])
+    keys = page_keys(reg.digest, toks, PAGE_TOKENS)
+    res = cache.handle(b"a", p.Reserve(id=1, ns=reg.ns, tokens=toks[: 2 * PAGE_TOKENS * 4]))
+    assert isinstance(res, p.ReserveOk) and len(res.offsets) == 2
+    assert isinstance(cache.handle(b"a", p.Commit(id=2, lease=res.lease)), p.CommitOk)
+    cache.l3.update(keys[2:4])  # pages 0-1 in L2, 2-3 known in L3, 4-7 unknown
+
+    hit = cache.handle(b"a", p.Match(id=3, ns=reg.ns, tokens=toks, lease=True))
+    assert isinstance(hit, p.MatchOk) and (hit.hits, hit.l3_hits) == (2, 2)  # complete: at once
+    cache.handle(b"a", p.Release(id=4, lease=hit.lease))
+
+    cache.l3.listed(False)  # a scan runs
+    ask = cache.handle(b"a", p.Match(id=5, ns=reg.ns, tokens=toks, lease=True))
+    assert isinstance(ask, L3Lookup) and ask.keys == keys[4:] and ask.ns == reg.digest
+    assert ask.lease in {lease.id for lease in cache.leases}  # the L2 hit is held meanwhile
+    cache.l3.update(keys[4:5])  # the scan found page 4; the store holds two more
+    assert cache.learn_l3(ask.ns, ask.keys[:3]) == 2  # as the tier does with the answer
+    reply = ask.finish(3)
+    assert isinstance(reply, p.MatchOk) and (reply.hits, reply.l3_hits, reply.lease) == (
+        2,
+        5,
+        ask.lease,
+    )
+    cache.undelivered(b"a", ask)  # the reply could not be sent: its lease ends
+    assert not cache.leases
+    cache.l3.listed(True)  # the scan ended: what the record does not know is absent
+    hit = cache.handle(b"a", p.Match(id=6, ns=reg.ns, tokens=toks, lease=False))
+    assert isinstance(hit, p.MatchOk) and (hit.hits, hit.l3_hits) == (2, 5)
