@@ -47,6 +47,7 @@ import msgspec
 import numpy as np
 
 from hicached import protocol as p
+from hicached.chainorder import ChainOrder
 from hicached.config import Config
 from hicached.errors import (
     BadRequest,
@@ -201,6 +202,7 @@ class Cache:
         self.key_cache = KeyCache(config.server.key_cache_pages)
         self.tier: TierPort | None = None
         self.l3 = KnownKeys(config.storage.known_keys)  # keys L3 holds, as far as we know
+        self.l3.on_forgotten = self._l3_keys_forgotten
         self.writing: set[bytes] = set()  # keys with an L3 write in flight
         self._hits: dict[bytes, int] = {}  # write_through_selective: matches per key
         self.l3_counters: dict[str, int] = {}
@@ -212,21 +214,26 @@ class Cache:
         # With events and an L3 tier: each L2 page's parent and token ids, for the
         # BlockStored of its L3 write whenever it happens (the index keeps keys only).
         self._origins: dict[bytes, Origin] = {}
-        # L3 BlockStored events that wait for their parent's (parent key -> events),
-        # so a chain's events go out parent first; ``_held_self``: their keys.
-        self._held: dict[bytes, list[tuple[bytes, HeldEvent]]] = {}
-        self._held_self: set[bytes] = set()
-        self._held_count = 0
+        # L3 BlockStored events that wait for their parent's: a chain's go out parent first
+        self._order: ChainOrder[HeldEvent] = ChainOrder(
+            config.events.queue_events, self._publish_l3
+        )
         # L2 pages that L3 holds too, as far as this daemon wrote or read them: what
         # a rewrite needs when L3 lets one go while it stays in L2.
         self._both: dict[bytes, InBoth] = {}
         self._l3_taken = 0  # bytes L3 has acknowledged since the start
         self.committed_pages = 0  # pages clients committed into L2 (prefetches aside)
         self.l3_undersized = False  # L3 lets go of pages sooner than L2 does
-        self.l3_undersized_times = 0  # times it became so
+        # L2 pages L3 let go of that are not written again in this stay in L2
+        self._let_go: set[bytes] = set()
+        self.l3_drops = 0  # calls that told of pages L3 let go of (lookups compare)
         # key-addressed pages in L2, with events on: the daemon's key -> the engine's
         # (event) key, for the events of pages that leave L2 or reach L3
         self._ekeys: dict[bytes, bytes] = {}
+        # the same for key-addressed pages that left L2 but are in L3 (or on their
+        # way): the BlockRemoved of the store letting one go names it; as many as
+        # the L3 record remembers
+        self._l3_ekeys: dict[bytes, bytes] = {}
         # what answers each request of a session (hello and goodbye come before one)
         self._handlers: dict[type, Callable[[Session, Any], p.AnyReply | L3Lookup]] = {
             p.RegisterNamespace: self.register,
@@ -619,24 +626,44 @@ class Cache:
             owners.setdefault(ns, []).append(key)
             origin = origins.pop(key, None) if origins else None
             self._both.pop(key, None)
+            self._let_go.discard(key)
             written = False
             if write_back and key not in self.l3 and key not in self.writing:
-                if origin is not None:
-                    self._write_ancestors(ns, origin)
+                # the page leaving L2 first: the queue's room is its before its ancestors'
                 written = self._write(ns, key, slot, origin, evicted=True)
-            if key in self._held and key not in self.writing:
-                self._emit_held(self._held.pop(key))  # their parent will not reach L3
+                if written and origin is not None:
+                    self._write_ancestors(ns, origin)
+            if key not in self.writing:
+                self._order.orphan(key)  # no L3 event of it is on its way
             if written:
                 continue
             self.l2.free(slot, ns.spec.page_bytes)
         for ns, keys in owners.items():
-            self.events.removed(self._event_keys(ns, keys, forget=True), MEDIUM_L2, ns.spec.model)
+            if ns.spec.keyed and self.events.enabled:
+                named = self._keyed_left_l2(keys)
+            else:
+                named = self._event_keys(ns, keys, forget=True)
+            self.events.removed(named, MEDIUM_L2, ns.spec.model)
             self._maybe_forget(ns)
 
+    def _keyed_left_l2(self, keys: list[bytes]) -> list[bytes]:
+        """The engine's keys of key-addressed pages that left L2; those of pages
+        in L3, or on their way there, are kept for the BlockRemoved of the store
+        letting them go."""
+        ekeys, l3_ekeys, l3, writing = self._ekeys, self._l3_ekeys, self.l3, self.writing
+        named = []
+        for key in keys:
+            ekey = ekeys.pop(key, None)
+            if ekey is not None:
+                named.append(ekey)
+                if key in l3 or key in writing:
+                    l3_ekeys[key] = ekey
+        return named
+
     def _write_ancestors(self, ns: NamespaceState, origin: Origin) -> None:
-        """write_back: a page on its way to L3 goes after the pages before it that
-        L2 still holds and L3 lacks, so L3 holds its prefix and the chain's
-        events go out parent first (``_stored_l3``)."""
+        """write_back: the pages before a page on its way to L3 that L2 still
+        holds and L3 lacks go too (as the write queue has room), so L3 holds its
+        prefix; its event waits for theirs (``_stored_l3``)."""
         chain: list[tuple[bytes, int]] = []
         up, slot = origin.up, origin.up_slot
         index, origins, l3, writing = ns.index, self._origins, self.l3, self.writing
@@ -982,12 +1009,16 @@ class Cache:
         self._write_pages(ns, keys, slots)
 
     def _write_pages(self, ns: NamespaceState, keys: list[bytes], slots: list[int]) -> None:
-        """Write the pages L3 lacks; those it holds are noted as held by both tiers."""
-        l3, writing = self.l3, self.writing
+        """Write the pages L3 lacks, but those it let go of in this stay in L2 that
+        are not to be written again (``forget_l3``); those it holds are noted as
+        held by both tiers."""
+        l3, writing, let_go = self.l3, self.writing, self._let_go
         for key, slot in zip(keys, slots, strict=True):
             if key in l3:
                 if key not in self._both:
                     self._both[key] = InBoth(ns, slot, -1, False)
+            elif key in let_go:
+                self._count_l3("rewrite_skipped")
             elif key not in writing:
                 self._write(ns, key, slot)
 
@@ -1033,8 +1064,10 @@ class Cache:
                     self._both[key] = InBoth(ns, slot, self._l3_taken, rewrite)
                 if named is not None:
                     self._stored_l3(key, named, origin, spec)
-            elif key in self._held:
-                self._emit_held(self._held.pop(key))  # their parent did not reach L3
+            else:
+                self._order.orphan(key)  # those waiting for it go out as they are
+                if evicted:
+                    self._l3_ekeys.pop(key, None)
             if evicted:
                 self.l2.give_back(slot)
             else:
@@ -1051,8 +1084,7 @@ class Cache:
             self.l2.unhold(slot)
         else:
             ns.index.unpinned(self.pool.unpin([slot]))
-        if key in self._held:
-            self._emit_held(self._held.pop(key))
+        self._order.orphan(key)
         return False
 
     def _stored_l3(
@@ -1070,37 +1102,13 @@ class Cache:
             named, origin.eparent if origin else None, tokens, spec.page_tokens, spec.model
         )
         up = origin.up if origin is not None else None
-        if up is not None and self._parent_coming(up):
-            self._held.setdefault(up, []).append((key, event))
-            self._held_self.add(key)
-            self._held_count += 1
-            while self._held_count > self.config.events.queue_events:
-                oldest = next(iter(self._held))
-                self._count_l3("events_out_of_order", len(self._held[oldest]))
-                self._emit_held(self._held.pop(oldest))
-            return
-        self._emit_held([(key, event)])
+        coming = up is not None and (up in self.writing or self._order.holds(up))
+        self._order.add(key, up, event, coming=coming)
 
-    def _parent_coming(self, up: bytes) -> bool:
-        """Whether the L3 BlockStored of page ``up`` is on its way (its write is
-        in flight, or its own event waits for its parent's)."""
-        return up in self.writing or up in self._held_self
-
-    def _emit_held(self, events: list[tuple[bytes, HeldEvent]]) -> None:
-        """Publish ``events``, each followed by the events that waited for it."""
-        stack = events[::-1]
-        medium = self.l3_medium
-        while stack:
-            key, event = stack.pop()
-            if key in self._held_self:
-                self._held_self.discard(key)
-                self._held_count -= 1
-            self.events.stored(
-                [event.key], event.parent, event.tokens, event.page_tokens, medium, event.model
-            )
-            waiting = self._held.pop(key, None)
-            if waiting:
-                stack.extend(waiting[::-1])
+    def _publish_l3(self, event: HeldEvent) -> None:
+        self.events.stored(
+            [event.key], event.parent, event.tokens, event.page_tokens, self.l3_medium, event.model
+        )
 
     def _count_l3(self, what: str, n: int = 1) -> None:
         self.l3_counters[what] = self.l3_counters.get(what, 0) + n
@@ -1119,11 +1127,19 @@ class Cache:
         pages written last, and ``l3_undersized`` says so until L3 lets go of
         pages L2 no longer holds.
         """
+        self.l3_drops += 1
+        order = self._order
         gone = [key for key in keys if key in self.l3]
         for key in gone:
             self.l3.discard(key)
+            if order:
+                order.drop(key)  # an event still held must not follow the removal
         ns_of = self._ns_by_digest.get(ns_digest)
         named = self._event_keys(ns_of, gone) if ns_of is not None else gone
+        if self._l3_ekeys:
+            l3_ekeys = self._l3_ekeys
+            left = [ekey for key in gone if (ekey := l3_ekeys.pop(key, None)) is not None]
+            named = [*named, *left]
         self.events.removed(named, self.l3_medium, self._model_of(ns_digest))
         if not gone or self.tier is None:
             return
@@ -1134,20 +1150,24 @@ class Cache:
         l2_bytes = self.pool.used_bytes
         taken = self._l3_taken
         short = any(page.at >= 0 and taken - page.at <= l2_bytes for _, page in found)
-        if short != self.l3_undersized:
-            self.l3_undersized = short
-            self.l3_undersized_times += short
-        if not found or short:
-            self._count_l3("rewrite_skipped", len(found))
-            return
+        self.l3_undersized = short
         rewritten = skipped = 0
         for key, page in found:
-            if page.rewritten or key in self.writing:
+            if short or page.rewritten:
+                self._let_go.add(key)  # not written again in this stay, by any path
                 skipped += 1
-                continue
-            rewritten += self._write(page.ns, key, page.slot, rewrite=True)
+            elif key not in self.writing:
+                rewritten += self._write(page.ns, key, page.slot, rewrite=True)
         self._count_l3("rewritten", rewritten)
         self._count_l3("rewrite_skipped", skipped)
+
+    def _l3_keys_forgotten(self, keys: set[bytes]) -> None:
+        """The L3 record dropped ``keys`` to stay within its bound: so do the
+        engine's keys kept for them."""
+        if self._l3_ekeys:
+            pop = self._l3_ekeys.pop
+            for key in keys:
+                pop(key, None)
 
     def _model_of(self, ns_digest: bytes) -> str:
         ns = self._ns_by_digest.get(ns_digest)
@@ -1433,7 +1453,11 @@ class Cache:
             l3_write_amplification=round(written / self.committed_pages, 3)
             if self.committed_pages
             else 0.0,
-            l3={**self.l3_counters, **(getattr(self.tier, "counters", None) or {})},
+            l3={
+                **self.l3_counters,
+                **({"events_out_of_order": order} if (order := self._order.out_of_order) else {}),
+                **(getattr(self.tier, "counters", None) or {}),
+            },
             match_pages=dict(self.match_pages),
             events_pending=len(self.events.pending),
             metrics_endpoint=self.metrics_endpoint,

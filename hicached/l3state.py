@@ -19,13 +19,13 @@ match or an exists answers it as absent (cache.L3Lookup, storage.Tier.lookup).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 
 class KnownKeys:
     """Keys L3 holds as far as this daemon knows, at most ``limit`` of them."""
 
-    __slots__ = ("_old", "_young", "complete", "forgotten", "limit")
+    __slots__ = ("_old", "_young", "complete", "forgotten", "limit", "on_forgotten")
 
     def __init__(self, limit: int) -> None:
         assert limit >= 2, "the bound must hold two generations"
@@ -33,6 +33,8 @@ class KnownKeys:
         self._young: set[bytes] = set()
         self._old: set[bytes] = set()
         self.forgotten = 0  # keys dropped to stay within the bound
+        # told of each generation dropped to stay within the bound
+        self.on_forgotten: Callable[[set[bytes]], None] | None = None
         #: every key the store holds is known: its listing ended (the tier says
         #: when; without a store, nothing is unknown) and none was forgotten
         self.complete = True
@@ -53,6 +55,8 @@ class KnownKeys:
         young.add(key)
         if len(young) >= self.limit // 2:
             self.forgotten += len(self._old)
+            if self.on_forgotten is not None and self._old:
+                self.on_forgotten(self._old)
             self._old = young
             self._young = set()
             if self.forgotten:

@@ -293,7 +293,8 @@ class Tier:
         within ``storage.lookup_timeout_s``, else with 0 at that deadline (and
         at once past ``storage.lookups_in_flight`` lookups, or while the backend
         is down). A lookup past its deadline still runs to its end, and counts
-        in flight until then: what it finds the cache knows from then on."""
+        in flight until then: what it finds the cache knows from then on, unless
+        the store told of pages it let go of meanwhile (the answer may predate it)."""
         counts = self._lookup_counts
         if len(self._lookups) >= self.config.lookups_in_flight or self.dispatcher.cooling:
             counts["lookups_skipped"] += 1
@@ -301,6 +302,7 @@ class Tier:
             return
         counts["lookups"] += 1
         loop = asyncio.get_running_loop()
+        drops = self.cache.l3_drops  # what the store let go of meanwhile is not learned
         call = loop.create_task(self.dispatcher.exists(ns, keys))
         self._lookups.add(call)
         answered = False
@@ -328,7 +330,7 @@ class Tier:
                     log.error("L3 lookup failed", exc_info=exc)
                 else:
                     found = min(call.result(), len(keys))
-            if found:
+            if found and self.cache.l3_drops == drops:
                 self.lookup_pages += self.cache.learn_l3(ns, keys[:found])
             reply(found)
 

@@ -1,0 +1,95 @@
+"""L3 BlockStored events in chain order: a page's event waits while its parent's
+is still to come.
+
+Synchronous and free of I/O, owned by the event-loop thread with the cache.
+Writes to L3 end in any order (several calls run at once, and write_back sends
+a page's ancestors just as the page leaves L2), but a router that builds a
+tree from events must see a parent before its child. So the event of a page
+whose parent's write is still in flight (or whose parent's own event waits)
+is held until the parent's goes out, and then published right after it.
+
+A held event never outlives the reason it waits: a parent whose write fails,
+or that leaves L2 unwritten, releases those waiting for it as they are; a page
+that L3 lets go of before its event went out loses that event (a removal must
+never be followed by a stale BlockStored); at most ``limit`` events wait, and
+past that the longest waiting goes out as it is (counted in ``out_of_order``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+E = TypeVar("E")
+
+
+class ChainOrder(Generic[E]):
+    """Events held for their parents' (keys are the daemon's page keys)."""
+
+    __slots__ = ("_emit", "_held", "_waiting", "limit", "out_of_order")
+
+    def __init__(self, limit: int, emit: Callable[[E], None]) -> None:
+        self.limit = limit
+        self.out_of_order = 0  # events sent before their parent's to stay within the limit
+        self._emit = emit
+        self._held: dict[bytes, tuple[bytes, E]] = {}  # key -> (parent, event), oldest first
+        self._waiting: dict[bytes, list[bytes]] = {}  # parent -> keys held for it
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def holds(self, key: bytes) -> bool:
+        """Whether the event of ``key`` waits for its parent's."""
+        return key in self._held
+
+    def add(self, key: bytes, up: bytes | None, event: E, *, coming: bool) -> None:
+        """The event of page ``key`` (parent ``up``): held while ``coming`` (the
+        parent's event is still to come), else published with those waiting for it.
+        A second event of one key replaces the first."""
+        if key in self._held:
+            self._unhold(key)
+        if up is not None and coming:
+            self._held[key] = (up, event)
+            self._waiting.setdefault(up, []).append(key)
+            while len(self._held) > self.limit:
+                oldest = next(iter(self._held))
+                self.out_of_order += 1
+                _, late = self._unhold(oldest)
+                self._emit(late)
+                self.ready(oldest)
+            return
+        self._emit(event)
+        self.ready(key)
+
+    def ready(self, key: bytes) -> None:
+        """The event of ``key`` went out: those held for it follow, and theirs."""
+        stack = self._waiting.pop(key, [])[::-1]
+        while stack:
+            child = stack.pop()
+            entry = self._held.pop(child, None)
+            if entry is None:
+                continue
+            self._emit(entry[1])
+            stack.extend(self._waiting.pop(child, [])[::-1])
+
+    def orphan(self, key: bytes) -> None:
+        """No event of ``key`` is on its way (its write failed, or it left L2
+        unwritten): those held for it go out as they are. A key whose own event
+        waits keeps them: they follow it."""
+        if key not in self._held:
+            self.ready(key)
+
+    def drop(self, key: bytes) -> None:
+        """L3 let go of ``key``: its held event, if any, is never sent (its
+        BlockRemoved went out); those held for it go out as they are."""
+        if key in self._held:
+            self._unhold(key)
+        self.ready(key)
+
+    def _unhold(self, key: bytes) -> tuple[bytes, E]:
+        up, event = self._held.pop(key)
+        siblings = self._waiting[up]
+        siblings.remove(key)
+        if not siblings:
+            del self._waiting[up]
+        return up, event
