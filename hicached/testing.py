@@ -222,6 +222,7 @@ class MooncakeMaster:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                self.log.close()
                 raise RuntimeError("mooncake_master exited; see " + self.log.name)
             try:
                 with socket.create_connection(("127.0.0.1", self.rpc_port), timeout=1):
