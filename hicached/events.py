@@ -434,16 +434,16 @@ class Publisher:
         # A subscriber's full queue refuses the send (zmq.Again), so the drop is ours
         # to count; a PUB socket would drop the batch for that subscriber unseen.
         pub.setsockopt(zmq.XPUB_NODROP, 1)
+        self._pub = pub  # closed by close() even if its bind fails: the context waits for it
         bind(pub, cfg.endpoint, "events.endpoint")
-        self._pub = pub
         if cfg.replay_endpoint:
             router = ctx.socket(zmq.ROUTER)
+            self._router = router
             router.setsockopt(zmq.LINGER, 0)
             # Refuse, never drop: a send beyond the reader's queue raises instead.
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             router.setsockopt(zmq.SNDHWM, cfg.replay_batches + 1)  # a whole replay + end marker
             bind(router, cfg.replay_endpoint, "events.replay_endpoint")
-            self._router = router
             loop.add_reader(router.fileno(), self._on_requests)
         self._flusher = loop.create_task(self._flush_loop())
 

@@ -36,7 +36,7 @@ from hicached.events import (
     topic_template,
 )
 from hicached.hashing import pack_tokens, page_keys
-from tests.l3util import evict_everything, l3_count, wait_for
+from tests.l3util import FILE_STORE, evict_everything, l3_count, refused_start, wait_for
 from tests.support import NS, PAGE_BYTES, PAGE_TOKENS, Daemon, page_bytes_for
 
 
@@ -523,3 +523,24 @@ def test_block_hashes_are_vllms_64_bit_form_of_the_key() -> None:
     wire = WireFormat(EventsConfig()).wire(Stored([key], key, [1], 1, "CPU"))
     assert isinstance(wire, BlockStored)
     assert wire.block_hashes == [block_hash(key)] and wire.parent_block_hash == block_hash(key)
+
+
+@pytest.mark.parametrize("which", ["endpoint", "replay_endpoint"])
+def test_an_events_socket_in_an_open_directory_stops_the_start(tmp_path: Path, which: str) -> None:
+    """A refused bind of an events socket (here: a directory other users may
+    enter) stops the start with exit 2 and the reason, with an L3 store open;
+    the daemon hung in its stop before, its context waiting for the socket that
+    never bound."""
+    open_dir = tmp_path / "open"
+    open_dir.mkdir(mode=0o755)
+    open_dir.chmod(0o755)
+    private = tmp_path / "ev"
+    where = {"endpoint": private, "replay_endpoint": private}
+    where[which] = open_dir
+    d = Daemon(
+        storage='backend = "file"\n',
+        tail=FILE_STORE
+        + f'[events]\nendpoint = "ipc://{where["endpoint"]}/events.sock"\n'
+        + f'replay_endpoint = "ipc://{where["replay_endpoint"]}/replay.sock"\n',
+    )
+    refused_start(d, "is open to other users")
