@@ -113,7 +113,7 @@ class Origin(NamedTuple):
     up: bytes | None  # the daemon's key of the page before it (None: first, or unnamed)
     eparent: bytes | None  # what events call that page
     tokens: bytes  # the page's packed token ids (none in a key-addressed namespace)
-    up_slot: int  # the slot of the page before it when this page was stored (-1: none)
+    slot: int  # the page's own slot (it keeps it while it stays in L2)
 
 
 class HeldEvent(NamedTuple):
@@ -490,9 +490,11 @@ class Cache:
 
     def _remember_ekeys(self, ns: NamespaceState, pages: list[KeyedPage]) -> None:
         if self.events.enabled:
-            ekeys = self._ekeys
+            ekeys, l3_ekeys = self._ekeys, self._l3_ekeys
             for page in pages:
                 ekeys[page.key] = page.ekey
+                if l3_ekeys:
+                    l3_ekeys.pop(page.key, None)  # back in L2: named from there
 
     def _event_keys(
         self, ns: NamespaceState, keys: list[bytes], *, forget: bool = False
@@ -663,21 +665,17 @@ class Cache:
     def _write_ancestors(self, ns: NamespaceState, origin: Origin) -> None:
         """write_back: the pages before a page on its way to L3 that L2 still
         holds and L3 lacks go too (as the write queue has room), so L3 holds its
-        prefix; its event waits for theirs (``_stored_l3``)."""
-        chain: list[tuple[bytes, int]] = []
-        up, slot = origin.up, origin.up_slot
-        index, origins, l3, writing = ns.index, self._origins, self.l3, self.writing
-        limit = self.config.server.max_pages_per_request
-        while up is not None and up not in l3 and up not in writing and len(chain) < limit:
-            if not index.holds(up, slot):
-                break
-            chain.append((up, slot))
-            above = origins.get(up)
-            if above is None:
-                break
-            up, slot = above.up, above.up_slot
-        for key, slot in reversed(chain):
-            self._write(ns, key, slot)
+        prefix; its event waits for theirs (``_stored_l3``). Nearest first, and
+        no further than the first the queue refuses: each step costs one lookup,
+        so a full queue costs one refused write an eviction, not a walk."""
+        up, origins, l3, writing = origin.up, self._origins, self.l3, self.writing
+        for _ in range(self.config.server.max_pages_per_request):
+            if up is None or up in l3 or up in writing:
+                return
+            above = origins.get(up)  # an origin is kept while its page is in L2
+            if above is None or not self._write(ns, up, above.slot):
+                return
+            up = above.up
 
     def commit(self, session: Session, msg: p.Commit) -> p.CommitOk:
         lease = self.leases.get(msg.lease)
@@ -946,10 +944,8 @@ class Cache:
             self.committed_pages += len(stored)
         if stored and self.tier is not None:
             if self.events.enabled:
-                table = ns.table
-                for page in stored:
+                for page, slot in zip(stored, slots, strict=True):
                     up = page.parent or None
-                    slot = table.slot(up) if up is not None else -1
                     self._origins[page.key] = Origin(up, page.eparent or None, b"", slot)
             keys = [page.key for page in stored]
             if lease.prefetch is not None:
@@ -981,8 +977,8 @@ class Cache:
         step = page_tokens * TOKEN_BYTES
         origins = self._origins
         for i in range(start, len(keys)):
-            up, slot = (keys[i - 1], slots[i - 1]) if i else (None, -1)
-            origins[keys[i]] = Origin(up, up, tokens[i * step : (i + 1) * step], slot)
+            up = keys[i - 1] if i else None
+            origins[keys[i]] = Origin(up, up, tokens[i * step : (i + 1) * step], slots[i])
 
     def _in_both(self, ns: NamespaceState, keys: list[bytes], slots: list[int]) -> None:
         """Pages now in L2 that L3 holds (read from it, or written before), at an
@@ -1128,12 +1124,15 @@ class Cache:
         pages L2 no longer holds.
         """
         self.l3_drops += 1
+        keys = list(keys)
         order = self._order
+        if order:
+            writing = self.writing
+            for key in keys:  # known or not: an event still held must not follow the drop
+                order.drop(key, coming=key in writing)
         gone = [key for key in keys if key in self.l3]
         for key in gone:
             self.l3.discard(key)
-            if order:
-                order.drop(key)  # an event still held must not follow the removal
         ns_of = self._ns_by_digest.get(ns_digest)
         named = self._event_keys(ns_of, gone) if ns_of is not None else gone
         if self._l3_ekeys:

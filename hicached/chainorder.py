@@ -22,6 +22,8 @@ from typing import Generic, TypeVar
 
 E = TypeVar("E")
 
+_LOOP_STEPS = 64  # held parents looked through for a loop back to the page
+
 
 class ChainOrder(Generic[E]):
     """Events held for their parents' (keys are the daemon's page keys)."""
@@ -48,7 +50,7 @@ class ChainOrder(Generic[E]):
         A second event of one key replaces the first."""
         if key in self._held:
             self._unhold(key)
-        if up is not None and coming:
+        if up is not None and coming and not self._loops(key, up):
             self._held[key] = (up, event)
             self._waiting.setdefault(up, []).append(key)
             while len(self._held) > self.limit:
@@ -60,6 +62,21 @@ class ChainOrder(Generic[E]):
             return
         self._emit(event)
         self.ready(key)
+
+    def _loops(self, key: bytes, up: bytes) -> bool:
+        """Whether ``up`` waits, through the events held above it, for ``key``
+        itself (parents named by a client can loop): then nothing would release
+        them. The walk stops after ``_LOOP_STEPS`` (a longer loop waits until
+        the limit lets it out)."""
+        held = self._held
+        for _ in range(_LOOP_STEPS):
+            if up == key:
+                return True
+            entry = held.get(up)
+            if entry is None:
+                return False
+            up = entry[0]
+        return False
 
     def ready(self, key: bytes) -> None:
         """The event of ``key`` went out: those held for it follow, and theirs."""
@@ -79,12 +96,14 @@ class ChainOrder(Generic[E]):
         if key not in self._held:
             self.ready(key)
 
-    def drop(self, key: bytes) -> None:
+    def drop(self, key: bytes, *, coming: bool = False) -> None:
         """L3 let go of ``key``: its held event, if any, is never sent (its
-        BlockRemoved went out); those held for it go out as they are."""
+        BlockRemoved went out); those held for it go out as they are, unless
+        another event of it is ``coming`` (a write of it runs again)."""
         if key in self._held:
             self._unhold(key)
-        self.ready(key)
+        if not coming:
+            self.ready(key)
 
     def _unhold(self, key: bytes) -> tuple[bytes, E]:
         up, event = self._held.pop(key)

@@ -353,7 +353,7 @@ class Tier:
             # What we learned may be stale, and another host may have written more: ask.
             available = await self.dispatcher.exists(ns.digest, pf.keys)
             if available < known:
-                cache.forget_l3(pf.keys[available:known])
+                cache.forget_l3(pf.keys[available:known], ns.digest)
             slots = cache.prefetch_planned(lease, available)
             step = self.config.prefetch_batch_pages
             for start in range(0, len(slots), step):
