@@ -311,6 +311,11 @@ class EventsConfig(msgspec.Struct, **_Section):
     # A replay whose reader reads nothing for this many seconds ends there: the
     # reader gets the batches sent so far, then the end marker.
     replay_timeout_s: float = 5.0
+    # Seconds the live stream may stay refused (a subscriber that stays connected
+    # but reads nothing keeps its queue full, and every batch is dropped for all)
+    # before the events socket is bound anew: every subscriber's connection is
+    # cut, they reconnect on their own and fill the gap from replay; 0 = never.
+    stall_s: float = 30.0
     # Seconds a graceful stop lets queued events (and replays) leave before
     # the sockets close.
     close_linger_s: float = 2.0
@@ -341,6 +346,8 @@ class EventsConfig(msgspec.Struct, **_Section):
         positive(self, "replay_timeout_s")
         if self.close_linger_s < 0:
             raise ValueError("close_linger_s must not be negative")
+        if self.stall_s < 0:
+            raise ValueError("stall_s must not be negative (0 = never)")
 
 
 class MetricsConfig(msgspec.Struct, **_Section):

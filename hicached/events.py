@@ -244,6 +244,9 @@ def _model(event: AnyEvent) -> str:
 QUEUE_DROPS = "events_queue"
 # Reason under which batches are counted that a subscriber's full queue refused.
 SUBSCRIBER_DROPS = "events_subscriber_full"
+# Times the events socket was bound anew to cut a subscriber that kept the
+# live stream refused for events.stall_s (every subscriber reconnects).
+SUBSCRIBERS_CUT = "events_subscribers_cut"
 # Subscription messages read per flush (each subscriber sends one or two a
 # connection; reading them keeps the socket's own queue of them short).
 SUBSCRIPTIONS_PER_FLUSH = 1024
@@ -387,6 +390,8 @@ class Publisher:
     keeps the live stream down for all of them, each seeing counted gaps
     that replay fills; ZeroMQ has no way to drop one subscriber's copy and
     count it, and a socket that dropped silently could not count at all.
+    After ``stall_s`` of refusals the socket is bound anew (``_cut_subscribers``):
+    every subscriber reconnects, and the live stream reaches the readers again.
     (libzmq 4.3.5 keeps a refused batch's subscribers matched until a send
     succeeds, so a full queue refuses the batches of other topics too.)
 
@@ -410,6 +415,11 @@ class Publisher:
         self._by_model = "{model}" in config.topic
         self._pub: zmq.Socket[bytes] | None = None
         self._router: zmq.Socket[bytes] | None = None
+        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._bind: Bind | None = None
+        self._refused_since: float | None = None  # the live stream is refused since
+        self._rebinding = False  # cut: the events socket is to be bound again
+        self._rebind_failed = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._flusher: asyncio.Task[None] | None = None
         self._replays: dict[bytes, asyncio.Task[None]] = {}  # each reader's last replay
@@ -428,14 +438,8 @@ class Publisher:
         publishing; call on the event loop."""
         cfg = self.config
         loop = self._loop = asyncio.get_running_loop()
-        pub = ctx.socket(zmq.XPUB)
-        pub.setsockopt(zmq.LINGER, 0)
-        pub.setsockopt(zmq.SNDHWM, cfg.hwm)
-        # A subscriber's full queue refuses the send (zmq.Again), so the drop is ours
-        # to count; a PUB socket would drop the batch for that subscriber unseen.
-        pub.setsockopt(zmq.XPUB_NODROP, 1)
-        self._pub = pub  # closed by close() even if its bind fails: the context waits for it
-        bind(pub, cfg.endpoint, "events.endpoint")
+        self._ctx, self._bind = ctx, bind
+        self._open_pub()
         if cfg.replay_endpoint:
             router = ctx.socket(zmq.ROUTER)
             self._router = router
@@ -446,6 +450,53 @@ class Publisher:
             bind(router, cfg.replay_endpoint, "events.replay_endpoint")
             loop.add_reader(router.fileno(), self._on_requests)
         self._flusher = loop.create_task(self._flush_loop())
+
+    def _open_pub(self) -> zmq.Socket[bytes]:
+        assert self._ctx is not None and self._bind is not None
+        pub = self._ctx.socket(zmq.XPUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.setsockopt(zmq.SNDHWM, self.config.hwm)
+        # A subscriber's full queue refuses the send (zmq.Again), so the drop is ours
+        # to count; a PUB socket would drop the batch for that subscriber unseen.
+        pub.setsockopt(zmq.XPUB_NODROP, 1)
+        self._pub = pub  # closed by close() even if its bind fails: the context waits for it
+        self._bind(pub, self.config.endpoint, "events.endpoint")
+        return pub
+
+    def _cut_subscribers(self) -> zmq.Socket[bytes] | None:
+        """The live stream stayed refused for ``stall_s``: a subscriber is connected
+        but reads nothing. Bind the events socket anew, which cuts every
+        subscriber's connection and discards their queues; they reconnect on their
+        own, see a gap, and fill it from replay."""
+        self._count(SUBSCRIBERS_CUT)
+        log.warning(
+            "KV events: the live stream was refused for %.1fs (a subscriber reads "
+            "nothing): the events socket is bound anew, every subscriber reconnects",
+            self.config.stall_s,
+        )
+        if self._pub is not None:
+            self._pub.close(linger=0)
+            self._pub = None
+        self._refused_since = None
+        self._rebinding = True
+        return self._rebind()
+
+    def _rebind(self) -> zmq.Socket[bytes] | None:
+        """Bind the events socket again after a cut; None while the address is not
+        free yet (a TCP port the old socket still holds): tried again next flush,
+        the events waiting in the queue meanwhile (bounded by queue_events)."""
+        try:
+            pub = self._open_pub()
+        except zmq.ZMQError as exc:
+            if self._pub is not None:
+                self._pub.close(linger=0)
+                self._pub = None
+            if not self._rebind_failed:
+                self._rebind_failed = True
+                log.warning("KV events: binding the events socket again: %s; retrying", exc)
+            return None
+        self._rebinding = self._rebind_failed = False
+        return pub
 
     async def stop(self) -> None:
         """Publish every queued event, then close within ``close_linger_s``."""
@@ -490,6 +541,8 @@ class Publisher:
     def flush(self) -> None:
         """Publish what the log holds, in batches; never blocks."""
         pub = self._pub
+        if pub is None and self._rebinding:
+            pub = self._rebind()
         if pub is None:
             return
         self._read_subscriptions(pub)
@@ -502,6 +555,11 @@ class Publisher:
                         self._publish(pub, model, list(run))
                 else:
                     self._publish(pub, "", events)
+                if self._stalled():
+                    new = self._cut_subscribers()
+                    if new is None:
+                        return
+                    pub = new
             if gap:
                 self.replay.skip()
             elif not events:
@@ -512,7 +570,10 @@ class Publisher:
         seq = self.replay.next(topic, payload)  # kept for replay, sent or not
         try:
             pub.send_multipart([topic, seq, payload], zmq.NOBLOCK)
+            self._refused_since = None
         except zmq.Again:
+            if self._refused_since is None:
+                self._refused_since = time.monotonic()
             # Some subscriber's queue is full: nobody got it (a gap for all), counted.
             self._count(SUBSCRIBER_DROPS)
             now = time.monotonic()
@@ -524,6 +585,11 @@ class Publisher:
                     self.dropped[SUBSCRIBER_DROPS],
                     SUBSCRIBER_DROPS,
                 )
+
+    def _stalled(self) -> bool:
+        """Whether every send has been refused for ``stall_s`` (0: never cut)."""
+        since, stall = self._refused_since, self.config.stall_s
+        return since is not None and stall > 0 and time.monotonic() - since >= stall
 
     def _read_subscriptions(self, pub: zmq.Socket[bytes]) -> None:
         """Read what subscribers sent (subscribe and unsubscribe messages) so the

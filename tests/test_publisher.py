@@ -19,6 +19,7 @@ from hicached.events import (
     END_SEQ,
     REPLAY_SLICE,
     SUBSCRIBER_DROPS,
+    SUBSCRIBERS_CUT,
     EventLog,
     Publisher,
     batch_decoder,
@@ -248,3 +249,30 @@ async def test_subscription_messages_are_read_not_kept(setup: Setup) -> None:
     setup.publisher.flush()
     assert not pub.poll(0)
     assert setup.dropped == {}
+
+
+@pytest.mark.parametrize("setup", [{"hwm": 20, "stall_s": 0.4}], indirect=True)
+async def test_a_subscriber_that_never_reads_is_cut_after_stall_s(setup: Setup) -> None:
+    """A subscriber that stays connected and reads nothing keeps the live stream
+    refused for everyone; after ``stall_s`` the events socket is bound anew,
+    which cuts every connection: the reading subscriber reconnects on its own
+    and the live stream reaches it again (the gap is replay's to fill)."""
+    slow, fast = subscriber(setup, hwm=20), subscriber(setup)
+    await asyncio.sleep(0.3)  # let the subscriptions reach the publisher
+    fast_seqs: list[int] = []
+    total = 0
+    deadline = time.monotonic() + 10
+    while not setup.dropped.get(SUBSCRIBERS_CUT):
+        assert time.monotonic() < deadline, "the stalled stream was never cut"
+        setup.publish(20, tokens=1000)
+        total += 20
+        await asyncio.sleep(0.01)
+        drain(fast, fast_seqs)
+    assert setup.dropped.get(SUBSCRIBER_DROPS, 0) > 0
+    cut_at = total
+    await asyncio.sleep(0.5)  # the subscribers reconnect
+    setup.publish(5)
+    total += 5
+    got = [int.from_bytes((await recv(fast))[1], "big") for _ in range(5)]
+    assert got == list(range(cut_at, total)), "the live stream did not come back"
+    assert slow is not None
