@@ -1,5 +1,6 @@
 """hicached: a per-host hierarchical KV-cache daemon and its engine-side client."""
 
+from hicached import _moved  # noqa: F401 (old module names, before anything imports one)
 from hicached.client import (
     AsyncClient,
     Client,
@@ -11,7 +12,7 @@ from hicached.client import (
     Reservation,
 )
 from hicached.errors import DaemonUnavailable, HicachedError, StaleHandle
-from hicached.namespace import NamespaceSpec
+from hicached.wire.namespace import NamespaceSpec
 
 __all__ = [
     "AsyncClient",

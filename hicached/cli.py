@@ -23,7 +23,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    from hicached.server import serve
+    from hicached.daemon.server import serve
 
     serve(config)
     return 0
@@ -34,7 +34,7 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     if config.storage.backend:
         # the backend must be installed, and its options valid as a whole: what
         # its start would refuse (a missing bucket, ...) fails here already
-        from hicached.storage import backend_options
+        from hicached.daemon.tier import backend_options
         from hicached_backends import load_backend_class
 
         backend_options(config, load_backend_class(config.storage.backend))
@@ -107,7 +107,7 @@ def _cmd_events(args: argparse.Namespace) -> int:
 
     import zmq
 
-    from hicached.events import END_SEQ, decode_batch
+    from hicached.wire.events import END_SEQ, decode_batch
 
     events = load_config(args.config).events
     endpoint = args.endpoint or events.endpoint

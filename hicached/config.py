@@ -418,7 +418,7 @@ class CurveConfig(msgspec.Struct, **_Section):
                 raise ValueError(f"{name} must be an absolute path")
 
 
-# A tenant's name, as in the namespace field it fills (namespace.py checks the same).
+# A tenant's name, as in the namespace field it fills (wire/namespace.py checks the same).
 TENANT_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 

@@ -18,8 +18,8 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from hicached.arena import arena_path
 from hicached.client import Client, CurveKeys
+from hicached.wire.arena import arena_path
 
 
 def free_tcp_port() -> int:

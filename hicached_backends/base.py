@@ -29,7 +29,7 @@ from hicached.errors import HicachedError
 def let_go(*pools: Executor | None) -> None:
     """Shut thread pools down at a backend's close without waiting for calls still
     running (past the stop deadline, a hung store's): each ends on its own, and
-    the daemon exits without them (server.py); queued calls are dropped."""
+    the daemon exits without them (hicached/daemon/server.py); queued calls are dropped."""
     for pool in pools:
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)

@@ -176,7 +176,7 @@ def _write_all(fd: int, data: bytes) -> None:
 
 def serve(pool_path: str, pool_bytes: int, store: str, n_segments: int, huge_pages: str) -> int:
     """The reader's main loop; returns its exit code."""
-    from hicached.arena import Arena  # here, so that importing this module stays light
+    from hicached.wire.arena import Arena  # here, so that importing this module stays light
 
     # A reader lives as long as its stdin: the daemon closes it at its stop, or dies.
     # Signals meant for the daemon's group (a terminal's ^C, a service stop) would

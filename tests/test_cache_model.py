@@ -10,7 +10,7 @@ and its commits publish what a per-slot mask says.
 
 Pages hold real bytes in a real pool file: a page's bytes are a pattern
 derived from its key. Copies go through the client's own fenced copy code
-(mapping.py) with handles built as the client builds them, including stale
+(hicached/client/mapping.py) with handles built as the client builds them, including stale
 ones: handles kept across expiry and across a restart are used again.
 
 The L3 tier is a stand-in that holds writes until a rule completes or fails

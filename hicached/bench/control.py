@@ -39,10 +39,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import zmq
 
-from hicached import protocol as p
 from hicached.client import Client
 from hicached.config import default_endpoint
-from hicached.hashing import pack_tokens
+from hicached.wire import protocol as p
+from hicached.wire.hashing import pack_tokens
 
 TOKENS = 4096
 PAGE_TOKENS = 64

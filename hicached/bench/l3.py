@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from hicached.arena import Arena
 from hicached.config import StorageConfig
+from hicached.wire.arena import Arena
 from hicached_backends.base import Backend, BackendEnv, PageRef
 from hicached_backends.options import FileOptions, MooncakeOptions, S3Options
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from hicached.dist import Agreement, Fields, Topology
+from hicached.ranks.agreement import Agreement, Fields, Topology
 
 FIELDS = Fields(
     min=("kv", "swa", "state", "acks"),
@@ -78,7 +78,7 @@ def _bench_rank(topo: Topology, steps: int) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from hicached.ranks import launch
-    from hicached.simulator import Workload, simulate
+    from hicached.ranks.simulator import Workload, simulate
     from hicached.testing import DaemonProcess
 
     steps = max(100, args.requests)

@@ -30,12 +30,12 @@ from typing import Any
 
 import numpy as np
 
-from hicached import protocol as p
 from hicached.bench.control import _echo_request, _echo_server
 from hicached.client import Client
-from hicached.hashing import pack_tokens, page_keys
-from hicached.index import PageIndex
+from hicached.state.index import PageIndex
 from hicached.testing import DaemonProcess
+from hicached.wire import protocol as p
+from hicached.wire.hashing import pack_tokens, page_keys
 
 PAGE_BYTES = 256
 CHAIN = 1024  # pages a stored sequence has
@@ -299,7 +299,7 @@ def _vm_pte_kib() -> int:
 
 def _client_attach(path: str, size: int, out: Any) -> None:
     """In a fresh process: map the pool as a client does, then touch every page."""
-    from hicached.arena import Arena
+    from hicached.wire.arena import Arena
 
     before = _vm_pte_kib()
     t0 = time.perf_counter()
@@ -314,7 +314,7 @@ def _client_attach(path: str, size: int, out: Any) -> None:
 
 def _attach_figures(directory: str, size: int, huge: str) -> tuple[float, float, int]:
     """(attach ms, touch-all s, page-table KiB) of one client process."""
-    from hicached.arena import Arena
+    from hicached.wire.arena import Arena
 
     path = Path(directory) / f"hicached-bench-attach-{os.getpid()}.pool"
     arena = Arena.create(path, size, populate=True, huge_pages=huge)

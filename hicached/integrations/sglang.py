@@ -52,8 +52,8 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from hicached.client import Client
+from hicached.client.handles import Hit, Namespace, Reservation
 from hicached.errors import DaemonUnavailable, DeadlineExceeded, HicachedError, StaleHandle
-from hicached.handles import Hit, Namespace, Reservation
 from hicached.integrations.common import default_revision, safe_model, settings_from
 
 __all__ = ["HicachedStorage", "Settings", "namespace_fields", "page_segments"]

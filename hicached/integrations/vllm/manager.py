@@ -33,11 +33,11 @@ from vllm.v1.kv_offload.base import (
 )
 
 from hicached.client import AsyncClient
+from hicached.client.handles import Hit, Namespace, Reservation
 from hicached.errors import HicachedError
-from hicached.handles import Hit, Namespace, Reservation
 from hicached.integrations.vllm.settings import MAX_QUESTION, UNREACHABLE, Settings
 from hicached.integrations.vllm.specs import Ack, HicachedLoadSpec, HicachedStoreSpec
-from hicached.namespace import NamespaceSpec
+from hicached.wire.namespace import NamespaceSpec
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

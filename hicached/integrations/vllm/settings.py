@@ -14,7 +14,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from hicached.errors import DaemonUnavailable, DeadlineExceeded
 from hicached.integrations.common import default_revision, safe_model
-from hicached.namespace import NamespaceSpec
+from hicached.wire.namespace import NamespaceSpec
 
 # Hash algorithms whose keys are the same in every process, and those that are
 # only with PYTHONHASHSEED set (vLLM seeds them at random otherwise).

@@ -9,7 +9,7 @@ from vllm.v1.kv_offload.base import (
     LoadStoreSpec,
 )
 
-from hicached.handles import PortableHandle
+from hicached.client.handles import PortableHandle
 
 # -- what travels from the scheduler to the workers -----------------------------------
 

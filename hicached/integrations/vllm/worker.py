@@ -26,8 +26,8 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from hicached.client import Client
+from hicached.client.handles import Hit, PortableHandle, Reservation
 from hicached.errors import HicachedError, StaleHandle
-from hicached.handles import Hit, PortableHandle, Reservation
 from hicached.integrations.vllm.settings import UNREACHABLE, Settings
 from hicached.integrations.vllm.specs import Ack, HicachedLoadSpec, HicachedStoreSpec
 

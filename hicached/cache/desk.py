@@ -6,8 +6,8 @@ are part of the reply; misuse raises a HicachedError that becomes an error
 reply; a broken invariant is an assertion.
 
 The state lives in smaller pieces: sessions, namespaces and leases in
-sessions.py, slot allocation and eviction in l2.py, the set of keys L3 holds
-in l3state.py. This module decides what each request does with them.
+cache/sessions.py, slot allocation and eviction in state/l2.py, the set of keys L3 holds
+in state/l3state.py. This module decides what each request does with them.
 
 Leases: a *write* lease belongs to a reservation (its fresh slots, plus a pin
 on the pages that were already present so they cannot be evicted before the
@@ -19,7 +19,7 @@ for ``leases.quarantine_s`` before reuse, so a copy that a client began just
 before its deadline cannot land in another key's page.
 
 L3: the cache decides *what* moves (write policy, prefetch plans) and keeps
-track of which keys L3 holds; the tier (storage.py) does the moving. Pending
+track of which keys L3 holds; the tier (daemon/tier.py) does the moving. Pending
 L3 writes are tracked per page key and hold their slot (pinned, or kept
 out of the free list after an eviction) until the backend is done with it,
 so splitting or evicting index nodes never loses or corrupts one.
@@ -46,8 +46,16 @@ from typing import Any, NamedTuple, Protocol, get_args
 import msgspec
 import numpy as np
 
-from hicached import protocol as p
-from hicached.chainorder import ChainOrder
+from hicached.cache.chainorder import ChainOrder
+from hicached.cache.eventlog import EventLog
+from hicached.cache.sessions import (
+    KeyedPage,
+    Lease,
+    LeaseTable,
+    NamespaceState,
+    PrefetchState,
+    Session,
+)
 from hicached.config import Config
 from hicached.errors import (
     BadRequest,
@@ -62,21 +70,14 @@ from hicached.errors import (
     UnknownNamespace,
     VersionMismatch,
 )
-from hicached.events import MEDIUM_L2, Cleared, EventLog, event_key
-from hicached.hashing import TOKEN_BYTES, KeyCache, engine_page_keys, page_keys
-from hicached.index import PageIndex
-from hicached.l2 import DEFAULT_TENANT, L2, TenantBook, TenantFigures, Victims
-from hicached.l3state import KnownKeys
-from hicached.namespace import MAX_KEY_BYTES, NamespaceSpec, namespace_digest, validate_spec
-from hicached.pool import GEN_GRANULE, SlotPool
-from hicached.sessions import (
-    KeyedPage,
-    Lease,
-    LeaseTable,
-    NamespaceState,
-    PrefetchState,
-    Session,
-)
+from hicached.state.index import PageIndex
+from hicached.state.l2 import DEFAULT_TENANT, L2, TenantBook, TenantFigures, Victims
+from hicached.state.l3state import KnownKeys
+from hicached.state.pool import GEN_GRANULE, SlotPool
+from hicached.wire import protocol as p
+from hicached.wire.events import MEDIUM_L2, Cleared, event_key
+from hicached.wire.hashing import TOKEN_BYTES, KeyCache, engine_page_keys, page_keys
+from hicached.wire.namespace import MAX_KEY_BYTES, NamespaceSpec, namespace_digest, validate_spec
 
 __all__ = [
     "OP_NAMES",
@@ -94,7 +95,7 @@ OP_NAMES = {cls: str(cls.__struct_config__.tag) for cls in get_args(p.AnyRequest
 
 
 class TierPort(Protocol):
-    """What the cache asks of the L3 tier (storage.py); all calls return at once."""
+    """What the cache asks of the L3 tier (daemon/tier.py); all calls return at once."""
 
     def write(
         self, ns: NamespaceState, key: bytes, slot: int, done: Callable[[bool], None]
@@ -267,7 +268,7 @@ class Cache:
         """Apply one request; never raises for a request's own faults. A match
         or exists may return an ``L3Lookup`` to finish once L3 was asked.
 
-        ``peer``: who sent it, as the connection's credentials say (server.py):
+        ``peer``: who sent it, as the connection's credentials say (daemon/server.py):
         its tenant's name, "!..." for a peer no tenant lists, or None when
         tenants are off. A session stays with the peer that opened it.
         """
@@ -289,11 +290,15 @@ class Cache:
                 return handler(session, request)
             raise BadRequest(f"unhandled request {op}")  # pragma: no cover
         except HicachedError as exc:
-            self.errors[exc.code] = self.errors.get(exc.code, 0) + 1
+            self.count_error(exc.code)
             return p.Error.of(request.id, exc)
 
     def count_drop(self, reason: str) -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+    def count_error(self, code: str) -> None:
+        """An error reply the server made itself (a malformed request, a fault)."""
+        self.errors[code] = self.errors.get(code, 0) + 1
 
     def undelivered(self, routing_id: bytes, reply: p.AnyReply | L3Lookup) -> None:
         """A reply could not be sent (the client reads no replies): a lease it

@@ -27,10 +27,10 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from hicached import protocol as p
 from hicached.config import MetricsConfig
 from hicached.errors import ConfigError
-from hicached.l2 import TenantFigures
+from hicached.state.l2 import TenantFigures
+from hicached.wire import protocol as p
 
 log = logging.getLogger("hicached.metrics")
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from hicached.dist import Topology
+from hicached.ranks.agreement import Topology
 
 PAGE_TOKENS = 16
 LAYERS = 2
@@ -55,7 +55,7 @@ def rank_workload(topo: Topology, endpoint: str, workload: Workload) -> dict[str
     import torch.distributed as dist
 
     from hicached.client import Client
-    from hicached.coordinator import PrefetchCoordinator, StopPolicy
+    from hicached.ranks.coordination import PrefetchCoordinator, StopPolicy
 
     shard = (topo.tp_rank, topo.cp_rank, topo.pp_rank)
     client = Client(endpoint, timeout=10).connect()

@@ -6,10 +6,10 @@ receives without blocking until the socket is empty, a bounded batch at a
 time. Every request gets a reply or is counted as dropped: a fault while
 serving one (a bug) becomes an ``internal`` error reply and the drain goes
 on with the next message. KV events go out through a ``Publisher``
-(events.py). Signals only set a flag; a second signal exits at once.
+(wire/events.py). Signals only set a flag; a second signal exits at once.
 
 Tenants: with ``[tenants]`` configured, a connection's tenant comes from who
-it is (tenants.py), never from what it says; the cache checks each request
+it is (daemon/tenants.py), never from what it says; the cache checks each request
 against it. SIGHUP reads the config file again and applies what may change at run time
 (config.reload_plan); everything else keeps its running value, logged.
 """
@@ -37,8 +37,6 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from hicached import protocol as p
-from hicached.arena import Arena, arena_path
 from hicached.cache import OP_NAMES, Cache, L3Lookup
 from hicached.config import (
     Config,
@@ -48,12 +46,14 @@ from hicached.config import (
     reload_plan,
     runtime_dir,
 )
+from hicached.daemon.metrics import Metrics
+from hicached.daemon.notify import StartupProgress, sd_notify, watchdog_interval
+from hicached.daemon.publisher import Publisher
+from hicached.daemon.tenants import TENANT_DOMAIN, PeerAuthenticator, TenantMap, user_id
+from hicached.daemon.tier import Tier, make_backend
 from hicached.errors import BadRequest, ConfigError, HicachedError, TooLarge
-from hicached.events import Publisher
-from hicached.metrics import Metrics
-from hicached.notify import StartupProgress, sd_notify, watchdog_interval
-from hicached.storage import Tier, make_backend
-from hicached.tenants import TENANT_DOMAIN, PeerAuthenticator, TenantMap, user_id
+from hicached.wire import protocol as p
+from hicached.wire.arena import Arena, arena_path
 
 log = logging.getLogger("hicached")
 
@@ -593,7 +593,7 @@ class Server:
                 reply = lookup.finish(found)
             except Exception as exc:  # a bug: this request fails, the daemon goes on
                 cache.undelivered(routing_id, lookup)
-                cache.errors["internal"] = cache.errors.get("internal", 0) + 1
+                cache.count_error("internal")
                 log.error(
                     "internal error finishing request %d after an L3 lookup",
                     lookup.id,
@@ -622,7 +622,7 @@ class Server:
                 cache.count_drop("malformed")
                 return
             request_id = found
-        cache.errors[exc.code] = cache.errors.get(exc.code, 0) + 1
+        cache.count_error(exc.code)
         self._send(routing_id, p.Error.of(request_id, exc))
 
     def _fault(self, frames: list[bytes], exc: Exception) -> None:
@@ -630,7 +630,7 @@ class Server:
         ``internal`` when its id can be read (else drop and count it)."""
         cache = self.cache
         assert cache is not None
-        cache.errors["internal"] = cache.errors.get("internal", 0) + 1
+        cache.count_error("internal")
         op, request_id = peek_request(frames[-1]) if len(frames) == 2 else ("", None)
         now = time.monotonic()
         if now - self._fault_logged >= 1.0:  # a request that keeps failing must not flood the log

@@ -12,13 +12,13 @@ keeps for token namespaces:
   takes sequences from their tails, least recently used first;
 - a use (a match) marks every page it returns with one clock tick, as the
   radix tree does, so recency is comparable with the other indexes on the
-  same clock (l2.py);
+  same clock (state/l2.py);
 - every page without a child in L2 and without a pin has a heap entry for its
   current tick; stale entries are skipped, and ``unpinned`` or the loss of
   the last child pushes a page again.
 
 Keys here are the daemon's keys (16 bytes, the engine key hashed under the
-namespace digest, cache.py), so namespaces never share one.
+namespace digest, cache/desk.py), so namespaces never share one.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The L2 slot allocator: fixed-size page slots carved from slabs of one arena.
 
-Synchronous and free of I/O; the arena's bytes live elsewhere (arena.py).
+Synchronous and free of I/O; the arena's bytes live elsewhere (wire/arena.py).
 A slot is named by its byte offset in the arena. Each page size is a *class*
 that draws whole slabs from the arena; a slab goes back to the arena as soon
 as all its slots are free again, so page sizes share the arena over time.
@@ -15,7 +15,7 @@ or a slot as another size than it was given out with, is caught at once
 (``SlotStateError``) instead of corrupting the free lists.
 
 Generations: ``gens`` holds one counter per ``GEN_GRANULE`` bytes of the
-arena, shared with every client through the pool file's header (arena.py).
+arena, shared with every client through the pool file's header (wire/arena.py).
 The counter of a slot's first granule is bumped whenever the slot is freed,
 that is whenever it may next belong to another key. A client notes the
 counters when it is handed a slot and checks them after copying out of it
@@ -30,17 +30,11 @@ import heapq
 
 import numpy as np
 
-GEN_GRANULE = 4096  # bytes of arena per generation counter
-GEN_DTYPE = np.dtype("<u4")
+from hicached.wire.arena import GEN_DTYPE, GEN_GRANULE, gen_count
 
 
 class SlotStateError(AssertionError):
     """A slot was freed that is not allocated, or freed as another page size."""
-
-
-def gen_count(arena_bytes: int) -> int:
-    """Generation counters an arena of ``arena_bytes`` needs."""
-    return -(-arena_bytes // GEN_GRANULE)
 
 
 class _SizeClass:

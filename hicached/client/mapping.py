@@ -1,6 +1,6 @@
 """The client's mapping of the pool, and the copies through handles.
 
-A copy takes a handle (handles.py), never bare offsets, and is fenced:
+A copy takes a handle (client/handles.py), never bare offsets, and is fenced:
 
 - before: the handle must be open, from the daemon instance this client is
   connected to, and before its deadline (the lease's, on this client's clock,
@@ -13,7 +13,7 @@ A copy takes a handle (handles.py), never bare offsets, and is fenced:
   the first place: the daemon quarantines the slots of an expired write lease
   for longer than the margin (leases.quarantine_s).
 
-Numpy arrays, CPU torch tensors (through numpy) and CUDA tensors (cuda.py)
+Numpy arrays, CPU torch tensors (through numpy) and CUDA tensors (client/cuda.py)
 take the same fences.
 """
 
@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from hicached.arena import Arena
+from hicached.client.handles import Hit, Namespace, Reservation
 from hicached.errors import BadRequest, StaleHandle
-from hicached.handles import Hit, Namespace, Reservation
+from hicached.wire.arena import Arena
 
 
 def cuda_tensor(obj: object) -> bool:
@@ -227,7 +227,7 @@ class PoolMapping:
             raise StaleHandle("a slot of this reservation changed owner: reserve again")
         rows = self.arena.rows(ns.page_bytes)
         if on_gpu:
-            from hicached import cuda
+            from hicached.client import cuda
 
             cuda.copy(rows, idx, data, to_pool=True, mapped=self._mapped)
         else:
@@ -270,7 +270,7 @@ class PoolMapping:
             raise StaleHandle("a page of this hit left its slot: it is a miss now", moved)
         rows = self.arena.rows(ns.page_bytes)
         if cuda_tensor(out):
-            from hicached import cuda
+            from hicached.client import cuda
 
             cuda.copy(rows, idx, out, to_pool=False, mapped=self._mapped)
         else:
@@ -338,7 +338,7 @@ class PoolMapping:
             raise StaleHandle(f"a slot of this {what} changed owner: it is a miss now")
         pool = self.arena.rows(ns.page_bytes)
         if on_gpu:
-            from hicached import cuda
+            from hicached.client import cuda
 
             cuda.copy_segments(pool, idx, views, picks, at, to_pool=to_pool, mapped=self._mapped)
         else:
@@ -362,7 +362,7 @@ class PoolMapping:
         """Register the mapping with CUDA as pinned memory (once)."""
         if self._pinned:
             return
-        from hicached import cuda
+        from hicached.client import cuda
 
         self._mapped = cuda.register(self.arena.array)
         self._pinned = True
@@ -374,7 +374,7 @@ class PoolMapping:
     def unpin(self) -> None:
         """Unregister the mapping from CUDA (if pinned)."""
         if self._pinned:
-            from hicached import cuda
+            from hicached.client import cuda
 
             self._pinned, self._mapped = False, None
             cuda.unregister(self.arena.array)

@@ -45,7 +45,7 @@ class NamespaceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     ``tenant`` salts the digest. A daemon with ``[tenants]`` sets it to the
     tenant of the connection that registers the namespace (when left at
-    ``default``) and refuses any other (cache.py, docs/keys.md).
+    ``default``) and refuses any other (cache/desk.py, docs/keys.md).
     """
 
     model: str

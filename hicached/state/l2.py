@@ -1,8 +1,8 @@
 """L2 allocation: slots for new pages, LRU eviction across page sizes and
 tenants, per-tenant quotas, and the slots on their way back.
 
-Synchronous and free of I/O. The pool (pool.py) hands out slots; the page
-indexes (index.py, one per tenant and page size, on one shared recency clock)
+Synchronous and free of I/O. The pool (state/pool.py) hands out slots; the page
+indexes (state/index.py, one per tenant and page size, on one shared recency clock)
 say which pages to evict. This module decides how many: an allocation evicts
 at most as many pages as it asked slots for. An evicted page that keeps its
 slot for a while (its write-back to L3 is in flight) counts against that
@@ -34,9 +34,9 @@ from collections.abc import Callable, Iterator
 
 import msgspec
 
-from hicached.index import PageIndex
-from hicached.keyindex import KeyIndex
-from hicached.pool import SlotPool
+from hicached.state.index import PageIndex
+from hicached.state.keyindex import KeyIndex
+from hicached.state.pool import SlotPool
 
 Victims = list[tuple[bytes, int, int]]  # (key, slot, owner namespace id)
 # The radix tree of token namespaces, or the key table of key-addressed ones.
@@ -102,7 +102,7 @@ class TenantBook:
 
 
 class TenantFigures(msgspec.Struct, frozen=True):
-    """One tenant's share of L2 (metrics.py): ``pages`` indexed, ``slots`` and
+    """One tenant's share of L2 (daemon/metrics.py): ``pages`` indexed, ``slots`` and
     ``bytes`` charged (indexed, under a lease, on their way back), its quota
     (0 = none), and counters of the pages its matches asked for and found, and
     of its pages evicted (``quota_evicted`` of them to keep it within its quota)."""

@@ -3,8 +3,8 @@
 No I/O here. A *handle* (``Reservation``, ``Hit``) is the only way to copy
 bytes into or out of the pool: it carries the daemon instance that granted
 it, the lease's deadline on this client's monotonic clock, and the slots'
-generations as they were when the daemon handed them out (pool.py). The
-copies (mapping.py) refuse a handle that is closed, from another daemon
+generations as they were when the daemon handed them out (state/pool.py). The
+copies (client/mapping.py) refuse a handle that is closed, from another daemon
 instance or past its deadline, and a read whose slots changed generation
 while it copied is reported as a miss (``StaleHandle``), never as bytes.
 """
@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 
 from hicached.errors import BadRequest
-from hicached.namespace import NamespaceSpec
+from hicached.wire.namespace import NamespaceSpec
 
 # over an immutable buffer: it cannot be made writeable again, or resized
 _NO_GENS = np.frombuffer(b"", dtype=np.uint32)

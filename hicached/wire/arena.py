@@ -7,7 +7,7 @@ daemon's runtime directory, so a restarted daemon replaces the file of a
 crashed predecessor instead of leaking it.
 
 Layout: ``size`` bytes of page slots, then the header: one generation counter
-per ``GEN_GRANULE`` bytes of slots (pool.py), which the daemon bumps and
+per ``GEN_GRANULE`` bytes of slots (state/pool.py), which the daemon bumps and
 clients read to tell whether a slot changed owner during a copy.
 
 Huge pages (``pool.huge_pages``): ``madvise`` asks for transparent huge pages
@@ -37,7 +37,15 @@ import numpy as np
 import xxhash
 
 from hicached.errors import ConfigError, DaemonUnavailable, HicachedError
-from hicached.pool import GEN_DTYPE, gen_count
+
+GEN_GRANULE = 4096  # bytes of arena per generation counter
+GEN_DTYPE = np.dtype("<u4")
+
+
+def gen_count(arena_bytes: int) -> int:
+    """Generation counters an arena of ``arena_bytes`` needs."""
+    return -(-arena_bytes // GEN_GRANULE)
+
 
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+; older kernels refuse it with EINVAL

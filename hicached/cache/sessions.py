@@ -5,7 +5,7 @@ the daemon's state.
 
 - A *session* is one connected client (a ZeroMQ routing id) and, when tenants
   are configured, the peer it is: its tenant, named by the connection's
-  credentials (server.py), never by what it sends. It ends on
+  credentials (daemon/server.py), never by what it sends. It ends on
   ``goodbye``, when it has been idle for ``server.session_idle_s`` without a
   lease, or when the session table is full and a newcomer needs its place
   (the longest idle session that holds no lease goes first).
@@ -25,10 +25,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from hicached.index import PageIndex
-from hicached.keyindex import KeyIndex
-from hicached.l2 import Index, TenantBook
-from hicached.namespace import NamespaceSpec
+from hicached.state.index import PageIndex
+from hicached.state.keyindex import KeyIndex
+from hicached.state.l2 import Index, TenantBook
+from hicached.wire.namespace import NamespaceSpec
 
 
 @dataclass(slots=True, eq=False)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import msgspec
 
 from hicached.errors import HicachedError, error_from_code
-from hicached.namespace import NamespaceSpec
+from hicached.wire.namespace import NamespaceSpec
 
 PROTOCOL_MAJOR = 1
 PROTOCOL_MINOR = 2

@@ -22,11 +22,11 @@ from typing import Any
 
 import msgspec
 
-from hicached.arena import Arena
 from hicached.cache import Cache, Lease, NamespaceState
 from hicached.config import Config, data_dir
-from hicached.dispatcher import Dispatcher, WriteJob
+from hicached.daemon.dispatcher import Dispatcher, WriteJob
 from hicached.errors import ConfigError
+from hicached.wire.arena import Arena
 from hicached_backends import Backend, BackendEnv, PageRef, load_backend_class
 
 log = logging.getLogger("hicached.storage")

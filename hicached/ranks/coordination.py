@@ -23,7 +23,7 @@ every rank. A pool whose result is missing (the daemon said no, or errored)
 counts as 0 pages: handled, not a crash.
 
 With PP, stage 0 decides on the other stages' values of one step before
-(dist.py). Those only grow while a rank's prefetches hold their pins, so
+(ranks/agreement.py). Those only grow while a rank's prefetches hold their pins, so
 the decision is one every rank can honour. A rank whose prefetch was lost
 in that step (its daemon restarted, or its lease ended), or whose commit
 fails, cannot: it releases everything it still holds and raises
@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from hicached.client import Client, Fetch, Namespace
-from hicached.dist import Agreement, Fields, Topology
 from hicached.errors import HicachedError
+from hicached.ranks.agreement import Agreement, Fields, Topology
 
 log = logging.getLogger("hicached.coordinator")
 

@@ -36,7 +36,7 @@ def _rank_main(
     import torch
     import torch.distributed as dist
 
-    from hicached.dist import Topology
+    from hicached.ranks.agreement import Topology
 
     torch.set_num_threads(1)
     tp, cp, pp = layout

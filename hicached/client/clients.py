@@ -15,7 +15,7 @@ Typical use::
         data = c.read_pages(hit)
         c.release(hit)
 
-Copies go through handles (handles.py, mapping.py); a stale handle gives a
+Copies go through handles (client/handles.py, client/mapping.py); a stale handle gives a
 miss or a clear error, never another key's bytes. A call to a daemon that is
 not running fails at once with ``DaemonUnavailable``.
 """
@@ -37,8 +37,18 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from hicached import protocol as p
-from hicached.arena import Arena
+from hicached.client.handles import (
+    TOKEN_WRITE,
+    Fetch,
+    FetchProgress,
+    Hit,
+    KeysFound,
+    LeaseState,
+    Namespace,
+    PortableHandle,
+    Reservation,
+)
+from hicached.client.mapping import PoolMapping, check_empty, cuda_tensor, lease_margin
 from hicached.config import check_endpoint, default_endpoint
 from hicached.errors import (
     BadRequest,
@@ -52,20 +62,10 @@ from hicached.errors import (
     UnknownLease,
     VersionMismatch,
 )
-from hicached.handles import (
-    TOKEN_WRITE,
-    Fetch,
-    FetchProgress,
-    Hit,
-    KeysFound,
-    LeaseState,
-    Namespace,
-    PortableHandle,
-    Reservation,
-)
-from hicached.hashing import pack_tokens
-from hicached.mapping import PoolMapping, check_empty, cuda_tensor, lease_margin
-from hicached.namespace import NamespaceSpec
+from hicached.wire import protocol as p
+from hicached.wire.arena import Arena
+from hicached.wire.hashing import pack_tokens
+from hicached.wire.namespace import NamespaceSpec
 
 __all__ = [
     "AsyncClient",
@@ -474,7 +474,7 @@ class _Core:
     def pin_memory(self) -> None:
         """Register this client's mapping of the pool with CUDA as pinned memory,
         now and after every reconnect, so that copies between GPU tensors and
-        slots need no staging buffer (hicached/cuda.py, docs/perf.md)."""
+        slots need no staging buffer (hicached/client/cuda.py, docs/perf.md)."""
         self._pin = True
         if self._mapping is not None:
             self._mapping.pin()

@@ -1,0 +1,91 @@
+"""The queue of KV events the cache records, for the publisher to send.
+
+Synchronous and free of I/O: the cache appends, the daemon's publisher
+(daemon/publisher.py) takes batches. Bounded: events that find it full are
+dropped and counted, and leave a gap in the sequence numbers.
+"""
+
+from __future__ import annotations
+
+import collections
+
+from hicached.wire.events import AnyEvent, Removed, Stored
+
+# Reason under which events the full queue refused are counted in ``dropped``.
+QUEUE_DROPS = "events_queue"
+
+
+class EventLog:
+    """Events waiting to be published; bounded, and a no-op when disabled.
+
+    Events that find the queue full are dropped and counted (``dropped``, and
+    under ``events_queue`` in the counters given to ``count_drops_in``); the
+    place where they would have been is remembered, and ``take`` stops there
+    so the publisher can leave a gap in the sequence numbers.
+    """
+
+    def __init__(self, max_events: int, enabled: bool) -> None:
+        self.enabled = enabled
+        self.max_events = max_events
+        self.pending: collections.deque[AnyEvent] = collections.deque()
+        self.dropped = 0
+        self._counters: dict[str, int] | None = None
+        self._queued = 0  # events ever queued
+        self._taken = 0  # events ever taken
+        # Positions (counted in queued events) after which events were dropped.
+        self._gaps: collections.deque[int] = collections.deque()
+
+    def count_drops_in(self, counters: dict[str, int]) -> None:
+        """Count drops (those so far, and every later one) in ``counters``."""
+        if self.dropped:
+            counters[QUEUE_DROPS] = counters.get(QUEUE_DROPS, 0) + self.dropped
+        self._counters = counters
+
+    def add(self, event: AnyEvent) -> None:
+        if not self.enabled:
+            return
+        if len(self.pending) >= self.max_events:
+            self.dropped += 1
+            if self._counters is not None:
+                self._counters[QUEUE_DROPS] = self._counters.get(QUEUE_DROPS, 0) + 1
+            if not self._gaps or self._gaps[-1] != self._queued:
+                self._gaps.append(self._queued)  # one gap per run of drops
+            return
+        self.pending.append(event)
+        self._queued += 1
+
+    def stored(
+        self,
+        keys: list[bytes],
+        parent: bytes | None,
+        tokens: list[int],
+        page_tokens: int,
+        medium: str,
+        model: str = "",
+    ) -> None:
+        if self.enabled and keys:
+            self.add(Stored(list(keys), parent, tokens, page_tokens, medium, model))
+
+    def removed(self, keys: list[bytes], medium: str, model: str = "") -> None:
+        if self.enabled and keys:
+            self.add(Removed(list(keys), medium, model))
+
+    def take(self, n: int) -> tuple[list[AnyEvent], bool]:
+        """Up to ``n`` events, oldest first, never across a gap; the flag says
+        that events were dropped right after these (the gap is then consumed)."""
+        limit = min(n, len(self.pending))
+        gaps = self._gaps
+        if gaps:
+            limit = min(limit, gaps[0] - self._taken)
+        pop = self.pending.popleft
+        out = [pop() for _ in range(limit)]
+        self._taken += limit
+        if gaps and gaps[0] == self._taken:
+            gaps.popleft()
+            return out, True
+        return out, False
+
+    @property
+    def gaps(self) -> int:
+        """Runs of dropped events not yet passed to the publisher."""
+        return len(self._gaps)

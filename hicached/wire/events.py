@@ -1,0 +1,196 @@
+"""KV events in vLLM's wire format: what the cache records, and how it is sent.
+
+The cache records events with hicached's 16-byte page keys (docs/keys.md) and
+the namespace's model (``Stored``, ``Removed``, ``Cleared``); on the wire they
+are vLLM's structs (``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``)
+in a msgpack ``KVEventBatch``, encoded as vLLM encodes them now (events as
+maps; ``events.format = "array"`` gives the older positional layout), and a
+block hash is, by default, vLLM's 64-bit integer form of the key
+(``block_hash``). A BlockStored's parent is the key of the page before its
+first block, or None at the start of a sequence (and where it is not known).
+
+Media: ``CPU`` for L2 (the shared host pool), the backend's name in capitals
+(``FILE``, ``S3``, ``MOONCAKE``, ...) for L3. How batches are queued, sent
+and replayed: cache/eventlog.py and daemon/publisher.py.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+
+from hicached.config import EventsConfig
+
+MEDIUM_L2 = "CPU"
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+_LOW64 = (1 << 64) - 1
+
+
+# -- what the cache records: hicached's keys, and the namespace's model ----------------
+
+
+class Stored(msgspec.Struct, gc=False):
+    """Pages became available in ``medium``; ``keys`` are consecutive pages of one
+    sequence, ``parent`` the key before the first (None at the start, or unknown)."""
+
+    keys: list[bytes]
+    parent: bytes | None
+    tokens: list[int]  # the pages' token ids; [] where not known
+    block_size: int  # the namespace's page_tokens; 0 where not known
+    medium: str
+    model: str = ""  # the namespace's model ("" where not known): the topic's {model}
+
+
+class Removed(msgspec.Struct, gc=False):
+    """Pages left ``medium``."""
+
+    keys: list[bytes]
+    medium: str
+    model: str = ""
+
+
+class Cleared(msgspec.Struct, gc=False):
+    """Everything this daemon announced before is gone (sent once, at start)."""
+
+    model: str = ""
+
+
+AnyEvent = Stored | Removed | Cleared
+
+
+# -- the wire: vLLM's structs (vllm/distributed/kv_events.py), field for field --------
+
+BlockHash = int | bytes
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """An event as vLLM encodes it now: a map tagged ``type``."""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[BlockHash]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+class ArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """An event in the older positional layout: ``[tag, field, ...]``."""
+
+
+class ArrayBlockStored(ArrayEvent, tag="BlockStored"):
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class ArrayBlockRemoved(ArrayEvent, tag="BlockRemoved"):
+    block_hashes: list[BlockHash]
+    medium: str | None
+
+
+class ArrayAllBlocksCleared(ArrayEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class ArrayKVEventBatch(EventBatch):
+    events: list[ArrayBlockStored | ArrayBlockRemoved | ArrayAllBlocksCleared]
+
+
+WireBatch = KVEventBatch | ArrayKVEventBatch
+
+batch_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_array_decoder = msgspec.msgpack.Decoder(ArrayKVEventBatch)
+
+
+def decode_batch(payload: bytes, layout: str = "map") -> WireBatch:
+    """A payload as hicached's own subscriber tools read it (``events.format``)."""
+    return _array_decoder.decode(payload) if layout == "array" else batch_decoder.decode(payload)
+
+
+def event_key(scheme: str, key: bytes) -> bytes:
+    """What an engine's own events name a page of a key-addressed namespace by:
+    vLLM's offload keys end in a 4-byte KV group index after the block hash,
+    which vLLM's events carry alone; other schemes' keys are the page hash."""
+    if scheme.startswith("vllm-") and len(key) > 4:
+        return key[:-4]
+    return key
+
+
+def block_hash(key: bytes, form: str = "int") -> BlockHash:
+    """The wire form of a page key: vLLM's 64-bit integer (the key's last 8 bytes,
+    big-endian, unsigned; vLLM's ``int.from_bytes(h, "big") & (2**64 - 1)``), or
+    the key itself (``events.block_hashes = "bytes"``)."""
+    return int.from_bytes(key, "big") & _LOW64 if form == "int" else key
+
+
+class WireFormat:
+    """Turns recorded events into one encoded ``KVEventBatch`` (``events.format``,
+    ``events.block_hashes``, ``events.data_parallel_rank``)."""
+
+    def __init__(self, config: EventsConfig) -> None:
+        array = config.format == "array"
+        self._stored = ArrayBlockStored if array else BlockStored
+        self._removed = ArrayBlockRemoved if array else BlockRemoved
+        self._cleared = ArrayAllBlocksCleared() if array else AllBlocksCleared()
+        self._batch = ArrayKVEventBatch if array else KVEventBatch
+        self._ints = config.block_hashes == "int"
+        self.rank = config.data_parallel_rank
+        self._encode = msgspec.msgpack.Encoder().encode
+
+    def _hashes(self, keys: list[bytes]) -> list[BlockHash]:
+        if not self._ints:
+            return list(keys)
+        frombytes = int.from_bytes
+        return [frombytes(k[-8:], "big") for k in keys]
+
+    def wire(self, event: AnyEvent) -> Any:
+        if isinstance(event, Stored):
+            parent: BlockHash | None = event.parent
+            if event.parent is not None and self._ints:
+                parent = int.from_bytes(event.parent[-8:], "big")
+            return self._stored(
+                self._hashes(event.keys),
+                parent,
+                event.tokens,
+                event.block_size,
+                None,
+                event.medium,
+                None,
+            )
+        if isinstance(event, Removed):
+            return self._removed(self._hashes(event.keys), event.medium)
+        return self._cleared
+
+    def encode(self, events: list[AnyEvent]) -> bytes:
+        wire = self.wire
+        batch = self._batch(time.time(), [wire(e) for e in events], self.rank)
+        return self._encode(batch)
