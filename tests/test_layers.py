@@ -102,3 +102,11 @@ def test_every_request_type_has_exactly_one_handler() -> None:
 def test_at_most_a_dozen_modules_sit_directly_in_the_package() -> None:
     flat = [path.name for path in PACKAGE.glob("*.py")]
     assert len(flat) <= 12, sorted(flat)
+
+
+def test_every_write_policy_the_config_names_is_one_object() -> None:
+    from hicached.cache.policy import POLICIES
+    from hicached.config import WRITE_POLICIES
+
+    assert set(POLICIES) == set(WRITE_POLICIES)
+    assert all(POLICIES[name].name == name for name in POLICIES)

@@ -48,6 +48,7 @@ import numpy as np
 
 from hicached.cache.chainorder import ChainOrder
 from hicached.cache.eventlog import EventLog
+from hicached.cache.policy import write_policy
 from hicached.cache.sessions import (
     KeyedPage,
     Lease,
@@ -202,6 +203,7 @@ class Cache:
         self.expired_leases = 0
         self.key_cache = KeyCache(config.server.key_cache_pages)
         self.tier: TierPort | None = None
+        self.policy = write_policy(config.storage.write_policy)  # when pages go to L3
         self.l3 = KnownKeys(config.storage.known_keys)  # keys L3 holds, as far as we know
         self.l3.on_forgotten = self._l3_keys_forgotten
         self.writing: set[bytes] = set()  # keys with an L3 write in flight
@@ -621,7 +623,7 @@ class Cache:
     def _evicted(self, victims: Victims) -> None:
         """Free evicted slots; under write_back, first write pages L3 lacks (under
         the namespace that stored each page), holding their slots until then."""
-        write_back = self.tier is not None and self.config.storage.write_policy == "write_back"
+        write_back = self.tier is not None and self.policy.writes_back
         hits, origins = self._hits, self._origins
         owners: dict[NamespaceState, list[bytes]] = {}
         # parents first: eviction takes a sequence from its tail, L3 gets it from its head
@@ -725,8 +727,8 @@ class Cache:
             # that L3 dropped since (a recycled segment) must not be recorded again.
             if pf is not None:
                 self._in_both(ns, keys[new:], slots[new:])
-            elif self.config.storage.write_policy == "write_through":
-                self._write_pages(ns, keys[new:], slots[new:])
+            else:
+                self.policy.committed(self, ns, keys[new:], slots[new:])
         return p.CommitOk(id=msg.id, published=published, duplicates=count - published)
 
     def match(self, session: Session, msg: p.Match) -> p.MatchOk | L3Lookup:
@@ -773,12 +775,8 @@ class Cache:
         counted["l2"] += hits
         ns.book.asked += asked
         ns.book.hits += hits
-        if (
-            hits
-            and self.tier is not None
-            and self.config.storage.write_policy == "write_through_selective"
-        ):
-            self._count_hit(ns, keys[:hits], slots)
+        if hits and self.tier is not None:
+            self.policy.matched(self, ns, keys[:hits], slots)
         known = hits + l3_hits
         if known < len(keys) and not self.l3.complete:
             unknown = keys[known:]
@@ -955,8 +953,8 @@ class Cache:
             keys = [page.key for page in stored]
             if lease.prefetch is not None:
                 self._in_both(ns, keys, slots)
-            elif self.config.storage.write_policy == "write_through":
-                self._write_pages(ns, keys, slots)
+            else:
+                self.policy.committed(self, ns, keys, slots)
         return p.CommitOk(id=msg.id, published=len(stored), duplicates=len(chosen) - len(stored))
 
     def _stored_events(self, ns: NamespaceState, pages: list[KeyedPage], medium: str) -> None:
@@ -993,7 +991,7 @@ class Cache:
             if key in l3:
                 both[key] = InBoth(ns, slot, -1, False)
 
-    def _count_hit(self, ns: NamespaceState, keys: list[bytes], slots: list[int]) -> None:
+    def count_hit(self, ns: NamespaceState, keys: list[bytes], slots: list[int]) -> None:
         """write_through_selective: a prefix matched often enough goes to L3.
 
         Only the deepest page of each match is counted: its prefix is matched
@@ -1007,9 +1005,9 @@ class Cache:
             self._hits[last] = count
             return
         self._hits.pop(last, None)
-        self._write_pages(ns, keys, slots)
+        self.write_pages(ns, keys, slots)
 
-    def _write_pages(self, ns: NamespaceState, keys: list[bytes], slots: list[int]) -> None:
+    def write_pages(self, ns: NamespaceState, keys: list[bytes], slots: list[int]) -> None:
         """Write the pages L3 lacks, but those it let go of in this stay in L2 that
         are not to be written again (``forget_l3``); those it holds are noted as
         held by both tiers."""
@@ -1149,8 +1147,8 @@ class Cache:
             return
         both = self._both
         found = [(key, both.pop(key)) for key in gone if key in both]
-        if self.config.storage.write_policy == "write_back":
-            return
+        if not self.policy.rewrites:
+            return  # written when it leaves L2, if at all
         l2_bytes = self.pool.used_bytes
         taken = self._l3_taken
         short = any(page.at >= 0 and taken - page.at <= l2_bytes for _, page in found)
@@ -1386,6 +1384,7 @@ class Cache:
         gives up its least recently used unleased pages at once; returns the
         pages each such tenant gave up."""
         self.config = config
+        self.policy = write_policy(config.storage.write_policy)
         self._set_quotas(config)
         evicted = {}
         for name in config.tenants:

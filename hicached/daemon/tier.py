@@ -195,7 +195,7 @@ class Tier:
         if running:
             await asyncio.wait(running, timeout=max(0.0, end - time.monotonic()))
         counts = None
-        if self.config.write_policy == "write_back":
+        if self.cache.policy.writes_back:
             counts = await self._flush_write_back(end)
         await self.dispatcher.stop(end)
         if counts is not None:

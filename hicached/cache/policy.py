@@ -1,0 +1,82 @@
+"""Write policies: when a page goes from L2 to L3 (``storage.write_policy``).
+
+Each is an object chosen once by name (at start and on a reload), asked at the
+few moments a policy decides something, instead of comparisons of the name
+wherever one matters:
+
+- ``committed``: pages a client just committed into L2;
+- ``matched``: the leading pages a match found in L2;
+- ``writes_back``: whether a page that leaves L2 unwritten is written then
+  (and at a graceful stop, whatever L3 lacks);
+- ``rewrites``: whether a page L3 lets go of while it stays in L2 is written
+  again (bounded in the cache's ``forget_l3``).
+
+A new policy is a class here and its name in config.WRITE_POLICIES.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    from hicached.cache.desk import Cache
+    from hicached.cache.sessions import NamespaceState
+
+
+class WritePolicy:
+    """What a policy decides; the base writes nothing."""
+
+    name: ClassVar[str]
+    writes_back: ClassVar[bool] = False
+    rewrites: ClassVar[bool] = False
+
+    def committed(
+        self, cache: Cache, ns: NamespaceState, keys: list[bytes], slots: list[int]
+    ) -> None:
+        """Pages ``keys`` (in ``slots``) were committed into L2 by a client."""
+
+    def matched(
+        self, cache: Cache, ns: NamespaceState, keys: list[bytes], slots: list[int]
+    ) -> None:
+        """A match found the leading pages ``keys`` (in ``slots``) in L2."""
+
+
+class WriteThrough(WritePolicy):
+    """Every committed page goes to L3 at once."""
+
+    name = "write_through"
+    rewrites = True
+
+    def committed(
+        self, cache: Cache, ns: NamespaceState, keys: list[bytes], slots: list[int]
+    ) -> None:
+        cache.write_pages(ns, keys, slots)
+
+
+class WriteThroughSelective(WritePolicy):
+    """A prefix goes to L3 once it was matched ``storage.selective_hits`` times."""
+
+    name = "write_through_selective"
+    rewrites = True
+
+    def matched(
+        self, cache: Cache, ns: NamespaceState, keys: list[bytes], slots: list[int]
+    ) -> None:
+        cache.count_hit(ns, keys, slots)
+
+
+class WriteBack(WritePolicy):
+    """A page goes to L3 when it leaves L2 (and at a graceful stop)."""
+
+    name = "write_back"
+    writes_back = True
+
+
+POLICIES: dict[str, type[WritePolicy]] = {
+    cls.name: cls for cls in (WriteThrough, WriteThroughSelective, WriteBack)
+}
+
+
+def write_policy(name: str) -> WritePolicy:
+    """The policy named ``name`` (config checked it is one of POLICIES)."""
+    return POLICIES[name]()
