@@ -8,10 +8,13 @@ serving one (a bug) becomes an ``internal`` error reply and the drain goes
 on with the next message. KV events go out through a ``Publisher``
 (wire/events.py). Signals only set a flag; a second signal exits at once.
 
-Tenants: with ``[tenants]`` configured, a connection's tenant comes from who
-it is (daemon/tenants.py), never from what it says; the cache checks each request
-against it. SIGHUP reads the config file again and applies what may change at run time
-(config.reload_plan); everything else keeps its running value, logged.
+Access control (private directories, the clients' group, CURVE, the ZAP
+handler) is daemon/access.py's; the head reader that names a request it cannot
+decode, wire/peek.py's. Tenants: with ``[tenants]`` configured, a connection's
+tenant comes from who it is (daemon/tenants.py), never from what it says; the
+cache checks each request against it. SIGHUP reads the config file again and
+applies what may change at run time (config.reload_plan); everything else keeps
+its running value, logged.
 """
 
 from __future__ import annotations
@@ -19,13 +22,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import grp
 import logging
 import math
 import os
 import signal
-import stat
-import struct
 import sys
 import threading
 import time
@@ -35,7 +35,6 @@ from pathlib import Path
 import msgspec
 import zmq
 import zmq.auth
-from zmq.auth.thread import ThreadAuthenticator
 
 from hicached.cache import OP_NAMES, Cache, L3Lookup
 from hicached.config import (
@@ -46,14 +45,16 @@ from hicached.config import (
     reload_plan,
     runtime_dir,
 )
+from hicached.daemon.access import Access, ensure_private_dir
 from hicached.daemon.metrics import Metrics
 from hicached.daemon.notify import StartupProgress, sd_notify, watchdog_interval
 from hicached.daemon.publisher import Publisher
-from hicached.daemon.tenants import TENANT_DOMAIN, PeerAuthenticator, TenantMap, user_id
+from hicached.daemon.tenants import TENANT_DOMAIN, user_id
 from hicached.daemon.tier import Tier, make_backend
 from hicached.errors import BadRequest, ConfigError, HicachedError, TooLarge
 from hicached.wire import protocol as p
 from hicached.wire.arena import Arena, arena_path
+from hicached.wire.peek import peek_request
 
 log = logging.getLogger("hicached")
 
@@ -69,108 +70,6 @@ _SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 _EVENTS = int(zmq.EVENTS)
 _RCVMORE = int(zmq.RCVMORE)
 _POLLIN = int(zmq.POLLIN)
-
-# msgpack head bytes of the scalars peek_request reads, with their payload sizes.
-_UINT = {0xCC: 1, 0xCD: 2, 0xCE: 4, 0xCF: 8}
-_INT = {0xD0: 1, 0xD1: 2, 0xD2: 4, 0xD3: 8}
-_OTHER = {0xC0: 0, 0xC2: 0, 0xC3: 0, 0xCA: 4, 0xCB: 8}  # nil, false, true, floats
-_SIZED = {0xD9: 1, 0xDA: 2, 0xDB: 4, 0xC4: 1, 0xC5: 2, 0xC6: 4}  # str8-32, bin8-32
-
-
-def peek_request(payload: bytes) -> tuple[str, int | None]:
-    """The ``op`` and ``id`` of a request, read from the scalar fields at the head
-    of its msgpack map without decoding any nested value (which may be nested
-    too deep to decode). ``("", None)`` where they cannot be read."""
-    op, request_id = "", None
-    try:
-        head, pos = payload[0], 1
-        if 0x80 <= head <= 0x8F:
-            count = head & 0x0F
-        elif head == 0xDE:
-            count, pos = struct.unpack_from(">H", payload, 1)[0], 3
-        elif head == 0xDF:
-            count, pos = struct.unpack_from(">I", payload, 1)[0], 5
-        else:
-            return op, request_id
-        for _ in range(count):
-            key, pos = _scalar(payload, pos)
-            value, pos = _scalar(payload, pos)
-            if key == b"op" and isinstance(value, bytes):
-                op = value.decode()
-            elif key == b"id" and isinstance(value, int):
-                request_id = value
-            if op and request_id is not None:
-                break
-    except (IndexError, ValueError, struct.error):  # a nested value, or cut short
-        pass
-    return op, request_id
-
-
-def _scalar(buf: bytes, pos: int) -> tuple[bytes | int | None, int]:
-    """The msgpack scalar at ``pos`` (strings and bins as bytes, ints as int,
-    others as None) and the position after it; ValueError for anything nested."""
-    head = buf[pos]
-    if head <= 0x7F or head >= 0xE0:  # fixint
-        return head if head <= 0x7F else head - 0x100, pos + 1
-    if 0xA0 <= head <= 0xBF:  # fixstr
-        start, size = pos + 1, head & 0x1F
-    elif head in _SIZED:
-        start = pos + 1 + _SIZED[head]
-        size = int.from_bytes(buf[pos + 1 : start], "big")
-    elif head in _UINT or head in _INT:
-        start, size = pos + 1, _UINT.get(head) or _INT[head]
-    elif head in _OTHER:
-        return None, pos + 1 + _OTHER[head]
-    else:
-        raise ValueError("a nested value")
-    end = start + size
-    if end > len(buf):
-        raise ValueError("cut short")
-    if head in _UINT or head in _INT:
-        return int.from_bytes(buf[start:end], "big", signed=head in _INT), end
-    return buf[start:end], end
-
-
-def ensure_private_dir(path: Path, group: int | None = None) -> None:
-    """Create ``path`` mode 0700, or check that an existing one is ours and private.
-    With ``group`` (server.client_group) it is 0750 and that group's: its members
-    reach the sockets inside, nobody else does."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.lstat()
-    if not stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"{path} must be a directory, not a link or a file")
-    if st.st_uid != os.getuid():
-        raise ConfigError(f"{path} belongs to uid {st.st_uid}, not to this user ({os.getuid()})")
-    if st.st_mode & (0o077 if group is None else 0o027):
-        raise ConfigError(
-            f"{path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}): "
-            f"run chmod {700 if group is None else 750} {path}"
-        )
-    if group is not None:
-        share_with_group(path, group, 0o750)
-
-
-def client_group_id(name: str) -> int | None:
-    """The gid of server.client_group (a name or a number), None when unset."""
-    if not name:
-        return None
-    try:
-        return int(name) if name.isdigit() else grp.getgrnam(name).gr_gid
-    except KeyError:
-        raise ConfigError(f"server.client_group: no group named {name!r} on this host") from None
-
-
-def share_with_group(path: Path, group: int, mode: int) -> None:
-    """Give ``path`` (ours) to ``group`` with ``mode``; no chown when it has that group."""
-    try:
-        if path.lstat().st_gid != group:
-            os.chown(path, -1, group, follow_symlinks=False)
-        os.chmod(path, mode)
-    except OSError as exc:
-        raise ConfigError(
-            f"server.client_group: cannot give {path} to group {group}: {exc.strerror} "
-            "(the daemon's user must be in that group)"
-        ) from None
 
 
 # ZAP domain of the request socket when tenants are configured: its peers get
@@ -193,14 +92,11 @@ class Server:
         self._sock: zmq.Socket[bytes] | None = None
         self.publisher: Publisher | None = None
         self._lock_fd: int | None = None
-        self._client_gid: int | None = None  # server.client_group, resolved at start
+        self.access = Access(config, self.endpoint)
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._signals = 0
         self.metrics: Metrics | None = None
-        self._auth: ThreadAuthenticator | None = None
-        self._curve_keys: tuple[bytes, bytes] | None = None
-        self._tenants: TenantMap | None = None  # with [tenants]: who each peer is
         self._reload_wanted = asyncio.Event()
         # the process is this daemon's own (serve): it may exit past stuck calls
         self.exit_past_stuck_calls = False
@@ -280,8 +176,8 @@ class Server:
     def _prepare(self, on_populate: Callable[[int], None] | None = None) -> None:
         """Directories, the single-instance lock, the pool and the state."""
         cfg = self.config
-        self._client_gid = client_group_id(cfg.server.client_group)
-        ensure_private_dir(self.runtime_dir, self._client_gid)
+        gid = self.access.resolve_group()
+        ensure_private_dir(self.runtime_dir, gid)
         self._lock_fd = os.open(
             self.runtime_dir / "hicached.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
         )
@@ -293,7 +189,7 @@ class Server:
             ) from None
         if self.endpoint.startswith("ipc://"):
             sock_path = Path(self.endpoint[len("ipc://") :])
-            ensure_private_dir(sock_path.parent, self._client_gid)
+            ensure_private_dir(sock_path.parent, gid)
             sock_path.unlink(missing_ok=True)
         size = cfg.pool.size_mib << 20
         started = time.monotonic()
@@ -301,7 +197,7 @@ class Server:
             arena_path(cfg.pool.shm_dir, self.runtime_dir),
             size,
             cfg.pool.populate,
-            self._client_gid,
+            gid,
             on_populate,
             cfg.pool.huge_pages,
         )
@@ -318,10 +214,10 @@ class Server:
         cfg = self.config
         assert self.cache is not None
         self._ctx = zmq.Context()
-        self._start_auth()
+        self.access.start(self._ctx)
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        if self._tenants is not None:
+        if self.access.tenants is not None:
             sock.setsockopt(zmq.ZAP_DOMAIN, TENANT_DOMAIN)  # every peer's tenant, by ZAP
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         # Queued requests and replies are bounded in bytes per client: past
@@ -337,7 +233,7 @@ class Server:
         # Hard guard on memory: libzmq drops the peer beyond this; between
         # max_message_bytes and this the request gets a too_large reply.
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * server.max_message_bytes)
-        self._bind(sock, self.endpoint, "server.endpoint")
+        self.access.bind(sock, self.endpoint, "server.endpoint")
         self._sock = sock
         loop = asyncio.get_running_loop()
         loop.add_reader(sock.fileno(), self._drain)
@@ -358,16 +254,8 @@ class Server:
         assert self._ctx is not None and self.cache is not None
         publisher = Publisher(self.config.events, self.cache.events, self.cache.dropped)
         self.publisher = publisher
-        publisher.start(self._ctx, self._bind_private)
+        publisher.start(self._ctx, self.access.bind_private)
         log.info("KV events on %s", self.config.events.endpoint)
-
-    def _bind_private(self, sock: zmq.Socket[bytes], where: str, key: str) -> None:
-        """Bind like ``_bind``, an ipc:// socket in a private directory."""
-        if where.startswith("ipc://"):
-            path = Path(where[len("ipc://") :])
-            ensure_private_dir(path.parent, self._client_gid)
-            path.unlink(missing_ok=True)
-        self._bind(sock, where, key)
 
     async def shutdown(self) -> None:
         sd_notify("STOPPING=1")
@@ -401,9 +289,7 @@ class Server:
         if self._sock is not None:
             self._sock.close(linger=0)  # idempotent
             self._sock = None
-        if self._auth is not None:
-            self._auth.stop()
-            self._auth = None
+        self.access.stop()
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None
@@ -417,86 +303,6 @@ class Server:
             self._lock_fd = None
 
     # -- sockets -------------------------------------------------------------------
-
-    def _start_auth(self) -> None:
-        """Load the daemon's CURVE keys, and start the ZAP handler that admits
-        authorized peers and names each request connection's tenant."""
-        cfg = self.config
-        curve = cfg.curve
-        authorized: set[bytes] = set()
-        if curve.secret_key_file:
-            authorized = self._load_curve()
-        elif not cfg.tenants:
-            return
-        if cfg.tenants:
-            keys = self._tenant_keys(authorized)
-            self._tenants = TenantMap(cfg.tenants, keys, ipc=self.endpoint.startswith("ipc://"))
-        assert self._ctx is not None
-        auth = PeerAuthenticator(self._ctx, self._tenants, authorized)
-        auth.start()
-        self._auth = auth
-        if curve.secret_key_file:
-            auth.configure_curve(domain="*", location=curve.authorized_keys_dir)
-            log.info("CURVE on tcp:// sockets; authorized keys from %s", curve.authorized_keys_dir)
-        if cfg.tenants:
-            log.info(
-                "tenants %s; a connection's tenant comes from its %s",
-                ", ".join(sorted(cfg.tenants)),
-                "uid, then gid" if self.endpoint.startswith("ipc://") else "CURVE key",
-            )
-
-    def _load_curve(self) -> set[bytes]:
-        """The daemon's key pair (kept for binding) and the authorized public keys."""
-        curve = self.config.curve
-        try:
-            public, secret = zmq.auth.load_certificate(curve.secret_key_file)
-        except (OSError, ValueError) as exc:
-            raise ConfigError(
-                f"curve.secret_key_file: cannot read {curve.secret_key_file}: {exc}"
-            ) from None
-        if not secret:
-            raise ConfigError(
-                f"curve.secret_key_file: {curve.secret_key_file} holds a public key only; "
-                "give the .key_secret file"
-            )
-        if not Path(curve.authorized_keys_dir).is_dir():
-            raise ConfigError(
-                f"curve.authorized_keys_dir: {curve.authorized_keys_dir} is not a directory"
-            )
-        self._curve_keys = (public, secret)
-        return set(zmq.auth.load_certificates(curve.authorized_keys_dir))
-
-    def _tenant_keys(self, authorized: set[bytes]) -> dict[bytes, str]:
-        """Z85 public key -> tenant, from the certificates each tenant lists."""
-        keys = {}
-        for name, tenant in self.config.tenants.items():
-            for cert in tenant.curve_keys:
-                path = Path(self.config.curve.authorized_keys_dir, cert)  # as is if absolute
-                what = f"tenants.{name}.curve_keys"
-                try:
-                    public, _ = zmq.auth.load_certificate(path)
-                except (OSError, ValueError) as exc:
-                    raise ConfigError(f"{what}: cannot read {path}: {exc}") from None
-                if public not in authorized:
-                    raise ConfigError(
-                        f"{what}: {path} is not authorized: put it in curve.authorized_keys_dir"
-                    )
-                keys[public] = name
-        return keys
-
-    def _bind(self, sock: zmq.Socket[bytes], endpoint: str, key: str) -> None:
-        """Bind (tcp:// with CURVE when configured) or close the socket and say
-        which config key names the endpoint."""
-        if endpoint.startswith("tcp://") and self._curve_keys is not None:
-            sock.curve_publickey, sock.curve_secretkey = self._curve_keys
-            sock.curve_server = True
-        try:
-            sock.bind(endpoint)
-        except zmq.ZMQError as exc:
-            sock.close()
-            raise ConfigError(f"{key}: cannot listen on {endpoint}: {exc}") from None
-        if endpoint.startswith("ipc://") and self._client_gid is not None:
-            share_with_group(Path(endpoint[len("ipc://") :]), self._client_gid, 0o660)
 
     # -- the request path --------------------------------------------------------
 
@@ -514,7 +320,7 @@ class Server:
         sock = self._sock
         if sock is None:
             return
-        recv, get, tenants = sock.recv, sock.getsockopt, self._tenants is not None
+        recv, get, tenants = sock.recv, sock.getsockopt, self.access.tenants is not None
         for _ in range(self.config.server.drain_batch):
             try:
                 routing_id = recv(_NOBLOCK)

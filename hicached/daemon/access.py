@@ -1,0 +1,173 @@
+"""Who may reach the daemon's sockets, and as whom: private directories for
+ipc sockets (0700, or 0750 and the clients' group, server.client_group),
+CURVE on tcp sockets, and with ``[tenants]`` the ZAP handler that names each
+request connection's tenant (daemon/tenants.py)."""
+
+from __future__ import annotations
+
+import grp
+import logging
+import os
+import stat
+from pathlib import Path
+
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+from hicached.config import Config
+from hicached.daemon.tenants import PeerAuthenticator, TenantMap
+from hicached.errors import ConfigError
+
+log = logging.getLogger("hicached")
+
+
+def ensure_private_dir(path: Path, group: int | None = None) -> None:
+    """Create ``path`` mode 0700, or check that an existing one is ours and private.
+    With ``group`` (server.client_group) it is 0750 and that group's: its members
+    reach the sockets inside, nobody else does."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.lstat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"{path} must be a directory, not a link or a file")
+    if st.st_uid != os.getuid():
+        raise ConfigError(f"{path} belongs to uid {st.st_uid}, not to this user ({os.getuid()})")
+    if st.st_mode & (0o077 if group is None else 0o027):
+        raise ConfigError(
+            f"{path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}): "
+            f"run chmod {700 if group is None else 750} {path}"
+        )
+    if group is not None:
+        share_with_group(path, group, 0o750)
+
+
+def client_group_id(name: str) -> int | None:
+    """The gid of server.client_group (a name or a number), None when unset."""
+    if not name:
+        return None
+    try:
+        return int(name) if name.isdigit() else grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise ConfigError(f"server.client_group: no group named {name!r} on this host") from None
+
+
+def share_with_group(path: Path, group: int, mode: int) -> None:
+    """Give ``path`` (ours) to ``group`` with ``mode``; no chown when it has that group."""
+    try:
+        if path.lstat().st_gid != group:
+            os.chown(path, -1, group, follow_symlinks=False)
+        os.chmod(path, mode)
+    except OSError as exc:
+        raise ConfigError(
+            f"server.client_group: cannot give {path} to group {group}: {exc.strerror} "
+            "(the daemon's user must be in that group)"
+        ) from None
+
+
+class Access:
+    """The daemon's access control, from its config; ``start`` with the context."""
+
+    def __init__(self, config: Config, endpoint: str) -> None:
+        self.config = config
+        self.endpoint = endpoint
+        self.client_gid: int | None = None  # server.client_group, resolved at start
+        self.auth: ThreadAuthenticator | None = None
+        self.curve_keys: tuple[bytes, bytes] | None = None
+        self.tenants: TenantMap | None = None  # with [tenants]: who each peer is
+
+    def resolve_group(self) -> int | None:
+        """server.client_group's gid (ConfigError when no such group)."""
+        self.client_gid = client_group_id(self.config.server.client_group)
+        return self.client_gid
+
+    def stop(self) -> None:
+        if self.auth is not None:
+            self.auth.stop()
+            self.auth = None
+
+    def start(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+        """Load the daemon's CURVE keys, and start the ZAP handler that admits
+        authorized peers and names each request connection's tenant."""
+        cfg = self.config
+        curve = cfg.curve
+        authorized: set[bytes] = set()
+        if curve.secret_key_file:
+            authorized = self._load_curve()
+        elif not cfg.tenants:
+            return
+        if cfg.tenants:
+            keys = self._tenant_keys(authorized)
+            self.tenants = TenantMap(cfg.tenants, keys, ipc=self.endpoint.startswith("ipc://"))
+        auth = PeerAuthenticator(ctx, self.tenants, authorized)
+        auth.start()
+        self.auth = auth
+        if curve.secret_key_file:
+            auth.configure_curve(domain="*", location=curve.authorized_keys_dir)
+            log.info("CURVE on tcp:// sockets; authorized keys from %s", curve.authorized_keys_dir)
+        if cfg.tenants:
+            log.info(
+                "tenants %s; a connection's tenant comes from its %s",
+                ", ".join(sorted(cfg.tenants)),
+                "uid, then gid" if self.endpoint.startswith("ipc://") else "CURVE key",
+            )
+
+    def _load_curve(self) -> set[bytes]:
+        """The daemon's key pair (kept for binding) and the authorized public keys."""
+        curve = self.config.curve
+        try:
+            public, secret = zmq.auth.load_certificate(curve.secret_key_file)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(
+                f"curve.secret_key_file: cannot read {curve.secret_key_file}: {exc}"
+            ) from None
+        if not secret:
+            raise ConfigError(
+                f"curve.secret_key_file: {curve.secret_key_file} holds a public key only; "
+                "give the .key_secret file"
+            )
+        if not Path(curve.authorized_keys_dir).is_dir():
+            raise ConfigError(
+                f"curve.authorized_keys_dir: {curve.authorized_keys_dir} is not a directory"
+            )
+        self.curve_keys = (public, secret)
+        return set(zmq.auth.load_certificates(curve.authorized_keys_dir))
+
+    def _tenant_keys(self, authorized: set[bytes]) -> dict[bytes, str]:
+        """Z85 public key -> tenant, from the certificates each tenant lists."""
+        keys = {}
+        for name, tenant in self.config.tenants.items():
+            for cert in tenant.curve_keys:
+                path = Path(self.config.curve.authorized_keys_dir, cert)  # as is if absolute
+                what = f"tenants.{name}.curve_keys"
+                try:
+                    public, _ = zmq.auth.load_certificate(path)
+                except (OSError, ValueError) as exc:
+                    raise ConfigError(f"{what}: cannot read {path}: {exc}") from None
+                if public not in authorized:
+                    raise ConfigError(
+                        f"{what}: {path} is not authorized: put it in curve.authorized_keys_dir"
+                    )
+                keys[public] = name
+        return keys
+
+    def bind(self, sock: zmq.Socket[bytes], endpoint: str, key: str) -> None:
+        """Bind (tcp:// with CURVE when configured) or close the socket and say
+        which config key names the endpoint."""
+        if endpoint.startswith("tcp://") and self.curve_keys is not None:
+            sock.curve_publickey, sock.curve_secretkey = self.curve_keys
+            sock.curve_server = True
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            sock.close()
+            raise ConfigError(f"{key}: cannot listen on {endpoint}: {exc}") from None
+        if endpoint.startswith("ipc://") and self.client_gid is not None:
+            share_with_group(Path(endpoint[len("ipc://") :]), self.client_gid, 0o660)
+
+    def bind_private(self, sock: zmq.Socket[bytes], where: str, key: str) -> None:
+        """Bind like ``bind``, an ipc:// socket in a private directory."""
+        if where.startswith("ipc://"):
+            path = Path(where[len("ipc://") :])
+            ensure_private_dir(path.parent, self.client_gid)
+            path.unlink(missing_ok=True)
+        self.bind(sock, where, key)
