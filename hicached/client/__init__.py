@@ -2,10 +2,9 @@
 view that survives a daemon restart, the sync and asyncio clients, handles,
 the fenced copies (mapping) and the CUDA path."""
 
-from hicached.client.clients import (
-    AsyncClient,
-    Client,
-    CurveKeys,
+from hicached.client.aio import AsyncClient
+from hicached.client.core import CurveKeys
+from hicached.client.handles import (
     Fetch,
     FetchProgress,
     Hit,
@@ -13,8 +12,9 @@ from hicached.client.clients import (
     Namespace,
     PortableHandle,
     Reservation,
-    cuda_tensor,
 )
+from hicached.client.mapping import cuda_tensor
+from hicached.client.sync import Client
 
 __all__ = [
     "AsyncClient",

@@ -1,0 +1,275 @@
+"""The asyncio client: many requests in flight (``max_in_flight``), each under
+its own deadline, replies matched to requests by id."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from hicached.client.core import (
+    _SESSION_TRIES,
+    CurveKeys,
+    Exchange,
+    R,
+    _Core,
+    _keys,
+)
+from hicached.client.handles import (
+    Fetch,
+    FetchProgress,
+    Hit,
+    KeysFound,
+    Namespace,
+    Reservation,
+)
+from hicached.errors import (
+    DaemonUnavailable,
+    DeadlineExceeded,
+    SessionLost,
+)
+from hicached.wire import protocol as p
+from hicached.wire.hashing import pack_tokens
+from hicached.wire.namespace import NamespaceSpec
+
+
+class AsyncClient(_Core):
+    """asyncio client; many requests may be in flight at once (``max_in_flight``;
+    more wait in the client, as the daemon keeps a bounded number of replies)."""
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        timeout: float = 5.0,
+        name: str = "",
+        curve: CurveKeys | None = None,
+        map_pool: bool = True,
+        connect_timeout: float = 0.5,
+        max_in_flight: int = 64,
+        prefault: bool = False,
+    ) -> None:
+        super().__init__(endpoint, timeout, name, curve, map_pool, connect_timeout, prefault)
+        self.max_in_flight = max_in_flight  # requests awaiting replies; more wait here
+        self._slots: asyncio.Semaphore | None = None
+        self._ctx = zmq.asyncio.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._configure(self._sock)
+        self._pending: dict[int, asyncio.Future[p.AnyReply]] = {}
+        self._reader: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()  # one handshake at a time
+
+    async def __aenter__(self) -> AsyncClient:
+        try:
+            await self.connect()
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Say goodbye (the daemon ends this session and its leases), then close."""
+        if self._reader is not None:
+            self._reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reader
+            self._reader = None
+        self._shut(self._sock, self._ctx)
+
+    async def _read(self) -> None:
+        while True:
+            payload = await self._sock.recv()
+            try:
+                reply = p.reply_decoder.decode(payload)
+            except msgspec.MsgspecError:
+                continue  # not a reply this client understands
+            future = self._pending.pop(reply.id, None)
+            if future is not None and not future.done():
+                future.set_result(reply)
+
+    async def _roundtrip(self, request: p.Request) -> p.AnyReply:
+        # The daemon holds a bounded number of replies per client: never ask for more.
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_in_flight)
+        started = time.monotonic()
+        try:  # a call queued behind max_in_flight others keeps its own deadline
+            await asyncio.wait_for(self._slots.acquire(), self.timeout)
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(
+                f"{self.max_in_flight} requests to {self.endpoint} stayed in flight for "
+                f"{self.timeout:.3g}s: this one was not sent"
+            ) from None
+        try:
+            return await self._roundtrip_now(request, self.timeout - (time.monotonic() - started))
+        finally:
+            self._slots.release()
+
+    async def _roundtrip_now(self, request: p.Request, budget: float) -> p.AnyReply:
+        loop = asyncio.get_running_loop()
+        if self._reader is None or self._reader.done():  # first call, or the reader failed
+            if self._reader is not None:
+                self._reader.remove_done_callback(self._fail_all)
+                self._fail_all(self._reader)  # its waiters fail now, not the new ones
+            self._reader = loop.create_task(self._read())
+            self._reader.add_done_callback(self._fail_all)
+        if budget < 0.001:
+            raise DeadlineExceeded(f"no time left of {self.timeout:.3g}s to send this request")
+        payload, request_id = self._stamp(request, budget), request.id
+        sock = self._sock
+        if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
+            # no connection (IMMEDIATE): wait briefly for one, as after a restart
+            wait_ms = int(min(budget, self.connect_timeout) * 1000)
+            if not await sock.poll(wait_ms, zmq.POLLOUT):  # type: ignore[call-arg]
+                raise self._unavailable()
+        future: asyncio.Future[p.AnyReply] = loop.create_future()
+        self._pending[request_id] = future
+        try:
+            await sock.send(payload)
+            return await asyncio.wait_for(future, budget)
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(
+                f"no reply from the daemon at {self.endpoint} within {budget:.3g}s"
+            ) from None
+        finally:
+            self._pending.pop(request_id, None)
+
+    def _fail_all(self, task: asyncio.Task[None]) -> None:
+        """The reader died: every waiter fails now instead of at its deadline."""
+        if task.cancelled():
+            exc: BaseException = DaemonUnavailable("client closed")
+        else:
+            exc = task.exception() or DaemonUnavailable("reader stopped")
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(exc)
+        self._pending.clear()
+
+    async def _do(self, gen: Exchange) -> Any:
+        if self._hello is None:
+            await self.connect()  # one hello at a time, not one inside each exchange
+        return await self._drive(gen)
+
+    async def _drive(self, gen: Exchange) -> Any:
+        try:
+            request = next(gen)
+            while True:
+                request = gen.send(await self._roundtrip(request))
+        except StopIteration as stop:
+            return stop.value
+
+    async def _call(self, make: Callable[[], p.Request], expect: type[R]) -> R:
+        """``_exchange`` without a generator to drive (see ``Client._call``)."""
+        for attempt in range(_SESSION_TRIES):
+            if self._hello is None:
+                await self.connect()
+            reply = await self._roundtrip(make())
+            if isinstance(reply, expect):
+                return reply
+            self._refused(reply, expect, attempt)
+        raise SessionLost("the daemon keeps forgetting this client")  # pragma: no cover
+
+    async def connect(self) -> AsyncClient:
+        async with self._lock:
+            if self._hello is None:
+                await self._drive(self._handshake())
+        return self
+
+    async def register(self, spec: NamespaceSpec | None = None, **fields: Any) -> Namespace:
+        return await self._do(self._register(spec, fields))
+
+    async def reserve(self, ns: Namespace, tokens: Any) -> Reservation:
+        return await self._do(self._reserve(ns, tokens))
+
+    async def commit(
+        self,
+        res: Reservation | Fetch,
+        pages: int | None = None,
+        *,
+        ok: Sequence[bool] | None = None,
+    ) -> p.CommitOk:
+        return await self._do(self._commit(res, pages, ok))
+
+    async def exists_keys(self, ns: Namespace, keys: Sequence[bytes]) -> KeysFound:
+        wire = _keys(keys)
+        return self._found(
+            await self._call(lambda: p.ExistsKeys(id=0, ns=ns.id, keys=wire), p.ExistsKeysOk)
+        )
+
+    async def match_keys(self, ns: Namespace, keys: Sequence[bytes], *, lease: bool = True) -> Hit:
+        wire, sent = _keys(keys), time.monotonic()
+        ok = await self._call(
+            lambda: p.MatchKeys(id=0, ns=ns.id, keys=wire, lease=lease), p.MatchOk
+        )
+        return self._hit(ns, ok, sent)
+
+    async def reserve_keys(
+        self, ns: Namespace, keys: Sequence[bytes], *, parent: bytes | None = None
+    ) -> Reservation:
+        return await self._do(self._reserve_keys(ns, keys, parent))
+
+    async def prefetch_keys(
+        self, ns: Namespace, keys: Sequence[bytes], *, max_pages: int = -1
+    ) -> Fetch:
+        wire = _keys(keys)
+        ok = await self._call(
+            lambda: p.PrefetchKeys(id=0, ns=ns.id, keys=wire, max_pages=max_pages), p.PrefetchOk
+        )
+        return Fetch(ns, ok.lease, ok.l2_hits, self._instance)
+
+    async def prefetch(self, ns: Namespace, tokens: Any, *, max_pages: int = -1) -> Fetch:
+        packed = pack_tokens(tokens)
+        ok = await self._call(
+            lambda: p.Prefetch(id=0, ns=ns.id, tokens=packed, max_pages=max_pages), p.PrefetchOk
+        )
+        return Fetch(ns, ok.lease, ok.l2_hits, self._instance)
+
+    async def progress(self, pf: Fetch) -> FetchProgress:
+        return await self._do(self._progress(pf))
+
+    async def cancel(self, pf: Fetch) -> None:
+        await self._do(self._release(pf))
+
+    async def abort(self, res: Reservation) -> None:
+        await self._do(self._release(res))
+
+    async def match(self, ns: Namespace, tokens: Any, *, lease: bool = True) -> Hit:
+        packed, sent = pack_tokens(tokens), time.monotonic()
+        ok = await self._call(
+            lambda: p.Match(id=0, ns=ns.id, tokens=packed, lease=lease), p.MatchOk
+        )
+        return self._hit(ns, ok, sent)
+
+    async def release(self, handle: Hit | Reservation | Fetch) -> None:
+        await self._do(self._release(handle))
+
+    async def renew(self, handle: Reservation | Hit) -> None:
+        await self._do(self._renew(handle))
+
+    async def stats(self, *, session: bool = True) -> p.DaemonStats:
+        return await self._do(self._stats(session))
+
+    async def store(self, ns: Namespace, tokens: Any, pages: np.ndarray) -> p.CommitOk:
+        res = await self.reserve(ns, tokens)
+        try:
+            self._store_data(res, pages)
+        except BaseException:
+            await self.abort(res)
+            raise
+        return await self.commit(res)
+
+    async def load(self, ns: Namespace, tokens: Any) -> np.ndarray:
+        hit = await self.match(ns, tokens)
+        try:
+            return self.read_pages(hit)
+        finally:
+            await self.release(hit)

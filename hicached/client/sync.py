@@ -1,0 +1,244 @@
+"""The synchronous client: one request at a time, each under ``timeout``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from hicached.client.core import (
+    _NOBLOCK,
+    _SESSION_TRIES,
+    CurveKeys,
+    Exchange,
+    R,
+    _Core,
+    _decode,
+    _keys,
+    _run,
+)
+from hicached.client.handles import (
+    Fetch,
+    FetchProgress,
+    Hit,
+    KeysFound,
+    Namespace,
+    PortableHandle,
+    Reservation,
+)
+from hicached.errors import (
+    DeadlineExceeded,
+    SessionLost,
+)
+from hicached.wire import protocol as p
+from hicached.wire.hashing import pack_tokens
+from hicached.wire.namespace import NamespaceSpec
+
+
+class Client(_Core):
+    """Synchronous client. ``timeout`` bounds every request, in seconds.
+
+    ``curve``: keys for a tcp:// daemon that requires CURVE. ``map_pool``:
+    False on a host that does not share the daemon's memory (control calls
+    only: match, prefetch, progress, stats; no slot copies).
+    ``connect_timeout``: how long a request waits for a connection to the
+    daemon before ``DaemonUnavailable`` (covers a daemon restart's reconnect).
+    ``prefault``: map the pool's pages in on a background thread after each
+    connect, so first copies fault nothing; the connect itself never faults
+    the pool in (a large pool maps in one system call).
+    """
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        *,
+        timeout: float = 5.0,
+        name: str = "",
+        curve: CurveKeys | None = None,
+        map_pool: bool = True,
+        connect_timeout: float = 0.5,
+        prefault: bool = False,
+    ) -> None:
+        super().__init__(endpoint, timeout, name, curve, map_pool, connect_timeout, prefault)
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._configure(self._sock)
+        self._rcvtimeo = -1
+
+    def __enter__(self) -> Client:
+        try:
+            self.connect()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Say goodbye (the daemon ends this session and its leases), then close."""
+        self._shut(self._sock, self._ctx)
+
+    def _roundtrip(self, request: p.Request) -> p.AnyReply:
+        payload, request_id, budget = self._stamp(request), request.id, self.timeout
+        sent, sock = time.monotonic(), self._sock
+        try:
+            sock.send(payload, _NOBLOCK)
+        except zmq.Again:
+            # no connection (IMMEDIATE): wait briefly for one, as after a restart
+            if not sock.poll(int(min(budget, self.connect_timeout) * 1000), zmq.POLLOUT):
+                raise self._unavailable() from None
+            sock.send(payload, zmq.NOBLOCK)
+        slice_ms = max(1, int(min(budget, 0.1) * 1000))
+        if slice_ms != self._rcvtimeo:  # a blocking receive: one wake-up, no poll
+            sock.setsockopt(zmq.RCVTIMEO, slice_ms)
+            self._rcvtimeo = slice_ms
+        while True:
+            try:
+                reply = _decode(sock.recv())
+            except zmq.Again:
+                if time.monotonic() >= sent + budget:
+                    raise DeadlineExceeded(
+                        f"no reply from the daemon at {self.endpoint} within {budget:.3g}s"
+                    ) from None
+                if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
+                    raise self._unavailable() from None  # the connection went away
+                continue
+            except msgspec.MsgspecError:
+                continue  # not a reply this client understands: keep waiting
+            if reply.id == request_id:
+                return reply
+            # else: the late reply of a request that timed out; drop it
+
+    def _do(self, gen: Exchange) -> Any:
+        return _run(gen, self._roundtrip)
+
+    def _call(self, make: Callable[[], p.Request], expect: type[R]) -> R:
+        """``_exchange`` without a generator to drive: the path of the operations
+        an engine makes every step (match, exists_keys, prefetch)."""
+        for attempt in range(_SESSION_TRIES):
+            if self._hello is None:
+                self.connect()
+            reply = self._roundtrip(make())  # made anew: a new hello may renumber namespaces
+            if isinstance(reply, expect):
+                return reply
+            self._refused(reply, expect, attempt)
+        raise SessionLost("the daemon keeps forgetting this client")  # pragma: no cover
+
+    def connect(self) -> Client:
+        """Say hello and map the pool; raises if the daemon does not answer in time."""
+        if self._hello is None:
+            self._do(self._handshake())
+        return self
+
+    def register(self, spec: NamespaceSpec | None = None, **fields: Any) -> Namespace:
+        return self._do(self._register(spec, fields))
+
+    def reserve(self, ns: Namespace, tokens: Any) -> Reservation:
+        return self._do(self._reserve(ns, tokens))
+
+    def commit(
+        self,
+        res: Reservation | Fetch,
+        pages: int | None = None,
+        *,
+        ok: Sequence[bool] | None = None,
+    ) -> p.CommitOk:
+        """Publish the first ``pages`` pages of a reservation or a prefetch (None: all
+        reserved, or all read so far); the rest is released. ``ok`` (key-addressed
+        reservations): one flag per fresh slot, publishing only the pages written."""
+        return self._do(self._commit(res, pages, ok))
+
+    def exists_keys(self, ns: Namespace, keys: Sequence[bytes]) -> KeysFound:
+        """Where the pages of ``keys`` are (L2, L3); pins nothing."""
+        wire = _keys(keys)
+        return self._found(
+            self._call(lambda: p.ExistsKeys(id=0, ns=ns.id, keys=wire), p.ExistsKeysOk)
+        )
+
+    def adopt(self, handle: PortableHandle) -> Reservation | Hit:
+        if handle.instance != self._instance:
+            self.stats()  # a handle of another instance: say hello to the daemon there now
+        return super().adopt(handle)
+
+    def match_keys(self, ns: Namespace, keys: Sequence[bytes], *, lease: bool = True) -> Hit:
+        """The leading ``keys`` in L2, pinned under a read lease (``lease``)."""
+        wire, sent = _keys(keys), time.monotonic()
+        ok = self._call(lambda: p.MatchKeys(id=0, ns=ns.id, keys=wire, lease=lease), p.MatchOk)
+        return self._hit(ns, ok, sent)
+
+    def reserve_keys(
+        self, ns: Namespace, keys: Sequence[bytes], *, parent: bytes | None = None
+    ) -> Reservation:
+        """Slots for the ``keys`` not in L2 (``indices`` says which); ``parent``: the
+        key before ``keys[0]`` in its sequence."""
+        return self._do(self._reserve_keys(ns, keys, parent))
+
+    def prefetch_keys(self, ns: Namespace, keys: Sequence[bytes], *, max_pages: int = -1) -> Fetch:
+        """Start loading from L3 the ``keys`` after their leading L2 run."""
+        wire = _keys(keys)
+        ok = self._call(
+            lambda: p.PrefetchKeys(id=0, ns=ns.id, keys=wire, max_pages=max_pages), p.PrefetchOk
+        )
+        return Fetch(ns, ok.lease, ok.l2_hits, self._instance)
+
+    def prefetch(self, ns: Namespace, tokens: Any, *, max_pages: int = -1) -> Fetch:
+        """Start loading from L3 the pages of ``tokens`` after its L2 hit."""
+        packed = pack_tokens(tokens)
+        ok = self._call(
+            lambda: p.Prefetch(id=0, ns=ns.id, tokens=packed, max_pages=max_pages), p.PrefetchOk
+        )
+        return Fetch(ns, ok.lease, ok.l2_hits, self._instance)
+
+    def progress(self, pf: Fetch) -> FetchProgress:
+        return self._do(self._progress(pf))
+
+    def cancel(self, pf: Fetch) -> None:
+        """Give up a prefetch; its slots are freed once no read is writing into them."""
+        self._do(self._release(pf))
+
+    def abort(self, res: Reservation) -> None:
+        self._do(self._release(res))
+
+    def match(self, ns: Namespace, tokens: Any, *, lease: bool = True) -> Hit:
+        """The leading pages of ``tokens`` in L2, pinned under a read lease (``lease``)."""
+        packed, sent = pack_tokens(tokens), time.monotonic()
+        ok = self._call(lambda: p.Match(id=0, ns=ns.id, tokens=packed, lease=lease), p.MatchOk)
+        return self._hit(ns, ok, sent)
+
+    def release(self, handle: Hit | Reservation | Fetch) -> None:
+        """End a handle's lease: unpin a hit, abort a reservation, cancel a prefetch."""
+        self._do(self._release(handle))
+
+    def renew(self, handle: Reservation | Hit) -> None:
+        """Push the handle's lease deadline ``leases.ttl_s`` into the future."""
+        self._do(self._renew(handle))
+
+    def stats(self, *, session: bool = True) -> p.DaemonStats:
+        """The daemon's figures. ``session=False`` asks without saying hello when
+        this client has no session (a probe: it takes no client slot)."""
+        return self._do(self._stats(session))
+
+    def store(self, ns: Namespace, tokens: Any, pages: np.ndarray) -> p.CommitOk:
+        """Store every full page of ``tokens``; ``pages[i]`` holds page i's bytes."""
+        res = self.reserve(ns, tokens)
+        try:
+            self._store_data(res, pages)
+        except BaseException:
+            self.abort(res)
+            raise
+        return self.commit(res)
+
+    def load(self, ns: Namespace, tokens: Any) -> np.ndarray:
+        """Copy out the leading pages of ``tokens`` present in L2 (n, page_bytes)."""
+        hit = self.match(ns, tokens)
+        try:
+            return self.read_pages(hit)
+        finally:
+            self.release(hit)
