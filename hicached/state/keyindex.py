@@ -88,11 +88,6 @@ class KeyIndex:
                 self._push(entry)
         return out
 
-    def slot(self, key: bytes) -> int:
-        """The slot of page ``key``, or -1 when it is not in L2; recency is left as it is."""
-        entry = self._entries.get(key)
-        return -1 if entry is None else entry.slot
-
     def holds(self, key: bytes, slot: int) -> bool:
         entry = self._by_slot.get(slot)
         return entry is not None and entry.key == key
