@@ -535,7 +535,7 @@ def parse_config(text: str | bytes, source: str = "<config>") -> Config:
         tree = tomllib.loads(raw.decode())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
-    for key, value in _leaves(tree).items():
+    for key, value in leaves(tree).items():
         # TOML has nan and inf; no knob means either, and a comparison with NaN
         # is always false, so range checks alone would let it through
         for item in value if isinstance(value, list) else [value]:
@@ -544,7 +544,7 @@ def parse_config(text: str | bytes, source: str = "<config>") -> Config:
     try:
         return msgspec.toml.decode(raw, type=Config)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"{source}: {_with_dotted_path(str(exc))}") from None
+        raise ConfigError(f"{source}: {with_dotted_path(str(exc))}") from None
 
 
 def load_config(path: str | os.PathLike[str] | None) -> Config:
@@ -572,96 +572,20 @@ def config_source(config: Config) -> str | None:
     return None
 
 
-# What a running daemon takes again from its config file on SIGHUP (docs/operations.md,
-# Reloading); any other change needs a restart. The quotas of the tenants it runs
-# with (tenants.NAME.max_pages and max_mib) change too.
-RELOADABLE = frozenset(
-    {
-        "server.max_clients",
-        "server.session_idle_s",
-        "server.drain_batch",
-        "pool.max_namespaces",
-        "leases.max_leases",
-        "leases.sweep_interval_s",
-        "leases.quarantine_s",
-        "storage.write_policy",
-        "storage.selective_hits",
-        "storage.flush_deadline_s",
-        "log.level",
-    }
-)
-_RELOADABLE_TENANT_KEYS = ("max_pages", "max_mib")
-
-
-def reload_plan(running: Config, wanted: Config) -> tuple[Config, dict[str, Any], list[str]]:
-    """What a reload does: the config to run with (``wanted``'s value of every key
-    that may change at run time, ``running``'s of the others), the keys that
-    change with their new values, and the keys whose change is refused until a
-    restart. ConfigError when that mix is not a valid config."""
-    now = _leaves(msgspec.to_builtins(running))
-    new = _leaves(msgspec.to_builtins(wanted))
-    merged = msgspec.to_builtins(running)
-    applied: dict[str, Any] = {}
-    refused: list[str] = []
-    for key in sorted(set(now) | set(new)):
-        if now.get(key, _ABSENT) == new.get(key, _ABSENT):
-            continue
-        if key in now and key in new and _reloadable(key, running):
-            applied[key] = new[key]
-            _set(merged, key, new[key])
-            continue
-        parts = key.split(".")
-        if (
-            parts[0] == "tenants"
-            and len(parts) > 1
-            and not (parts[1] in running.tenants and parts[1] in wanted.tenants)
-        ):
-            key = f"tenants.{parts[1]}"  # a tenant added or removed, as a whole
-        if key not in refused:
-            refused.append(key)
-    try:
-        config = msgspec.convert(merged, Config)
-    except msgspec.ValidationError as exc:
-        raise ConfigError(_with_dotted_path(str(exc))) from None
-    return config, applied, refused
-
-
-_ABSENT = object()
-
-
-def _reloadable(key: str, running: Config) -> bool:
-    if key in RELOADABLE:
-        return True
-    parts = key.split(".")
-    return (
-        len(parts) == 3
-        and parts[0] == "tenants"
-        and parts[1] in running.tenants
-        and parts[2] in _RELOADABLE_TENANT_KEYS
-    )
-
-
-def _leaves(table: dict[str, Any], where: str = "") -> dict[str, Any]:
+def leaves(table: dict[str, Any], where: str = "") -> dict[str, Any]:
     """Every value of a decoded config that is not a table, by its dotted key; an
     empty table counts as a value, so adding or removing one is a change."""
     out: dict[str, Any] = {}
     for key, value in table.items():
         path = f"{where}{key}"
         if isinstance(value, dict) and value:
-            out.update(_leaves(value, path + "."))
+            out.update(leaves(value, path + "."))
         else:
             out[path] = value
     return out
 
 
-def _set(table: dict[str, Any], key: str, value: Any) -> None:
-    *parents, last = key.split(".")
-    for part in parents:
-        table = table[part]
-    table[last] = value
-
-
-def _with_dotted_path(message: str) -> str:
+def with_dotted_path(message: str) -> str:
     """Turn msgspec's "... - at `$.pool`" into "pool.size_mib: ..." when it can.
 
     Checks in ``__post_init__`` start their message with the field name, which

@@ -12,7 +12,9 @@ from collections.abc import Callable
 import msgspec
 import numpy as np
 
-from hicached.config import RELOADABLE, Config, _leaves, parse_config, reload_plan
+from hicached.config import Config, parse_config
+from hicached.config import leaves as _leaves
+from hicached.daemon.reload import RELOADABLE, reload_plan
 from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
 
 

@@ -9,7 +9,7 @@ wherever one matters:
 - ``writes_back``: whether a page that leaves L2 unwritten is written then
   (and at a graceful stop, whatever L3 lacks);
 - ``rewrites``: whether a page L3 lets go of while it stays in L2 is written
-  again (bounded in the cache's ``forget_l3``).
+  again (bounded in cache/tiering.py's ``forget_l3``).
 
 A new policy is a class here and its name in config.WRITE_POLICIES.
 """
@@ -19,8 +19,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
-    from hicached.cache.desk import Cache
     from hicached.cache.sessions import NamespaceState
+    from hicached.cache.tiering import Tiering
 
 
 class WritePolicy:
@@ -31,12 +31,12 @@ class WritePolicy:
     rewrites: ClassVar[bool] = False
 
     def committed(
-        self, cache: Cache, ns: NamespaceState, keys: list[bytes], slots: list[int]
+        self, tiering: Tiering, ns: NamespaceState, keys: list[bytes], slots: list[int]
     ) -> None:
         """Pages ``keys`` (in ``slots``) were committed into L2 by a client."""
 
     def matched(
-        self, cache: Cache, ns: NamespaceState, keys: list[bytes], slots: list[int]
+        self, tiering: Tiering, ns: NamespaceState, keys: list[bytes], slots: list[int]
     ) -> None:
         """A match found the leading pages ``keys`` (in ``slots``) in L2."""
 
@@ -48,9 +48,9 @@ class WriteThrough(WritePolicy):
     rewrites = True
 
     def committed(
-        self, cache: Cache, ns: NamespaceState, keys: list[bytes], slots: list[int]
+        self, tiering: Tiering, ns: NamespaceState, keys: list[bytes], slots: list[int]
     ) -> None:
-        cache.write_pages(ns, keys, slots)
+        tiering.write_pages(ns, keys, slots)
 
 
 class WriteThroughSelective(WritePolicy):
@@ -60,9 +60,9 @@ class WriteThroughSelective(WritePolicy):
     rewrites = True
 
     def matched(
-        self, cache: Cache, ns: NamespaceState, keys: list[bytes], slots: list[int]
+        self, tiering: Tiering, ns: NamespaceState, keys: list[bytes], slots: list[int]
     ) -> None:
-        cache.count_hit(ns, keys, slots)
+        tiering.count_hit(ns, keys, slots)
 
 
 class WriteBack(WritePolicy):

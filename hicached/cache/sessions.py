@@ -21,10 +21,11 @@ the daemon's state.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+from hicached.cache.kinds import NamespaceKind
 from hicached.state.index import PageIndex
 from hicached.state.keyindex import KeyIndex
 from hicached.state.l2 import Index, TenantBook
@@ -38,13 +39,14 @@ class NamespaceState:
     digest: bytes
     index: Index
     book: TenantBook  # its tenant's share of L2
+    kind: NamespaceKind  # token- or key-addressed (cache/kinds.py)
     sessions: int = 0  # sessions that registered it
     pages: int = 0  # its pages in L2
-    holds: int = 0  # its open leases and L3 writes
+    open: int = 0  # its open leases and L3 writes
 
     @property
     def unused(self) -> bool:
-        return not (self.sessions or self.pages or self.holds)
+        return not (self.sessions or self.pages or self.open)
 
     @property
     def tree(self) -> PageIndex:
@@ -84,6 +86,7 @@ class PrefetchState:
     failed: bool = False
     running: bool = True  # the reader may still write into fresh slots
     ended: bool = False  # the lease ended; the reader frees what is left
+    known: int = 0  # leading keys the record of L3 knew when the store was asked
 
 
 class KeyedPage(NamedTuple):
@@ -167,3 +170,8 @@ class LeaseTable:
                 return
             self.pop(lease)
             yield lease
+
+
+# What each request family answers (cache/desk.py joins them): request type ->
+# its handler, called with the request's session and the request.
+Handlers = dict[type, Callable[[Session, Any], Any]]

@@ -13,7 +13,7 @@ handler) is daemon/access.py's; the head reader that names a request it cannot
 decode, wire/peek.py's. Tenants: with ``[tenants]`` configured, a connection's
 tenant comes from who it is (daemon/tenants.py), never from what it says; the
 cache checks each request against it. SIGHUP reads the config file again and
-applies what may change at run time (config.reload_plan); everything else keeps
+applies what may change at run time (daemon/reload.py); everything else keeps
 its running value, logged.
 """
 
@@ -42,13 +42,13 @@ from hicached.config import (
     config_source,
     endpoint,
     load_config,
-    reload_plan,
     runtime_dir,
 )
 from hicached.daemon.access import Access, ensure_private_dir
 from hicached.daemon.metrics import Metrics
 from hicached.daemon.notify import StartupProgress, sd_notify, watchdog_interval
 from hicached.daemon.publisher import Publisher
+from hicached.daemon.reload import reload_plan
 from hicached.daemon.tenants import TENANT_DOMAIN, user_id
 from hicached.daemon.tier import Tier, make_backend
 from hicached.errors import BadRequest, ConfigError, HicachedError, TooLarge
@@ -161,13 +161,14 @@ class Server:
                     unit=" pages",
                 )
                 await tier.start()  # opens the store and learns what it holds
-                self.tier = self.cache.tier = tier
+                self.cache.use_tier(tier)
+                self.tier = tier
                 log.info("L3: %s backend, %s", cfg.storage.backend, cfg.storage.write_policy)
             if cfg.metrics.enabled:
                 metrics = Metrics(cfg.metrics, self.cache.stats)
                 metrics.start()
                 self.metrics = metrics
-                self.cache.metrics_endpoint = metrics.endpoint
+                self.cache.serve_metrics(metrics.endpoint)
                 if self.tier is not None:
                     self.tier.dispatcher.on_call = metrics.observe_l3
 
@@ -508,7 +509,7 @@ class Server:
 
     async def reload(self) -> bool:
         """Read the config file again and apply what may change at run time
-        (config.RELOADABLE, tenants' quotas); other changes are refused, each with
+        (daemon/reload.py's RELOADABLE, tenants' quotas); other changes are refused, each with
         a log line, and keep their running values. No session, lease or page is
         dropped, except pages past a quota that went down. False when nothing
         could be applied (no file, or an invalid one)."""

@@ -86,7 +86,7 @@ class FlushCounts:
 
 
 class Tier:
-    """The cache's port to L3 (see cache.Tier)."""
+    """The cache's port to L3 (cache/tiering.py's TierPort): its I/O side."""
 
     def __init__(self, cache: Cache, backend: Backend, arena: Arena) -> None:
         self.cache = cache
@@ -345,15 +345,10 @@ class Tier:
         cache, pf, ns = self.cache, lease.prefetch, lease.ns
         assert pf is not None
         try:
-            known = 0
-            for key in pf.keys:
-                if key not in cache.l3:
-                    break
-                known += 1
-            # What we learned may be stale, and another host may have written more: ask.
+            # What the cache learned may be stale, and another host may have written
+            # more: ask; what the answer means is the cache's (cache/prefetch.py).
+            cache.prefetch_started(lease)
             available = await self.dispatcher.exists(ns.digest, pf.keys)
-            if available < known:
-                cache.forget_l3(pf.keys[available:known], ns.digest)
             slots = cache.prefetch_planned(lease, available)
             step = self.config.prefetch_batch_pages
             for start in range(0, len(slots), step):

@@ -109,8 +109,8 @@ class PageIndex:
         """Whether a sequence whose first page is ``key`` has that page here."""
         return key in self.root.children
 
-    def holds(self, key: bytes, slot: int) -> bool:
-        """Whether ``slot`` holds page ``key`` in this index now."""
+    def has(self, key: bytes, slot: int) -> bool:
+        """Whether page ``key`` is in ``slot`` in this index now."""
         node = self.node_of.get(slot)
         return node is not None and node.keys[node.slots.index(slot)] == key
 
@@ -259,7 +259,7 @@ class PageIndex:
         if parent is not self.root and not parent.children:
             self._push(parent)
 
-    def held_beyond(self, tails: list[int], pins: Mapping[int, int]) -> int:
+    def pinned_beyond(self, tails: list[int], pins: Mapping[int, int]) -> int:
         """Pages on the root paths that end at ``tails`` (the pinned last pages
         of leases) that ``pins`` does not hold itself: what those leases hold
         beyond their pins. Costs the distinct pages of those paths, not the

@@ -88,7 +88,7 @@ class KeyIndex:
                 self._push(entry)
         return out
 
-    def holds(self, key: bytes, slot: int) -> bool:
+    def has(self, key: bytes, slot: int) -> bool:
         entry = self._by_slot.get(slot)
         return entry is not None and entry.key == key
 

@@ -1,0 +1,131 @@
+"""Clients: the sessions of connected clients, from hello to goodbye.
+
+A session is one client's connection (a ZeroMQ routing id) and, with tenants
+on, the peer it is (cache/sessions.py). The table is bounded
+(``server.max_clients``): a newcomer to a full table takes the place of the
+longest idle session that holds no lease, or is refused. A session that
+ends takes its leases with it (their fresh slots go to quarantine) and its
+namespaces lose a user.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+from hicached.cache.sessions import Session
+from hicached.errors import ForeignTenant, ResourceExhausted, SessionLost, VersionMismatch
+from hicached.state.pool import GEN_GRANULE
+from hicached.wire import protocol as p
+
+if TYPE_CHECKING:
+    from hicached.cache.desk import Cache
+
+__all__ = ["Clients"]
+
+
+class Clients:
+    """Sessions by routing id, least recently seen first."""
+
+    def __init__(self, desk: Cache) -> None:
+        self.desk = desk
+        self.sessions: OrderedDict[bytes, Session] = OrderedDict()
+        self._next = 1
+
+    def hello(self, routing_id: bytes, msg: p.Hello, peer: str | None = None) -> p.HelloOk:
+        if msg.major != p.PROTOCOL_MAJOR:
+            raise VersionMismatch(
+                f"client speaks protocol {msg.major}.{msg.minor}, this daemon speaks "
+                f"{p.PROTOCOL_MAJOR}.{p.PROTOCOL_MINOR}: install matching hicached versions"
+            )
+        desk = self.desk
+        config = desk.config
+        session = self.sessions.get(routing_id)
+        if session is not None:
+            _same_peer(session, peer)
+        else:
+            if len(self.sessions) >= config.server.max_clients:
+                self._make_room()
+            session = Session(self._next, routing_id, msg.client[:64], msg.pid, desk.clock(), peer)
+            self._next += 1
+            self.sessions[routing_id] = session
+        return p.HelloOk(
+            id=msg.id,
+            major=p.PROTOCOL_MAJOR,
+            minor=p.PROTOCOL_MINOR,
+            instance=desk.instance,
+            session=session.id,
+            pool_path=desk.pool_path,
+            pool_bytes=desk.pool.arena_bytes,
+            lease_ttl_s=config.leases.ttl_s,
+            max_message_bytes=config.server.max_message_bytes,
+            max_pages_per_request=config.server.max_pages_per_request,
+            gen_granule=GEN_GRANULE,
+            huge_pages=config.pool.huge_pages,
+        )
+
+    def _make_room(self) -> None:
+        """The session table is full: the longest idle session without a lease
+        (one without namespaces first) makes way; with none, the newcomer is refused."""
+        fallback = None
+        for session in self.sessions.values():  # least recently seen first
+            if session.leases:
+                continue
+            if not session.namespaces:
+                self.end(session)
+                return
+            if fallback is None:
+                fallback = session
+        if fallback is None:
+            raise ResourceExhausted(
+                f"{len(self.sessions)} clients hold leases, the limit (server.max_clients); "
+                "close idle clients or raise the limit"
+            )
+        self.end(fallback)
+
+    def session(self, routing_id: bytes, peer: str | None = None) -> Session:
+        session = self.sessions.get(routing_id)
+        if session is None:
+            raise SessionLost("this daemon does not know the client (restarted?): send hello first")
+        _same_peer(session, peer)
+        session.last_seen = self.desk.clock()
+        self.sessions.move_to_end(routing_id)
+        return session
+
+    def goodbye(self, routing_id: bytes, peer: str | None = None) -> None:
+        session = self.sessions.get(routing_id)
+        if session is not None and session.peer == peer:
+            self.end(session)
+
+    def end(self, session: Session) -> None:
+        """Forget a client: its leases end (write slots to quarantine), its
+        namespaces lose a user."""
+        del self.sessions[session.routing_id]
+        desk = self.desk
+        for lease_id in list(session.leases):
+            lease = desk.leases.get(lease_id)
+            if lease is not None:
+                desk.leases.pop(lease)
+                desk.leasing.end(lease, stale=True)
+        desk.names.left(session)
+
+    def end_idle(self, since: float) -> None:
+        """End the sessions without a lease not seen since ``since``."""
+        stale = []
+        for session in self.sessions.values():  # least recently seen first
+            if session.last_seen >= since:
+                break
+            if not session.leases:
+                stale.append(session)
+        for session in stale:
+            self.end(session)
+
+
+def _same_peer(session: Session, peer: str | None) -> None:
+    """A session's requests come from the peer that opened it; a connection of
+    another tenant that reuses its routing id is refused, not served as it."""
+    if session.peer != peer:
+        raise ForeignTenant(
+            "this client id belongs to a session of another peer: connect again "
+            "without setting a routing id"
+        )

@@ -1,0 +1,141 @@
+"""Leasing: how leases begin, are renewed and end.
+
+A *write* lease belongs to a reservation (its fresh slots, plus a pin on the
+pages that were already present so they cannot be evicted before the
+commit); a *read* lease pins the pages a match returned; a *prefetch* lease
+is a write lease whose fresh slots are filled from L3 in the background.
+Leases expire after ``leases.ttl_s`` so a client that dies cannot hold
+memory forever; the fresh slots of a write lease that ends without a commit
+of all of them sit in quarantine (``free_after``: one rule for every end)
+so a copy a client began just before its deadline cannot land in another
+key's page.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import TYPE_CHECKING
+
+from hicached.cache.sessions import Handlers, Lease, LeaseTable, NamespaceState, Session
+from hicached.errors import ForeignLease, ResourceExhausted, UnknownLease
+from hicached.wire import protocol as p
+
+if TYPE_CHECKING:
+    from hicached.cache.desk import Cache
+
+__all__ = ["Leasing"]
+
+
+class Leasing:
+    """The open leases and the rules of their lives."""
+
+    def __init__(self, desk: Cache) -> None:
+        self.desk = desk
+        # Lease ids count up from a random start: unique, and unlikely to be
+        # valid again after a restart (ownership is checked either way).
+        self.table = LeaseTable(secrets.randbits(62))
+        self.expired = 0  # leases ended at their deadline
+
+    def handlers(self) -> Handlers:
+        return {p.Release: self._release_request, p.Renew: self.renew}
+
+    def new(self, session: Session, ns: NamespaceState, pinned: list[int]) -> Lease:
+        """A lease of ``session`` on the indexed pages in ``pinned``, pinned now."""
+        desk = self.desk
+        config = desk.config.leases
+        if len(self.table) >= config.max_leases:
+            raise ResourceExhausted(
+                f"{len(self.table)} leases are open, the limit (leases.max_leases): "
+                "release or commit leases sooner"
+            )
+        lease = Lease(self.table.next_id(), session, ns, desk.clock() + config.ttl_s, pinned)
+        lease.pins = ns.kind.pins(pinned)
+        desk.pool.pin(lease.pins)
+        self.table.add(lease)
+        ns.open += 1
+        return lease
+
+    def take(self, session: Session, lease_id: int) -> Lease:
+        """Lease ``lease_id`` of ``session``, out of the table."""
+        lease = self.table.get(lease_id)
+        if lease is None:
+            raise UnknownLease(f"lease {lease_id} is not open (committed, released or expired)")
+        if lease.session is not session:
+            raise ForeignLease(f"lease {lease_id} belongs to another client")
+        self.table.pop(lease)
+        return lease
+
+    def drop(self, lease: Lease) -> None:
+        """End a lease still in the table (one with nothing to hold after all)."""
+        self.table.pop(lease)
+        self.end(lease)
+
+    def end(self, lease: Lease, *, stale: bool = False) -> None:
+        """Drop a lease's pins and free its unused fresh slots.
+
+        ``stale``: the lease expired or its client left without ending it; a
+        copy into its fresh slots may still be running, so they go to
+        quarantine instead of the free list, as a key-addressed reservation's
+        always do (``free_after``: one rule for every end). A prefetch reader may still be
+        writing into fresh slots: then they are left to it, and
+        the prefetch's end frees them (cache/prefetch.py).
+        """
+        desk = self.desk
+        if lease.pins:
+            lease.ns.index.unpinned(desk.pool.unpin(lease.pins))
+        lease.pins = lease.pinned = []
+        ns = lease.ns
+        ns.open -= 1
+        pf = lease.prefetch
+        if pf is not None:
+            pf.ended = True
+            if pf.running:
+                ns.open += 1  # the reader still holds it; released when it finishes
+                return
+        if lease.client_writes and (stale or lease.chain is not None):
+            desk.l2.quarantine(lease.fresh, self.free_after(lease))
+        else:
+            for slot in lease.fresh:
+                desk.l2.free(slot, ns.spec.page_bytes)
+        lease.fresh = []
+        desk.names.forget_if_unused(ns)
+
+    def free_after(self, lease: Lease) -> float:
+        """When a client's copies into ``lease``'s fresh slots are over for sure.
+
+        The one rule for every way a write lease ends without a commit of all
+        its slots (release, a commit mask, goodbye, a session dropped, expiry):
+        the copier checks the lease's deadline before each copy, so the slots
+        sit out ``leases.quarantine_s`` past that deadline, or past now if it
+        is over. Worker processes copy through an adopted key-addressed
+        reservation until that deadline whatever its owner does, so the end of
+        the owner's session does not move it.
+        """
+        desk = self.desk
+        return max(desk.clock(), lease.deadline) + desk.config.leases.quarantine_s
+
+    def renew(self, session: Session, msg: p.Renew) -> p.RenewOk:
+        lease = self.table.get(msg.lease)
+        if lease is None:
+            raise UnknownLease(f"lease {msg.lease} is not open (committed, released or expired)")
+        if lease.session is not session:
+            raise ForeignLease(f"lease {msg.lease} belongs to another client")
+        ttl = self.desk.config.leases.ttl_s
+        self.table.renew(lease, self.desk.clock() + ttl)
+        return p.RenewOk(id=msg.id, ttl_s=ttl)
+
+    def release(self, session: Session, lease_id: int) -> None:
+        self.end(self.take(session, lease_id))
+
+    def _release_request(self, session: Session, msg: p.Release) -> p.Ok:
+        self.release(session, msg.lease)
+        return p.Ok(id=msg.id)
+
+    def expire(self, now: float) -> int:
+        """End the leases past their deadline; returns how many."""
+        ended = 0
+        for lease in self.table.due(now):
+            self.end(lease, stale=True)
+            ended += 1
+        self.expired += ended
+        return ended

@@ -1,0 +1,188 @@
+"""Namespaces: what clients register, and how a request names pages in one.
+
+A namespace is found by the digest of its spec and named on the wire by an
+id that is never reused (from a random start, so a stale id of this daemon
+or the one before a restart names no other namespace). It lives while a
+session has it registered, a page of it is in L2, or a lease or L3 write of
+it is open (``NamespaceState.unused``); ``pool.max_namespaces`` bounds the
+live ones, and a newcomer to a full table pushes out the oldest namespace no
+client has registered (only its own tenant's, with tenants on).
+
+Its kind (cache/kinds.py) is chosen here, once; so are the checks every
+request makes of the pages it names (``token_keys``, ``engine_keys``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from hicached.cache.sessions import Handlers, NamespaceState, Session
+from hicached.errors import (
+    BadRequest,
+    ForeignTenant,
+    InvalidNamespace,
+    ResourceExhausted,
+    TooLarge,
+    UnknownNamespace,
+)
+from hicached.state.l2 import DEFAULT_TENANT, TenantBook
+from hicached.wire import protocol as p
+from hicached.wire.hashing import TOKEN_BYTES
+from hicached.wire.namespace import MAX_KEY_BYTES, NamespaceSpec, namespace_digest, validate_spec
+
+if TYPE_CHECKING:
+    from hicached.cache.desk import Cache
+
+__all__ = ["MAX_SLOTS_PER_SLAB", "Namespaces"]
+
+MAX_SLOTS_PER_SLAB = 1 << 16  # so a page size's slots a slab are listed in bounded memory
+
+
+class Namespaces:
+    """The live namespaces, by id and by digest, oldest first."""
+
+    def __init__(self, desk: Cache) -> None:
+        self.desk = desk
+        self.by_id: dict[int, NamespaceState] = {}
+        self.by_digest: dict[bytes, NamespaceState] = {}
+        self._ids = itertools.count(secrets.randbits(40) + 1)
+
+    def handlers(self) -> Handlers:
+        return {p.RegisterNamespace: self.register}
+
+    def register(self, session: Session, msg: p.RegisterNamespace) -> p.NamespaceOk:
+        desk = self.desk
+        config = desk.config
+        spec = msg.spec
+        validate_spec(spec, config.pool.max_page_bytes)
+        slab = config.pool.slab_mib << 20
+        if slab // spec.page_bytes > MAX_SLOTS_PER_SLAB:
+            # a slab's free slots are listed when it is carved: bound that list
+            raise InvalidNamespace(
+                f"page_bytes {spec.page_bytes} is too small for slabs of "
+                f"{config.pool.slab_mib} MiB: at least {-(-slab // MAX_SLOTS_PER_SLAB)} "
+                f"(at most {MAX_SLOTS_PER_SLAB} pages a slab)"
+            )
+        spec = _own_spec(session, spec)
+        digest = namespace_digest(spec)
+        ns = self.by_digest.get(digest)
+        if ns is None:
+            book = desk.l2.book(spec.tenant if session.peer is not None else DEFAULT_TENANT)
+            limit = config.pool.max_namespaces
+            if len(self.by_id) >= limit:
+                self._drop_an_unused_namespace(book)
+            if len(self.by_id) >= limit:
+                raise ResourceExhausted(
+                    f"{len(self.by_id)} namespaces are in use, the limit (pool.max_namespaces)"
+                )
+            index = desk.l2.index(spec.page_bytes, book.name, spec.keyed)
+            kind = desk.keyed if spec.keyed else desk.tokens
+            ns = NamespaceState(next(self._ids), spec, digest, index, book, kind)
+            self.by_id[ns.id] = ns
+            self.by_digest[digest] = ns
+        if ns.id not in session.namespaces:
+            session.namespaces.add(ns.id)
+            ns.sessions += 1
+        return p.NamespaceOk(id=msg.id, ns=ns.id, digest=digest)
+
+    def _drop_an_unused_namespace(self, book: TenantBook) -> None:
+        """Make room for a new namespace: the oldest one no client has registered
+        loses its pages (written back first under write_back) and is forgotten.
+        With tenants, only one of ``book``'s tenant: never another tenant's pages."""
+        desk = self.desk
+        tenants = bool(desk.config.tenants)
+        for ns in list(self.by_id.values()):  # oldest first
+            if ns.sessions or ns.open or not ns.pages or (tenants and ns.book is not book):
+                continue
+            victims = ns.index.drop_owner(ns.id, desk.pool.pins)
+            if victims:
+                desk.l2.evicted_pages += len(victims)
+                desk.evicted(victims)
+            if ns.id not in self.by_id:
+                return
+
+    def left(self, session: Session) -> None:
+        """``session`` ended: its namespaces lose a user."""
+        for ns_id in session.namespaces:
+            ns = self.by_id.get(ns_id)
+            if ns is not None:
+                ns.sessions -= 1
+                self.forget_if_unused(ns)
+        session.namespaces.clear()
+
+    def forget_if_unused(self, ns: NamespaceState) -> None:
+        """A namespace nobody uses (no session, page, lease or L3 write) is forgotten."""
+        if ns.unused and self.by_id.get(ns.id) is ns:
+            del self.by_id[ns.id]
+            del self.by_digest[ns.digest]
+
+    def of(self, session: Session, ns_id: int) -> NamespaceState:
+        """Namespace ``ns_id``, which ``session`` must have registered."""
+        if ns_id not in session.namespaces:
+            raise UnknownNamespace(
+                f"namespace {ns_id} is not registered by this client: register it first"
+            )
+        return self.by_id[ns_id]
+
+    def model_of(self, digest: bytes) -> str:
+        ns = self.by_digest.get(digest)
+        return ns.spec.model if ns is not None else ""
+
+    def token_pages(self, ns: NamespaceState, tokens: bytes) -> int:
+        """The full pages of ``tokens`` in a token namespace, after checking them."""
+        ns.kind.by_tokens(ns)
+        if len(tokens) % TOKEN_BYTES:
+            raise BadRequest("tokens must be packed little-endian uint32 values")
+        limit = self.desk.config.server.max_pages_per_request
+        pages = len(tokens) // (ns.spec.page_tokens * TOKEN_BYTES)
+        if pages > limit:
+            raise TooLarge(
+                f"the sequence covers more than {limit} pages (server.max_pages_per_request)"
+            )
+        return pages
+
+    def token_keys(self, ns: NamespaceState, tokens: bytes) -> list[bytes]:
+        """The daemon's keys of the full pages of ``tokens``."""
+        self.token_pages(ns, tokens)
+        return self.desk.key_cache.keys(ns.digest, tokens, ns.spec.page_tokens)
+
+    def engine_keys(self, ns: NamespaceState, keys: list[bytes]) -> list[bytes]:
+        """The daemon's keys for a key-addressed namespace's own ``keys``."""
+        ns.kind.by_keys(ns)
+        limit = self.desk.config.server.max_pages_per_request
+        if len(keys) > limit:
+            raise TooLarge(f"{len(keys)} keys, more than {limit} (server.max_pages_per_request)")
+        if not keys:
+            return []
+        sizes = list(map(len, keys))
+        shortest, longest = min(sizes), max(sizes)
+        if shortest < 1 or longest > MAX_KEY_BYTES:
+            bad = shortest if shortest < 1 else longest
+            raise BadRequest(f"keys must be 1-{MAX_KEY_BYTES} bytes, got one of {bad}")
+        # the joined keys name the list (lengths included): a scheduler asks again and again
+        return self.desk.key_cache.engine_keys(ns.digest, keys, bytes(sizes))
+
+
+def _own_spec(session: Session, spec: NamespaceSpec) -> NamespaceSpec:
+    """The namespace as registered by this session's peer: with tenants on, its
+    tenant is the connection's; one left at the default is filled from it, and
+    another tenant's is refused."""
+    peer = session.peer
+    if peer is None or spec.tenant == peer:
+        return spec  # tenants off: the tenant named is a salt like any other field
+    if peer.startswith("!"):
+        raise ForeignTenant(
+            f"this connection ({peer[1:]}) belongs to no tenant, so it may register no "
+            "namespace: list its uid, gid or CURVE key under [tenants] in the daemon's "
+            "config, or mark one tenant others = true"
+        )
+    if spec.tenant == DEFAULT_TENANT:
+        return msgspec.structs.replace(spec, tenant=peer)
+    raise ForeignTenant(
+        f"namespace of tenant {spec.tenant!r} refused: this connection belongs to tenant "
+        f"{peer!r} (its credentials say so); leave tenant unset or set it to {peer!r}"
+    )
