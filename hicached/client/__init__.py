@@ -1,9 +1,11 @@
 """The engine side's client: the exchanges both transports drive, the pool
 view that survives a daemon restart, the sync and asyncio clients, handles,
-the fenced copies (mapping) and the CUDA path."""
+the fenced copies (mapping), the measured pick of their scattered-copy kernels
+(gather) and the CUDA path."""
 
 from hicached.client.aio import AsyncClient
 from hicached.client.core import CurveKeys
+from hicached.client.gather import GatherChoice, gather_choice
 from hicached.client.handles import (
     Fetch,
     FetchProgress,
@@ -22,10 +24,12 @@ __all__ = [
     "CurveKeys",
     "Fetch",
     "FetchProgress",
+    "GatherChoice",
     "Hit",
     "KeysFound",
     "Namespace",
     "PortableHandle",
     "Reservation",
     "cuda_tensor",
+    "gather_choice",
 ]

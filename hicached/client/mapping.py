@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from hicached.client.gather import gather, scatter
 from hicached.client.handles import Hit, Namespace, Reservation
 from hicached.errors import BadRequest, StaleHandle
 from hicached.wire.arena import Arena
@@ -236,7 +237,7 @@ class PoolMapping:
             elif np.all(np.diff(idx) == 1):
                 rows[idx[0] : idx[-1] + 1] = src  # contiguous slots: one memcpy
             else:
-                rows[idx] = src
+                scatter(rows, idx, src)  # numpy's or torch's, the faster here
         moved = self._moved(res, gidx)
         if moved >= 0:
             raise StaleHandle(
@@ -279,16 +280,8 @@ class PoolMapping:
             dst = _destination(out, len(idx), ns.page_bytes)
             if np.all(np.diff(idx) == 1):
                 dst[...] = rows[idx[0] : idx[-1] + 1]
-            elif "torch" in sys.modules:
-                # glibc's memcpy of single pages out of 4 KiB-page shared memory can
-                # run at a fraction of memory speed; torch's copy kernel does not
-                torch = sys.modules["torch"]
-                torch.index_select(
-                    torch.from_numpy(rows), 0, torch.from_numpy(idx), out=torch.from_numpy(dst)
-                )
             else:
-                # indices are checked above; "clip" lets numpy gather straight into dst
-                np.take(rows, idx, axis=0, out=dst, mode="clip")
+                gather(rows, idx, dst)  # numpy's or torch's, the faster here (client/gather.py)
         moved = self._moved(hit, gidx)
         if moved >= 0:
             raise StaleHandle("a page was reused while it was read: it is a miss", moved)
