@@ -16,7 +16,8 @@ Typical use::
         c.release(hit)
 
 Copies go through handles (client/handles.py, client/mapping.py); a stale handle gives a
-miss or a clear error, never another key's bytes. A call to a daemon that is
+miss or a clear error, never another key's bytes. The pool a client maps, and the
+one of a daemon instance before a restart, are client/poolview.py's. A call to a daemon that is
 not running fails at once with ``DaemonUnavailable``.
 """
 
@@ -26,7 +27,6 @@ import contextlib
 import itertools
 import math
 import os
-import threading
 import time
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, NamedTuple, TypeVar
@@ -48,6 +48,7 @@ from hicached.client.handles import (
     Reservation,
 )
 from hicached.client.mapping import PoolMapping, check_empty, lease_margin
+from hicached.client.poolview import PoolView
 from hicached.config import check_endpoint, default_endpoint
 from hicached.errors import (
     BadRequest,
@@ -58,10 +59,8 @@ from hicached.errors import (
     StaleHandle,
     TooLarge,
     UnknownLease,
-    VersionMismatch,
 )
 from hicached.wire import protocol as p
-from hicached.wire.arena import Arena
 from hicached.wire.hashing import pack_tokens
 from hicached.wire.namespace import NamespaceSpec
 
@@ -132,15 +131,10 @@ class _Core:
         self.name = name or f"pid-{os.getpid()}"
         self._ids = itertools.count(1)
         self._hello: p.HelloOk | None = None
-        self._mapping: PoolMapping | None = None
-        self._pin = False  # pin_memory() was asked for
+        self._pool = PoolView()  # mapped at each hello with map_pool
         self._namespaces: list[Namespace] = []
         self._instance = 0
         self._margin = 1.0  # seconds before a lease's deadline that copies stop
-        # the mapping of the daemon instance before the current one, and until when
-        # its read handles may still be read through it (their leases' longest life)
-        self._retired: tuple[PoolMapping, float] | None = None
-        self._lease_ttl = 0.0  # of the daemon last spoken to
 
     # -- exchanges ------------------------------------------------------------
 
@@ -176,25 +170,9 @@ class _Core:
         if isinstance(reply, p.Error):
             raise reply.to_exception()
         assert isinstance(reply, p.HelloOk)
-        if self.map_pool and (self._mapping is None or reply.instance != self._instance):
-            if not reply.gen_granule:
-                raise VersionMismatch(
-                    f"the daemon speaks protocol {reply.major}.{reply.minor} and keeps no slot "
-                    "generations: upgrade it to map its pool"
-                )
-            self._retire_mapping()  # another daemon's pool: kept for its read handles a while
-            # no faulting here: a large pool maps in one system call (page-table
-            # entries come with the copies, or from the prefault thread)
-            arena = Arena.attach(reply.pool_path, reply.pool_bytes, huge_pages=reply.huge_pages)
-            if self.prefault:
-                threading.Thread(
-                    target=arena.prefault, name="hicached-prefault", daemon=True
-                ).start()
-            self._mapping = PoolMapping(arena, reply.instance, reply.gen_granule)
-            if self._pin:
-                self._mapping.pin()
+        if self.map_pool:  # this daemon's pool; a restarted one's old pool is kept a while
+            self._pool.hello(reply, prefault=self.prefault)
         self._instance = reply.instance
-        self._lease_ttl = reply.lease_ttl_s
         self._margin = lease_margin(reply.lease_ttl_s)
         # The namespaces again, before the session counts as open (``_hello``):
         # until then no other request goes out (an AsyncClient's other tasks
@@ -240,7 +218,7 @@ class _Core:
         return sent + ttl - self._margin
 
     def _gens(self, offsets: list[int]) -> Any:
-        mapping = self._mapping
+        mapping = self._pool.current
         if mapping is None or not offsets:
             return np.empty(0, dtype=np.uint32)
         return mapping.snapshot(offsets)
@@ -322,7 +300,7 @@ class _Core:
         daemon): write_pages/read_pages through it, while the process that holds
         the lease commits or releases it. Copies through it are fenced as any;
         ``Client.adopt`` first catches up with a daemon that restarted."""
-        retired = handle.kind == "read" and self._retired_mapping(handle.instance) is not None
+        retired = handle.kind == "read" and self._pool.retired(handle.instance) is not None
         if self._hello is None or (handle.instance != self._instance and not retired):
             raise StaleHandle("this handle is from another daemon instance than this client's")
         if handle.kind == "write" and not handle.spec.keyed:
@@ -433,7 +411,7 @@ class _Core:
                 linger = 200
         sock.close(linger=linger)
         ctx.term()
-        self._close_mapping()
+        self._pool.close()
 
     # -- the pool -------------------------------------------------------------
 
@@ -441,9 +419,9 @@ class _Core:
     def mapping(self) -> PoolMapping:
         if not self.map_pool:
             raise BadRequest("this client does not map the pool (map_pool=False)")
-        if self._mapping is None:
+        if self._pool.current is None:
             raise DaemonUnavailable("not connected: call connect() first")
-        return self._mapping
+        return self._pool.current
 
     def _configure(self, sock: zmq.Socket[Any]) -> None:
         """Options of the one DEALER socket; CURVE keys when given."""
@@ -461,15 +439,11 @@ class _Core:
         """Register this client's mapping of the pool with CUDA as pinned memory,
         now and after every reconnect, so that copies between GPU tensors and
         slots need no staging buffer (hicached/client/cuda.py, docs/perf.md)."""
-        self._pin = True
-        if self._mapping is not None:
-            self._mapping.pin()
+        self._pool.pin()
 
     def unpin_memory(self) -> None:
         """Undo ``pin_memory()``: copies go through pageable memory again."""
-        self._pin = False
-        if self._mapping is not None:
-            self._mapping.unpin()
+        self._pool.unpin()
 
     def write_pages(
         self, res: Reservation, data: Any, *, rows: Any = None, at: int | None = None
@@ -514,7 +488,7 @@ class _Core:
         ``out`` holds whole pages, and one of another size raises ``ValueError``.
         """
         if hit.instance != self._instance:
-            old = self._retired_mapping(hit.instance)
+            old = self._pool.retired(hit.instance)
             if old is not None:
                 return old.read(hit, out, rows, at)
         return self.mapping.read(hit, out, rows, at)
@@ -524,40 +498,6 @@ class _Core:
             return
         src = np.asarray(pages)
         self.write_pages(res, src[res.present : res.present + len(res.offsets)])
-
-    def _close_mapping(self) -> None:
-        if self._mapping is not None:
-            mapping, self._mapping = self._mapping, None
-            mapping.close()
-        if self._retired is not None:
-            retired, self._retired = self._retired[0], None
-            retired.close()
-
-    def _retire_mapping(self) -> None:
-        """The daemon restarted: its old pool stays mapped until every read lease
-        it granted has ended, so a read through one (by a worker that adopted it
-        before the restart was known) is served, not failed. Nothing writes that
-        pool any more (its daemon serves no requests), so its pages hold the
-        bytes of their keys; its generations still fence every read. Writes
-        through its handles are refused. Only the latest such pool is kept."""
-        mapping, self._mapping = self._mapping, None
-        if self._retired is not None:
-            self._retired[0].close()
-            self._retired = None
-        if mapping is not None:
-            self._retired = (mapping, time.monotonic() + self._lease_ttl)
-
-    def _retired_mapping(self, instance: int) -> PoolMapping | None:
-        """The retired mapping of ``instance``, while its read leases may live."""
-        retired = self._retired
-        if retired is None:
-            return None
-        mapping, until = retired
-        if time.monotonic() >= until:
-            self._retired = None
-            mapping.close()
-            return None
-        return mapping if mapping.instance == instance else None
 
 
 def _keys(keys: Sequence[bytes]) -> list[bytes]:

@@ -1,0 +1,96 @@
+"""One client's view of the daemon's pool, across daemon restarts.
+
+A client maps the pool of the daemon instance it speaks to (client/mapping.py
+holds the mapping and the fenced copies). When the daemon restarts, the new
+instance has a pool of its own; the old one stays mapped until every read
+lease it granted has ended, so that a read through one of its handles (by a
+worker that adopted it before the restart was known) is served, not failed.
+Nothing writes that pool any more (its daemon serves no requests), so its
+pages hold the bytes of their keys; its generations still fence every read.
+Writes through its handles are refused. Only the latest such pool is kept.
+
+The view also remembers whether CUDA registration was asked for
+(``pin_memory``), so that every pool mapped after a restart is pinned too.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from hicached.client.mapping import PoolMapping
+from hicached.errors import VersionMismatch
+from hicached.wire import protocol as p
+from hicached.wire.arena import Arena
+
+
+class PoolView:
+    """The mapping of the current daemon instance's pool, and the one before."""
+
+    def __init__(self) -> None:
+        self.current: PoolMapping | None = None
+        self._retired: tuple[PoolMapping, float] | None = None  # and until when it may be read
+        self._pin = False  # pin() was asked for
+        self._lease_ttl = 0.0  # of the daemon last spoken to: its read leases' longest life
+
+    def hello(self, reply: p.HelloOk, *, prefault: bool) -> None:
+        """A daemon answered hello: map its pool unless it is the one mapped now
+        (the one before is retired); ``prefault`` faults it in on a thread."""
+        if self.current is None or reply.instance != self.current.instance:
+            if not reply.gen_granule:
+                raise VersionMismatch(
+                    f"the daemon speaks protocol {reply.major}.{reply.minor} and keeps no slot "
+                    "generations: upgrade it to map its pool"
+                )
+            self._retire()  # another daemon's pool: kept for its read handles a while
+            # no faulting here: a large pool maps in one system call (page-table
+            # entries come with the copies, or from the prefault thread)
+            arena = Arena.attach(reply.pool_path, reply.pool_bytes, huge_pages=reply.huge_pages)
+            if prefault:
+                threading.Thread(
+                    target=arena.prefault, name="hicached-prefault", daemon=True
+                ).start()
+            self.current = PoolMapping(arena, reply.instance, reply.gen_granule)
+            if self._pin:
+                self.current.pin()
+        self._lease_ttl = reply.lease_ttl_s
+
+    def pin(self) -> None:
+        """Register the current mapping with CUDA, and every one mapped later."""
+        self._pin = True
+        if self.current is not None:
+            self.current.pin()
+
+    def unpin(self) -> None:
+        self._pin = False
+        if self.current is not None:
+            self.current.unpin()
+
+    def _retire(self) -> None:
+        mapping, self.current = self.current, None
+        if self._retired is not None:
+            self._retired[0].close()
+            self._retired = None
+        if mapping is not None:
+            self._retired = (mapping, time.monotonic() + self._lease_ttl)
+
+    def retired(self, instance: int) -> PoolMapping | None:
+        """The retired mapping of ``instance``, while its read leases may live."""
+        retired = self._retired
+        if retired is None:
+            return None
+        mapping, until = retired
+        if time.monotonic() >= until:
+            self._retired = None
+            mapping.close()
+            return None
+        return mapping if mapping.instance == instance else None
+
+    def close(self) -> None:
+        """Unmap both pools (unregistering them from CUDA first)."""
+        if self.current is not None:
+            mapping, self.current = self.current, None
+            mapping.close()
+        if self._retired is not None:
+            retired, self._retired = self._retired[0], None
+            retired.close()
