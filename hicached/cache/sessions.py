@@ -5,7 +5,7 @@ the daemon's state.
 
 - A *session* is one connected client (a ZeroMQ routing id) and, when tenants
   are configured, the peer it is: its tenant, named by the connection's
-  credentials (daemon/server.py), never by what it sends. It ends on
+  credentials (daemon/requests.py), never by what it sends. It ends on
   ``goodbye``, when it has been idle for ``server.session_idle_s`` without a
   lease, or when the session table is full and a newcomer needs its place
   (the longest idle session that holds no lease goes first).

@@ -1,20 +1,17 @@
 """The daemon process: serve -> startup -> main loop -> shutdown.
 
-One asyncio loop (uvloop when installed) owns the Cache. The ROUTER socket
-is read by a drain loop: the loop wakes on the socket's file descriptor and
-receives without blocking until the socket is empty, a bounded batch at a
-time. Every request gets a reply or is counted as dropped: a fault while
-serving one (a bug) becomes an ``internal`` error reply and the drain goes
-on with the next message. KV events go out through a ``Publisher``
-(wire/events.py). Signals only set a flag; a second signal exits at once.
+One asyncio loop (uvloop when installed) owns the Cache. The server binds
+the ROUTER socket and hands it to the request loop (daemon/requests.py),
+which drains it in bounded batches and answers every request or counts it
+dropped. KV events go out through a ``Publisher`` (wire/events.py). Signals
+only set a flag; a second signal exits at once.
 
 Access control (private directories, the clients' group, CURVE, the ZAP
-handler) is daemon/access.py's; the head reader that names a request it cannot
-decode, wire/peek.py's. Tenants: with ``[tenants]`` configured, a connection's
-tenant comes from who it is (daemon/tenants.py), never from what it says; the
-cache checks each request against it. SIGHUP reads the config file again and
-applies what may change at run time (daemon/reload.py); everything else keeps
-its running value, logged.
+handler) is daemon/access.py's. Tenants: with ``[tenants]`` configured, a
+connection's tenant comes from who it is (daemon/tenants.py), never from what
+it says; the cache checks each request against it. SIGHUP reads the config
+file again and applies what may change at run time (daemon/reload.py);
+everything else keeps its running value, logged.
 """
 
 from __future__ import annotations
@@ -23,7 +20,6 @@ import asyncio
 import contextlib
 import fcntl
 import logging
-import math
 import os
 import signal
 import sys
@@ -32,11 +28,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import msgspec
 import zmq
 import zmq.auth
 
-from hicached.cache import OP_NAMES, Cache, L3Lookup
+from hicached.cache import Cache
 from hicached.config import (
     Config,
     config_source,
@@ -49,27 +44,14 @@ from hicached.daemon.metrics import Metrics
 from hicached.daemon.notify import StartupProgress, sd_notify, watchdog_interval
 from hicached.daemon.publisher import Publisher
 from hicached.daemon.reload import reload_plan
-from hicached.daemon.tenants import TENANT_DOMAIN, user_id
+from hicached.daemon.requests import RequestLoop
+from hicached.daemon.tenants import TENANT_DOMAIN
 from hicached.daemon.tier import Tier, make_backend
-from hicached.errors import BadRequest, ConfigError, HicachedError, TooLarge
-from hicached.wire import protocol as p
+from hicached.errors import ConfigError
 from hicached.wire.arena import Arena, arena_path
-from hicached.wire.peek import peek_request
+from hicached.wire.peek import peek_request  # noqa: F401 (still importable from here)
 
 log = logging.getLogger("hicached")
-
-TOO_DEEP = "malformed request: values nested deeper than any request has"
-INTERNAL = (
-    "the daemon failed on this request (a bug; the daemon's log has the details); it may "
-    "have been applied in part, and a lease it opened expires after leases.ttl_s"
-)
-
-# socket flags and options as plain ints: pyzmq converts its enums on every call
-_NOBLOCK = int(zmq.NOBLOCK)
-_SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
-_EVENTS = int(zmq.EVENTS)
-_RCVMORE = int(zmq.RCVMORE)
-_POLLIN = int(zmq.POLLIN)
 
 
 # ZAP domain of the request socket when tenants are configured: its peers get
@@ -90,6 +72,7 @@ class Server:
         self.arena: Arena | None = None
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sock: zmq.Socket[bytes] | None = None
+        self._requests: RequestLoop | None = None  # serves _sock once it is bound
         self.publisher: Publisher | None = None
         self._lock_fd: int | None = None
         self.access = Access(config, self.endpoint)
@@ -101,8 +84,6 @@ class Server:
         # the process is this daemon's own (serve): it may exit past stuck calls
         self.exit_past_stuck_calls = False
         self._resweep = asyncio.Event()  # set by a reload: the sweep takes its new interval
-        self._fault_logged = -math.inf  # monotonic time of the last logged internal error
-        self._faults_unlogged = 0  # internal errors since then, not logged
         self.ready = asyncio.Event()
 
     # -- lifecycle -------------------------------------------------------------
@@ -236,9 +217,13 @@ class Server:
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * server.max_message_bytes)
         self.access.bind(sock, self.endpoint, "server.endpoint")
         self._sock = sock
+        tenants = self.access.tenants is not None
+        requests = RequestLoop(
+            sock, self.cache, server, tenants=tenants, metrics=self.metrics, tier=self.tier
+        )
+        requests.start()
+        self._requests = requests
         loop = asyncio.get_running_loop()
-        loop.add_reader(sock.fileno(), self._drain)
-        loop.call_soon(self._drain)  # messages may already be queued
         self._tasks.append(loop.create_task(self._sweep()))
         interval = watchdog_interval()
         if interval:
@@ -266,9 +251,9 @@ class Server:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
+        if self._requests is not None:
+            self._requests.stop()
         if self._sock is not None:
-            with contextlib.suppress(Exception):
-                asyncio.get_running_loop().remove_reader(self._sock.fileno())
             self._sock.close(linger=0)  # no new requests while L3 settles
         if self.tier is not None:
             await self.tier.stop()  # events keep flowing: write-back acks
@@ -302,177 +287,6 @@ class Server:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
-
-    # -- sockets -------------------------------------------------------------------
-
-    # -- the request path --------------------------------------------------------
-
-    def _drain(self) -> None:
-        """Handle what the socket holds, up to ``drain_batch`` requests a turn.
-
-        Frame by frame, with integer flags. With tenants a request's frame is
-        read as a frame, for the User-Id that the ZAP handler gave its
-        connection (the peer's tenant); without, as bytes, and ``RCVMORE``
-        says whether more frames follow (a frame object costs more than the
-        option). After each request one ``EVENTS`` read says whether another
-        waits, which also re-arms the socket's file descriptor; no empty
-        receive is raised.
-        """
-        sock = self._sock
-        if sock is None:
-            return
-        recv, get, tenants = sock.recv, sock.getsockopt, self.access.tenants is not None
-        for _ in range(self.config.server.drain_batch):
-            try:
-                routing_id = recv(_NOBLOCK)
-            except zmq.Again:
-                return
-            # a message's frames arrive together, and a routing id never alone
-            if tenants:
-                frame = recv(_NOBLOCK, copy=False)
-                frames, peer, more = [routing_id, frame.bytes], user_id(frame), frame.more
-            else:
-                frames, peer, more = [routing_id, recv(_NOBLOCK)], None, bool(get(_RCVMORE))
-            while more:  # not a request (_handle counts it): take the rest
-                extra = recv(_NOBLOCK, copy=False)
-                frames.append(extra.bytes)
-                more = extra.more
-            try:
-                self._handle(frames, peer)
-            except Exception as exc:  # a bug: this request fails, the others go on
-                self._fault(frames, exc)
-            if not int(get(_EVENTS)) & _POLLIN:
-                return
-        asyncio.get_running_loop().call_soon(self._drain)  # more may wait; let others run first
-
-    def _handle(self, frames: list[bytes], peer: str | None = None) -> None:
-        cache = self.cache
-        assert cache is not None
-        if len(frames) != 2:
-            cache.count_drop("bad_frames")
-            return
-        routing_id, payload = frames
-        if len(payload) > self.config.server.max_message_bytes:
-            self._reject(
-                routing_id,
-                payload,
-                TooLarge(
-                    f"message of {len(payload)} bytes exceeds server.max_message_bytes "
-                    f"({self.config.server.max_message_bytes})"
-                ),
-            )
-            return
-        try:
-            request = p.request_decoder.decode(payload)
-        except msgspec.MsgspecError as exc:
-            self._reject(routing_id, payload, BadRequest(f"malformed request: {exc}"))
-            return
-        except RecursionError:
-            self._reject(routing_id, payload, BadRequest(TOO_DEEP))
-            return
-        if request.deadline_ms and request.deadline_ms < time.time() * 1000:
-            cache.count_drop("past_deadline")
-            return
-        if self.metrics is None:
-            reply = cache.handle(routing_id, request, peer)
-        else:
-            started = time.perf_counter()
-            reply = cache.handle(routing_id, request, peer)
-            self.metrics.observe_request(OP_NAMES[type(request)], time.perf_counter() - started)
-        if isinstance(reply, L3Lookup):  # L3's record is incomplete: the backend is asked
-            self._lookup(routing_id, reply)
-            return
-        self._send(routing_id, reply)
-
-    def _lookup(self, routing_id: bytes, lookup: L3Lookup) -> None:
-        """Send a reply that waits on L3 once the tier has asked the backend (or
-        at its deadline); a lease it carries ends if it cannot be sent."""
-        cache, tier = self.cache, self.tier
-        assert cache is not None
-
-        def answer(found: int) -> None:
-            sock = self._sock
-            if sock is None or sock.closed:  # stopping: nobody reads it
-                cache.count_drop("unroutable")
-                cache.undelivered(routing_id, lookup)
-                return
-            try:
-                reply = lookup.finish(found)
-            except Exception as exc:  # a bug: this request fails, the daemon goes on
-                cache.undelivered(routing_id, lookup)
-                cache.count_error("internal")
-                log.error(
-                    "internal error finishing request %d after an L3 lookup",
-                    lookup.id,
-                    exc_info=exc,
-                )
-                reply = p.Error(id=lookup.id, code="internal", message=INTERNAL)
-            self._send(routing_id, reply)
-
-        if tier is None:  # pragma: no cover - the cache asks only with a tier
-            answer(0)
-        else:
-            tier.lookup(lookup.ns, lookup.keys, answer)
-
-    def _reject(self, routing_id: bytes, payload: bytes, exc: HicachedError) -> None:
-        """Answer an unusable message if it names a request id, else drop and count it."""
-        cache = self.cache
-        assert cache is not None
-        try:
-            request_id = p.envelope_decoder.decode(payload).id
-        except msgspec.MsgspecError:
-            cache.count_drop("malformed")
-            return
-        except RecursionError:  # nested too deep to skip: read the id from the map's head
-            found = peek_request(payload)[1]
-            if found is None:
-                cache.count_drop("malformed")
-                return
-            request_id = found
-        cache.count_error(exc.code)
-        self._send(routing_id, p.Error.of(request_id, exc))
-
-    def _fault(self, frames: list[bytes], exc: Exception) -> None:
-        """A request made the daemon fail: log it, count it, and answer
-        ``internal`` when its id can be read (else drop and count it)."""
-        cache = self.cache
-        assert cache is not None
-        cache.count_error("internal")
-        op, request_id = peek_request(frames[-1]) if len(frames) == 2 else ("", None)
-        now = time.monotonic()
-        if now - self._fault_logged >= 1.0:  # a request that keeps failing must not flood the log
-            more = self._faults_unlogged
-            log.error(
-                "internal error on %s request (id %s)%s",
-                op if op.isidentifier() and len(op) <= 32 else "an unknown",
-                request_id,
-                f"; {more} more since the last report" if more else "",
-                exc_info=exc,
-            )
-            self._fault_logged, self._faults_unlogged = now, 0
-        else:
-            self._faults_unlogged += 1
-        if request_id is None:
-            cache.count_drop("internal")
-            return
-        try:
-            self._send(frames[0], p.Error(id=request_id, code="internal", message=INTERNAL))
-        except Exception:  # pragma: no cover - the reply itself failed
-            cache.count_drop("internal")
-
-    def _send(self, routing_id: bytes, reply: p.AnyReply) -> None:
-        assert self._sock is not None and self.cache is not None
-        sock, payload = self._sock, p.encode(reply)
-        try:
-            # two sends with integer flags: a third of what send_multipart costs;
-            # a message queues whole or not at all (the HWM admits messages)
-            sock.send(routing_id, _SNDMORE_NOBLOCK)
-            sock.send(payload, _NOBLOCK)
-        except zmq.Again:
-            self.cache.count_drop("send_full")
-            self.cache.undelivered(routing_id, reply)
-        except zmq.ZMQError:
-            self.cache.count_drop("unroutable")
 
     # -- background ---------------------------------------------------------------
 
@@ -532,6 +346,8 @@ class Server:
             )
         assert self.cache is not None
         self.config = config
+        if self._requests is not None:
+            self._requests.config = config.server  # drain_batch
         evicted = self.cache.reconfigure(config)
         self._resweep.set()
         if self.tier is not None:
