@@ -26,6 +26,10 @@ ALLOWED = {
     "ranks": {"wire", "client", "ranks"},
 }
 NO_IO = {"zmq", "asyncio", "socket", "threading", "torch", "uvloop"}
+# One concept per module (STYLE.md): a class past this many lines, or a module
+# past that many, holds more than one; split it along a seam.
+MAX_CLASS_LINES = 450
+MAX_MODULE_LINES = 700
 
 
 def modules() -> dict[str, Path]:
@@ -110,3 +114,22 @@ def test_every_write_policy_the_config_names_is_one_object() -> None:
 
     assert set(POLICIES) == set(WRITE_POLICIES)
     assert all(POLICIES[name].name == name for name in POLICIES)
+
+
+def oversized(path: Path) -> list[str]:
+    """What in ``path`` is over the limits: the module, and each class."""
+    text = path.read_text()
+    name = path.relative_to(PACKAGE).as_posix()
+    lines = len(text.splitlines())
+    out = [f"{name}: {lines} lines"] if lines > MAX_MODULE_LINES else []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+            size = node.end_lineno - node.lineno + 1
+            if size > MAX_CLASS_LINES:
+                out.append(f"{name}: class {node.name}, {size} lines")
+    return out
+
+
+def test_no_class_over_450_lines_and_no_module_over_700() -> None:
+    over = [found for path in sorted(PACKAGE.rglob("*.py")) for found in oversized(path)]
+    assert over == []
