@@ -108,10 +108,10 @@ def test_the_first_scattered_copy_measures_once_and_picks_one_of_the_two(
         assert min(rates) > 0
         faster = "torch" if rates[1] > rates[0] else "numpy"
         assert first[way]["pick"] == faster
-    # bounded: a sample of at most SAMPLE_BYTES, ROUNDS rounds, of the first page size
+    # bounded: a sample of at most SAMPLE_BYTES, at most ROUNDS rounds, of the first page size
     assert first["page_bytes"] == PAGE
     assert first["sample_pages"] >= 1 and first["sample_pages"] * PAGE <= gather.SAMPLE_BYTES
-    assert first["rounds"] == gather.ROUNDS
+    assert 1 <= first["rounds"] <= gather.ROUNDS
     # and once: later copies, of another page size too, keep the same choice
     assert got["same"]
 

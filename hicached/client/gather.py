@@ -14,8 +14,8 @@ not assumed:
 
 - once per process, at the first scattered copy made while torch is loaded:
   both kernels both ways, turn about, ``ROUNDS`` timed rounds each after one
-  that warms up, on at most ``SAMPLE_BYTES`` a round; each direction keeps
-  the kernel with the higher median rate;
+  that warms up (one only, past ``BUDGET_S``), on at most ``SAMPLE_BYTES`` a
+  round; each direction keeps the kernel with the higher median rate;
 - every round copies rows no round touched before (rows read again come from
   the CPU's cache and flatter the kernel that loses on memory): the gather
   reads fresh rows of the pool mapping itself (a read changes no slot), the
@@ -58,6 +58,10 @@ ENV = "HICACHED_GATHER"
 SAMPLE_BYTES = 2 << 20
 SAMPLE_PAGES = 256
 ROUNDS = 5
+# Past this many seconds from its start the measurement ends each race after
+# its first timed round: on a host whose cores are busy, torch's parallel
+# kernels can wait a core for most of a second a call (0.01 GB/s was seen).
+BUDGET_S = 0.2
 _PAGE = 4096  # placement of buffers is compared modulo this
 
 
@@ -77,7 +81,7 @@ class GatherChoice(NamedTuple):
     how: str  # "measured", or "HICACHED_GATHER" when the environment named one
     page_bytes: int  # of the sample (the page size of the first scattered copy)
     sample_pages: int  # pages a kernel moved a round
-    rounds: int  # timed rounds a kernel
+    rounds: int  # timed rounds a kernel: ROUNDS, or fewer (one at least) past BUDGET_S
     seconds: float  # what the measurement took, once (0.0 when named)
     offset: int  # of the sample's page buffer in a 4 KiB page (the first copy's buffer's)
 
@@ -197,24 +201,28 @@ def measure(rows: np.ndarray, like: np.ndarray | None = None) -> GatherChoice:
     raw = np.zeros(pages * page_bytes + _PAGE, dtype=np.uint8)
     start = (at - _address(raw)) % _PAGE
     pages_buf = raw[start : start + pages * page_bytes].reshape(pages, page_bytes)
-    read = _race(GATHERS, rows, fresh.astype(np.int64).reshape(ROUNDS + 1, -1, pages), pages_buf)
+    deadline = started + BUDGET_S
+    read, rounds = _race(
+        GATHERS, rows, fresh.astype(np.int64).reshape(ROUNDS + 1, -1, pages), pages_buf, deadline
+    )
     # anonymous and shared memory is tmpfs, as the pool is; populated, as the pool is
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
     try:
         shared = mmap.mmap(-1, need * page_bytes, flags=flags)
     except OSError:  # no memory to spare for the sample: the scatter stays numpy's
-        write = Rates("numpy", 0.0, 0.0)
+        write, timed = Rates("numpy", 0.0, 0.0), rounds
     else:
         try:
             slots = np.frombuffer(shared, dtype=np.uint8).reshape(need, page_bytes)
             order = rng.permutation(need).astype(np.int64).reshape(ROUNDS + 1, -1, pages)
-            write = _race(SCATTERS, slots, order, pages_buf)
+            write, timed = _race(SCATTERS, slots, order, pages_buf, deadline)
             del slots
         finally:
             with contextlib.suppress(BufferError):  # a view outlived the race: freed with it
                 shared.close()
     seconds = round(time.perf_counter() - started, 4)
-    return GatherChoice(read, write, "measured", page_bytes, pages, ROUNDS, seconds, at)
+    rounds = min(rounds, timed)
+    return GatherChoice(read, write, "measured", page_bytes, pages, rounds, seconds, at)
 
 
 def _address(array: np.ndarray) -> int:
@@ -226,10 +234,12 @@ def _race(
     rows: np.ndarray,
     order: np.ndarray,
     pages: np.ndarray,
-) -> Rates:
+    deadline: float,
+) -> tuple[Rates, int]:
     """Each kernel's median GB/s over ``ROUNDS`` rounds after one that warms up,
-    who goes first alternating; round r of kernel k copies between ``pages``
-    and ``rows[order[r, k]]``."""
+    who goes first alternating (fewer rounds, at least one, past ``deadline``),
+    and the rounds timed; round r of kernel k copies between ``pages`` and
+    ``rows[order[r, k]]``."""
     times: dict[Kernel, list[float]] = {name: [] for name in kernels}
     ranked = list(enumerate(kernels.items()))
     for r in range(ROUNDS + 1):
@@ -238,9 +248,11 @@ def _race(
             kernel(rows, order[r, k], pages)
             if r:  # round 0 faults the buffers in and loads the code
                 times[name].append(time.perf_counter() - started)
+        if r and time.perf_counter() >= deadline:
+            break
     gbps = {
         name: round(pages.nbytes / max(statistics.median(t), 1e-9) / 1e9, 2)
         for name, t in times.items()
     }
     pick: Kernel = "torch" if gbps["torch"] > gbps["numpy"] else "numpy"
-    return Rates(pick, gbps["numpy"], gbps["torch"])
+    return Rates(pick, gbps["numpy"], gbps["torch"]), len(times["numpy"])
