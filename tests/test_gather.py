@@ -106,7 +106,7 @@ def test_the_first_scattered_copy_measures_once_and_picks_one_of_the_two(
         assert first[way]["pick"] in gather.KERNELS
         rates = (first[way]["numpy_gbps"], first[way]["torch_gbps"])
         assert min(rates) > 0
-        faster = "torch" if rates[1] > rates[0] else "numpy"
+        faster = "torch" if rates[1] > gather.TORCH_MARGIN * rates[0] else "numpy"
         assert first[way]["pick"] == faster
     # bounded: a sample of at most SAMPLE_BYTES, at most ROUNDS rounds, of the first page size
     assert first["page_bytes"] == PAGE
