@@ -47,7 +47,7 @@ from hicached.client.handles import (
     PortableHandle,
     Reservation,
 )
-from hicached.client.mapping import PoolMapping, check_empty, lease_margin
+from hicached.client.mapping import PendingCopy, PoolMapping, check_empty, lease_margin
 from hicached.config import check_endpoint, default_endpoint
 from hicached.errors import (
     BadRequest,
@@ -518,6 +518,28 @@ class _Core:
             if old is not None:
                 return old.read(hit, out, rows, at)
         return self.mapping.read(hit, out, rows, at)
+
+    def start_write(
+        self, res: Reservation, data: Any, *, rows: Any = None, at: int | None = None
+    ) -> PendingCopy:
+        """``write_pages``, started: a copy from CUDA tensors is queued on the
+        current stream and this returns at once (from host memory the copy is
+        done on return). The ``PendingCopy`` says when the bytes have moved
+        (``done()``) and checks the fence after them (``finish()``, or
+        ``result()`` to wait first): commit only after it finished without
+        ``StaleHandle``. The source must stay as it is until then."""
+        return self.mapping.start_write(res, data, rows, at)
+
+    def start_read(
+        self, hit: Hit, out: Any = None, *, rows: Any = None, at: int | None = None
+    ) -> PendingCopy:
+        """``read_pages``, started (``start_write``): ``out`` holds the pages only
+        once the ``PendingCopy`` finished without ``StaleHandle`` (a miss)."""
+        if hit.instance != self._instance:
+            old = self._retired_mapping(hit.instance)
+            if old is not None:
+                return old.start_read(hit, out, rows, at)
+        return self.mapping.start_read(hit, out, rows, at)
 
     def _store_data(self, res: Reservation, pages: np.ndarray) -> None:
         if not res.offsets:
