@@ -60,6 +60,10 @@ def test_the_kernel_copies_every_shape_byte_for_byte(ran: dict[str, Any]) -> Non
         assert case["bytes_equal"], f"{case['name']} moved other bytes"
 
 
+def test_a_table_in_any_memory_order_is_read_as_its_columns(ran: dict[str, Any]) -> None:
+    assert ran["fortran_table"] == {"kernel": True, "bytes_equal": True}
+
+
 def test_tables_the_kernel_cannot_take_go_the_other_ways(ran: dict[str, Any]) -> None:
     assert not ran["unaligned"]["kernel"]  # pieces 8 bytes off 16
     assert not ran["one_slot_twice"]["kernel"]  # two pages into one slot
@@ -75,6 +79,7 @@ def test_a_kernel_that_fails_to_launch_is_turned_off_once(ran: dict[str, Any]) -
 
 def test_the_kernel_compiles_for_sm90_with_16_byte_loads_and_stores() -> None:
     got = _check("ptx")
+    assert not got.get("source"), f"the kernel does not compile: {got['why']}"
     if not got["compiled"]:
         pytest.skip(f"this Triton cannot compile for CUDA here: {got['why']}")
     wide = {"ld.global.v2.b64", "ld.global.v4.b32", "st.global.v2.b64", "st.global.v4.b32"}

@@ -30,6 +30,18 @@ def test_runs_split_rows_into_adjacent_stretches() -> None:
     ]
 
 
+def test_a_tensor_is_a_segment_when_the_bytes_of_a_row_are_contiguous() -> None:
+    t = torch.empty((10, 2, 16), dtype=torch.bfloat16)
+    seg = cuda.segment(t)
+    assert seg is not None
+    assert (seg.address, seg.stride, seg.width, seg.rows) == (t.data_ptr(), 64, 64, 10)
+    sliced = torch.empty((10, 48), dtype=torch.uint8)[:, :32]  # rows 48 apart, 32 copied
+    seg = cuda.segment(sliced)
+    assert seg is not None
+    assert (seg.stride, seg.width, seg.rows) == (48, 32, 10)
+    assert cuda.segment(torch.empty((4, 3, 8)).transpose(1, 2)) is None
+
+
 def test_without_cuda_pinning_fails_clearly(daemon: Daemon) -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")

@@ -31,7 +31,7 @@ def test_whole_pages_in_order_are_one_piece() -> None:
     pool = np.zeros((8, 64), dtype=np.uint8)
     gpu = np.zeros((3, 64), dtype=np.uint8)
     table = pieces.build(_pool(pool), np.array([2, 3, 4]), [_seg(gpu)], None, 0, to_pool=True)
-    assert table.tolist() == [[gpu.ctypes.data, pool.ctypes.data + 2 * 64, 3 * 64]]
+    assert table.T.tolist() == [[gpu.ctypes.data, pool.ctypes.data + 2 * 64, 3 * 64]]
 
 
 def test_shuffled_pages_become_one_piece_per_run_in_pool_order() -> None:
@@ -40,18 +40,18 @@ def test_shuffled_pages_become_one_piece_per_run_in_pool_order() -> None:
     p, o = pool.ctypes.data, out.ctypes.data
     table = pieces.build(_pool(pool), np.array([6, 1, 2, 0]), [_seg(out)], None, 0, to_pool=False)
     # slot 0 -> page 3; slots 1, 2 -> pages 1, 2 (one run); slot 6 -> page 0
-    assert table.tolist() == [[p, o + 3 * 64, 64], [p + 64, o + 64, 128], [p + 6 * 64, o, 64]]
+    assert table.T.tolist() == [[p, o + 3 * 64, 64], [p + 64, o + 64, 128], [p + 6 * 64, o, 64]]
 
 
-def test_runs_adjacent_on_both_sides_only_after_ordering_merge() -> None:
+def test_whole_pages_merge_in_slot_order_whatever_order_they_came_in() -> None:
     """Slots 5, 3, 4 with rows 2, 0, 1: in page order no neighbours join, in
-    pool order all three are one run of rows and of slots."""
+    slot order all three are one run of rows and of slots."""
     pool = np.zeros((8, 32), dtype=np.uint8)
     kv = np.zeros((4, 32), dtype=np.uint8)
     table = pieces.build(
         _pool(pool), np.array([5, 3, 4]), [_seg(kv)], np.array([2, 0, 1]), 0, to_pool=True
     )
-    assert table.tolist() == [[kv.ctypes.data, pool.ctypes.data + 3 * 32, 96]]
+    assert table.T.tolist() == [[kv.ctypes.data, pool.ctypes.data + 3 * 32, 96]]
 
 
 def test_segments_with_rows_and_at_fill_their_part_of_each_page() -> None:
@@ -64,7 +64,7 @@ def test_segments_with_rows_and_at_fill_their_part_of_each_page() -> None:
         _pool(pool), np.array([1, 2]), [_seg(k), _seg(v)], np.array([7, 3]), 32, to_pool=True
     )
     kk, vv = k.ctypes.data, v.ctypes.data
-    assert table.tolist() == [
+    assert table.T.tolist() == [
         [kk + 7 * 8, p + 64 + 32, 8],
         [vv + 7 * 16, p + 64 + 40, 16],
         [kk + 3 * 8, p + 128 + 32, 8],
@@ -79,17 +79,20 @@ def test_segments_adjacent_in_memory_join_within_a_page() -> None:
     segs = [_seg(kv, 16), _seg(kv, 32, skip=16)]
     table = pieces.build(_pool(pool), np.array([0, 2]), segs, np.array([1, 4]), 0, to_pool=False)
     p = pool.ctypes.data
-    assert table.tolist() == [[p, kv.ctypes.data + 48, 48], [p + 128, kv.ctypes.data + 4 * 48, 48]]
+    assert table.T.tolist() == [
+        [p, kv.ctypes.data + 48, 48],
+        [p + 128, kv.ctypes.data + 4 * 48, 48],
+    ]
 
 
 def test_empty_copies_and_empty_segments_make_no_pieces() -> None:
     pool = np.zeros((4, 64), dtype=np.uint8)
     kv = np.zeros((4, 16), dtype=np.uint8)
     none = np.array([], dtype=np.int64)
-    assert pieces.build(_pool(pool), none, [_seg(kv)], None, 0, to_pool=True).shape == (0, 3)
+    assert pieces.build(_pool(pool), none, [_seg(kv)], None, 0, to_pool=True).shape == (3, 0)
     zero = Segment(kv.ctypes.data, 16, 0, 4)
     table = pieces.build(_pool(pool), np.array([1]), [zero, _seg(kv)], None, 0, to_pool=True)
-    assert table.tolist() == [[kv.ctypes.data, pool.ctypes.data + 64, 16]]
+    assert table.T.tolist() == [[kv.ctypes.data, pool.ctypes.data + 64, 16]]
 
 
 @pytest.mark.parametrize(
@@ -132,8 +135,8 @@ def test_segments_whose_rows_overlap_are_refused() -> None:
 
 
 def test_split_cuts_long_pieces_and_keeps_their_bytes() -> None:
-    table = np.array([[1000, 5000, 100], [3000, 9000, 16]], dtype=np.int64)
-    assert pieces.split(table, 32).tolist() == [
+    table = np.array([[1000, 5000, 100], [3000, 9000, 16]], dtype=np.int64).T
+    assert pieces.split(table, 32).T.tolist() == [
         [1000, 5000, 32],
         [1032, 5032, 32],
         [1064, 5064, 32],
@@ -146,21 +149,49 @@ def test_split_cuts_long_pieces_and_keeps_their_bytes() -> None:
 
 
 def test_alignment_and_overlapping_destinations_are_told() -> None:
-    table = np.array([[1024, 2048, 64], [4096, 2112, 32]], dtype=np.int64)
+    table = np.array([[1024, 2048, 64], [4096, 2112, 32]], dtype=np.int64).T
     assert pieces.aligned(table, 0)
     assert pieces.aligned(table, 512)
     assert not pieces.aligned(table, 8)  # offsets from 8 are not multiples of 16
-    assert not pieces.aligned(np.array([[0, 16, 24]], dtype=np.int64), 0)
+    assert not pieces.aligned(np.array([[0], [16], [24]], dtype=np.int64), 0)
     assert pieces.disjoint(table)
-    assert not pieces.disjoint(np.array([[0, 100, 32], [64, 120, 8]], dtype=np.int64))
+    assert not pieces.disjoint(np.array([[0, 64], [100, 120], [32, 8]], dtype=np.int64))
     assert pieces.nbytes(table) == 96
 
 
 def test_a_write_of_two_pages_into_one_slot_is_not_a_kernel_table() -> None:
     pool = np.zeros((4, 64), dtype=np.uint8)
     gpu = np.zeros((2, 64), dtype=np.uint8)
-    table = pieces.build(_pool(pool), np.array([1, 1]), [_seg(gpu)], None, 0, to_pool=True)
+    slots = np.array([1, 1])
+    table = pieces.build(_pool(pool), slots, [_seg(gpu)], None, 0, to_pool=True)
     assert not pieces.disjoint(table)
+    assert not pieces.disjoint_copy(slots, [_seg(gpu)], None, to_pool=True)
+    # a read from one slot into two pages writes each once
+    assert pieces.disjoint_copy(slots, [_seg(gpu)], None, to_pool=False)
+
+
+def test_segments_interleaved_in_memory_are_checked_on_the_table() -> None:
+    """K and V as two views of one tensor's rows (k then v in each row): their
+    spans overlap, their bytes do not; two views of the same bytes do."""
+    kv = np.zeros((6, 32), dtype=np.uint8)
+    k, v = _seg(kv, 16), _seg(kv, 16, skip=16)
+    picks = np.array([0, 3])
+    assert not pieces.disjoint_copy(picks, [k, v], picks, to_pool=False)
+    pool = np.zeros((4, 64), dtype=np.uint8)
+    table = pieces.build(_pool(pool), np.array([0, 1]), [k, v], picks, 0, to_pool=False)
+    assert pieces.disjoint(table)
+    twice = pieces.build(_pool(pool), np.array([0, 1]), [k, k], picks, 0, to_pool=False)
+    assert not pieces.disjoint(twice)
+
+
+def test_alignment_is_told_from_the_geometry() -> None:
+    pool = Pool(4096, 1024, 8)
+    seg = Segment(8192, 256, 128, 10)
+    assert pieces.aligned_copy(pool, [seg], 512, 0)
+    assert not pieces.aligned_copy(pool, [seg], 520, 0)  # at 8 bytes off
+    assert not pieces.aligned_copy(pool, [Segment(8192, 264, 128, 10)], 0, 0)  # rows 8 off
+    assert not pieces.aligned_copy(pool, [Segment(8200, 256, 128, 10)], 0, 0)
+    assert not pieces.aligned_copy(pool, [seg], 0, 8)  # the base itself
 
 
 # -- random geometries, run on host memory --------------------------------------------
@@ -202,7 +233,7 @@ def copies(draw: st.DrawFn) -> dict[str, object]:
 def _count(table: np.ndarray, col: int, origin: int, size: int) -> np.ndarray:
     """How many pieces cover each byte of [origin, origin + size) on side ``col``."""
     hits = np.zeros(size + 1, dtype=np.int64)
-    for start, length in zip(table[:, col] - origin, table[:, LEN], strict=True):
+    for start, length in zip(table[col] - origin, table[LEN], strict=True):
         assert start >= 0 and start + length <= size, "a piece outside its buffer"
         hits[start] += 1
         hits[start + length] -= 1
@@ -258,16 +289,26 @@ def test_a_table_moves_exactly_the_bytes_of_its_copy(c: dict[str, object]) -> No
     assert np.array_equal(in_engine, allowed), "engine bytes"
     assert pieces.nbytes(table) == len(slots) * sum(widths)
     assert pieces.disjoint(table)
-    # merged: no two pieces follow one another on both sides
-    ends = table[:, :2] + table[:, LEN : LEN + 1]
-    follows = (table[:, None, SRC] == ends[None, :, SRC]) & (
-        table[:, None, DST] == ends[None, :, DST]
+    # merged: no piece follows the one before it on both sides (with one
+    # segment, no two pieces anywhere in the table)
+    ends = table[:2] + table[LEN]
+    follows = (table[SRC][:, None] == ends[SRC][None, :]) & (
+        table[DST][:, None] == ends[DST][None, :]
     )
-    assert not follows.any(), "pieces left unmerged"
+    assert not np.diagonal(follows, -1).any(), "neighbours left unmerged"
+    if len(segs) == 1:
+        assert not follows.any(), "pieces left unmerged"
+    # what the geometry tells holds for the table
+    base = pool.ctypes.data
+    for to in (1, 2, 4, 8, 16):
+        if pieces.aligned_copy(_pool(pool), segs, at, base, to):
+            assert pieces.aligned(table, base, to)
+    assert pieces.disjoint_copy(slots, segs, picks, to_pool=to_pool)
     # split into short pieces, run on host memory: the bytes of the copy
     short = pieces.split(table, int(c["most"]))  # type: ignore[call-overload]
     assert pieces.nbytes(short) == pieces.nbytes(table)
-    assert not len(short) or int(short[:, LEN].max()) <= int(c["most"])  # type: ignore[call-overload]
+    assert not short.shape[1] or int(short[LEN].max()) <= int(c["most"])
+    assert table.flags.c_contiguous and short.flags.c_contiguous  # as the kernel reads it
     pieces.run_on_host(short)
     assert np.array_equal(pool, want_pool)
     assert np.array_equal(engine, want_engine)
@@ -280,7 +321,7 @@ def test_without_triton_the_kernel_says_so_once(caplog: pytest.LogCaptureFixture
     if kernel.triton is not None:
         pytest.skip("Triton is installed here (tests/test_copy_kernel.py runs the kernel)")
     kernel.reset()
-    table = np.array([[0, 64, 16]], dtype=np.int64)
+    table = np.array([[0], [64], [16]], dtype=np.int64)
     with caplog.at_level(logging.WARNING, logger="hicached.client.kernel"):
         assert kernel.unusable() == "Triton is not installed"
         assert not kernel.qualifies(table, 0)

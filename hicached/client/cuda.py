@@ -116,15 +116,18 @@ def runs(rows: np.ndarray, cuts: np.ndarray | None = None) -> list[tuple[int, in
 
 def segment(tensor: Any) -> pieces.Segment | None:
     """A tensor (rows first) as a table segment, or None when the bytes of
-    one row are not contiguous (the table kernel does not take it)."""
+    one row are not contiguous (the table kernel does not take it). Runs for
+    every layer of every copy: a contiguous tensor takes four attribute reads."""
     rows = int(tensor.shape[0]) if tensor.dim() else 1
-    row = tensor[0] if tensor.dim() and rows else tensor
-    if rows and not row.is_contiguous():
+    if tensor.is_contiguous():
+        width = int(tensor.nbytes) // rows if rows else 0
+        return pieces.Segment(tensor.data_ptr(), width, width, rows)
+    if not rows or not tensor[0].is_contiguous():
         return None
     size = tensor.element_size()
-    width = int(row.numel()) * size if rows else 0
-    stride = int(tensor.stride(0)) * size if tensor.dim() else width
-    return pieces.Segment(tensor.data_ptr(), stride, width, rows)
+    return pieces.Segment(
+        tensor.data_ptr(), int(tensor.stride(0)) * size, int(tensor[0].nbytes), rows
+    )
 
 
 def _by_table(
@@ -144,11 +147,13 @@ def _by_table(
     base = mapped.data_ptr()
     if base != pool_rows.ctypes.data:  # the pool's CUDA view addresses it at its own pointer
         return False
-    page_bytes = pool_rows.shape[1]
-    pool = pieces.Pool(base, page_bytes, pool_rows.shape[0])
-    table = pieces.build(pool, rows, segments, picks, at, to_pool=to_pool)  # type: ignore[arg-type]
-    if not kernel.qualifies(table, base):
+    pool = pieces.Pool(base, pool_rows.shape[1], pool_rows.shape[0])
+    segs: list[pieces.Segment] = segments  # type: ignore[assignment]
+    if not pieces.aligned_copy(pool, segs, at, base):
         return False
+    table = pieces.build(pool, rows, segs, picks, at, to_pool=to_pool)
+    if not pieces.disjoint_copy(rows, segs, picks, to_pool=to_pool) and not pieces.disjoint(table):
+        return False  # a write of two pages into one slot: the ways from before keep an order
     return kernel.launch(pieces.split(table, kernel.PIECE_BYTES), mapped)
 
 

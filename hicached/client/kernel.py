@@ -47,15 +47,15 @@ _WARPS = 4
 
 if triton is not None:
 
-    @triton.jit
-    def _copy_pieces(table, base, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-        # Row p of table: source, destination and length in 16-byte units, the
-        # addresses as offsets from base (an int64 pointer, 16-byte aligned).
-        # Units times 2 words: the compiler sees even word offsets, so aligned.
+    @triton.jit(do_not_specialize=["count"])
+    def _copy_pieces(table, count, base, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+        # table: (3, count) int64, sources, destinations and lengths in 16-byte
+        # units, the addresses as offsets from base (an int64 pointer, 16-byte
+        # aligned). Units times 2 words: the compiler sees even word offsets.
         piece = tl.program_id(0).to(tl.int64)
-        src = base + tl.load(table + piece * 3) * 2
-        dst = base + tl.load(table + piece * 3 + 1) * 2
-        words = tl.load(table + piece * 3 + 2) * 2
+        src = base + tl.load(table + piece) * 2
+        dst = base + tl.load(table + count + piece) * 2
+        words = tl.load(table + 2 * count + piece) * 2
         lanes = tl.arange(0, BLOCK)
         for start in range(0, words, BLOCK):
             at = start + lanes
@@ -96,7 +96,8 @@ def reset() -> None:
 
 
 def qualifies(table: np.ndarray, base: int) -> bool:
-    """The kernel can copy ``table`` with ``base`` as its base address."""
+    """The kernel can copy ``table`` with ``base`` as its base address (checked
+    on the table; the CUDA path checks the copy's geometry instead, cheaper)."""
     return unusable() is None and pieces.aligned(table, base) and pieces.disjoint(table)
 
 
@@ -109,13 +110,15 @@ def launch(table: np.ndarray, base: Any) -> bool:
     view; any 16-byte aligned tensor on the device works, since kernels
     address the whole unified space); ``qualifies`` must hold for the table.
     """
-    if unusable() is not None or not len(table):
+    count = table.shape[1]
+    if unusable() is not None or not count:
         return unusable() is None
     torch = sys.modules["torch"]
     origin = base.data_ptr()
-    units = np.empty_like(table)
-    units[:, :2] = (table[:, :2] - origin) // 16
-    units[:, pieces.LEN] = table[:, pieces.LEN] // 16
+    units = np.empty((3, count), dtype=np.int64)  # C order, whatever the table's
+    np.subtract(table[: pieces.LEN], origin, out=units[: pieces.LEN])
+    units[pieces.LEN] = table[pieces.LEN]
+    np.right_shift(units, 4, out=units)
     rows = torch.from_numpy(units)
     words = base.view(torch.uint8)[: base.numel() * base.element_size() // 8 * 8]
     if base.is_cuda:
@@ -123,7 +126,7 @@ def launch(table: np.ndarray, base: Any) -> bool:
         # wait for it; torch keeps the pinned block until the upload is done
         rows = rows.pin_memory().to(base.device, non_blocking=True)
     try:
-        _copy_pieces[(len(units),)](rows, words.view(torch.int64), BLOCK=_BLOCK, num_warps=_WARPS)
+        _copy_pieces[(count,)](rows, count, words.view(torch.int64), BLOCK=_BLOCK, num_warps=_WARPS)
     except Exception as exc:  # a compile that fails here fails every time
         _give_up(f"the kernel did not launch: {type(exc).__name__}: {exc}")
         return False
@@ -138,5 +141,5 @@ def warm(device: Any) -> None:
         return
     torch = sys.modules["torch"]
     scratch = torch.zeros(64, dtype=torch.uint8, device=device)
-    table = np.array([[scratch.data_ptr(), scratch.data_ptr() + 32, 32]], dtype=np.int64)
+    table = np.array([[scratch.data_ptr()], [scratch.data_ptr() + 32], [32]], dtype=np.int64)
     launch(table, scratch)

@@ -146,8 +146,9 @@ def _copy_rows(
 
 
 def _row_bytes(tensor: Any) -> int:
-    """Bytes in one row (first-axis entry) of a tensor."""
-    return int(tensor.numel() // max(1, tensor.shape[0]) * tensor.element_size())
+    """Bytes in one row (first-axis entry) of a tensor (nbytes: one attribute
+    read; this runs for every layer of every copy)."""
+    return int(tensor.nbytes) // max(1, int(tensor.shape[0]))
 
 
 def _destination(out: Any, pages: int, page_bytes: int) -> np.ndarray:

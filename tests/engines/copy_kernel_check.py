@@ -64,7 +64,7 @@ def _case(
 def run() -> dict[str, Any]:
     import torch
 
-    from hicached.client import kernel
+    from hicached.client import cuda, kernel, pieces
 
     records: list[str] = []
     handler = logging.Handler()
@@ -95,6 +95,19 @@ def run() -> dict[str, Any]:
         # rows 48 bytes apart, 32 of them copied: a slice of a wider tensor
         wide = torch.randint(0, 256, (32, 48), dtype=torch.uint8)
         out.append(_case(f"{d}_strided_rows", pool, shuffled, [wide[:, :32]], blocks, 64, to_pool))
+    # a table laid out in Fortran order (as numpy's fancy indexing can leave
+    # one): the launch hands the kernel a C-ordered copy
+    pool = rng.integers(0, 256, (24, page), dtype=np.uint8)
+    want = pool.copy()
+    src = torch.randint(0, 256, (4, page), dtype=torch.uint8)
+    slots = rng.permutation(24)[:4]
+    for j, slot in enumerate(slots):
+        want[slot] = src[j].numpy()
+    table = pieces.build(
+        pieces.Pool(pool.ctypes.data, page, 24), slots, [cuda.segment(src)], None, 0, to_pool=True
+    )
+    launched = kernel.launch(np.asfortranarray(table), torch.from_numpy(pool.reshape(-1)))
+    fortran = {"kernel": launched, "bytes_equal": bool(np.array_equal(pool, want))}
     # not the kernel's: pieces 8 bytes off 16 (the other ways copy them)
     pool = rng.integers(0, 256, (24, page), dtype=np.uint8)
     odd = [torch.randint(0, 256, (32, 24), dtype=torch.uint8)]
@@ -123,6 +136,7 @@ def run() -> dict[str, Any]:
         kernel._copy_pieces = real
     return {
         "cases": out,
+        "fortran_table": fortran,
         "unaligned": unaligned,
         "one_slot_twice": twice,
         "on_after_refusals": still_on,
@@ -140,8 +154,8 @@ def ptx() -> dict[str, Any]:
 
     from hicached.client import kernel
 
-    sig = {"table": "*i64", "base": "*i64", "BLOCK": "constexpr"}
-    attrs = {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]}
+    sig = {"table": "*i64", "count": "i64", "base": "*i64", "BLOCK": "constexpr"}
+    attrs = {(0,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]}
     try:
         src = triton.compiler.ASTSource(
             fn=kernel._copy_pieces, signature=sig, constexprs={"BLOCK": kernel._BLOCK}, attrs=attrs
@@ -149,8 +163,11 @@ def ptx() -> dict[str, Any]:
         compiled = triton.compile(
             src, target=GPUTarget("cuda", 90, 32), options={"num_warps": kernel._WARPS}
         )
-    except Exception as exc:  # this Triton cannot compile for CUDA here
-        return {"compiled": False, "why": f"{type(exc).__name__}: {exc}"[:500]}
+    except Exception as exc:  # the kernel's source, or a Triton that cannot compile for CUDA here
+        from triton.compiler.errors import CompilationError
+
+        why = f"{type(exc).__name__}: {exc}"[:500]
+        return {"compiled": False, "why": why, "source": isinstance(exc, CompilationError)}
     text = compiled.asm["ptx"]
     ops = sorted(set(re.findall(r"\b((?:ld|st)\.global[\w.]*)", text)))
     return {"compiled": True, "ops": ops, "triton": triton.__version__}
