@@ -68,7 +68,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     for suffix, table in ways(state, tag):
                         cuda.TABLE_KERNEL = table
                         name = f"{state}_write{tag}{suffix}"
-                        paths[name] = client.start_write(handle, gpu).path
+                        started = client.start_write(handle, gpu)
+                        paths[name] = started.path
+                        started.result()
                         paired.measure(
                             name,
                             functools.partial(client.write_pages, handle, gpu),
@@ -82,7 +84,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             reads = {"": hit, "_scattered": hit.select(order)}
             for state in ("pinned", "pageable"):
                 if state == "pageable":
-                    shapes = run_shapes(client, paired.pairs)  # while the pool is pinned
                     client.unpin_memory()
                 for tag, got in reads.items():
                     for suffix, table in ways(state, tag):
@@ -105,6 +106,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             torch.from_numpy(client.read_pages(reads["_scattered"])), gpu[order].cpu()
         ), "the pool holds other bytes than the GPU sent"
         client.release(hit)
+        client.pin_memory()
+        shapes = run_shapes(client, paired.pairs)
     figures = paired.result()
     return {
         "figures": figures,
