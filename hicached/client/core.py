@@ -477,7 +477,7 @@ class _Core:
         """Copy ``data`` (one page of page_bytes per slot of ``res``) into its slots.
 
         ``data`` is a numpy array or CPU tensor (one copy call), or a CUDA
-        tensor (DMA per run of adjacent slots, or one scatter kernel; finished
+        tensor (DMA per run of adjacent slots, or one copy kernel; finished
         on return). An empty reservation is a no-op. Raises ``StaleHandle``
         when the reservation is closed, from a restarted daemon or past its
         deadline: reserve again.
@@ -502,7 +502,7 @@ class _Core:
         """Copy the pages of ``hit`` into ``out`` (n, page_bytes), or a new array.
 
         ``out`` may be a CUDA tensor (DMA per run of adjacent slots, or one
-        gather kernel; finished on return). Raises ``StaleHandle`` (a miss)
+        copy kernel; finished on return). Raises ``StaleHandle`` (a miss)
         when the hit is closed, from a restarted daemon, past its deadline, or
         a page left its slot while it was copied; its ``valid`` leading pages
         were intact. Use ``hit.select(range(n))`` to copy only some pages.
