@@ -31,11 +31,14 @@ from hicached.client import pieces
 
 log = logging.getLogger(__name__)
 
+_MISSING = ""  # why Triton is not here, if it is not
 try:
     import triton
     import triton.language as tl
-except ImportError:  # the CUDA path copies the other ways
-    triton = None
+except ModuleNotFoundError:  # the CUDA path copies the other ways
+    triton, _MISSING = None, "Triton is not installed"
+except Exception as exc:  # a broken install must not break the CUDA path
+    triton, _MISSING = None, f"Triton did not import: {type(exc).__name__}: {exc}"
 
 # A program copies one piece of at most this many bytes: longer runs are split
 # so that every SM gets a share of them.
@@ -45,10 +48,13 @@ PIECE_BYTES = 64 << 10
 _BLOCK = 1024
 _WARPS = 4
 
-if triton is not None:
+
+def _define() -> Any:
+    """The kernel, jitted (a Triton too old or too new for it fails here, at
+    import, and the CUDA path copies the other ways)."""
 
     @triton.jit(do_not_specialize=["count"])
-    def _copy_pieces(table, count, base, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    def copy_pieces(table, count, base, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
         # table: (3, count) int64, sources, destinations and lengths in 16-byte
         # units, the addresses as offsets from base (an int64 pointer, 16-byte
         # aligned). Units times 2 words: the compiler sees even word offsets.
@@ -62,6 +68,16 @@ if triton is not None:
             keep = at < words
             tl.store(dst + at, tl.load(src + at, mask=keep), mask=keep)
 
+    return copy_pieces
+
+
+_copy_pieces: Any = None
+if triton is not None:
+    try:
+        _copy_pieces = _define()
+    except Exception as exc:
+        triton, _MISSING = None, f"the kernel does not build here: {type(exc).__name__}: {exc}"
+
 
 class _State:
     """Whether the kernel may run here: unknown until first asked, then fixed."""
@@ -73,7 +89,7 @@ def unusable() -> str | None:
     """Why the kernel cannot run in this process, or None when it may."""
     if _State.reason is None:
         if triton is None:
-            _give_up("Triton is not installed")
+            _give_up(_MISSING)
         elif os.environ.get("TRITON_INTERPRET") != "1":
             torch = sys.modules.get("torch")
             if torch is not None and getattr(torch.version, "hip", None):
