@@ -51,30 +51,12 @@ OTHER = np.random.default_rng(2025).integers(3, tinyllama.VOCAB, 300).tolist()
 CACHED = len(PROMPT) // BLOCK * BLOCK  # the full blocks: 288 tokens
 ANSWER_TOKENS = 8
 KV_BYTES_PER_TOKEN = 2 * 2 * 4 * 32 * 4  # K and V, 2 layers, 4 heads of 32 floats
-# The modules hicached's client needs in the engine's venv (pyproject.toml), as pip names them.
-CLIENT_DEPS = {
-    "zmq": "pyzmq>=26",
-    "msgspec": "msgspec>=0.19",
-    "numpy": "numpy>=1.26",
-    "xxhash": "xxhash>=3.4",
-}
-
-
 # -- engines --------------------------------------------------------------------------
 
 
 def engine_python() -> Path:
     """The vLLM venv's python, built if need be, with hicached's client dependencies."""
-    python = venv.build()
-    missing = [
-        spec
-        for module, spec in CLIENT_DEPS.items()
-        if subprocess.run([str(python), "-c", f"import {module}"], capture_output=True).returncode
-    ]
-    if missing:
-        pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-        subprocess.run([*pip, *missing], check=True, capture_output=True, timeout=600)
-    return python
+    return venv.with_client()
 
 
 def model_dir(python: Path) -> Path:

@@ -287,8 +287,9 @@ def _run_clients(args: tuple[Any, ...], clients: int) -> tuple[np.ndarray, float
 
 
 @contextlib.contextmanager
-def _daemon(endpoint: str | None) -> Iterator[str]:
-    """The given daemon, the one at the default endpoint, or one started here."""
+def _daemon(endpoint: str | None, size_mib: int = 256) -> Iterator[str]:
+    """The given daemon, the one at the default endpoint, or one started here
+    (with a pool of ``size_mib``)."""
     candidate = endpoint or default_endpoint()
     try:
         with Client(candidate, timeout=0.5) as client:
@@ -300,7 +301,7 @@ def _daemon(endpoint: str | None) -> Iterator[str]:
             raise
     from hicached.testing import DaemonProcess
 
-    with DaemonProcess(size_mib=256, slab_mib=64, max_page_bytes=4 << 20) as daemon:
+    with DaemonProcess(size_mib=size_mib, slab_mib=64, max_page_bytes=4 << 20) as daemon:
         yield daemon.endpoint
 
 

@@ -15,7 +15,7 @@ from hicached.client.handles import (
     PortableHandle,
     Reservation,
 )
-from hicached.client.mapping import cuda_tensor
+from hicached.client.mapping import PendingCopy, cuda_tensor
 from hicached.client.sync import Client
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "Hit",
     "KeysFound",
     "Namespace",
+    "PendingCopy",
     "PortableHandle",
     "Reservation",
     "cuda_tensor",

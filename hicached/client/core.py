@@ -47,7 +47,7 @@ from hicached.client.handles import (
     PortableHandle,
     Reservation,
 )
-from hicached.client.mapping import PoolMapping, check_empty, lease_margin
+from hicached.client.mapping import PendingCopy, PoolMapping, check_empty, lease_margin
 from hicached.client.poolview import PoolView
 from hicached.config import check_endpoint, default_endpoint
 from hicached.errors import (
@@ -451,7 +451,7 @@ class _Core:
         """Copy ``data`` (one page of page_bytes per slot of ``res``) into its slots.
 
         ``data`` is a numpy array or CPU tensor (one copy call), or a CUDA
-        tensor (DMA per run of adjacent slots, or one scatter kernel; finished
+        tensor (DMA per run of adjacent slots, or one copy kernel; finished
         on return). An empty reservation is a no-op. Raises ``StaleHandle``
         when the reservation is closed, from a restarted daemon or past its
         deadline: reserve again.
@@ -476,7 +476,7 @@ class _Core:
         """Copy the pages of ``hit`` into ``out`` (n, page_bytes), or a new array.
 
         ``out`` may be a CUDA tensor (DMA per run of adjacent slots, or one
-        gather kernel; finished on return). Raises ``StaleHandle`` (a miss)
+        copy kernel; finished on return). Raises ``StaleHandle`` (a miss)
         when the hit is closed, from a restarted daemon, past its deadline, or
         a page left its slot while it was copied; its ``valid`` leading pages
         were intact. Use ``hit.select(range(n))`` to copy only some pages.
@@ -492,6 +492,28 @@ class _Core:
             if old is not None:
                 return old.read(hit, out, rows, at)
         return self.mapping.read(hit, out, rows, at)
+
+    def start_write(
+        self, res: Reservation, data: Any, *, rows: Any = None, at: int | None = None
+    ) -> PendingCopy:
+        """``write_pages``, started: a copy from CUDA tensors is queued on the
+        current stream and this returns at once (from host memory the copy is
+        done on return). The ``PendingCopy`` says when the bytes have moved
+        (``done()``) and checks the fence after them (``finish()``, or
+        ``result()`` to wait first): commit only after it finished without
+        ``StaleHandle``. The source must stay as it is until then."""
+        return self.mapping.start_write(res, data, rows, at)
+
+    def start_read(
+        self, hit: Hit, out: Any = None, *, rows: Any = None, at: int | None = None
+    ) -> PendingCopy:
+        """``read_pages``, started (``start_write``): ``out`` holds the pages only
+        once the ``PendingCopy`` finished without ``StaleHandle`` (a miss)."""
+        if hit.instance != self._instance:
+            old = self._pool.retired(hit.instance)
+            if old is not None:
+                return old.start_read(hit, out, rows, at)
+        return self.mapping.start_read(hit, out, rows, at)
 
     def _store_data(self, res: Reservation, pages: np.ndarray) -> None:
         if not res.offsets:

@@ -14,13 +14,18 @@ A copy takes a handle (client/handles.py), never bare offsets, and is fenced:
   for longer than the margin (leases.quarantine_s).
 
 Numpy arrays, CPU torch tensors (through numpy) and CUDA tensors (client/cuda.py)
-take the same fences.
+take the same fences. A copy may also be started and finished apart
+(``start_write``/``start_read`` give a ``PendingCopy``): a CUDA copy then runs
+on the caller's stream while the caller goes on, and the fence after it is
+checked once its bytes have moved, before anyone may use them.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +35,8 @@ from hicached.client.gather import gather, scatter
 from hicached.client.handles import Hit, Namespace, Reservation
 from hicached.errors import BadRequest, StaleHandle
 from hicached.wire.arena import Arena
+
+log = logging.getLogger(__name__)
 
 
 def cuda_tensor(obj: object) -> bool:
@@ -140,8 +147,9 @@ def _copy_rows(
 
 
 def _row_bytes(tensor: Any) -> int:
-    """Bytes in one row (first-axis entry) of a tensor."""
-    return int(tensor.numel() // max(1, tensor.shape[0]) * tensor.element_size())
+    """Bytes in one row (first-axis entry) of a tensor (nbytes: one attribute
+    read; this runs for every layer of every copy)."""
+    return int(tensor.nbytes) // max(1, int(tensor.shape[0]))
 
 
 def _destination(out: Any, pages: int, page_bytes: int) -> np.ndarray:
@@ -156,6 +164,91 @@ def _destination(out: Any, pages: int, page_bytes: int) -> np.ndarray:
     if out.nbytes != pages * page_bytes:
         raise ValueError(f"out must hold {pages} pages of {page_bytes} bytes, not {out.nbytes}")
     return out.reshape(-1).view(np.uint8).reshape(pages, page_bytes)
+
+
+# How often a wait for a CUDA copy looks at its event, and how long unpinning
+# waits for the copies still in flight through the pool.
+_POLL_S = 0.0005
+_DRAIN_S = 10.0
+
+
+class PendingCopy:
+    """A copy through a handle, started: its bytes may still be moving (a CUDA
+    copy runs on its stream; a host copy is done when it is started).
+
+    ``done()`` says whether they have moved, ``finish()`` (once done) checks
+    the fence after the copy, ``result()`` waits and then finishes. Until
+    ``finish()`` returns, nothing copied may be used: a slot that changed
+    owner since the copy began makes a read a miss and a write one not to
+    commit (``StaleHandle``). ``path`` names the way the bytes went
+    (client/cuda.py; ``host`` for host memory).
+    """
+
+    __slots__ = ("_begin", "_end", "_gens", "_gidx", "_out", "_seconds", "_stale", "_want", "path")
+
+    def __init__(
+        self,
+        path: str,
+        gens: np.ndarray,
+        gidx: np.ndarray,
+        want: np.ndarray,
+        stale: str,
+        out: Any = None,
+        *,
+        begin: Any = None,
+        end: Any = None,
+        seconds: float = 0.0,
+    ) -> None:
+        self.path = path
+        self._gens = gens  # the pool's generations (a view: it keeps the mapping alive)
+        self._gidx = gidx
+        self._want = want
+        self._stale = stale
+        self._out = out
+        self._begin, self._end = begin, end  # CUDA events around the copy, or None
+        self._seconds = seconds
+
+    def done(self) -> bool:
+        """The bytes have moved (never waits)."""
+        return self._end is None or bool(self._end.query())
+
+    def wait(self, timeout: float) -> bool:
+        """Until the bytes have moved or ``timeout`` seconds passed; whether they have."""
+        deadline = time.monotonic() + timeout
+        while not self.done():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(_POLL_S)
+        return True
+
+    def finish(self) -> Any:
+        """The fence after the copy, once done; a read's ``out``. Raises
+        ``StaleHandle`` when a slot changed owner since the copy began."""
+        if not self.done():
+            raise RuntimeError("finish() before the copy is done: wait() for it first")
+        if len(self._gidx):
+            moved = self._gens[self._gidx] != self._want
+            if moved.any():
+                raise StaleHandle(self._stale, int(moved.argmax()))
+        return self._out
+
+    def result(self) -> Any:
+        """Wait for the copy (a CUDA copy: its stream up to it), then ``finish()``."""
+        if self._end is not None:
+            self._end.synchronize()
+        return self.finish()
+
+    def seconds(self) -> float:
+        """How long the bytes took to move (on the device, for a CUDA copy), once done."""
+        if self._begin is not None and self._end is not None:
+            return float(self._begin.elapsed_time(self._end)) / 1000.0
+        return self._seconds
+
+
+def _nothing(out: Any = None) -> PendingCopy:
+    """A copy of no pages: done, and nothing to check after it."""
+    none = np.empty(0, dtype=np.int64)
+    return PendingCopy("none", none, none, none, "", out)
 
 
 def lease_margin(ttl_s: float) -> float:
@@ -179,6 +272,9 @@ class PoolMapping:
         self.clock = clock  # the clock of the handles' deadlines
         self._pinned = False
         self._mapped: Any = None  # the pool's CUDA view, for gather/scatter kernels
+        # CUDA copies through this mapping that may still be moving bytes: the
+        # mapping stays registered and mapped until they are done
+        self._inflight: deque[PendingCopy] = deque()
 
     # -- handles -------------------------------------------------------------------
 
@@ -208,16 +304,28 @@ class PoolMapping:
     def write(self, res: Reservation, data: Any, rows: Any = None, at: int | None = None) -> None:
         """Copy ``data`` (one page per slot of ``res``) into its slots; a list of
         segments, ``rows`` or ``at`` make a segmented copy (``segments``)."""
+        self.start_write(res, data, rows, at).result()
+
+    def read(self, hit: Hit, out: Any = None, rows: Any = None, at: int | None = None) -> Any:
+        """Copy the slots of ``hit`` into ``out`` (n, page_bytes), in one call; a
+        list of segments, ``rows`` or ``at`` make a segmented copy (``segments``)."""
+        return self.start_read(hit, out, rows, at).result()
+
+    def start_write(
+        self, res: Reservation, data: Any, rows: Any = None, at: int | None = None
+    ) -> PendingCopy:
+        """``write``, started: a CUDA copy is queued on the current stream and not
+        waited for; the fence before it is checked now, the one after it by the
+        ``PendingCopy``."""
         if not isinstance(res, Reservation):
             raise BadRequest("write_pages takes a Reservation (from reserve), not a Hit")
         offsets = res.offsets
         if not offsets:
             self._fence(res, "reservation")
             check_empty(data, rows, at, "the data")
-            return
+            return _nothing()
         if _segmented(data, rows, at):
-            self.segments(res, data, rows, at or 0, to_pool=True)
-            return
+            return self.start_segments(res, data, rows, at or 0, to_pool=True)
         ns = res.ns
         on_gpu = cuda_tensor(data)
         # the source is ready before the fences: nothing slow runs between them and the copy
@@ -227,28 +335,36 @@ class PoolMapping:
         if self._moved(res, gidx) >= 0:
             raise StaleHandle("a slot of this reservation changed owner: reserve again")
         rows = self.arena.rows(ns.page_bytes)
+        stale = (
+            "a slot changed owner during the write (the lease outlived its quarantine): "
+            "do not commit"
+        )
         if on_gpu:
             from hicached.client import cuda
 
-            cuda.copy(rows, idx, data, to_pool=True, mapped=self._mapped)
-        else:
-            if len(idx) == 1:
-                rows[idx[0]] = src[0]
-            elif np.all(np.diff(idx) == 1):
-                rows[idx[0] : idx[-1] + 1] = src  # contiguous slots: one memcpy
-            else:
-                scatter(rows, idx, src)  # numpy's or torch's, the faster here
-        moved = self._moved(res, gidx)
-        if moved >= 0:
-            raise StaleHandle(
-                "a slot changed owner during the write (the lease outlived its "
-                "quarantine): do not commit",
-                moved,
+            return self._on_gpu(
+                data.device,
+                lambda: cuda.copy(rows, idx, data, to_pool=True, mapped=self._mapped),
+                res,
+                gidx,
+                stale,
             )
+        started = time.perf_counter()
+        if len(idx) == 1:
+            rows[idx[0]] = src[0]
+        elif np.all(np.diff(idx) == 1):
+            rows[idx[0] : idx[-1] + 1] = src  # contiguous slots: one memcpy
+        else:
+            scatter(rows, idx, src)  # numpy's or torch's, the faster here (client/gather.py)
+        took = time.perf_counter() - started
+        return PendingCopy("host", self.arena.gens, gidx, res.gens, stale, seconds=took)
 
-    def read(self, hit: Hit, out: Any = None, rows: Any = None, at: int | None = None) -> Any:
-        """Copy the slots of ``hit`` into ``out`` (n, page_bytes), in one call; a
-        list of segments, ``rows`` or ``at`` make a segmented copy (``segments``)."""
+    def start_read(
+        self, hit: Hit, out: Any = None, rows: Any = None, at: int | None = None
+    ) -> PendingCopy:
+        """``read``, started: a CUDA copy is queued on the current stream and not
+        waited for; ``out`` holds the pages only once the ``PendingCopy``
+        finished without ``StaleHandle``."""
         if not isinstance(hit, Hit):
             raise BadRequest("read_pages takes a Hit (from a leased match), not a Reservation")
         self._fence(hit, "hit")
@@ -258,34 +374,40 @@ class PoolMapping:
             if out is None:
                 raise ValueError("a segmented read needs out: the arrays or tensors to fill")
             if hit.offsets:
-                self.segments(hit, out, rows, at or 0, to_pool=False)
-            return out
+                return self.start_segments(hit, out, rows, at or 0, to_pool=False, out=out)
+            return _nothing(out)
         ns = hit.ns
         offsets = hit.offsets
         if not offsets:  # nothing to copy
             check_empty(out, rows, at, "out")
-            return np.empty((0, ns.page_bytes), dtype=np.uint8) if out is None else out
+            return _nothing(np.empty((0, ns.page_bytes), dtype=np.uint8) if out is None else out)
         idx, gidx = self._row_index(ns, offsets)
         moved = self._moved(hit, gidx)
         if moved >= 0:
             raise StaleHandle("a page of this hit left its slot: it is a miss now", moved)
         rows = self.arena.rows(ns.page_bytes)
+        stale = "a page was reused while it was read: it is a miss"
         if cuda_tensor(out):
             from hicached.client import cuda
 
-            cuda.copy(rows, idx, out, to_pool=False, mapped=self._mapped)
+            return self._on_gpu(
+                out.device,
+                lambda: cuda.copy(rows, idx, out, to_pool=False, mapped=self._mapped),
+                hit,
+                gidx,
+                stale,
+                out,
+            )
+        started = time.perf_counter()
+        if out is None:
+            out = np.empty((len(idx), ns.page_bytes), dtype=np.uint8)
+        dst = _destination(out, len(idx), ns.page_bytes)
+        if np.all(np.diff(idx) == 1):
+            dst[...] = rows[idx[0] : idx[-1] + 1]
         else:
-            if out is None:
-                out = np.empty((len(idx), ns.page_bytes), dtype=np.uint8)
-            dst = _destination(out, len(idx), ns.page_bytes)
-            if np.all(np.diff(idx) == 1):
-                dst[...] = rows[idx[0] : idx[-1] + 1]
-            else:
-                gather(rows, idx, dst)  # numpy's or torch's, the faster here (client/gather.py)
-        moved = self._moved(hit, gidx)
-        if moved >= 0:
-            raise StaleHandle("a page was reused while it was read: it is a miss", moved)
-        return out
+            gather(rows, idx, dst)  # numpy's or torch's, the faster here (client/gather.py)
+        took = time.perf_counter() - started
+        return PendingCopy("host", self.arena.gens, gidx, hit.gens, stale, out, seconds=took)
 
     def segments(
         self, handle: Reservation | Hit, segs: Any, rows: Any, at: int, *, to_pool: bool
@@ -296,6 +418,20 @@ class PoolMapping:
         (the segments are then whole engine tensors, rows first: vLLM's
         per-layer KV, SGLang's K and V). ``at`` places the data inside each
         slot: worker r of a wide page copies at ``r * page_bytes // shards``."""
+        self.start_segments(handle, segs, rows, at, to_pool=to_pool).result()
+
+    def start_segments(
+        self,
+        handle: Reservation | Hit,
+        segs: Any,
+        rows: Any,
+        at: int,
+        *,
+        to_pool: bool,
+        out: Any = None,
+    ) -> PendingCopy:
+        """``segments``, started (``start_write``, ``start_read``); ``out`` is what
+        the ``PendingCopy`` gives back once finished."""
         segs = list(segs) if isinstance(segs, list | tuple) else [segs]
         if not segs:
             raise ValueError("a segmented copy needs at least one segment")
@@ -330,15 +466,47 @@ class PoolMapping:
         if self._moved(handle, gidx) >= 0:
             raise StaleHandle(f"a slot of this {what} changed owner: it is a miss now")
         pool = self.arena.rows(ns.page_bytes)
+        stale = f"a slot of this {what} changed owner during the copy: a miss"
         if on_gpu:
             from hicached.client import cuda
 
-            cuda.copy_segments(pool, idx, views, picks, at, to_pool=to_pool, mapped=self._mapped)
-        else:
-            _copy_rows(pool, idx, views, picks, at, to_pool)
-        moved = self._moved(handle, gidx)
-        if moved >= 0:
-            raise StaleHandle(f"a slot of this {what} changed owner during the copy: a miss", moved)
+            return self._on_gpu(
+                views[0].device,
+                lambda: cuda.copy_segments(
+                    pool, idx, views, picks, at, to_pool=to_pool, mapped=self._mapped
+                ),
+                handle,
+                gidx,
+                stale,
+                out,
+            )
+        started = time.perf_counter()
+        _copy_rows(pool, idx, views, picks, at, to_pool)
+        took = time.perf_counter() - started
+        return PendingCopy("host", self.arena.gens, gidx, handle.gens, stale, out, seconds=took)
+
+    def _on_gpu(
+        self,
+        device: Any,
+        launch: Callable[[], str],
+        handle: Reservation | Hit,
+        gidx: np.ndarray,
+        stale: str,
+        out: Any = None,
+    ) -> PendingCopy:
+        """Queue a CUDA copy between two events on the current stream."""
+        from hicached.client import cuda
+
+        begin = cuda.mark(device, timing=True)
+        path = launch()
+        end = cuda.mark(device, timing=True)
+        pending = PendingCopy(
+            path, self.arena.gens, gidx, handle.gens, stale, out, begin=begin, end=end
+        )
+        while self._inflight and self._inflight[0].done():
+            self._inflight.popleft()
+        self._inflight.append(pending)
+        return pending
 
     def _row_index(self, ns: Namespace, offsets: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Rows of ``offsets`` and their generation counters; a cache must never
@@ -365,14 +533,34 @@ class PoolMapping:
         return self._pinned
 
     def unpin(self) -> None:
-        """Unregister the mapping from CUDA (if pinned)."""
-        if self._pinned:
+        """Unregister the mapping from CUDA (if pinned), once the copies still in
+        flight through it are done."""
+        if self._pinned and self._drained():
             from hicached.client import cuda
 
             self._pinned, self._mapped = False, None
             cuda.unregister(self.arena.array)
 
+    def _drained(self) -> bool:
+        """Wait (up to _DRAIN_S) for the CUDA copies still moving bytes through
+        the pool; False if some are not done by then: a GPU that hangs."""
+        deadline = time.monotonic() + _DRAIN_S
+        while self._inflight:
+            if not self._inflight[0].wait(max(0.0, deadline - time.monotonic())):
+                log.error(
+                    "hicached: %d CUDA copies through the pool did not finish in %.0f s; "
+                    "the pool stays registered and mapped",
+                    len(self._inflight),
+                    _DRAIN_S,
+                )
+                return False
+            self._inflight.popleft()
+        return True
+
     def close(self) -> None:
-        """Unregister (if pinned), then unmap."""
+        """Unregister (if pinned), then unmap; a mapping that copies still use
+        (see ``_drained``) stays mapped, since freeing it under them could
+        corrupt another mapping's memory."""
         self.unpin()
-        self.arena.close()
+        if not self._pinned:
+            self.arena.close()

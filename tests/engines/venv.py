@@ -113,5 +113,28 @@ def build(base_python: str = sys.executable) -> Path:
     return locked_build(venv_dir(), PIN, install, base_python)
 
 
+# The modules hicached's client needs in the engine's venv (pyproject.toml), as pip names them.
+CLIENT_DEPS = {
+    "zmq": "pyzmq>=26",
+    "msgspec": "msgspec>=0.19",
+    "numpy": "numpy>=1.26",
+    "xxhash": "xxhash>=3.4",
+}
+
+
+def with_client() -> Path:
+    """The vLLM venv's python, built if need be, with hicached's client dependencies."""
+    python = build()
+    missing = [
+        spec
+        for module, spec in CLIENT_DEPS.items()
+        if subprocess.run([str(python), "-c", f"import {module}"], capture_output=True).returncode
+    ]
+    if missing:
+        pip = [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        subprocess.run([*pip, *missing], check=True, capture_output=True, timeout=600)
+    return python
+
+
 if __name__ == "__main__":
     print(build())

@@ -33,9 +33,12 @@ first and answer HIT_PENDING meanwhile. A store reserves slots
 has copied and said so (a small ipc socket: vLLM tells the scheduler that a
 job ended, not whether it worked), the pages are committed, the ones some
 worker could not write left out. The worker side (``HicachedWorker``)
-copies between vLLM's KV tensors and pool slots: KV on a GPU on a thread of
-its own, so that submitting a transfer returns at once, KV in host memory
-at once (``copy_thread``).
+copies between vLLM's KV tensors and pool slots without stalling the engine:
+submitting a transfer returns at once; KV on a GPU is copied on a CUDA stream
+of the worker's own (one kernel over a table of pieces where it can run,
+hicached/client/kernel.py), started from a thread of its own, and a transfer
+is reported finished once its copy's event completed and the fences after
+it held; KV in host memory is copied in the submit call (``copy_thread``).
 
 A daemon that is down or restarting costs hits, never a request: lookups
 answer MISS, stores store nothing, and the daemon is tried again after

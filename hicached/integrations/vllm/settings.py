@@ -59,10 +59,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     answer_ttl_s: float = 2.0
     # A hit whose lease ends sooner than this is asked for again, not loaded.
     lease_slack_s: float = 5.0
-    # Copies on a thread of their own (true) or at once in submit (false); unset:
-    # a thread for KV on a GPU, where the copy runs beside the compute, at once
-    # for KV in host memory, where a copy is a memcpy on the engine's own cores
-    # and a thread would first have to win the GIL from the busy engine loop.
+    # Transfers start on a thread of their own (true) or in the submit call
+    # (false); unset: a thread for KV on a GPU, so that adopting a handle (after
+    # a daemon restart, a hello to the new one) stays off the engine's thread,
+    # in the submit call for KV in host memory, where a copy is a memcpy on the
+    # engine's own cores and a thread would first have to win the GIL from the
+    # busy engine loop. KV on a GPU is copied on a CUDA stream of the worker's
+    # own either way, and nothing waits for it.
     copy_thread: bool | None = None
 
 

@@ -1,19 +1,22 @@
 """The worker side of hicached's vLLM tier: copies between vLLM's KV tensors and
-pool slots, by the handles the scheduler hands over.
+pool slots, by the handles the scheduler hands over, without stalling the engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import numpy as np
+import torch
 import zmq
 import zmq.asyncio
 from vllm.v1.kv_offload.base import (
@@ -25,13 +28,16 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.config import OffloadingConfig
 
-from hicached.client import Client
+from hicached.client import Client, PendingCopy
 from hicached.client.handles import Hit, PortableHandle, Reservation
 from hicached.errors import HicachedError, StaleHandle
 from hicached.integrations.vllm.settings import UNREACHABLE, Settings
 from hicached.integrations.vllm.specs import Ack, HicachedLoadSpec, HicachedStoreSpec
 
 log = logging.getLogger(__name__)
+
+# How often wait() and shutdown() look at copies on a GPU (their events).
+_POLL_S = 0.0005
 
 # -- the worker side --------------------------------------------------------------------
 
@@ -43,12 +49,37 @@ class _Job:
     gpu: GPULoadStoreSpec
     handle: PortableHandle | None
     acks: str
+    ready: Any = None  # KV on a GPU: an event after the engine's work queued at submit
+
+
+@dataclass(frozen=True, slots=True)
+class _Transfer:
+    """A job whose copies were started (all of them, or some before one failed)."""
+
+    job: _Job
+    copies: list[PendingCopy]
+    started: bool  # every copy of the job was started
+
+    def done(self) -> bool:
+        """Every copy started has moved its bytes (never waits)."""
+        return all(copy.done() for copy in self.copies)
 
 
 class HicachedWorker(OffloadingWorker):
     """Worker side: copies between this worker's KV tensors and pool slots, each
-    page at this worker's part of the wide page, on a thread of its own or at
-    once (``Settings.copy_thread``).
+    page at this worker's part of the wide page.
+
+    ``submit_store``/``submit_load`` return at once: the job is started on a
+    thread of its own or in the submit call (``Settings.copy_thread``). KV on
+    a GPU is copied on a CUDA stream of the worker's own, after the work the
+    engine had queued on its stream at submit (an event), and nothing waits
+    for it; KV in host memory is copied when the job starts. ``get_finished``
+    reports the jobs whose copies are done, each once the fence after its
+    copies held: a load whose slots changed owner since its copy began is
+    reported failed, never loaded, and a store tells the scheduler which slots
+    it wrote before it is reported. Only ``wait`` (vLLM asks it to) and
+    ``shutdown`` wait, each with a deadline; the engine's thread never
+    synchronizes a stream.
 
     Jobs queue for the thread without a bound of their own: vLLM holds the
     blocks of every job it submits, so its KV cache bounds them.
@@ -69,11 +100,14 @@ class HicachedWorker(OffloadingWorker):
             )
         self._at = self.rank * self._block_bytes * self.chunk  # this worker's part of a page
         self._on_gpu = bool(self._tensors) and bool(self._tensors[0].is_cuda)
+        # the copies' own stream: beside the engine's, never holding it up
+        self._stream = torch.cuda.Stream(self._tensors[0].device) if self._on_gpu else None
         self._client: Client | None = None  # the copying thread's alone
-        self._pushers: dict[str, zmq.Socket[Any]] = {}
+        self._pushers: dict[str, zmq.Socket[Any]] = {}  # the engine's thread's alone
         self._zmq = zmq.Context()
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Condition()
+        self._started: list[_Transfer] = []  # started, not yet reported
         self._finished: list[TransferResult] = []
         self._running: set[int] = set()  # submitted, not finished
         self._abandoned: set[int] = set()  # wait() gave up on them: their stores do not count
@@ -88,23 +122,33 @@ class HicachedWorker(OffloadingWorker):
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
         assert isinstance(dst_spec, HicachedStoreSpec)
-        self._submit(_Job(job_id, True, src_spec, dst_spec.handle, dst_spec.acks))
+        job = _Job(job_id, True, src_spec, dst_spec.handle, dst_spec.acks, self._ready())
+        self._submit(job)
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
         assert isinstance(src_spec, HicachedLoadSpec)
-        self._submit(_Job(job_id, False, dst_spec, src_spec.handle, ""))
+        self._submit(_Job(job_id, False, dst_spec, src_spec.handle, "", self._ready()))
         return True
+
+    def _ready(self) -> Any:
+        """KV on a GPU: an event after the work queued so far on the engine's
+        stream (a store reads the blocks that work wrote; a load's blocks may
+        still be written by it), for the copies' stream to wait on."""
+        if self._stream is None:
+            return None
+        return torch.cuda.current_stream(self._stream.device).record_event()
 
     def _submit(self, job: _Job) -> None:
         with self._lock:
             self._running.add(job.job_id)
         if self._thread is None:
-            self._execute(job)
+            self._add(self._start(job))
         else:
             self._jobs.put(job)
 
     def get_finished(self) -> list[TransferResult]:
+        self._reap()
         with self._lock:
             finished, self._finished = self._finished, []
         return finished
@@ -113,19 +157,31 @@ class HicachedWorker(OffloadingWorker):
         """Until these jobs are done. Past the deadline a store still copying stops
         counting (its pages are not published): vLLM reuses its blocks now."""
         deadline = time.monotonic() + 4 * self.settings.timeout_s
-        with self._lock:
-            if self._lock.wait_for(
-                lambda: not job_ids & self._running, max(0.0, deadline - time.monotonic())
-            ):
-                return
-            late = job_ids & self._running
-            self._abandoned |= late
+        while True:
+            self._reap()
+            with self._lock:
+                late = job_ids & self._running
+                if not late:
+                    return
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._abandoned |= late
+                    break
+                # woken when the thread starts a job; copies on a GPU are looked at again
+                self._lock.wait(min(left, _POLL_S) if self._started else left)
         log.error("hicached: transfers %s outlived their wait; their stores do not count", late)
 
     def shutdown(self) -> None:
+        deadline = time.monotonic() + 4 * self.settings.timeout_s
         if self._thread is not None:
             self._jobs.put(None)
-            self._thread.join(4 * self.settings.timeout_s)
+            self._thread.join(max(0.0, deadline - time.monotonic()))
+        while True:  # the copies in flight end before their client unmaps the pool
+            self._reap()
+            with self._lock:
+                if not self._started or time.monotonic() >= deadline:
+                    break
+            time.sleep(_POLL_S)
         if self._client is not None:
             self._client.close()
         for sock in self._pushers.values():
@@ -135,48 +191,89 @@ class HicachedWorker(OffloadingWorker):
     # -- copies -------------------------------------------------------------------------
 
     def _run(self) -> None:
+        if self._stream is not None:
+            torch.cuda.set_device(self._stream.device)
         while (job := self._jobs.get()) is not None:
-            self._execute(job)
+            self._add(self._start(job))
 
-    def _execute(self, job: _Job) -> None:
-        started = time.perf_counter()
-        ok = self._copy(job)
-        result = TransferResult(
-            job.job_id,
-            ok or job.store,  # vLLM takes no failed store: the scheduler heard it from us
-            transfer_size=len(job.gpu.block_ids) * self._block_bytes if ok else 0,
-            transfer_time=time.perf_counter() - started,
-        )
+    def _add(self, transfer: _Transfer) -> None:
         with self._lock:
-            self._running.discard(job.job_id)
-            self._abandoned.discard(job.job_id)
-            self._finished.append(result)
+            self._started.append(transfer)
             self._lock.notify_all()
 
-    def _copy(self, job: _Job) -> bool:
-        """One transfer; a store says which slots it wrote before it counts as done."""
+    @contextlib.contextmanager
+    def _on_stream(self, ready: Any) -> Iterator[None]:
+        """KV on a GPU: copies go on the worker's stream, after ``ready``."""
+        if self._stream is None:
+            yield
+            return
+        if ready is not None:
+            self._stream.wait_event(ready)
+        with torch.cuda.stream(self._stream):
+            yield
+
+    def _start(self, job: _Job) -> _Transfer:
+        """Start one transfer's copies (no waiting for them)."""
+        copies: list[PendingCopy] = []
         if job.handle is None:
-            return True
-        copied = False
+            return _Transfer(job, copies, True)
         try:
             handle = self._adopt(job.handle)
             client = self._session()
-            for pages, rows, at in self._plan(job.gpu, len(handle.offsets)):
-                view = handle.select(pages) if len(pages) != len(handle.offsets) else handle
-                if isinstance(view, Reservation):
-                    client.write_pages(view, self._tensors, rows=rows, at=at)
-                else:
-                    client.read_pages(view, out=self._tensors, rows=rows, at=at)
-            copied = True
+            with self._on_stream(job.ready):
+                for pages, rows, at in self._plan(job.gpu, len(handle.offsets)):
+                    view = handle.select(pages) if len(pages) != len(handle.offsets) else handle
+                    if isinstance(view, Reservation):
+                        copies.append(client.start_write(view, self._tensors, rows=rows, at=at))
+                    else:
+                        copies.append(client.start_read(view, out=self._tensors, rows=rows, at=at))
+            return _Transfer(job, copies, True)
         except (HicachedError, *UNREACHABLE) as exc:
             log.warning("hicached: transfer %d failed: %s", job.job_id, exc)
         except Exception:  # a bug must not stop the copy thread: later jobs would hang
             log.exception("hicached: transfer %d failed", job.job_id)
-        if job.store:
+        return _Transfer(job, copies, False)
+
+    def _reap(self) -> None:
+        """Report the transfers whose copies are done (the engine's thread)."""
+        with self._lock:
+            done: list[_Transfer] = []
+            going: list[_Transfer] = []
+            for transfer in self._started:
+                (done if transfer.done() else going).append(transfer)
+            self._started = going
+        if not done:
+            return
+        results = [self._finish(transfer) for transfer in done]
+        with self._lock:
+            for result in results:
+                self._running.discard(result.job_id)
+                self._abandoned.discard(result.job_id)
+            self._finished.extend(results)
+            self._lock.notify_all()
+
+    def _finish(self, transfer: _Transfer) -> TransferResult:
+        """One transfer's result, once its copies are done: the fence after each
+        copy (a slot that changed owner since it began fails it), and a store
+        says which slots it wrote before it counts as done."""
+        job = transfer.job
+        ok = transfer.started
+        for copy in transfer.copies:
+            try:
+                copy.finish()
+            except StaleHandle as exc:
+                log.warning("hicached: transfer %d failed: %s", job.job_id, exc)
+                ok = False
+        if job.store and job.handle is not None:
             with self._lock:
-                copied = copied and job.job_id not in self._abandoned
-            self._say(job.handle, job.acks, copied)
-        return copied
+                ok = ok and job.job_id not in self._abandoned
+            self._say(job.handle, job.acks, ok)
+        return TransferResult(
+            job.job_id,
+            ok or job.store,  # vLLM takes no failed store: the scheduler heard it from us
+            transfer_size=len(job.gpu.block_ids) * self._block_bytes if ok else 0,
+            transfer_time=sum(copy.seconds() for copy in transfer.copies),
+        )
 
     def _session(self) -> Client:
         if self._client is None:

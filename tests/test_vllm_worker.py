@@ -1,0 +1,80 @@
+"""hicached's vLLM worker side against vLLM 0.32's OffloadingWorker contract,
+with a real daemon: ``submit_*`` return while the copy is still under way,
+``get_finished`` reports a transfer only once its copy is done and the fence
+after it held, ``wait`` returns once the job is done, and a load whose slots
+change owner after its bytes moved but before it is reported is reported
+failed. KV in host memory, the copy thread on; fault injection holds each
+copy at a gate (tests/engines/vllm_worker_check.py, which runs in the vLLM
+venv, built on first use by tests/engines/venv.py). The same worker with KV
+on a GPU copies on a CUDA stream of its own (tests/test_cuda.py covers the
+copies; this host kind has no GPU for vLLM).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.engines import venv
+from tests.support import Daemon
+
+# The first test may wait for the venv build (minutes, once per pin and machine).
+pytestmark = pytest.mark.timeout(1200)
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECK = ROOT / "tests" / "engines" / "vllm_worker_check.py"
+
+
+@pytest.fixture(scope="module")
+def facts() -> dict[str, Any]:
+    python = venv.with_client()
+    d = Daemon(size_mib=1, slab_mib=1)  # 512 slots of the check's 2 KiB pages
+    try:
+        d.start()
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        done = subprocess.run(
+            [str(python), str(CHECK), d.endpoint],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+    finally:
+        d.cleanup()
+    assert done.returncode == 0, done.stderr[-4000:]
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_a_store_is_reported_only_after_its_copy(facts: dict[str, Any]) -> None:
+    assert facts["store_submitted"] is True
+    assert facts["store_copy_began"]
+    assert facts["store_reported_while_held"] == [], "reported before the copy was done"
+    assert not facts["store_word_while_held"], "the scheduler heard of a store not yet copied"
+    assert facts["store_result"] is True
+    assert facts["store_word"] == [1, 1, 1, 1]
+    assert facts["stored_bytes_equal"]
+
+
+def test_a_load_is_reported_only_after_its_copy(facts: dict[str, Any]) -> None:
+    assert facts["load_submitted"] is True
+    assert facts["load_copy_began"]
+    assert facts["load_reported_while_held"] == [], "reported before the copy was done"
+    assert facts["load_result"] is True
+    assert facts["loaded_bytes_equal"]
+
+
+def test_wait_returns_once_the_job_is_done(facts: dict[str, Any]) -> None:
+    assert facts["gate_open_when_wait_returned"], "wait returned while the copy was held"
+    assert facts["reported_after_wait"] == [[3, True]]
+
+
+def test_a_load_whose_slots_moved_before_it_was_reported_fails(facts: dict[str, Any]) -> None:
+    assert facts["stale_copied"]  # its bytes had moved
+    assert facts["slots_taken"] >= 4  # the pool's slots went to other pages
+    assert facts["stale_result"] is False
