@@ -29,8 +29,9 @@ from hicached_backends.record import (
     HEADER_BYTES,
     address_of,
     all_within,
+    checksums,
     nbytes,
-    pack_header,
+    pack_headers,
     verify_many,
 )
 
@@ -232,7 +233,16 @@ class MooncakeBackend(Backend):
             chunk: Sequence[PageRef], addresses: list[int], headers: list[int]
         ) -> list[bool]:
             def blocking() -> list[int]:  # headers, checksums and the store call, off the loop
-                packed = b"".join([pack_header(ns, page.key, page.buf) for page in chunk])
+                bufs = [page.buf for page in chunk]
+                lengths = list(map(nbytes, bufs))
+                sums = checksums(
+                    bufs,
+                    addresses=addresses,
+                    lengths=lengths,
+                    pool=self._hashers,
+                    parts=self.options.verify_threads + 1,
+                )
+                packed = b"".join(pack_headers(ns, [page.key for page in chunk], lengths, sums))
                 self._headers[headers] = np.frombuffer(packed, np.uint8).reshape(-1, HEADER_BYTES)
                 ptrs, sizes = self._ptrs(chunk, addresses, headers)
                 names = self.names(ns, [p.key for p in chunk])
@@ -272,6 +282,7 @@ class MooncakeBackend(Backend):
                     ns,
                     chunk_keys,
                     addresses=addresses,
+                    lengths=[size for _, size in sizes],
                     pool=self._hashers,
                     parts=self.options.verify_threads + 1,
                 )
