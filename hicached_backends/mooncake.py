@@ -65,6 +65,7 @@ class MooncakeBackend(Backend):
         self._store: Any = None
         self._pool: ThreadPoolExecutor | None = None
         self._hashers: ThreadPoolExecutor | None = None
+        self._parts = 1  # slices of one batch's checksums (MooncakeOptions.hash_parts)
         self._headers = np.zeros((HEADER_SLOTS, HEADER_BYTES), dtype=np.uint8)
         self._free_headers: collections.deque[int] = collections.deque(range(HEADER_SLOTS))
         self._header_wait = asyncio.Condition()
@@ -76,7 +77,8 @@ class MooncakeBackend(Backend):
     async def open(self) -> None:
         o = self.options
         self._pool = ThreadPoolExecutor(o.threads, thread_name_prefix="hicached-mooncake")
-        if o.verify_threads:
+        self._parts = o.hash_parts()
+        if o.verify_threads and self._parts > 1:
             self._hashers = ThreadPoolExecutor(
                 o.verify_threads, thread_name_prefix="hicached-verify"
             )
@@ -240,7 +242,7 @@ class MooncakeBackend(Backend):
                     addresses=addresses,
                     lengths=lengths,
                     pool=self._hashers,
-                    parts=self.options.verify_threads + 1,
+                    parts=self._parts,
                 )
                 packed = b"".join(pack_headers(ns, [page.key for page in chunk], lengths, sums))
                 self._headers[headers] = np.frombuffer(packed, np.uint8).reshape(-1, HEADER_BYTES)
@@ -284,7 +286,7 @@ class MooncakeBackend(Backend):
                     addresses=addresses,
                     lengths=[size for _, size in sizes],
                     pool=self._hashers,
-                    parts=self.options.verify_threads + 1,
+                    parts=self._parts,
                 )
                 oks = [
                     code == HEADER_BYTES + len(page.buf) and good

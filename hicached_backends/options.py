@@ -14,6 +14,14 @@ import msgspec
 _Table = {"kw_only": True, "forbid_unknown_fields": True}
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity where the system tells it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not on Linux
+        return os.cpu_count() or 1
+
+
 def positive(table: object, *names: str) -> None:
     """Checks start with the field's name, so errors carry its full path."""
     for name in names:
@@ -60,11 +68,7 @@ class FileOptions(msgspec.Struct, **_Table):
         """The reader processes to start: ``read_processes``, or what "auto" comes to here."""
         if self.read_processes != "auto":
             return self.read_processes
-        try:
-            cpus = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):  # not on Linux
-            cpus = os.cpu_count() or 1
-        return max(2, min(2 * self.io_threads, cpus // 2, 64))
+        return max(2, min(2 * self.io_threads, usable_cpus() // 2, 64))
 
     def __post_init__(self) -> None:
         positive(self, "segment_mib", "io_threads", "reader_deadline_s")
@@ -142,7 +146,15 @@ class MooncakeOptions(msgspec.Struct, **_Table):
     threads: int = 4
     # Threads that checksum the pages of one batch in parallel (read or written, of
     # 8 MiB or more), beside the thread that calls the store (0 = that thread alone).
+    # A batch is cut into no more slices than the CPUs each of the store's threads
+    # has (CPUs // threads): where every core is busy already, more slices only
+    # add handoffs (on 2 cores, 1 MiB puts fell from 0.74-0.85 to 0.57-0.69 of raw).
     verify_threads: int = 4
+
+    def hash_parts(self) -> int:
+        """Slices one batch's checksums are cut into: the calling thread and
+        ``verify_threads`` helpers, at most the CPUs each store thread has."""
+        return max(1, min(self.verify_threads + 1, usable_cpus() // self.threads))
 
     def check_required(self) -> None:
         """What a start with this backend needs beyond the defaults (check_options)."""

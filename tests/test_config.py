@@ -143,3 +143,17 @@ def test_auto_readers_follow_the_io_threads_and_the_cpus(monkeypatch: pytest.Mon
         assert FileOptions(io_threads=io_threads).readers() == readers
     assert FileOptions(read_processes=3).readers() == 3
     assert FileOptions(read_processes=0).readers() == 0
+
+
+def test_mooncake_hashes_in_no_more_slices_than_cpus_per_store_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+
+    from hicached_backends.options import MooncakeOptions
+
+    for cpus, threads, verify_threads, parts in ((2, 4, 4, 1), (16, 4, 4, 4), (64, 4, 4, 5)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
+        options = MooncakeOptions(threads=threads, verify_threads=verify_threads)
+        assert options.hash_parts() == parts
+    assert MooncakeOptions(verify_threads=0).hash_parts() == 1

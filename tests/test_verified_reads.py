@@ -26,7 +26,7 @@ from hicached_backends import checksums
 from hicached_backends.base import Backend, BackendEnv, PageRef
 from hicached_backends.file import FileBackend
 from hicached_backends.memory import MemoryBackend
-from hicached_backends.options import FileOptions, MemoryOptions, MooncakeOptions
+from hicached_backends.options import FileOptions, MemoryOptions, MooncakeOptions, usable_cpus
 from hicached_backends.record import HEADER_BYTES
 from tests.services import MooncakeMaster
 
@@ -164,12 +164,14 @@ def test_mooncake_refuses_a_damaged_object(
         metadata_server=mooncake.metadata,
         global_segment_mib=32,
         local_buffer_mib=16,
+        threads=1,  # so that 2 CPUs give each batch's checksums two slices
         verify_threads=2,
     )
     backend = MooncakeBackend(options, pages.env)
     loop = asyncio.new_event_loop()
     try:
         loop.run_until_complete(backend.open())
+        assert backend._parts > 1 or usable_cpus() < 2
         loop.run_until_complete(backend.delete(NS, pages.keys))  # left by an earlier test
         assert all(loop.run_until_complete(backend.put(NS, pages.refs(pages.src))))
         assert all(loop.run_until_complete(pages.read(backend)))
