@@ -22,7 +22,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -157,14 +157,15 @@ class _RawFile:
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         pages, size = buf.src.shape
         os.posix_fallocate(self.fd, 0, pages * size)
-        self.parts = [
-            range(pages * k // threads, pages * (k + 1) // threads) for k in range(threads)
-        ]
 
-    def _each(self, fn: Any) -> float:
-        with ThreadPoolExecutor(self.threads) as pool:
+    def _each(self, fn: Any, threads: int | None = None) -> float:
+        """Time ``fn`` over contiguous parts of the pages, one a thread."""
+        threads = threads or self.threads
+        pages = len(self.buf.src)
+        parts = [range(pages * k // threads, pages * (k + 1) // threads) for k in range(threads)]
+        with ThreadPoolExecutor(threads) as pool:
             t0 = time.perf_counter()
-            list(pool.map(fn, self.parts))
+            list(pool.map(fn, parts))
             return time.perf_counter() - t0
 
     def write(self) -> float:
@@ -180,7 +181,8 @@ class _RawFile:
         os.fdatasync(self.fd)
         return took + time.perf_counter() - t0
 
-    def read(self, cold: bool = True) -> float:
+    def read(self, cold: bool = True, threads: int | None = None) -> float:
+        """Read every page back (``threads``: so many instead of the backend's)."""
         size = self.buf.src.shape[1]
         if cold:
             _drop_cache([self.path])
@@ -190,7 +192,7 @@ class _RawFile:
                 rows = range(start, min(start + _IOV_MAX, part.stop))
                 os.preadv(self.fd, [self.buf.dst[i].data for i in rows], start * size)
 
-        return self._each(read)
+        return self._each(read, threads)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -345,6 +347,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _backend_options(args, Path(tmp_name)) as options,
     ):
         tmp = Path(tmp_name)
+        readers = options.readers() if isinstance(options, FileOptions) else 0
         for tag, size in SIZES.items():
             pages = max(8, (args.mib << 20) // size)
             buf = Buffers(pages, size, Path(pool_dir))
@@ -387,6 +390,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     async def theirs_hot() -> float:
                         return await theirs(cold=False)
 
+                    async def theirs_hot_wide() -> float:  # as many threads as readers
+                        assert isinstance(raw, _RawFile)
+                        return raw.read(cold=False, threads=readers)
+
                     writes: list[float] = []
                     raw_writes: list[float] = []
                     for r in range(args.rounds):  # paired rounds; who goes first alternates
@@ -395,9 +402,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             into.append(await fn())
                     # file reads, cold (page cache dropped) and then hot (pages
                     # cached by the round before); the other stores read one way
-                    kinds = (("", ours, theirs), ("_hot", ours_hot, theirs_hot))
+                    Timed = Callable[[], Coroutine[Any, Any, float]]
+                    kinds: list[tuple[str, Timed, Timed]] = [("", ours, theirs)]
+                    if args.backend == "file":
+                        kinds.append(("_hot", ours_hot, theirs_hot))
+                        if readers > options.io_threads:  # and against raw with as many
+                            kinds.append(("_hot_wide", ours_hot, theirs_hot_wide))
                     reads: dict[str, tuple[list[float], list[float]]] = {}
-                    for kind, mine, base in kinds if args.backend == "file" else kinds[:1]:
+                    for kind, mine, base in kinds:
                         got: tuple[list[float], list[float]] = ([], [])
                         for r in range(args.rounds):
                             pair = [(mine, got[0]), (base, got[1])]
@@ -448,14 +460,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "batch_pages": config.batch_pages,
             "concurrency": config.concurrency,
             "rounds": args.rounds,
-            "read_processes": options.readers() if isinstance(options, FileOptions) else None,
+            "read_processes": readers if isinstance(options, FileOptions) else None,
             "io_threads": getattr(options, "io_threads", None),
             "note": "raw: the backend's own client, same bytes (file: contiguous per-thread "
             "parts, vectored calls, the backend's thread count, one fdatasync); writes (new "
             "pages each round) and reads: medians of paired rounds that alternate who goes "
             "first, ratios per pair with their lowest and highest; file reads: cold (page "
             "cache dropped) and read_hot (pages cached), by read_processes reader processes "
-            "against raw on io_threads threads; checksum_gbps_SIZE_tN: the record checksum "
+            "against raw on io_threads threads; read_hot_wide: the same hot reads against raw "
+            "on read_processes threads, where there are more readers than I/O threads; "
+            "checksum_gbps_SIZE_tN: the record checksum "
             "alone over the same pages on N threads, one call a page in a Python loop; "
             "checksums_gbps_SIZE_tN: the same with each thread's part in one batched call, "
             "as the backends hash; *_scaling_SIZE_tN: tN over t1",
