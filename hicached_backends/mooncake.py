@@ -65,7 +65,7 @@ class MooncakeBackend(Backend):
         self._store: Any = None
         self._pool: ThreadPoolExecutor | None = None
         self._hashers: ThreadPoolExecutor | None = None
-        self._parts = 1  # slices of one batch's checksums (MooncakeOptions.hash_parts)
+        self._parts = 1  # slices of one put batch's checksums (MooncakeOptions.hash_parts)
         self._headers = np.zeros((HEADER_SLOTS, HEADER_BYTES), dtype=np.uint8)
         self._free_headers: collections.deque[int] = collections.deque(range(HEADER_SLOTS))
         self._header_wait = asyncio.Condition()
@@ -78,7 +78,7 @@ class MooncakeBackend(Backend):
         o = self.options
         self._pool = ThreadPoolExecutor(o.threads, thread_name_prefix="hicached-mooncake")
         self._parts = o.hash_parts()
-        if o.verify_threads and self._parts > 1:
+        if o.verify_threads:
             self._hashers = ThreadPoolExecutor(
                 o.verify_threads, thread_name_prefix="hicached-verify"
             )
@@ -286,7 +286,7 @@ class MooncakeBackend(Backend):
                     addresses=addresses,
                     lengths=[size for _, size in sizes],
                     pool=self._hashers,
-                    parts=self._parts,
+                    parts=self.options.verify_threads + 1,
                 )
                 oks = [
                     code == HEADER_BYTES + len(page.buf) and good

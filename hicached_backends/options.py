@@ -146,13 +146,15 @@ class MooncakeOptions(msgspec.Struct, **_Table):
     threads: int = 4
     # Threads that checksum the pages of one batch in parallel (read or written, of
     # 8 MiB or more), beside the thread that calls the store (0 = that thread alone).
-    # A batch is cut into no more slices than the CPUs each of the store's threads
-    # has (CPUs // threads): where every core is busy already, more slices only
-    # add handoffs (on 2 cores, 1 MiB puts fell from 0.74-0.85 to 0.57-0.69 of raw).
+    # A batch to put is cut into no more slices than the CPUs each of the store's
+    # threads has (CPUs // threads): its hashes come before its transfer, and where
+    # every core hashes already more slices only add handoffs (on 2 cores, 1 MiB puts
+    # fell from 0.74-0.85 to 0.57-0.69 of raw). A read's hashes use the cores its
+    # transfer leaves idle.
     verify_threads: int = 4
 
     def hash_parts(self) -> int:
-        """Slices one batch's checksums are cut into: the calling thread and
+        """Slices one put batch's checksums are cut into: the calling thread and
         ``verify_threads`` helpers, at most the CPUs each store thread has."""
         return max(1, min(self.verify_threads + 1, usable_cpus() // self.threads))
 
