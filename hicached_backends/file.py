@@ -51,6 +51,7 @@ import xxhash
 
 from hicached_backends.base import Backend, BackendEnv, BackendError, PageRef, let_go
 from hicached_backends.file_readers import (
+    CACHED_RUN_BYTES,
     IOV_MAX,
     RECORD,
     ReaderLost,
@@ -60,7 +61,15 @@ from hicached_backends.file_readers import (
     settle,
 )
 from hicached_backends.options import FileOptions
-from hicached_backends.record import HEADER_BYTES, address_of, pack_header, parse_header, verify
+from hicached_backends.record import (
+    HEADER_BYTES,
+    address_of,
+    checksums,
+    nbytes,
+    pack_headers,
+    parse_header,
+    verify,
+)
 
 log = logging.getLogger("hicached.file")
 
@@ -104,14 +113,13 @@ class _Entry:
     generation: int
     offset: int
     ns: bytes
-    header: bytes
     page: PageRef
     out: list[bool]  # the put call's answers
     at: int  # this page's place in them
 
     @property
     def end(self) -> int:
-        return self.offset + len(self.header) + len(self.page.buf)
+        return self.offset + HEADER_BYTES + len(self.page.buf)
 
 
 @dataclass(slots=True)
@@ -169,9 +177,10 @@ class FileBackend(Backend):
             self._pool.shutdown(wait=True)
             self._pool = None
             raise BackendError(f"file store at {self.dir}: {exc.strerror or exc}") from None
-        if self.options.read_processes and self.env.pool is not None and self.env.pool_path:
+        count = self.options.readers()
+        if count and self.env.pool is not None and self.env.pool_path:
             readers = Readers(
-                self.options.read_processes,
+                count,
                 pool=self.env.pool,
                 pool_path=self.env.pool_path,
                 huge_pages=self.env.pool_huge_pages,
@@ -409,10 +418,7 @@ class FileBackend(Backend):
                     out[i] = False
                     continue
                 group.starts.setdefault(seg.id, (seg, seg.generation, seg.write_off))
-                header = pack_header(ns, page.key, page.buf, seg.generation)
-                group.plan.append(
-                    _Entry(seg, seg.generation, seg.write_off, ns, header, page, out, i)
-                )
+                group.plan.append(_Entry(seg, seg.generation, seg.write_off, ns, page, out, i))
                 planned.add(key)
                 seg.write_off += size
             group.outcomes.append(out)
@@ -542,22 +548,41 @@ class FileBackend(Backend):
 
     @staticmethod
     def _write_records(plan: list[_Entry]) -> None:
-        """Write records; back-to-back records of a segment go out in one pwritev."""
+        """Checksum and write records, on one I/O thread. Back-to-back records of
+        a segment go out in one pwritev, in runs of at most ``CACHED_RUN_BYTES``
+        (at least one record); each run's payloads are hashed in one batched call
+        (checksums.py) right before its write, so the write copies them from the
+        CPU's cache, and the threads hash side by side, off the event loop."""
         i = 0
         while i < len(plan):
             seg, start, end = plan[i].seg, plan[i].offset, plan[i].end
-            iov: list[bytes | memoryview] = [plan[i].header, plan[i].page.buf]
-            i += 1
-            while i < len(plan) and len(iov) < IOV_MAX and plan[i].seg is seg:
-                entry = plan[i]
-                if entry.offset != end:
-                    break
-                iov += (entry.header, entry.page.buf)
-                end = entry.end
-                i += 1
+            j = i + 1
+            while (
+                j < len(plan)
+                and 2 * (j - i) < IOV_MAX
+                and plan[j].seg is seg
+                and plan[j].offset == end
+                and plan[j].end - start <= CACHED_RUN_BYTES
+            ):
+                end = plan[j].end
+                j += 1
+            run = plan[i:j]
+            bufs = [entry.page.buf for entry in run]
+            lengths = list(map(nbytes, bufs))
+            headers = pack_headers(
+                [entry.ns for entry in run],
+                [entry.page.key for entry in run],
+                lengths,
+                checksums(bufs, lengths=lengths),
+                [entry.generation for entry in run],
+            )
+            iov: list[bytes | memoryview] = []
+            for header, buf in zip(headers, bufs, strict=True):
+                iov += (header, buf)
             written = os.pwritev(seg.fd, iov, start)
             if written != end - start:
                 raise OSError(f"short write ({written} of {end - start} bytes)")
+            i = j
 
     @staticmethod
     def _sync(segs: list[_Segment]) -> None:

@@ -29,8 +29,9 @@ from hicached_backends.record import (
     HEADER_BYTES,
     address_of,
     all_within,
+    checksums,
     nbytes,
-    pack_header,
+    pack_headers,
     verify_many,
 )
 
@@ -64,6 +65,7 @@ class MooncakeBackend(Backend):
         self._store: Any = None
         self._pool: ThreadPoolExecutor | None = None
         self._hashers: ThreadPoolExecutor | None = None
+        self._parts = 1  # slices of one put batch's checksums (MooncakeOptions.hash_parts)
         self._headers = np.zeros((HEADER_SLOTS, HEADER_BYTES), dtype=np.uint8)
         self._free_headers: collections.deque[int] = collections.deque(range(HEADER_SLOTS))
         self._header_wait = asyncio.Condition()
@@ -75,6 +77,7 @@ class MooncakeBackend(Backend):
     async def open(self) -> None:
         o = self.options
         self._pool = ThreadPoolExecutor(o.threads, thread_name_prefix="hicached-mooncake")
+        self._parts = o.hash_parts()
         if o.verify_threads:
             self._hashers = ThreadPoolExecutor(
                 o.verify_threads, thread_name_prefix="hicached-verify"
@@ -232,7 +235,16 @@ class MooncakeBackend(Backend):
             chunk: Sequence[PageRef], addresses: list[int], headers: list[int]
         ) -> list[bool]:
             def blocking() -> list[int]:  # headers, checksums and the store call, off the loop
-                packed = b"".join([pack_header(ns, page.key, page.buf) for page in chunk])
+                bufs = [page.buf for page in chunk]
+                lengths = list(map(nbytes, bufs))
+                sums = checksums(
+                    bufs,
+                    addresses=addresses,
+                    lengths=lengths,
+                    pool=self._hashers,
+                    parts=self._parts,
+                )
+                packed = b"".join(pack_headers(ns, [page.key for page in chunk], lengths, sums))
                 self._headers[headers] = np.frombuffer(packed, np.uint8).reshape(-1, HEADER_BYTES)
                 ptrs, sizes = self._ptrs(chunk, addresses, headers)
                 names = self.names(ns, [p.key for p in chunk])
@@ -272,6 +284,7 @@ class MooncakeBackend(Backend):
                     ns,
                     chunk_keys,
                     addresses=addresses,
+                    lengths=[size for _, size in sizes],
                     pool=self._hashers,
                     parts=self.options.verify_threads + 1,
                 )

@@ -275,17 +275,20 @@ def test_the_stop_deadline_fits_in_the_units_stop_timeout() -> None:
 def test_bench_l3_pairs_rounds_against_a_raw_baseline(tmp_path: Path) -> None:
     """The file bench runs on its own: writes and reads in paired rounds, each
     with the raw baseline's figure and the spread of the per-pair ratios; --plot
-    draws them beside their baselines."""
+    draws them beside their baselines. With more readers than I/O threads, hot
+    reads are also paired with a raw read on as many threads as readers."""
     png = tmp_path / "l3.png"
     out = hicached(
         "bench", "l3", "--json", "--backend", "file", "--mib", "4", "--rounds", "2",
-        "--plot", str(png),
+        "--read-processes", "5", "--plot", str(png),
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    figures = json.loads(out.stdout)["figures"]
+    result = json.loads(out.stdout)
+    figures, params = result["figures"], result["params"]
+    assert (params["read_processes"], params["io_threads"]) == (5, 4)
     for tag in ("64k", "1m"):
-        for what in ("write", "read", "read_hot"):
+        for what in ("write", "read", "read_hot", "read_hot_wide"):
             low, mid, high = (
                 figures[f"{what}_vs_raw_min_{tag}"],
                 figures[f"{what}_vs_raw_{tag}"],
@@ -293,7 +296,9 @@ def test_bench_l3_pairs_rounds_against_a_raw_baseline(tmp_path: Path) -> None:
             )
             assert 0 < low <= mid <= high
             assert figures[f"raw_{what}_gbps_{tag}"] > 0
-        assert all(figures[f"checksum_gbps_{tag}_t{n}"] > 0 for n in (1, 2, 4))
+        for kind in ("checksum", "checksums"):  # a call a page, and batched
+            assert all(figures[f"{kind}_gbps_{tag}_t{n}"] > 0 for n in (1, 2, 4))
+            assert all(figures[f"{kind}_scaling_{tag}_t{n}"] > 0 for n in (2, 4))
 
 
 def test_plot_pairs_each_figure_with_its_baseline() -> None:

@@ -62,6 +62,8 @@ def test_no_file_means_defaults() -> None:
             "two segments",
         ),
         ("[storage.s3]\nthreds = 2\n", "storage.s3.threds", "unknown key"),
+        ("[storage.file]\nread_processes = 'many'\n", "storage.file.read_processes", "'many'"),
+        ("[storage.file]\nread_processes = 65\n", "storage.file.read_processes", "or 'auto'"),
         ("[storage.mooncake]\nprotocol = 'udp'\n", "storage.mooncake.protocol", "'tcp' or 'rdma'"),
         ("[leases]\nquarantine_s = nan\n", "leases.quarantine_s", "finite"),
         ("[leases]\nttl_s = inf\n", "leases.ttl_s", "finite"),
@@ -128,3 +130,30 @@ def test_check_config_knows_the_backends(tmp_path: Path) -> None:
         [sys.executable, "-m", "hicached", "check-config", str(cfg)], capture_output=True, text=True
     )
     assert out.returncode == 0, out.stderr
+
+
+def test_auto_readers_follow_the_io_threads_and_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """read_processes = "auto": twice io_threads, at most half the CPUs, at least 2."""
+    import os
+
+    from hicached_backends.options import FileOptions
+
+    for cpus, io_threads, readers in ((2, 4, 2), (16, 4, 8), (8, 4, 4), (64, 4, 8), (16, 1, 2)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
+        assert FileOptions(io_threads=io_threads).readers() == readers
+    assert FileOptions(read_processes=3).readers() == 3
+    assert FileOptions(read_processes=0).readers() == 0
+
+
+def test_mooncake_hashes_in_no_more_slices_than_cpus_per_store_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+
+    from hicached_backends.options import MooncakeOptions
+
+    for cpus, threads, verify_threads, parts in ((2, 4, 4, 1), (16, 4, 4, 4), (64, 4, 4, 5)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda _pid, n=cpus: set(range(n)))
+        options = MooncakeOptions(threads=threads, verify_threads=verify_threads)
+        assert options.hash_parts() == parts
+    assert MooncakeOptions(verify_threads=0).hash_parts() == 1

@@ -10,8 +10,15 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hicached_backends import record
-from hicached_backends.record import HEADER_BYTES, pack_header, parse_header, verify, verify_many
+from hicached_backends import checksums
+from hicached_backends.record import (
+    HEADER_BYTES,
+    pack_header,
+    pack_headers,
+    parse_header,
+    verify,
+    verify_many,
+)
 
 NS = bytes(range(16))
 
@@ -79,7 +86,7 @@ def test_verifying_in_parallel_slices_gives_the_same_answers(
     from concurrent.futures import ThreadPoolExecutor
 
     headers, payloads, keys = _records(37, 1024)
-    monkeypatch.setattr(record, "SLICE_BYTES", 1024)
+    monkeypatch.setattr(checksums, "SLICE_BYTES", 1024)
     damaged = [3, 17, 36]
     for i in damaged:
         payloads[i] = payloads[i][:-1] + bytes([payloads[i][-1] ^ 1])
@@ -94,23 +101,19 @@ def test_the_native_checksum_is_found_and_agrees() -> None:
     they must equal the package's own, for every length and alignment."""
     import mmap
 
-    import xxhash
-
-    from hicached_backends import record
-
-    assert record._XXH3 is not None, "XXH3_64bits not found in xxhash's extension module"
+    assert checksums._XXH3 is not None, "XXH3_64bits not found in xxhash's extension module"
     import ctypes
 
     import xxhash._xxhash
 
     if hasattr(ctypes.CDLL(xxhash._xxhash.__file__), "XXH3_64bits_dispatch"):
-        assert record._XXH3.__name__ == "XXH3_64bits_dispatch"  # the CPU's widest code
+        assert checksums._XXH3.__name__ == "XXH3_64bits_dispatch"  # the CPU's widest code
     region = mmap.mmap(-1, 1 << 16)
     view = memoryview(region)
     view[:] = np.random.default_rng(9).integers(0, 256, 1 << 16, dtype=np.uint8).tobytes()
     for start, end in ((0, 1 << 16), (1, 4097), (7, 8), (100, 100)):
         with view[start:end] as part:
-            assert record.checksum(part) == xxhash.xxh3_64_intdigest(bytes(part))
+            assert checksums.checksum(part) == xxhash.xxh3_64_intdigest(bytes(part))
     view.release()
     region.close()
 
@@ -134,3 +137,51 @@ def test_a_short_namespace_or_key_is_refused() -> None:
         verify_many(headers, payloads, NS[:8], keys)
     with pytest.raises(ValueError):
         verify_many(headers, payloads, NS, [keys[0][:15]])
+
+
+def test_batched_headers_are_the_single_headers_byte_for_byte() -> None:
+    spaces = [NS, bytes(16), NS]
+    keys = [os.urandom(16) for _ in spaces]
+    payloads = [os.urandom(size) for size in (0, 100, 4096)]
+    lengths = [len(p) for p in payloads]
+    sums = [xxhash.xxh3_64_intdigest(p) for p in payloads]
+    one = [pack_header(ns, k, p, 9) for ns, k, p in zip(spaces, keys, payloads, strict=True)]
+    assert pack_headers(spaces, keys, lengths, sums, [9, 9, 9]) == one
+    assert pack_headers(NS, keys[:1], lengths[:1], sums[:1], 9) == one[:1]
+    assert pack_headers(NS, [], [], []) == []
+    with pytest.raises(ValueError):
+        pack_headers(NS, [keys[0][:15]], [0], [0])  # struct would pad the key
+    with pytest.raises(ValueError):
+        pack_headers([NS, NS[:8]], keys[:2], lengths[:2], sums[:2])
+    with pytest.raises(ValueError):
+        pack_headers(NS, keys, lengths[:2], sums)
+
+
+def test_batched_checksums_agree_with_the_python_function(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Writable buffers go to the native function, read-only ones (no address)
+    to the Python one; in one slice or many, the answers are the same."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(checksums, "SLICE_BYTES", 1024)
+    rng = np.random.default_rng(5)
+    payloads: list[bytes | memoryview] = []
+    for i in range(40):
+        data = rng.integers(0, 256, 1000 + 37 * i, dtype=np.uint8).tobytes()
+        payloads.append(data if i % 7 == 3 else memoryview(bytearray(data)))
+    payloads.append(memoryview(bytearray(8)).cast("I"))  # counted in bytes, not items
+    want = [xxhash.xxh3_64_intdigest(bytes(p)) for p in payloads]
+    assert checksums.checksums(payloads) == want
+    with ThreadPoolExecutor(3) as pool:
+        for parts in (1, 2, 3, 8):
+            assert checksums.checksums(payloads, pool=pool, parts=parts) == want
+    writable = [p for p in payloads if isinstance(p, memoryview)]
+    addresses = [checksums.address_of(p) for p in writable]
+    lengths = [p.nbytes for p in writable]
+    assert checksums.checksums(writable, addresses=addresses, lengths=lengths) == [
+        xxhash.xxh3_64_intdigest(bytes(p)) for p in writable
+    ]
+    assert checksums.checksums([]) == []
+    with pytest.raises(ValueError):
+        checksums.checksums(writable, lengths=lengths[:-1])

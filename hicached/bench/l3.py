@@ -22,7 +22,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -71,25 +71,36 @@ class Buffers:
 CHECKSUM_THREADS = (1, 2, 4)
 
 
-def checksum_gbps(rows: np.ndarray, threads: int, rounds: int = 5) -> float:
-    """GB/s of the record checksum alone over ``rows`` (one native call per
-    page, each without the GIL) split over ``threads`` threads; the median of
-    ``rounds`` after one untimed. Each round hashes at least 256 MiB (the
-    pages again as often as needed), so thread start-up does not make the
-    figure; pages that fit in the CPU's cache (a small ``--mib``) are hashed
-    from it. How far verification can scale
-    on this host: every page's call gives up the GIL and takes it back, and
-    with small pages the threads queue for it."""
-    from hicached_backends.record import checksum, native_checksum
+def checksum_gbps(rows: np.ndarray, threads: int, *, batched: bool, rounds: int = 5) -> float:
+    """GB/s of the record checksum alone over ``rows`` on ``threads`` threads;
+    the median of ``rounds`` after one untimed. Each round hashes at least
+    256 MiB (the pages again as often as needed), so thread start-up does not
+    make the figure; pages that fit in the CPU's cache (a small ``--mib``) are
+    hashed from it. How far verification can scale on this host.
+
+    ``batched``: each thread takes one contiguous part and hashes it with one
+    ``checksums`` call (the backends' way: a ``map`` of the native function
+    over the part's addresses); else each page is one ``checksum`` call in a
+    Python loop, pages dealt to the threads in turn (the way before). Either
+    way every page's hash is a foreign call that gives the GIL up and takes it
+    back; what differs is the Python held around it."""
+    from hicached_backends.record import checksum, checksums, native_checksum
 
     if not native_checksum():
         raise SystemExit("the native XXH3 of the xxhash module is not loadable here")
     views = [rows[i].data for i in range(len(rows))]
     repeat = -(-(256 << 20) // max(1, rows.nbytes))
     views *= repeat
-    parts = [views[k::threads] for k in range(threads)]
+    n = len(views)
+    if batched:
+        parts = [views[n * k // threads : n * (k + 1) // threads] for k in range(threads)]
+    else:
+        parts = [views[k::threads] for k in range(threads)]
 
     def run(part: list[memoryview]) -> None:
+        if batched:
+            checksums(part)
+            return
         for view in part:
             checksum(view)
 
@@ -146,14 +157,15 @@ class _RawFile:
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         pages, size = buf.src.shape
         os.posix_fallocate(self.fd, 0, pages * size)
-        self.parts = [
-            range(pages * k // threads, pages * (k + 1) // threads) for k in range(threads)
-        ]
 
-    def _each(self, fn: Any) -> float:
-        with ThreadPoolExecutor(self.threads) as pool:
+    def _each(self, fn: Any, threads: int | None = None) -> float:
+        """Time ``fn`` over contiguous parts of the pages, one a thread."""
+        threads = threads or self.threads
+        pages = len(self.buf.src)
+        parts = [range(pages * k // threads, pages * (k + 1) // threads) for k in range(threads)]
+        with ThreadPoolExecutor(threads) as pool:
             t0 = time.perf_counter()
-            list(pool.map(fn, self.parts))
+            list(pool.map(fn, parts))
             return time.perf_counter() - t0
 
     def write(self) -> float:
@@ -169,7 +181,8 @@ class _RawFile:
         os.fdatasync(self.fd)
         return took + time.perf_counter() - t0
 
-    def read(self, cold: bool = True) -> float:
+    def read(self, cold: bool = True, threads: int | None = None) -> float:
+        """Read every page back (``threads``: so many instead of the backend's)."""
         size = self.buf.src.shape[1]
         if cold:
             _drop_cache([self.path])
@@ -179,7 +192,7 @@ class _RawFile:
                 rows = range(start, min(start + _IOV_MAX, part.stop))
                 os.preadv(self.fd, [self.buf.dst[i].data for i in rows], start * size)
 
-        return self._each(read)
+        return self._each(read, threads)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -274,12 +287,11 @@ class _RawMooncake:
 @contextlib.contextmanager
 def _backend_options(args: argparse.Namespace, tmp: Path) -> Iterator[Any]:
     if args.backend == "file":
-        readers = FileOptions().read_processes
         yield FileOptions(
             path=str(tmp / "store"),
             capacity_mib=max(4 * args.mib, 64),
             segment_mib=max(args.mib // 2, 16),
-            read_processes=readers if args.read_processes is None else args.read_processes,
+            read_processes="auto" if args.read_processes is None else args.read_processes,
         )
     elif args.backend == "s3":
         from hicached.testing import CREDENTIALS, S3Server
@@ -335,6 +347,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         _backend_options(args, Path(tmp_name)) as options,
     ):
         tmp = Path(tmp_name)
+        readers = options.readers() if isinstance(options, FileOptions) else 0
         for tag, size in SIZES.items():
             pages = max(8, (args.mib << 20) // size)
             buf = Buffers(pages, size, Path(pool_dir))
@@ -377,6 +390,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     async def theirs_hot() -> float:
                         return await theirs(cold=False)
 
+                    async def theirs_hot_wide() -> float:  # as many threads as readers
+                        assert isinstance(raw, _RawFile)
+                        return raw.read(cold=False, threads=readers)
+
                     writes: list[float] = []
                     raw_writes: list[float] = []
                     for r in range(args.rounds):  # paired rounds; who goes first alternates
@@ -385,9 +402,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             into.append(await fn())
                     # file reads, cold (page cache dropped) and then hot (pages
                     # cached by the round before); the other stores read one way
-                    kinds = (("", ours, theirs), ("_hot", ours_hot, theirs_hot))
+                    Timed = Callable[[], Coroutine[Any, Any, float]]
+                    kinds: list[tuple[str, Timed, Timed]] = [("", ours, theirs)]
+                    if args.backend == "file":
+                        kinds.append(("_hot", ours_hot, theirs_hot))
+                        if readers > options.io_threads:  # and against raw with as many
+                            kinds.append(("_hot_wide", ours_hot, theirs_hot_wide))
                     reads: dict[str, tuple[list[float], list[float]]] = {}
-                    for kind, mine, base in kinds if args.backend == "file" else kinds[:1]:
+                    for kind, mine, base in kinds:
                         got: tuple[list[float], list[float]] = ([], [])
                         for r in range(args.rounds):
                             pair = [(mine, got[0]), (base, got[1])]
@@ -416,10 +438,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 # the spread: the lowest and highest ratio of one pair of rounds
                 figures[f"{what}_vs_raw_min_{tag}"] = round(min(ratios), 3)
                 figures[f"{what}_vs_raw_max_{tag}"] = round(max(ratios), 3)
-            for threads in CHECKSUM_THREADS:
-                figures[f"checksum_gbps_{tag}_t{threads}"] = round(
-                    checksum_gbps(buf.src, threads), 3
-                )
+            for kind, batched in (("checksum", False), ("checksums", True)):
+                for threads in CHECKSUM_THREADS:
+                    gbps = checksum_gbps(buf.src, threads, batched=batched)
+                    figures[f"{kind}_gbps_{tag}_t{threads}"] = round(gbps, 3)
+                for threads in CHECKSUM_THREADS[1:]:  # what more threads add
+                    one, more = (
+                        figures[f"{kind}_gbps_{tag}_t1"],
+                        figures[f"{kind}_gbps_{tag}_t{threads}"],
+                    )
+                    figures[f"{kind}_scaling_{tag}_t{threads}"] = round(more / one, 3)
             if args.backend == "file":
                 for seg in (tmp / "store").glob("segment-*.hcs"):
                     seg.unlink()
@@ -432,13 +460,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "batch_pages": config.batch_pages,
             "concurrency": config.concurrency,
             "rounds": args.rounds,
-            "read_processes": getattr(options, "read_processes", None),
+            "read_processes": readers if isinstance(options, FileOptions) else None,
+            "io_threads": getattr(options, "io_threads", None),
             "note": "raw: the backend's own client, same bytes (file: contiguous per-thread "
             "parts, vectored calls, the backend's thread count, one fdatasync); writes (new "
             "pages each round) and reads: medians of paired rounds that alternate who goes "
             "first, ratios per pair with their lowest and highest; file reads: cold (page "
-            "cache dropped) and read_hot (pages cached); checksum_gbps_SIZE_tN: the record "
-            "checksum alone over the same pages on N threads (what verification can reach)",
+            "cache dropped) and read_hot (pages cached), by read_processes reader processes "
+            "against raw on io_threads threads; read_hot_wide: the same hot reads against raw "
+            "on read_processes threads, where there are more readers than I/O threads; "
+            "checksum_gbps_SIZE_tN: the record checksum "
+            "alone over the same pages on N threads, one call a page in a Python loop; "
+            "checksums_gbps_SIZE_tN: the same with each thread's part in one batched call, "
+            "as the backends hash; *_scaling_SIZE_tN: tN over t1",
         },
         "targets": {"file": ">= 0.8 of raw", "mooncake": ">= 0.8 of raw", "s3": ">= 0.9 of raw"},
     }
