@@ -637,3 +637,13 @@ def data_dir(config: Config) -> Path:
         return Path(os.environ["STATE_DIRECTORY"].split(":")[0])
     state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return Path(state) / "hicached"
+
+
+def __getattr__(name: str) -> Any:
+    """``reload_plan`` and ``RELOADABLE`` moved to hicached/daemon/reload.py; the
+    old names keep working for one release."""
+    if name in ("reload_plan", "RELOADABLE"):
+        from hicached.daemon import reload
+
+        return getattr(reload, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -137,7 +137,8 @@ class Cache:
         for room in (self.names, self.leasing, self.reads, self.writes, self.prefetches):
             table = room.handlers()
             twice = table.keys() & self._handlers.keys()
-            assert not twice, f"{sorted(OP_NAMES[t] for t in twice)} answered twice"
+            if twice:
+                raise TypeError(f"requests {sorted(OP_NAMES[t] for t in twice)} answered twice")
             self._handlers.update(table)
 
     # -- dispatch ------------------------------------------------------------------
@@ -399,7 +400,7 @@ class Cache:
                 **({"events_out_of_order": order} if order else {}),
                 **(getattr(tier, "counters", None) or {}),
             },
-            match_pages=dict(self.match_pages),
+            match_pages=dict(self.reads.pages),
             events_pending=len(self.events.pending),
             metrics_endpoint=self.metrics_endpoint,
         )

@@ -63,7 +63,7 @@ class Prefetches:
         lease = desk.leasing.new(session, ns, present)
         lease.keys = keys[:n]
         lease.tokens = msg.tokens
-        return self._start(lease, wanted, msg.id)
+        return self._start(lease, wanted, msg.id, n)
 
     def prefetch_keys(self, session: Session, msg: p.PrefetchKeys) -> p.PrefetchOk:
         desk = self.desk
@@ -81,15 +81,19 @@ class Prefetches:
         lease.keys = keys[:n]
         parent = msg.keys[n - 1] if n else b""
         lease.chain = chain(ns, wanted, msg.keys[n : n + len(wanted)], parent)
-        return self._start(lease, wanted, msg.id)
+        return self._start(lease, wanted, msg.id, n)
 
-    def _start(self, lease: Lease, wanted: list[bytes], request_id: int) -> p.PrefetchOk:
+    def _start(
+        self, lease: Lease, wanted: list[bytes], request_id: int, l2_hits: int
+    ) -> p.PrefetchOk:
+        """Hand the lease to the tier, which reads ``wanted`` after its ``l2_hits``
+        pages (the reply counts those: the tier may plan reads before it returns)."""
         desk = self.desk
         assert desk.tier is not None
         lease.prefetch = PrefetchState(wanted)
         desk.tiering.count("prefetches")
         desk.tier.prefetch(lease)
-        return p.PrefetchOk(id=request_id, lease=lease.id, l2_hits=len(lease.keys))
+        return p.PrefetchOk(id=request_id, lease=lease.id, l2_hits=l2_hits)
 
     def _l2_only(
         self,
@@ -130,7 +134,9 @@ class Prefetches:
     def started(self, lease: Lease) -> None:
         """The tier asks the store which pages it holds: note how many leading
         ones the record of L3 knows now (what it learns while the store
-        answers is not what the answer may contradict)."""
+        answers is not what the answer may contradict). A tier that does not
+        call this first forgets nothing in ``planned``: the record then keeps
+        keys the store may have let go of, which a prefetch reads as a gap."""
         pf = lease.prefetch
         assert pf is not None
         l3 = self.desk.l3
