@@ -8,6 +8,9 @@ shuffled (the table kernel, and ``_fallback``: the gather/scatter kernel it
 replaces). Then vLLM-shaped copies (bench/vllmcopy.py). Each copy is timed in
 pairs of rounds with its baseline, who goes first alternating
 (bench/paired.py); ``paths`` says which way each copy went (client/cuda.py).
+The ``*_streamed`` figures queue copies back to back and then finish them, as
+the vLLM worker does (bench/vllmcopy.py), against as many raw copies queued so:
+one copy's CPU work then overlaps the bytes of the one before.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import numpy as np
 from hicached.bench.control import _daemon
 from hicached.bench.data import reserve_slots
 from hicached.bench.paired import Paired
-from hicached.bench.vllmcopy import run_shapes
+from hicached.bench.vllmcopy import STREAM, repeated, run_shapes, streamed
 from hicached.client import Client
 
 # The vLLM shapes take 128 MiB of slots each, in slabs of their own page size.
@@ -43,6 +46,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     back = torch.empty_like(gpu)
     pinned = torch.empty((pages, page_bytes), dtype=torch.uint8, pin_memory=True)
     paired = Paired(nbytes, sync=torch.cuda.synchronize)
+    stream = Paired(nbytes * STREAM, sync=torch.cuda.synchronize)  # bench/vllmcopy.py
     paths: dict[str, str] = {}
 
     def d2h() -> object:  # the baseline of writes: GPU -> a torch pinned buffer
@@ -77,6 +81,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             d2h,
                             "raw_d2h_pinned",
                         )
+                        if state == "pinned":
+                            start = functools.partial(client.start_write, handle, gpu)
+                            stream.measure(
+                                f"{name}_streamed",
+                                streamed(start),
+                                repeated(d2h),
+                                "raw_d2h_streamed",
+                            )
             cuda.TABLE_KERNEL = True
             client.write_pages(res, gpu)
             client.commit(res)
@@ -98,6 +110,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             h2d,
                             "raw_h2d_pinned",
                         )
+                        if state == "pinned":
+                            start = functools.partial(client.start_read, got, back)
+                            stream.measure(
+                                f"{name}_streamed",
+                                streamed(start),
+                                repeated(h2d),
+                                "raw_h2d_streamed",
+                            )
         finally:
             cuda.TABLE_KERNEL = True
         client.read_pages(hit, back)
@@ -108,7 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         client.release(hit)
         client.pin_memory()
         shapes = run_shapes(client, paired.pairs)
-    figures = paired.result()
+    figures = {**paired.result(), **stream.result()}
     return {
         "figures": figures,
         "paths": paths,

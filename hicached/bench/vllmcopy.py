@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,6 +30,30 @@ SHAPES = {
     "vllm_32x64k": (32, 64 << 10, 1024, 64),
     "vllm_64x16k": (64, 16 << 10, 1024, 128),
 }
+
+
+# Copies queued back to back in the streamed figures, as an engine's worker
+# queues them (integrations/vllm/worker.py waits for none before the next).
+STREAM = 8
+
+
+def streamed(start: Callable[[], Any]) -> Callable[[], object]:
+    """``STREAM`` copies started back to back, then each finished (its fence
+    checked): what a worker that does not wait between copies sees, the CPU
+    work of one copy overlapping the bytes of the one before."""
+
+    def run() -> object:
+        pending = [start() for _ in range(STREAM)]
+        for copy in pending:
+            copy.result()
+        return pending
+
+    return run
+
+
+def repeated(copy: Callable[[], object]) -> Callable[[], object]:
+    """The baseline of a streamed figure: ``STREAM`` copies queued back to back."""
+    return lambda: [copy() for _ in range(STREAM)]
 
 
 def run_shapes(client: Client, pairs: int = 15) -> dict[str, Any]:
@@ -67,6 +92,7 @@ def _shape(
     flat = torch.randint(0, 256, (pages, page_bytes), dtype=torch.uint8, device="cuda")
     pinned = torch.empty((pages, page_bytes), dtype=torch.uint8, pin_memory=True)
     paired = Paired(nbytes, pairs=pairs, sync=torch.cuda.synchronize)
+    stream = Paired(nbytes * STREAM, pairs=pairs, sync=torch.cuda.synchronize)
 
     def d2h() -> object:  # the writes' baseline: one contiguous copy into a pinned buffer
         return pinned.copy_(flat, non_blocking=True)
@@ -95,6 +121,8 @@ def _shape(
         started.result()
         write = functools.partial(client.write_pages, res, kv, rows=rows)
         paired.measure(f"write_{way}", write, d2h, "raw_d2h_pinned")
+        start = functools.partial(client.start_write, res, kv, rows=rows)
+        stream.measure(f"write_{way}_streamed", streamed(start), repeated(d2h), "raw_d2h_streamed")
     client.commit(res)
     hit = client.match_keys(ns, keys)
     equal = True
@@ -110,9 +138,11 @@ def _shape(
         )
         read = functools.partial(client.read_pages, hit, back, rows=back_rows)
         paired.measure(f"read_{way}", read, h2d, "raw_h2d_pinned")
+        start = functools.partial(client.start_read, hit, back, rows=back_rows)
+        stream.measure(f"read_{way}_streamed", streamed(start), repeated(h2d), "raw_h2d_streamed")
     client.release(hit)
     return {
-        "figures": paired.result(),
+        "figures": {**paired.result(), **stream.result()},
         "paths": paths,
         "bytes_equal": equal,
         "params": {
