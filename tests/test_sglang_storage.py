@@ -101,7 +101,8 @@ def test_the_factory_builds_the_backend_from_the_dynamic_config(
     report: dict[str, Facts],
 ) -> None:
     got = facts(report, "factory")
-    assert (got["module"], got["class"]) == ("hicached.integrations.sglang", "HicachedStorage")
+    assert got["module"].startswith("hicached.integrations.sglang")
+    assert got["class"] == "HicachedStorage"
     fields = got["fields"]
     # a model path: its last parts, and the whole path digested in the revision
     assert fields["model"] == "Test/Tiny-MHA"

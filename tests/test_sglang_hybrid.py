@@ -1,0 +1,231 @@
+"""hicached's SGLang backend with a hybrid model's host pools (SGLang's v2
+calls), driven by a real SGLang's own classes (``tests/engines/
+sglang_hybrid_check.py`` in its own venv) against a real daemon: SGLang's
+Mamba, sliding-window, draft and DeepSeek V4 host pools, grouped and
+registered as SGLang's hybrid cache controller does, stores sent as it sends
+them. One process writes, a second reads what the first wrote into pools of
+its own, byte for byte; the rest runs in the first.
+
+The venv is built once, outside the clone (tests/engines/sglang_venv.py).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.engines import sglang_venv
+from tests.support import Daemon
+
+# The first test waits for the venv build (minutes, once per pin and machine).
+pytestmark = pytest.mark.timeout(1200)
+
+CHECK = Path(__file__).parent / "engines" / "sglang_hybrid_check.py"
+ROOT = Path(__file__).resolve().parents[1]
+GROUPS = ("rows", "flat", "logical")
+Facts = dict[str, Any]
+
+
+@pytest.fixture(scope="session")
+def sglang_python() -> Path:
+    """The SGLang venv's python, built on first use."""
+    return sglang_venv.build()
+
+
+def run_check(python: Path, endpoint: str, *scenarios: str) -> dict[str, Facts]:
+    done = subprocess.run(
+        [str(python), str(CHECK), endpoint, *scenarios],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env=sglang_venv.env(ROOT),
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    out: dict[str, Facts] = json.loads(done.stdout)
+    return out
+
+
+@pytest.fixture(scope="module")
+def report(sglang_python: Path) -> Iterator[dict[str, Facts]]:
+    """Every scenario's facts: the writer's process, then the reader's, against
+    one daemon; ``parents`` on a small daemon of its own."""
+    scratch = Path(tempfile.mkdtemp(prefix="hc-sgh-", dir="/tmp"))
+    daemon = Daemon(size_mib=16, slab_mib=1).start()
+    small = Daemon(size_mib=2, slab_mib=1).start()  # 128 pages of 16 KiB
+    try:
+        wrote = run_check(
+            sglang_python,
+            daemon.endpoint,
+            "hybrid_write",
+            "stops",
+            "half",
+            "mla_mamba",
+            "bad",
+            f"down:ipc://{scratch}/none.sock",
+            f"parents:{small.endpoint}",
+        )
+        (scratch / "wrote.json").write_text(json.dumps(wrote))
+        read = run_check(sglang_python, daemon.endpoint, f"hybrid_read:{scratch / 'wrote.json'}")
+        yield {**wrote, **read}
+    finally:
+        daemon.cleanup()
+        small.cleanup()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def facts(report: dict[str, Facts], name: str, quiet: bool = True) -> Facts:
+    """One scenario's facts; its traceback if it raised, what the backend
+    logged if it logged anything in a scenario where nothing goes wrong."""
+    got = report[name]
+    assert "error" not in got, got["error"]
+    assert not (quiet and got["log"]), "\n".join(got["log"])
+    return got
+
+
+def hit(pages: int, hits: dict[str, int], restorable: list[int]) -> Facts:
+    """A PoolTransferResult: the hit (SGLang's ``kv_hit_pages``, the longest
+    prefix every pool restores), each pool's own longest, and every prefix
+    length every pool restores."""
+    return {"kv": pages, "hits": hits, "restorable": restorable}
+
+
+# -- two processes, byte for byte --------------------------------------------------------
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_hybrid_pages_go_from_one_process_to_another(report: dict[str, Facts], group: str) -> None:
+    wrote = facts(report, "hybrid_write")[group]
+    read = facts(report, "hybrid_read")[group]
+    for node in wrote["set"]:
+        assert all(all(ok) for ok in node.values()), node
+    assert set(wrote["written"]) == set(read["read"])
+    for pool, pages in wrote["written"].items():
+        assert read["read"][pool] == pages, f"{pool}: the pages read are not the pages written"
+    assert read["kv"] == [True] * 6
+    for name in ("draft", "deepseek_v4_c4"):
+        if name in wrote["written"]:
+            assert read[name] == [True] * 6
+    if group != "logical":
+        assert read["sidecars3"] == read["sidecars6"] == {"swa": [True, True], "mamba": [True]}
+
+
+def test_a_hit_is_a_prefix_every_pool_restores(report: dict[str, Facts]) -> None:
+    rows = facts(report, "hybrid_write")["rows"]
+    # Mamba states only at the ends of the two nodes (pages 3 and 6), the
+    # window (2 pages) whole there too; the draft pool holds every page
+    expected = hit(6, {"kv": 6, "swa": 6, "mamba": 6, "draft": 6}, [3, 6])
+    assert rows["exists"] == expected
+    assert facts(report, "hybrid_read")["rows"]["exists"] == expected
+    assert facts(report, "hybrid_read")["logical"]["exists"] == hit(
+        6, {"kv": 6, "deepseek_v4_c4": 6}, [1, 2, 3, 4, 5, 6]
+    )
+
+
+def test_each_pool_is_a_namespace_of_its_own(report: dict[str, Facts]) -> None:
+    got = facts(report, "hybrid_write")
+    rows, flat, logical = got["rows"], got["flat"], got["logical"]
+    assert rows["layouts"] == {
+        "kv": "page_first",
+        "swa": "swa_page_first",
+        "mamba": "mamba_page_first",
+        "draft": "draft_page_first",
+    }
+    # Mamba: fp32 temporal 2 layers x 2 heads x 32 x 32, bf16 conv 2 layers x 8 x 3
+    assert rows["page_bytes"]["mamba"] == 2 * 2 * 32 * 32 * 4 + 2 * 8 * 3 * 2
+    assert flat["page_bytes"]["mamba"] == rows["page_bytes"]["mamba"] + 5 * 4  # a side state
+    assert rows["copies"] == {k: "RowPages" for k in ("kv", "swa", "mamba", "draft")}
+    # a side state is not in SGLang's zero-copy addresses: flat data pages
+    assert flat["copies"] == {"kv": "RowPages", "swa": "RowPages", "mamba": "FlatPages"}
+    assert logical["copies"] == {"deepseek_v4_c4": "FlatPages"}  # the anchor holds no bytes
+    assert logical["layouts"] == {"deepseek_v4_c4": "deepseek_v4_c4_page_first"}
+
+
+# -- what a hit is ------------------------------------------------------------------------
+
+
+def test_batch_exists_v2_stops_at_the_first_page_any_pool_lacks(report: dict[str, Facts]) -> None:
+    got = facts(report, "stops")
+    for case in ("kv_hole", "draft_hole", "only_kv"):
+        assert got[f"{case}_set"], case
+    # KV lacks the fifth page: no prefix past 4; Mamba states end prefixes 2 and 4
+    assert got["kv_hole"] == hit(4, {"kv": 4, "draft": 4, "mamba": 4}, [2, 4])
+    # the draft pool lacks the fourth page: no prefix past 3, of those only 2 ends on a state
+    assert got["draft_hole"] == hit(2, {"kv": 7, "draft": 3, "mamba": 6}, [2])
+    assert got["only_kv"] == hit(0, {"kv": 7}, [])
+    # reads stop where the pool's pages stop
+    assert got["draft_hole_draft_get"] == [True] * 3 + [False] * 4
+    assert got["only_kv_draft_get"] == [False] * 7
+
+
+def test_a_half_stored_page_is_never_a_hit(report: dict[str, Facts]) -> None:
+    got = facts(report, "half", quiet=False)
+    # the sidecars of a node without its KV pages
+    assert got["sidecars_set"] == {"swa": [True] * 2, "mamba": [True], "draft": [True] * 3}
+    assert got["sidecars_only"] == hit(0, {}, [])
+    # one pool of a call cannot store: the other's pages of the same keys are not published
+    assert got["one_fails_set"] == {"draft": [False] * 3, "swa": [False] * 3}
+    assert got["one_fails_published"] == [False] * 3
+    assert got["one_fails_kv_set"] == [True] * 3
+    assert got["one_fails"] == hit(0, {"kv": 3}, [])
+    assert any("swa pages not stored" in line for line in got["log"])
+    # KV and the window, no Mamba state: the window alone restores nothing
+    assert got["no_state_set"] == [True] * 5
+    assert got["no_state"] == hit(0, {"kv": 3, "swa": 3}, [])
+    # a page one pool of a read lacks is read in none
+    assert got["no_state_get"] == {"swa": [True, False], "mamba": [False]}
+
+
+def test_mamba_state_is_each_ranks_own_beside_replicated_mla_kv(
+    report: dict[str, Facts],
+) -> None:
+    got = facts(report, "mla_mamba")
+    for rank in (0, 1):
+        assert got[f"replicated{rank}"] == {"kv": True, "mamba": False}
+        assert got[f"set{rank}"] == {"mamba": [True], "kv": [True] * 3}
+        assert got[f"exists{rank}"] == hit(3, {"kv": 3, "mamba": 3}, [3])
+        assert got[f"get{rank}"] == [True] * 3
+        assert got[f"state{rank}"] == [True]
+        assert got[f"kv_same{rank}"], "MLA KV is rank 0's on every rank"
+        assert got[f"state_same{rank}"], "a rank read a state that is not its own"
+        assert not got[f"state_other{rank}"]
+
+
+def test_prefix_keys_are_kept_as_parents(report: dict[str, Facts]) -> None:
+    """Each chain was stored in two calls; L2 is then filled until it evicts.
+    With prefix_keys the second call hangs under the first: eviction takes the
+    chain from its tail. Without, the first call's last page goes first."""
+    got = facts(report, "parents")
+    first_loss = got["first_loss"]
+    assert first_loss["kv"] == [True] * 7 + [False]
+    assert first_loss["swa"] == [True] * 7 + [False]
+    assert first_loss["unlinked"] == [True] * 3 + [False] + [True] * 4
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+
+def test_what_breaks_sglangs_contract_is_a_value_error(report: dict[str, Facts]) -> None:
+    got = facts(report, "bad", quiet=False)
+    assert got["block_groups"].startswith("ValueError: pool mamba: hit policy block_groups")
+    assert got["unregistered"].startswith("ValueError: pool swa was never registered")
+    assert got["unregistered_set"].startswith("ValueError: pool swa was never registered")
+    assert got["too_big"].startswith("InvalidNamespace: page_bytes must be in 1..262144")
+    # a sidecar's indices that do not cover its pages: misses, as SGLang's backends answer
+    assert got["short_set"] == got["short_get"] == {"mamba": [False]}
+    assert got["empty"] == [hit(0, {}, []), {}, {}, {"mamba": []}]
+
+
+def test_no_daemon_costs_misses_not_errors(report: dict[str, Facts]) -> None:
+    got = facts(report, "down", quiet=False)
+    assert got["exists"] == hit(0, {}, [])
+    assert got["set"] == got["get"] == {"swa": [False, False], "mamba": [False]}
+    assert got["calls_s"] < 3.0
+    assert any("unreachable" in line for line in got["log"])
