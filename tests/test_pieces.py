@@ -34,6 +34,35 @@ def test_whole_pages_in_order_are_one_piece() -> None:
     assert table.T.tolist() == [[gpu.ctypes.data, pool.ctypes.data + 2 * 64, 3 * 64]]
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    st.integers(1, 12).flatmap(
+        lambda n: st.tuples(st.permutations(range(n)), st.integers(1, 4), st.booleans())
+    )
+)
+def test_whole_pages_by_the_short_way_move_the_bytes_build_moves(
+    case: tuple[list[int], int, bool],
+) -> None:
+    """The table of whole pages without sort or merge (the CUDA path's way for
+    scattered pages) moves each page to or from its own slot, as ``build``'s."""
+    order, spare, to_pool = case
+    rng = np.random.default_rng(len(order))
+    pool = rng.integers(0, 256, (len(order) + spare, 48), dtype=np.uint8)
+    pages = rng.integers(0, 256, (len(order), 48), dtype=np.uint8)
+    slots = np.array(order, dtype=np.int64) + spare
+    short = pieces.whole_pages(_pool(pool), slots, pages.ctypes.data, to_pool=to_pool)
+    assert short.shape == (3, len(order)) and (short[LEN] == 48).all()
+    want_pool, want_pages = pool.copy(), pages.copy()
+    if to_pool:
+        want_pool[slots] = pages
+    else:
+        want_pages[:] = pool[slots]
+    pieces.run_on_host(short)
+    assert np.array_equal(pool, want_pool) and np.array_equal(pages, want_pages)
+    with pytest.raises(ValueError, match="slots must be in"):
+        pieces.whole_pages(_pool(pool), np.array([len(pool)]), pages.ctypes.data, to_pool=True)
+
+
 def test_shuffled_pages_become_one_piece_per_run_in_pool_order() -> None:
     pool = np.zeros((8, 64), dtype=np.uint8)
     out = np.zeros((4, 64), dtype=np.uint8)

@@ -151,7 +151,12 @@ def _by_table(
     segs: list[pieces.Segment] = segments  # type: ignore[assignment]
     if not pieces.aligned_copy(pool, segs, at, base):
         return False
-    table = pieces.build(pool, rows, segs, picks, at, to_pool=to_pool)
+    only = segs[0]
+    whole = only.width == only.stride == pool.page_bytes
+    if len(segs) == 1 and picks is None and at == 0 and whole:
+        table = pieces.whole_pages(pool, rows, only.address, to_pool=to_pool)  # no sort, no merge
+    else:
+        table = pieces.build(pool, rows, segs, picks, at, to_pool=to_pool)
     if not pieces.disjoint_copy(rows, segs, picks, to_pool=to_pool) and not pieces.disjoint(table):
         return False  # a write of two pages into one slot: the ways from before keep an order
     return kernel.launch(pieces.split(table, kernel.PIECE_BYTES), mapped)

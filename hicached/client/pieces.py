@@ -117,6 +117,26 @@ def build(
     return merge(table)
 
 
+def whole_pages(pool: Pool, slots: np.ndarray, address: int, *, to_pool: bool) -> np.ndarray:
+    """The table of a copy of whole pages between slots ``slots`` and the
+    contiguous pages at ``address`` (page j at ``address + j * page_bytes``),
+    one piece a page, unmerged: what ``build`` makes of such a copy, less its
+    sort and merge, which only pay where slots follow one another (those
+    copies go by DMA, client/cuda.py). Raises ``ValueError`` for a slot
+    outside the pool."""
+    slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+    n, page = len(slots), pool.page_bytes
+    if n and (int(slots.min()) < 0 or int(slots.max()) >= pool.slots):
+        raise ValueError(f"slots must be in 0..{pool.slots - 1}")
+    table = np.empty((3, n), dtype=np.int64)
+    np.multiply(np.arange(n, dtype=np.int64), page, out=table[SRC if to_pool else DST])
+    table[SRC if to_pool else DST] += address
+    np.multiply(slots, page, out=table[DST if to_pool else SRC])
+    table[DST if to_pool else SRC] += pool.address
+    table[LEN] = page
+    return table
+
+
 def merge(table: np.ndarray) -> np.ndarray:
     """``table`` with each run of pieces that follow one another on both sides
     (in the table's order) made one piece."""
