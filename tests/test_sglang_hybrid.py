@@ -69,6 +69,7 @@ def report(sglang_python: Path) -> Iterator[dict[str, Facts]]:
             "half",
             "mla_mamba",
             "bad",
+            "stale",
             f"down:ipc://{scratch}/none.sock",
             f"parents:{small.endpoint}",
         )
@@ -229,3 +230,20 @@ def test_no_daemon_costs_misses_not_errors(report: dict[str, Facts]) -> None:
     assert got["set"] == got["get"] == {"swa": [False, False], "mamba": [False]}
     assert got["calls_s"] < 3.0
     assert any("unreachable" in line for line in got["log"])
+
+
+def test_a_page_reused_while_it_is_read_is_never_reported_read(report: dict[str, Facts]) -> None:
+    """A slot changes owner before or during a read's copy (fault injection:
+    the handle's generation moves): every page reported read holds the bytes
+    stored, whichever way the pool's pages are copied; the reused one is not read."""
+    got = facts(report, "stale", quiet=False)
+    cases = {k: v for k, v in got.items() if isinstance(v, dict)}
+    assert {"mamba_RowPages_pre", "mamba_FlatPages_post", "flat_kv_pre", "flat_kv_post"} <= set(
+        cases
+    ), sorted(cases)
+    for name, case in cases.items():
+        lies = [
+            j for j, (read, same) in enumerate(zip(case["read"], case["same"])) if read and not same
+        ]
+        assert not lies, f"{name}: pages {lies} reported read with other bytes"
+        assert not case["read"][2], f"{name}: the reused page reported read"

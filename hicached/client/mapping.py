@@ -384,7 +384,9 @@ class PoolMapping:
         idx, gidx = self._row_index(ns, offsets)
         moved = self._moved(hit, gidx)
         if moved >= 0:
-            raise StaleHandle("a page of this hit left its slot: it is a miss now", moved)
+            raise StaleHandle(
+                "a page of this hit left its slot: it is a miss now", 0
+            )  # none copied
         rows = self.arena.rows(ns.page_bytes)
         stale = "a page was reused while it was read: it is a miss"
         if cuda_tensor(out):

@@ -20,13 +20,14 @@ SHA-256 of every page it wrote or read.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import sglang_check as base  # tests/engines, beside this script
@@ -601,6 +602,94 @@ def parents(_: str, endpoint: str) -> Facts:
     return {"first_loss": first_loss, "fillers": fillers}
 
 
+@contextlib.contextmanager
+def slot_moves(page: int, when: str) -> Iterator[None]:
+    """Fault injection: page ``page`` of the next read's hit looks as if its slot
+    changed owner, before the copy ("pre") or during it ("post"), as the
+    client's fences see a slot reused under a lease that ended."""
+    from hicached.client import mapping
+
+    orig_read, orig_seg = mapping.PoolMapping.start_read, mapping.PoolMapping.start_segments
+    armed = [True]
+
+    def bump(handle: Any) -> None:
+        if armed[0] and len(handle.gens) > page:
+            armed[0] = False
+            handle.gens[page] += 1
+
+    def start_read(self: Any, hit: Any, out: Any = None, rows: Any = None, at: Any = None) -> Any:
+        if when == "pre":
+            bump(hit)
+        pending = orig_read(self, hit, out, rows, at)
+        if when == "post":
+            bump(hit)
+        return pending
+
+    def start_segments(self: Any, handle: Any, segs: Any, rows: Any, at: Any, **kw: Any) -> Any:
+        if when == "pre" and not kw["to_pool"]:
+            bump(handle)
+        pending = orig_seg(self, handle, segs, rows, at, **kw)
+        if when == "post" and not kw["to_pool"]:
+            bump(handle)
+        return pending
+
+    mapping.PoolMapping.start_read = start_read  # type: ignore[method-assign]
+    mapping.PoolMapping.start_segments = start_segments  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        mapping.PoolMapping.start_read = orig_read  # type: ignore[method-assign]
+        mapping.PoolMapping.start_segments = orig_seg  # type: ignore[method-assign]
+
+
+def stale(endpoint: str) -> Facts:
+    """A slot reused while a read copies its pages (fault injection above):
+    a page reported read holds the bytes stored, for Mamba pools copied by
+    rows and through flat pages (a side state), and for flat KV pages
+    (``batch_get``, SGLang without interface_v1)."""
+    out: Facts = {}
+    n = 4
+    for when in ("pre", "post"):
+        for side in (False, True):
+            w_pools = {KV: base.host_pool("page_first"), MAMBA: mamba_pool(side=side)}
+            r_pools = {KV: base.host_pool("page_first"), MAMBA: mamba_pool(side=side)}
+            writer, reader = hybrid(endpoint, w_pools), hybrid(endpoint, r_pools)
+            keys = base.page_hashes(n)
+            ws, rs = Slots(w_pools, n), Slots(r_pools, n, skip=2)
+            put = PoolTransfer(name=MAMBA, host_indices=ws.mamba, keys=keys, hit_policy=TRAILING)
+            assert all(named(writer.batch_set_v2([put], Info(prefix_keys=[])))["mamba"])
+            get = PoolTransfer(name=MAMBA, host_indices=rs.mamba, keys=keys, hit_policy=TRAILING)
+            with slot_moves(2, when):
+                got = named(reader.batch_get_v2([get], Info(prefix_keys=[])))["mamba"]
+            same = [
+                digest(w_pools[MAMBA], ws.mamba[j]) == digest(r_pools[MAMBA], rs.mamba[j])
+                for j in range(n)
+            ]
+            kind = type(reader.pools[str(MAMBA)].pages).__name__
+            out[f"mamba_{kind}_{when}"] = {"read": got, "same": same}
+        wp, rp = base.host_pool("page_first"), base.host_pool("page_first")
+        writer, reader = base.backend(endpoint, wp), base.backend(endpoint, rp)
+        keys = base.page_hashes(n)
+        places = base.alloc(wp, n)
+        assert all(writer.batch_set_v1(keys, places))
+        targets = [rp.get_dummy_flat_data_page().zero_() for _ in range(n)]
+        with slot_moves(2, when):
+            pages = reader.batch_get(keys, targets)
+        out[f"flat_kv_{when}"] = {
+            "read": [page is not None for page in pages],
+            "same": [
+                page is not None and torch.equal(base.bytes_of(page), base.page(wp, places, j))
+                for j, page in enumerate(pages)
+            ],
+        }
+    return out
+
+
+def digest(pool: Any, place: Any) -> str:
+    data = pool.get_data_page(int(place), flat=True)
+    return hashlib.sha256(base.bytes_of(data).numpy().tobytes()).hexdigest()
+
+
 SCENARIOS: dict[str, Callable[..., Facts]] = {
     "hybrid_write": hybrid_write,
     "hybrid_read": hybrid_read,
@@ -610,6 +699,7 @@ SCENARIOS: dict[str, Callable[..., Facts]] = {
     "bad": bad,
     "down": down,
     "parents": parents,
+    "stale": stale,
 }
 
 

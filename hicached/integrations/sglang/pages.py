@@ -32,6 +32,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
+from hicached.errors import StaleHandle
 from hicached.integrations.common import default_revision, safe_model
 
 if TYPE_CHECKING:
@@ -153,7 +154,11 @@ class FlatPages(PoolPages):
         c.write_pages(res, torch.stack(data))
 
     def read(self, c: Client, hit: Hit, places: list[int]) -> None:
-        for page, place in zip(c.read_pages(hit), places, strict=True):
+        try:
+            got = c.read_pages(hit)
+        except StaleHandle as exc:  # the pages went to an array lost with the raise
+            raise StaleHandle(str(exc), 0) from exc
+        for page, place in zip(got, places, strict=True):
             target = self.pool.get_dummy_flat_data_page()
             _bytes(target).copy_(torch.from_numpy(page))
             self.pool.set_from_flat_data_page(place, target)

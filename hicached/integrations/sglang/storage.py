@@ -20,6 +20,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from hicached.client import Client
 from hicached.client.handles import Hit, Reservation
+from hicached.errors import StaleHandle
 from hicached.integrations.common import settings_from
 from hicached.integrations.sglang import moves
 from hicached.integrations.sglang.hits import check_policy, fold
@@ -203,7 +204,11 @@ class HicachedStorage(HiCacheStorage):
             return list(targets)
 
         def copy(c: Client, hit: Hit, first: int) -> None:
-            for i, page in enumerate(c.read_pages(hit)):
+            try:
+                got = c.read_pages(hit)
+            except StaleHandle as exc:  # the pages went to an array lost with the raise
+                raise StaleHandle(str(exc), 0) from exc
+            for i, page in enumerate(got):
                 target = targets[first + i]
                 target.view(-1).view(torch.uint8).copy_(torch.from_numpy(page))
 
