@@ -437,12 +437,16 @@ class FileBackend(Backend):
         cut = [len(plan) * k // threads for k in range(threads + 1)]
         try:
             await loop.run_in_executor(self._pool, self._write_supers, segs)
-            await asyncio.gather(
-                *(
-                    loop.run_in_executor(self._pool, self._write_records, plan[cut[k] : cut[k + 1]])
-                    for k in range(threads)
-                )
-            )
+            writes = [
+                loop.run_in_executor(self._pool, self._write_records, plan[cut[k] : cut[k + 1]])
+                for k in range(threads)
+            ]
+            # every thread reads and hashes the call's pool slots: the call ends after
+            # the last of them, or a slot freed on a failure could be hashed with its
+            # next owner's bytes into a record that verifies (found by a later scan)
+            await settle(writes)
+            for write in writes:
+                write.result()  # the first OSError reaches the handler below
         except OSError as exc:
             # Nothing of this group is published, and no later group has been placed
             # (they wait for this lock): its space goes back, so a failing disk takes

@@ -302,3 +302,78 @@ async def test_a_put_larger_than_the_ring_answers_false_for_what_it_cannot_keep(
     await store.stop()
     await store.start()
     assert await store.kept() == stored
+
+
+STRAGGLER_NS = bytes([0xAB]) * 16
+STRAGGLER_RECORD = 64 << 10
+STRAGGLER_PAGE = STRAGGLER_RECORD - HEADER_BYTES
+STRAGGLERS = 32  # two threads of 16 records; thread B writes two runs of 8 (512 KiB each)
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def _buf(fill: int) -> memoryview:
+    return memoryview(bytearray([fill]) * STRAGGLER_PAGE)
+
+
+async def _start(path: Path) -> FileBackend:
+    b = FileBackend(
+        FileOptions(path=str(path), capacity_mib=16, segment_mib=4, io_threads=2, read_processes=0),
+        BackendEnv(path),
+    )
+    await b.open()
+    return b
+
+
+@pytest.mark.asyncio
+async def test_a_failed_put_ends_after_its_threads_so_no_record_holds_a_slots_next_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fault injection at the disk (os.pwritev): one I/O thread's write fails
+    with EIO while another's is slow. The put fails; the daemon then frees its
+    slots and another key's bytes land there. No thread may still be hashing
+    and writing those slots: after the next group and a restart, none of the
+    failed put's keys reads back as a verified hit with the next owner's bytes."""
+    backend = await _start(tmp_path)
+    real = os.pwritev
+    go = threading.Event()
+    at0 = SUPER_BYTES
+    at16 = SUPER_BYTES + 16 * STRAGGLER_RECORD
+
+    def disk(fd: int, iov: list[memoryview], offset: int) -> int:
+        if offset == at0:
+            raise OSError(errno.EIO, "injected")
+        if offset == at16:
+            go.wait(10)
+        return real(fd, iov, offset)
+
+    monkeypatch.setattr(os, "pwritev", disk)
+    pages = [PageRef(_key(i), _buf(1)) for i in range(STRAGGLERS)]
+    threading.Timer(0.5, go.set).start()  # the slow write ends in 0.5 s
+    with pytest.raises(BackendError):
+        await asyncio.wait_for(backend.put(STRAGGLER_NS, pages), 5)
+    returned_early = not go.is_set()
+    assert not returned_early, "put() ended while one of its threads still read the slots"
+    for p in pages:  # the call is over: the daemon frees the slots, another key's bytes land
+        p.buf[:] = b"\x09" * STRAGGLER_PAGE
+    await asyncio.sleep(1.0)
+    monkeypatch.setattr(os, "pwritev", real)
+    ok = await backend.put(STRAGGLER_NS, [PageRef(_key(100 + i), _buf(5)) for i in range(24)])
+    assert ok == [True] * 24
+    await backend.close()
+    backend = await _start(tmp_path)
+    try:
+        lies = []
+        for i in range(STRAGGLERS):
+            out = _buf(0)
+            got = await backend.get(STRAGGLER_NS, [PageRef(_key(i), out)])
+            if got == [True] and bytes(out) == b"\x09" * STRAGGLER_PAGE:
+                lies.append(i)
+        assert lies == [], (
+            f"put() returned early={returned_early}; keys {lies} read back as verified hits "
+            "holding the bytes of the slots' next owner"
+        )
+    finally:
+        await backend.close()
