@@ -119,7 +119,9 @@ def test_s3_pages_are_found_while_the_scan_runs(
     d = daemon_factory(
         size_mib=16,
         storage=storage("faulty", more=LOOKUPS),
-        tail='[storage.extra]\ninner = "s3"\nscan_delay_s = 0.02\n'
+        # the checks below ask S3 about every key they meet (moto: ms a request),
+        # and must finish while the scan still runs, on a loaded machine too
+        tail='[storage.extra]\ninner = "s3"\nscan_delay_s = 0.05\n'
         f"write_delay_s = {0.0 if sig == signal.SIGTERM else 0.2}\n"
         "[storage.extra.inner_options]\n"
         f'bucket = "{bucket}"\nendpoint_url = "{s3.endpoint}"\naccess_key_id = "testing"\n'
