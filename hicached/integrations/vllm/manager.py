@@ -262,7 +262,8 @@ class HicachedManager(OffloadingManager):
         self._requests: dict[str, _Request] = {}
         self._asking: dict[str, _Request] = {}  # requests with keys to ask at the step's end
         self._publishing: set[concurrent.futures.Future[None]] = set()  # finished stores
-        self._lock = threading.Lock()  # vLLM 0.33 holds it; see ``lock``
+        # vLLM 0.33's, held for whole steps; nothing of ours takes it (see ``lock``)
+        self._step_lock = threading.Lock()
         # Answers the loop thread handed over, and those held for the step's end.
         # Bounded by the requests: one question in flight each, two answers at most.
         self._arrived: queue.SimpleQueue[tuple[_Request, _Answer]] = queue.SimpleQueue()
@@ -563,7 +564,7 @@ class HicachedManager(OffloadingManager):
         as vLLM asks of a manager with a thread of its own. That thread never
         takes it (it hands answers over, ``_answer``): it must not wait for a
         step that may be waiting for it."""
-        return self._lock
+        return self._step_lock
 
     def config_info(self) -> Sequence[Mapping[str, str | int | float | bool]]:
         """vLLM 0.33's ``vllm:kv_offload_config_info`` labels: the namespace this
