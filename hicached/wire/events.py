@@ -83,11 +83,27 @@ class BlockStored(KVCacheEvent):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+    # vLLM's optional fields (0.32, then 0.33's lookahead_token_ids). hicached
+    # leaves them at None, which a map omits: the bytes are those vLLM 0.32 and
+    # 0.33 both send for such an event, and each decodes them.
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    # Tokens past each block that its hash covers; None: no lookahead (hicached's
+    # keys hash a page's own tokens, and a key-addressed page's are not known).
+    lookahead_token_ids: list[list[int]] | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[BlockHash]
     medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -99,7 +115,11 @@ class KVEventBatch(EventBatch):
 
 
 class ArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """An event in the older positional layout: ``[tag, field, ...]``."""
+    """An event in the older positional layout: ``[tag, field, ...]``, vLLM's
+    required fields only. msgspec writes every field of an array (defaults
+    too), and a decoder reads an array with fewer trailing fields (they take
+    their defaults) or more (it ignores them): so the optional fields stay
+    out, and decoders that know more of them read these arrays unchanged."""
 
 
 class ArrayBlockStored(ArrayEvent, tag="BlockStored"):

@@ -7,7 +7,10 @@ event frames with vLLM's own classes and prints what they hold as JSON.
 
 ``decode`` decodes each payload as vLLM's subscribers do (a msgspec Decoder of
 ``KVEventBatch``) and encodes the result again with vLLM's classes: ``same``
-says whether vLLM would have sent exactly these bytes. For the older array
+says whether vLLM would have sent exactly these bytes, ``same_values``
+whether it would have sent the same values (maps may differ in the width of
+their headers: msgspec sizes a struct's map for all its fields, and vLLM
+0.33's BlockStored has one more than 0.32's). For the older array
 layout it decodes with array-like copies of vLLM's classes, field for field.
 ``replay`` asks a replay socket the way vLLM's replay socket is asked (a
 DEALER sends ``[b"", start]``; answers ``[b"", topic, seq, payload]`` up to
@@ -101,6 +104,7 @@ def decode_one(
         "data_parallel_rank": batch.data_parallel_rank,
         "events": [event_json(e) for e in batch.events],
         "same": again == payload,
+        "same_values": msgspec.msgpack.decode(again) == msgspec.msgpack.decode(payload),
         "classes": sorted({type(e).__module__ for e in batch.events}),
     }
 

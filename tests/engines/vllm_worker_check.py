@@ -1,7 +1,8 @@
 """hicached's vLLM worker (HicachedWorker) under vLLM 0.32's OffloadingWorker
-contract, driven directly in this venv's python against a real daemon, with
-KV in host memory and the copy thread on. Prints one JSON object of what it
-saw; tests/test_vllm_worker.py checks it.
+contract, and vLLM 0.33's expedited loads, driven directly in this venv's
+python against a real daemon, with KV in host memory and the copy thread on
+(and off, for one expedited load). Prints one JSON object of what it saw;
+tests/test_vllm_worker.py checks it.
 
     vllm_worker_check.py ENDPOINT
 
@@ -197,6 +198,66 @@ def main(endpoint: str) -> dict[str, Any]:
             worker.wait({3})
             facts["gate_open_when_wait_returned"] = gate.open.is_set()
             facts["reported_after_wait"] = [(r.job_id, r.success) for r in worker.get_finished()]
+            # vLLM 0.33's expedited load, as its connector makes one: submit_load(...,
+            # expedited=True), then wait() before the forward pass. It goes ahead of
+            # a load queued before it (the thread is held at the gate by a third).
+            first, second, third = [0, 2, 4, 5], [6, 8, 9, 10], [11, 13, 14, 15]
+            for t in tensors:
+                t[first + second + third] = 0
+            gate.close()
+            worker.submit_load(10, HicachedLoadSpec(hit.portable()), spec(first))
+            facts["regular_held"] = gate.entered.wait(10)
+            worker.submit_load(11, HicachedLoadSpec(hit.portable()), spec(second))
+            facts["expedited_submitted"] = worker.submit_load(
+                12, HicachedLoadSpec(hit.portable()), spec(third), expedited=True
+            )
+            facts["expedited_returned_while_held"] = not gate.open.is_set()
+            threading.Timer(0.3, gate.open.set).start()
+            worker.wait({12})
+            facts["expedited_loaded_when_wait_returned"] = bool(
+                np.array_equal(block_bytes(third), block_bytes(blocks))
+            )
+            reported: list[tuple[int, bool]] = []
+            deadline = time.monotonic() + 10
+            while len(reported) < 3 and time.monotonic() < deadline:
+                reported += [(r.job_id, r.success) for r in worker.get_finished()]
+                time.sleep(0.005)
+            facts["reported_in_order"] = reported
+            # with copies in the submit call (the default for KV in host memory), an
+            # expedited load is there when submit_load returns
+            inline = HicachedWorker(kv, Settings(endpoint=endpoint, timeout_s=5.0), cfg)
+            try:
+                for t in tensors:
+                    t[third] = 0
+                inline.submit_load(13, HicachedLoadSpec(hit.portable()), spec(third), True)
+                facts["inline_loaded_at_return"] = bool(
+                    np.array_equal(block_bytes(third), block_bytes(blocks))
+                )
+                inline.wait({13})
+                facts["inline_reported"] = [(r.job_id, r.success) for r in inline.get_finished()]
+            finally:
+                inline.shutdown()
+            # a load that wait() finds unfinished at its deadline (4 x timeout_s) raises
+            short = HicachedWorker(
+                kv, Settings(endpoint=endpoint, copy_thread=True, timeout_s=0.5), cfg
+            )
+            try:
+                short.submit_load(14, HicachedLoadSpec(hit.portable()), spec(first))
+                until(short, 14)  # its session is up
+                gate.close()
+                short.submit_load(15, HicachedLoadSpec(hit.portable()), spec(first))
+                try:
+                    short.wait({15})
+                    facts["late_load_wait"] = "returned"
+                except TimeoutError as exc:
+                    facts["late_load_wait"] = str(exc)
+                facts["gate_open_when_it_raised"] = gate.open.is_set()
+                gate.open.set()
+                got = until(short, 15)
+                facts["late_load_result"] = None if got is None else got.success
+            finally:
+                gate.open.set()
+                short.shutdown()
             # a load whose slots change owner after its bytes moved, before it is
             # reported: reported failed
             late = scheduler.match_keys(ns, keys)

@@ -42,12 +42,18 @@ it held; KV in host memory is copied in the submit call (``copy_thread``).
 
 A daemon that is down or restarting costs hits, never a request: lookups
 answer MISS, stores store nothing, and the daemon is tried again after
-``retry_s``. vLLM (0.32) cannot take a failed load: a load whose pages
+``retry_s``. vLLM (0.32, 0.33) cannot take a failed load: a load whose pages
 became unreadable after their lookup (the daemon restarted in between and
 this worker already saw the new one) is reported failed, and vLLM stops.
+
+It runs under vLLM 0.32 and 0.33; what 0.33 added (expedited loads, the
+manager's ``lock``, ``on_reset_flushed``, ``config_info``) is in
+docs/engines.md, "vLLM 0.33".
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from vllm.v1.kv_offload.base import (
     CanonicalKVCaches,
@@ -59,7 +65,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 
 from hicached.integrations.common import settings_from
 from hicached.integrations.vllm.manager import HicachedManager
-from hicached.integrations.vllm.settings import Settings, namespace_spec
+from hicached.integrations.vllm.settings import INFO_KEYS, Settings, namespace_spec
 from hicached.integrations.vllm.worker import HicachedWorker
 
 __all__ = ["HicachedOffloadingSpec", "Settings", "namespace_spec"]
@@ -93,6 +99,12 @@ class HicachedOffloadingSpec(OffloadingSpec):
                 f"the engine hashes blocks with {engine!r} but kv_connector_extra_config "
                 f"says hash_algo {self.settings.hash_algo!r}: set it to {engine!r}"
             )
+
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        """vLLM 0.33: the ``vllm:kv_offload_config_info`` labels the manager
+        fills (``HicachedManager.config_info``)."""
+        return INFO_KEYS
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:

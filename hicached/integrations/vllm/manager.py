@@ -1,5 +1,13 @@
 """The scheduler side of hicached's vLLM tier: lookups that never wait for the
 daemon, loads under read leases, stores committed by what every worker wrote.
+
+Two threads: vLLM's scheduler calls the manager; the manager's own event loop
+thread talks to the daemon. The loop thread never touches what the scheduler
+reads: it hands each lookup answer over through a queue, and the scheduler's
+thread applies it where no lookup of the step has relied on the one before
+(``HicachedManager._take_answers``), so a lookup's HIT and the
+``prepare_load`` after it see one answer, with vLLM 0.32 (which holds no lock)
+and 0.33 (which holds ``lock`` for a whole step) alike.
 """
 
 from __future__ import annotations
@@ -9,12 +17,13 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import queue
 import shutil
 import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection, Coroutine, Iterable
+from collections.abc import Callable, Collection, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -35,12 +44,21 @@ from vllm.v1.kv_offload.base import (
 from hicached.client import AsyncClient
 from hicached.client.handles import Hit, Namespace, Reservation
 from hicached.errors import HicachedError
-from hicached.integrations.vllm.settings import MAX_QUESTION, UNREACHABLE, Settings
+from hicached.integrations.vllm.settings import (
+    MAX_QUESTION,
+    UNREACHABLE,
+    Settings,
+    info_labels,
+)
 from hicached.integrations.vllm.specs import Ack, HicachedLoadSpec, HicachedStoreSpec
 from hicached.wire.namespace import NamespaceSpec
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# vLLM 0.33 tells a manager when the workers have reported every job in flight
+# at a cache reset (on_reset_flushed); vLLM 0.32 never does.
+REPORTS_FLUSH = hasattr(OffloadingManager, "on_reset_flushed")
 
 # -- the scheduler side -----------------------------------------------------------------
 
@@ -70,8 +88,8 @@ class _Answer:
 
 @dataclass(slots=True)
 class _Request:
-    """The manager's state for one request (scheduler thread only, except
-    ``answer``, which the loop thread replaces whole)."""
+    """The manager's state for one request (the scheduler's thread alone: the
+    loop thread hands its answers over)."""
 
     scan: list[bytes] = field(default_factory=list)  # keys this step's lookups showed
     unknown: bool = False  # some of them had no answer: ask at the step's end
@@ -244,6 +262,15 @@ class HicachedManager(OffloadingManager):
         self._requests: dict[str, _Request] = {}
         self._asking: dict[str, _Request] = {}  # requests with keys to ask at the step's end
         self._publishing: set[concurrent.futures.Future[None]] = set()  # finished stores
+        # vLLM 0.33's, held for whole steps; nothing of ours takes it (see ``lock``)
+        self._step_lock = threading.Lock()
+        # Answers the loop thread handed over, and those held for the step's end.
+        # Bounded by the requests: one question in flight each, two answers at most.
+        self._arrived: queue.SimpleQueue[tuple[_Request, _Answer]] = queue.SimpleQueue()
+        self._held: list[tuple[_Request, _Answer]] = []
+        # Leases of the transfers in flight at a cache reset, ended once vLLM says
+        # the workers reported them (on_reset_flushed).
+        self._flushing: list[Hit | Reservation] = []
 
     @property
     def namespace(self) -> NamespaceSpec:
@@ -259,6 +286,8 @@ class HicachedManager(OffloadingManager):
     # -- lookups ------------------------------------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if not self._arrived.empty():
+            self._take_answers()
         req = self._request(req_context.req_id)
         req.scan.append(key)
         answer = req.answer
@@ -288,6 +317,7 @@ class HicachedManager(OffloadingManager):
         self._asking.clear()
         for req in self._requests.values():
             req.scan.clear()
+        self._take_answers(step_over=True)
 
     async def _ask(self, req: _Request, keys: list[bytes]) -> None:
         """Lease the leading keys in L2; bring the ones L3 holds into L2 first."""
@@ -349,7 +379,33 @@ class HicachedManager(OffloadingManager):
         return min(now + self.settings.answer_ttl_s, hit.deadline - slack)
 
     def _answer(self, req: _Request, answer: _Answer) -> None:
-        """Replace the request's answer (on the loop thread), ending the old one's lease."""
+        """Hand an answer to the scheduler's thread (from the loop thread); it is
+        applied at the next lookup, or at the step's end for a request looked up
+        in this step (``_take_answers``). Never waits for ``lock``: vLLM 0.33
+        holds it for a whole step, in which ``prepare_store`` waits for this
+        thread."""
+        self._arrived.put((req, answer))
+
+    def _take_answers(self, *, step_over: bool = False) -> None:
+        """Apply the answers handed over, in the order they came (the scheduler's
+        thread). Those of requests already looked up in this step wait for its
+        end (``step_over``): a lookup's HIT and the prepare_load that follows
+        it must see the same answer."""
+        held = self._held
+        while True:
+            try:
+                held.append(self._arrived.get_nowait())
+            except queue.Empty:
+                break
+        self._held = []
+        for req, answer in held:
+            if req.scan and not step_over:
+                self._held.append((req, answer))
+            else:
+                self._apply_answer(req, answer)
+
+    def _apply_answer(self, req: _Request, answer: _Answer) -> None:
+        """Replace the request's answer, ending the old one's lease."""
         old, req.answer = req.answer, answer
         if old is not None and old is not req.loading and old.hit not in (None, answer.hit):
             self._release(old.hit)
@@ -474,14 +530,46 @@ class HicachedManager(OffloadingManager):
         return ()  # the daemon publishes its own KV events (docs/events.md)
 
     def reset_cache(self) -> None:
-        """vLLM forgets its transfers: end every lease this manager holds."""
+        """vLLM forgets its transfers: end every lease this manager holds. The
+        leases of loads and stores the workers may still copy through end once
+        vLLM says the workers reported them (vLLM 0.33, ``on_reset_flushed``;
+        at once with vLLM 0.32, which never says it)."""
         for req in self._requests.values():
             self._drop_answer(req)
             for handle in [*req.stores.values(), *([req.loading.hit] if req.loading else [])]:
-                if handle is not None:
+                if handle is not None and REPORTS_FLUSH:
+                    self._flushing.append(handle)
+                elif handle is not None:
                     self._release(handle)
+            req.finished, req.loading = True, None  # answers still on their way are released
         self._requests.clear()
         self._asking.clear()
+
+    def on_reset_flushed(self) -> None:
+        """vLLM 0.33: the workers reported every job in flight at the last reset,
+        so nothing copies through those jobs' leases any more: end them. Until
+        then a load's pages stay pinned, for a load whose lease ended under it
+        could find its slots reused and be reported failed, which vLLM does not
+        survive. (Slots are never handed back to vLLM: what a late copy may
+        write is the daemon's, fenced by quarantine and generations, so no
+        other wait is needed after a reset.)"""
+        flushing, self._flushing = self._flushing, []
+        for handle in flushing:
+            self._release(handle)
+
+    @property
+    def lock(self) -> threading.Lock:
+        """What vLLM 0.33 holds across a step (a lookup's HIT to the prepare_load
+        that pins it) and around every other call but ``shutdown``: a real lock,
+        as vLLM asks of a manager with a thread of its own. That thread never
+        takes it (it hands answers over, ``_answer``): it must not wait for a
+        step that may be waiting for it."""
+        return self._step_lock
+
+    def config_info(self) -> Sequence[Mapping[str, str | int | float | bool]]:
+        """vLLM 0.33's ``vllm:kv_offload_config_info`` labels: the namespace this
+        engine's pages live in (``HicachedOffloadingSpec.config_info_keys``)."""
+        return [info_labels(self._link.spec)]
 
     def shutdown(self) -> None:
         """Publish the stores that finished (within their deadline), then leave."""

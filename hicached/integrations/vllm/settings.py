@@ -119,3 +119,30 @@ def namespace_spec(config: OffloadingConfig, settings: Settings) -> NamespaceSpe
         key_scheme=key_scheme(settings.hash_algo),
         shards=parallel.world_size,
     )
+
+
+# -- what vLLM 0.33 shows of it -------------------------------------------------------
+
+# The labels of vLLM 0.33's ``vllm:kv_offload_config_info`` that hicached fills:
+# facts fixed for the engine's life (the pool is the daemon's, so its size is not).
+INFO_KEYS = (
+    "hicached_model",
+    "hicached_revision",
+    "hicached_key_scheme",
+    "hicached_page_tokens",
+    "hicached_page_bytes",
+)
+
+
+def info_labels(spec: NamespaceSpec) -> dict[str, str | int]:
+    """The labels of ``INFO_KEYS`` for the namespace ``spec``: its model (the
+    ``{model}`` of hicached's event topics) and revision, its key scheme (the
+    engine's hash algorithm), and one page's tokens and bytes (every worker's
+    part). Not the tenant: a daemon with tenants sets it from the connection."""
+    return {
+        "hicached_model": spec.model,
+        "hicached_revision": spec.revision,
+        "hicached_key_scheme": spec.key_scheme,
+        "hicached_page_tokens": spec.page_tokens,
+        "hicached_page_bytes": spec.page_bytes,
+    }

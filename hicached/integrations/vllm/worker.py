@@ -10,6 +10,7 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,7 @@ class _Job:
     handle: PortableHandle | None
     acks: str
     ready: Any = None  # KV on a GPU: an event after the engine's work queued at submit
+    expedited: bool = False  # a load vLLM waits for within the step (vLLM 0.33)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,13 +75,19 @@ class HicachedWorker(OffloadingWorker):
     thread of its own or in the submit call (``Settings.copy_thread``). KV on
     a GPU is copied on a CUDA stream of the worker's own, after the work the
     engine had queued on its stream at submit (an event), and nothing waits
-    for it; KV in host memory is copied when the job starts. ``get_finished``
+    for it; KV in host memory is copied when the job starts. An *expedited*
+    load (vLLM 0.33's synchronous load, which vLLM waits for with ``wait``
+    before the step's forward pass) is started ahead of the jobs queued for
+    the thread, and on a GPU on a stream of its own, so it never waits behind
+    regular transfers; its submission returns at once too. ``get_finished``
     reports the jobs whose copies are done, each once the fence after its
     copies held: a load whose slots changed owner since its copy began is
     reported failed, never loaded, and a store tells the scheduler which slots
     it wrote before it is reported. Only ``wait`` (vLLM asks it to) and
     ``shutdown`` wait, each with a deadline; the engine's thread never
-    synchronizes a stream.
+    synchronizes a stream. A load that ``wait`` finds unfinished at its
+    deadline raises: vLLM would go on to compute on (or reuse) blocks that
+    the copy still writes.
 
     Jobs queue for the thread without a bound of their own: vLLM holds the
     blocks of every job it submits, so its KV cache bounds them.
@@ -102,14 +110,20 @@ class HicachedWorker(OffloadingWorker):
         self._on_gpu = bool(self._tensors) and bool(self._tensors[0].is_cuda)
         # the copies' own stream: beside the engine's, never holding it up
         self._stream = torch.cuda.Stream(self._tensors[0].device) if self._on_gpu else None
+        # expedited loads' own: never behind the regular copies queued on the other
+        self._expedited_stream = (
+            torch.cuda.Stream(self._tensors[0].device) if self._on_gpu else None
+        )
         self._client: Client | None = None  # the copying thread's alone
         self._pushers: dict[str, zmq.Socket[Any]] = {}  # the engine's thread's alone
         self._zmq = zmq.Context()
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._urgent: deque[_Job] = deque()  # expedited loads, started before _jobs
         self._lock = threading.Condition()
         self._started: list[_Transfer] = []  # started, not yet reported
         self._finished: list[TransferResult] = []
         self._running: set[int] = set()  # submitted, not finished
+        self._loads: set[int] = set()  # the loads among them
         self._abandoned: set[int] = set()  # wait() gave up on them: their stores do not count
         self._thread: threading.Thread | None = None
         threaded = settings.copy_thread
@@ -126,9 +140,20 @@ class HicachedWorker(OffloadingWorker):
         self._submit(job)
         return True
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        """``expedited`` (vLLM 0.33, whose ``sync_load_budget_bytes`` makes some
+        loads synchronous: it calls ``wait`` for them before the forward pass):
+        started ahead of every job queued for the copy thread, on a CUDA stream
+        of its own. Submission returns at once either way, as vLLM asks."""
         assert isinstance(src_spec, HicachedLoadSpec)
-        self._submit(_Job(job_id, False, dst_spec, src_spec.handle, "", self._ready()))
+        job = _Job(job_id, False, dst_spec, src_spec.handle, "", self._ready(), expedited)
+        self._submit(job)
         return True
 
     def _ready(self) -> Any:
@@ -142,10 +167,14 @@ class HicachedWorker(OffloadingWorker):
     def _submit(self, job: _Job) -> None:
         with self._lock:
             self._running.add(job.job_id)
+            if not job.store:
+                self._loads.add(job.job_id)
         if self._thread is None:
             self._add(self._start(job))
-        else:
-            self._jobs.put(job)
+            return
+        if job.expedited:
+            self._urgent.append(job)  # before the put: the thread takes it out first
+        self._jobs.put(job)
 
     def get_finished(self) -> list[TransferResult]:
         self._reap()
@@ -155,7 +184,10 @@ class HicachedWorker(OffloadingWorker):
 
     def wait(self, job_ids: set[int]) -> None:
         """Until these jobs are done. Past the deadline a store still copying stops
-        counting (its pages are not published): vLLM reuses its blocks now."""
+        counting (its pages are not published): vLLM reuses its blocks now. A
+        load still copying raises instead: vLLM would compute on its blocks (a
+        synchronous load) or hand them to another request (a flush) while the
+        copy still writes them, and it takes no failed load."""
         deadline = time.monotonic() + 4 * self.settings.timeout_s
         while True:
             self._reap()
@@ -165,6 +197,13 @@ class HicachedWorker(OffloadingWorker):
                     return
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    loads = late & self._loads
+                    if loads:
+                        raise TimeoutError(
+                            f"hicached: loads {sorted(loads)} did not finish within "
+                            f"{4 * self.settings.timeout_s:.1f}s (4 x timeout_s); vLLM would "
+                            "use blocks they have not filled"
+                        )
                     self._abandoned |= late
                     break
                 # woken when the thread starts a job; copies on a GPU are looked at again
@@ -194,7 +233,10 @@ class HicachedWorker(OffloadingWorker):
         if self._stream is not None:
             torch.cuda.set_device(self._stream.device)
         while (job := self._jobs.get()) is not None:
-            self._add(self._start(job))
+            while self._urgent:  # expedited loads go ahead of the jobs queued before them
+                self._add(self._start(self._urgent.popleft()))
+            if not job.expedited:  # an expedited one was started above
+                self._add(self._start(job))
 
     def _add(self, transfer: _Transfer) -> None:
         with self._lock:
@@ -202,14 +244,16 @@ class HicachedWorker(OffloadingWorker):
             self._lock.notify_all()
 
     @contextlib.contextmanager
-    def _on_stream(self, ready: Any) -> Iterator[None]:
-        """KV on a GPU: copies go on the worker's stream, after ``ready``."""
-        if self._stream is None:
+    def _on_stream(self, job: _Job) -> Iterator[None]:
+        """KV on a GPU: copies go on the worker's stream (an expedited load's on
+        its own), after ``job.ready``."""
+        stream = self._expedited_stream if job.expedited else self._stream
+        if stream is None:
             yield
             return
-        if ready is not None:
-            self._stream.wait_event(ready)
-        with torch.cuda.stream(self._stream):
+        if job.ready is not None:
+            stream.wait_event(job.ready)
+        with torch.cuda.stream(stream):
             yield
 
     def _start(self, job: _Job) -> _Transfer:
@@ -220,7 +264,7 @@ class HicachedWorker(OffloadingWorker):
         try:
             handle = self._adopt(job.handle)
             client = self._session()
-            with self._on_stream(job.ready):
+            with self._on_stream(job):
                 for pages, rows, at in self._plan(job.gpu, len(handle.offsets)):
                     view = handle.select(pages) if len(pages) != len(handle.offsets) else handle
                     if isinstance(view, Reservation):
@@ -248,6 +292,7 @@ class HicachedWorker(OffloadingWorker):
         with self._lock:
             for result in results:
                 self._running.discard(result.job_id)
+                self._loads.discard(result.job_id)
                 self._abandoned.discard(result.job_id)
             self._finished.extend(results)
             self._lock.notify_all()

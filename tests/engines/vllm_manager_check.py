@@ -1,0 +1,105 @@
+"""hicached's vLLM manager (HicachedManager) under vLLM 0.33's rules for the
+scheduler side, driven directly in this venv's python (vLLM 0.32) against a
+real daemon. Prints one JSON object of what it saw;
+tests/test_vllm_manager.py checks it.
+
+    vllm_manager_check.py ENDPOINT
+
+The check plays vLLM 0.33's connector: it holds ``manager.lock`` for each
+step, from the first lookup to ``on_schedule_end``, and calls
+``on_reset_flushed`` after a reset (``manager.REPORTS_FLUSH`` is set as 0.33
+would set it). Fault injection: an answer that says "nothing" is handed over
+from the manager's loop thread between a lookup's HIT and its
+``prepare_load``, as a lookup that failed at the worst moment would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from typing import Any
+
+import numpy as np
+from vllm.v1.kv_offload.base import ReqContext
+
+import hicached.integrations.vllm.manager as manager_module
+from hicached import Client
+from hicached.integrations.vllm import HicachedOffloadingSpec, Settings, namespace_spec
+from hicached.integrations.vllm.manager import HicachedManager, _Answer
+from hicached.integrations.vllm.specs import HicachedLoadSpec
+from tests.engines.vllm_worker_check import config
+
+
+def leases(client: Client, want: int, seconds: float = 5.0) -> int:
+    """The daemon's open leases, once they are ``want`` (or after ``seconds``)."""
+    deadline = time.monotonic() + seconds
+    while (n := client.stats().leases) != want and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return n
+
+
+def main(endpoint: str) -> dict[str, Any]:
+    facts: dict[str, Any] = {}
+    cfg = config()
+    settings = Settings(endpoint=endpoint, timeout_s=5.0)
+    spec = namespace_spec(cfg, settings)
+    keys = [hashlib.sha256(b"page %d" % i).digest() + bytes(4) for i in range(4)]
+    others = [hashlib.sha256(b"other %d" % i).digest() + bytes(4) for i in range(2)]
+    with Client(endpoint, timeout=5.0) as client:
+        ns = client.register(spec)
+        res = client.reserve_keys(ns, keys)
+        client.write_pages(res, np.ones((len(keys), spec.page_bytes), np.uint8))
+        client.commit(res)
+        manager = HicachedManager(settings, spec, cfg.parallel.world_size)
+        try:
+            facts["config_info"] = [dict(m) for m in manager.config_info()]
+            facts["config_info_keys"] = list(HicachedOffloadingSpec.config_info_keys({}))
+            lock = manager.lock
+            facts["lock_taken"] = lock.acquire(blocking=False)
+            facts["lock_taken_again"] = lock.acquire(blocking=False)
+            lock.release()
+
+            a, b = ReqContext("a"), ReqContext("b")
+            # step 1: the lookups are asked for at the step's end
+            with manager.lock:
+                facts["step1"] = [manager.lookup(k, a).name for k in keys]
+                manager.on_schedule_end(None)
+            # step 2: the answer (a read lease) comes while the step holds the lock;
+            # a store in the same step still gets its slots from the loop thread
+            with manager.lock:
+                facts["answer_leased"] = leases(client, 1) == 1
+                time.sleep(0.1)
+                out = manager.prepare_store(others, b)
+                facts["stored_in_locked_step"] = len(out.keys_to_store)
+                facts["step2"] = [manager.lookup(k, a).name for k in keys]
+                # fault injection: a "nothing" answer between the HIT and prepare_load
+                req = manager._requests["a"]
+
+                async def nothing() -> None:
+                    manager._answer(req, _Answer({}, None, 0, 0, time.monotonic() + 10))
+
+                manager._link.submit(nothing()).result(5)
+                load = manager.prepare_load(keys, a)
+                assert isinstance(load, HicachedLoadSpec)
+                facts["loaded_pages"] = len(load.handle.offsets)
+                manager.on_schedule_end(None)
+            # a reset with the load and the store still in flight (vLLM 0.33 would
+            # report them flushed later): their leases outlive it until then
+            manager_module.REPORTS_FLUSH = True
+            facts["leases_before_reset"] = leases(client, 2)
+            with manager.lock:
+                manager.reset_cache()
+            time.sleep(0.3)  # releases would have reached the daemon by now
+            facts["leases_after_reset"] = client.stats().leases
+            with manager.lock:
+                manager.on_reset_flushed()
+            facts["leases_after_flushed"] = leases(client, 0)
+        finally:
+            manager.shutdown()
+    return facts
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1])))

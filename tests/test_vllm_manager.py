@@ -1,0 +1,87 @@
+"""hicached's vLLM scheduler side under vLLM 0.33's rules, with a real daemon
+(tests/engines/vllm_manager_check.py, run in the vLLM venv, plays 0.33's
+connector): ``lock`` is a real lock; a step that holds it, as 0.33 holds it
+from the first lookup to ``on_schedule_end``, still gets a store's slots
+while an answer arrives (the manager's loop thread never waits for the lock);
+an answer handed over between a lookup's HIT and its ``prepare_load`` does not
+change what is loaded (fault injection); after ``reset_cache`` the leases of
+transfers in flight are held until ``on_reset_flushed``; ``config_info``
+fills the labels the spec declares.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.engines import venv
+from tests.support import Daemon
+
+# The first test may wait for the venv build (minutes, once per pin and machine).
+pytestmark = pytest.mark.timeout(1200)
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECK = ROOT / "tests" / "engines" / "vllm_manager_check.py"
+
+
+@pytest.fixture(scope="module")
+def facts() -> dict[str, Any]:
+    python = venv.with_client()
+    d = Daemon(size_mib=1, slab_mib=1)
+    try:
+        d.start()
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        done = subprocess.run(
+            [str(python), str(CHECK), d.endpoint],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+    finally:
+        d.cleanup()
+    assert done.returncode == 0, done.stderr[-4000:]
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_the_lock_is_a_real_lock(facts: dict[str, Any]) -> None:
+    assert facts["lock_taken"] is True
+    assert facts["lock_taken_again"] is False  # held: not a no-op
+
+
+def test_a_step_holding_the_lock_gets_a_stores_slots_while_an_answer_arrives(
+    facts: dict[str, Any],
+) -> None:
+    assert facts["step1"] == ["RETRY"] * 4
+    assert facts["answer_leased"]
+    assert facts["stored_in_locked_step"] == 2
+    assert facts["step2"] == ["HIT"] * 4
+
+
+def test_an_answer_handed_over_after_a_hit_does_not_change_the_load(
+    facts: dict[str, Any],
+) -> None:
+    assert facts["loaded_pages"] == 4
+
+
+def test_leases_of_transfers_in_flight_at_a_reset_end_when_flushed(
+    facts: dict[str, Any],
+) -> None:
+    assert facts["leases_before_reset"] == 2  # the load's read lease, the store's slots
+    assert facts["leases_after_reset"] == 2
+    assert facts["leases_after_flushed"] == 0
+
+
+def test_config_info_fills_the_labels_the_spec_declares(facts: dict[str, Any]) -> None:
+    (labels,) = facts["config_info"]
+    assert list(labels) == facts["config_info_keys"]
+    assert labels["hicached_key_scheme"] == "vllm-sha256"
+    assert labels["hicached_model"] == "check/model"
+    assert labels["hicached_page_tokens"] == 16
+    assert labels["hicached_page_bytes"] == 2 * 1024
