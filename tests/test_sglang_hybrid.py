@@ -243,7 +243,9 @@ def test_a_page_reused_while_it_is_read_is_never_reported_read(report: dict[str,
     ), sorted(cases)
     for name, case in cases.items():
         lies = [
-            j for j, (read, same) in enumerate(zip(case["read"], case["same"])) if read and not same
+            j
+            for j, (read, same) in enumerate(zip(case["read"], case["same"], strict=True))
+            if read and not same
         ]
         assert not lies, f"{name}: pages {lies} reported read with other bytes"
         assert not case["read"][2], f"{name}: the reused page reported read"
