@@ -62,7 +62,11 @@ class Kind:
     whose chunks end after ``since(end)`` and at or before ``end``."""
 
     name = ""
-    leading = False  # a hit needs the leading run of the group's keys
+
+    @property
+    def label(self) -> str:
+        """The kind and its size, for names and logs."""
+        return self.name
 
     def since(self, end: int) -> int:
         raise NotImplementedError
@@ -85,7 +89,6 @@ class Prefix(Kind):
     model of one such group, the whole lookup)."""
 
     name = "full"
-    leading = True
 
     def since(self, end: int) -> int:
         return -1
@@ -105,6 +108,10 @@ class Window(Kind):
 
     tokens: int
     name: str = "window"
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}{self.tokens}"
 
     def since(self, end: int) -> int:
         return end - self.tokens

@@ -11,17 +11,22 @@
     })
 
 vLLM names each offloaded chunk (``blocks_per_chunk`` blocks, 1 unless set)
-by an *offload key*: the block hash of its last block and a 4-byte group
-index. Block hashes chain over the token ids (and the LoRA, the multimodal
-inputs, the cache salt), so a key names the whole prefix up to its chunk's
-end. They are what the daemon keys a namespace of scheme ``vllm-<hash algo>``
-by; no token id reaches this module. Keys are only shared between processes
-when the engine's ``prefix_caching_hash_algo`` is reproducible: sha256 and
-sha256_cbor always are, xxhash and xxhash_cbor only with PYTHONHASHSEED set.
+of each KV cache group by an *offload key*: the block hash of its last block
+and the 4-byte index of the group. Block hashes chain over the token ids (and
+the LoRA, the multimodal inputs, the cache salt), so a key names the whole
+prefix up to its chunk's end. They are what the daemon keys a namespace of
+scheme ``vllm-<hash algo>`` by; no token id reaches this module. Keys are only
+shared between processes when the engine's ``prefix_caching_hash_algo`` is
+reproducible: sha256 and sha256_cbor always are, xxhash and xxhash_cbor only
+with PYTHONHASHSEED set.
 
-One page holds one chunk of every layer of every worker ("wide pages":
-worker r copies at byte ``r * page_bytes // world_size``), so one key and
-one lease cover what all workers hold, and the scheduler decides for all.
+One page holds one chunk of every layer of a group of every worker ("wide
+pages": worker r copies at byte ``r * page_bytes // world_size``), so one key
+and one lease cover what all workers hold, and the scheduler decides for all.
+Hybrid models have several groups (full attention, sliding window, chunked
+local attention, Mamba / GDN state): each has a namespace of its own, with
+its own page size (groups.py), and a lookup reports a hit only up to where
+every group can restore the prefix (hicached/integrations/hybrid.py).
 
 The scheduler side (``HicachedManager``) never waits for the daemon in a
 lookup: the keys a lookup pass shows are asked for together on a private
@@ -29,10 +34,11 @@ event loop thread, and the lookup answers RETRY (ask again next step) until
 the answer is there. Hits come under a read lease, so the slots a load reads
 cannot be evicted or reused under it; keys only L3 holds are loaded into L2
 first and answer HIT_PENDING meanwhile. A store reserves slots
-(``reserve_keys``) and hands their handle to the workers; when every worker
-has copied and said so (a small ipc socket: vLLM tells the scheduler that a
-job ended, not whether it worked), the pages are committed, the ones some
-worker could not write left out. The worker side (``HicachedWorker``)
+(``reserve_keys``, per group) and hands their handles to the workers; when
+every worker has copied and said so (a small ipc socket: vLLM tells the
+scheduler that a job ended, not whether it worked), the pages are committed,
+a chunk only with every page of it the store names, the ones some worker
+could not write left out. The worker side (``HicachedWorker``)
 copies between vLLM's KV tensors and pool slots: KV on a GPU on a thread of
 its own, so that submitting a transfer returns at once, KV in host memory
 at once (``copy_thread``).
@@ -55,11 +61,12 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from hicached.integrations.common import settings_from
+from hicached.integrations.vllm.groups import KVGroup, engine_groups
 from hicached.integrations.vllm.manager import HicachedManager
-from hicached.integrations.vllm.settings import Settings, namespace_spec
+from hicached.integrations.vllm.settings import Settings
 from hicached.integrations.vllm.worker import HicachedWorker
 
-__all__ = ["HicachedOffloadingSpec", "Settings", "namespace_spec"]
+__all__ = ["HicachedOffloadingSpec", "KVGroup", "Settings", "engine_groups"]
 
 
 # -- the spec vLLM loads ----------------------------------------------------------------
@@ -73,7 +80,7 @@ class HicachedOffloadingSpec(OffloadingSpec):
         super().__init__(config)
         self.settings = settings_from(Settings, self.extra_config)
         self._check_hash_algo()
-        self.spec = namespace_spec(config, self.settings)
+        self.groups = engine_groups(config, self.settings)
         self._manager: HicachedManager | None = None
         self._worker: HicachedWorker | None = None
 
@@ -94,11 +101,11 @@ class HicachedOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             self._manager = HicachedManager(
-                self.settings, self.spec, self.config.parallel.world_size
+                self.settings, self.groups, self.config.parallel.world_size
             )
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
-            self._worker = HicachedWorker(kv_caches, self.settings, self.config)
+            self._worker = HicachedWorker(kv_caches, self.settings, self.config, self.groups)
         return self._worker

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import numpy as np
 import zmq
 import zmq.asyncio
 from vllm.v1.kv_offload.base import (
@@ -28,8 +27,9 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from hicached.client import Client
 from hicached.client.handles import Hit, PortableHandle, Reservation
 from hicached.errors import HicachedError, StaleHandle
+from hicached.integrations.vllm.groups import KVGroup, Layout
 from hicached.integrations.vllm.settings import UNREACHABLE, Settings
-from hicached.integrations.vllm.specs import Ack, HicachedLoadSpec, HicachedStoreSpec
+from hicached.integrations.vllm.specs import Ack, Handles, HicachedLoadSpec, HicachedStoreSpec
 
 log = logging.getLogger(__name__)
 
@@ -41,34 +41,31 @@ class _Job:
     job_id: int
     store: bool
     gpu: GPULoadStoreSpec
-    handle: PortableHandle | None
+    handles: Handles  # per KV cache group
     acks: str
 
 
 class HicachedWorker(OffloadingWorker):
     """Worker side: copies between this worker's KV tensors and pool slots, each
-    page at this worker's part of the wide page, on a thread of its own or at
-    once (``Settings.copy_thread``).
+    page at this worker's part of the wide page, each KV cache group's pages
+    through its own handle (groups.Layout), on a thread of its own or at once
+    (``Settings.copy_thread``).
 
     Jobs queue for the thread without a bound of their own: vLLM holds the
     blocks of every job it submits, so its KV cache bounds them.
     """
 
     def __init__(
-        self, kv_caches: CanonicalKVCaches, settings: Settings, config: OffloadingConfig
+        self,
+        kv_caches: CanonicalKVCaches,
+        settings: Settings,
+        config: OffloadingConfig,
+        groups: list[KVGroup],
     ) -> None:
         self.settings = settings
         self.rank = config.parallel.rank
-        self.chunk = config.cache.blocks_per_chunk
-        self._tensors = [t.tensor for t in kv_caches.tensors]
-        self._block_bytes = sum(int(t.shape[1]) * t.element_size() for t in self._tensors)
-        if self._block_bytes != config.worker_kv_bytes_per_block:
-            raise ValueError(
-                f"vLLM's KV tensors hold {self._block_bytes} bytes a block, its config "
-                f"{config.worker_kv_bytes_per_block}: a layout hicached's vLLM tier cannot copy"
-            )
-        self._at = self.rank * self._block_bytes * self.chunk  # this worker's part of a page
-        self._on_gpu = bool(self._tensors) and bool(self._tensors[0].is_cuda)
+        self._layout = Layout(kv_caches, groups, self.rank, config.cache.blocks_per_chunk)
+        self._on_gpu = bool(kv_caches.tensors) and bool(kv_caches.tensors[0].tensor.is_cuda)
         self._client: Client | None = None  # the copying thread's alone
         self._pushers: dict[str, zmq.Socket[Any]] = {}
         self._zmq = zmq.Context()
@@ -88,12 +85,12 @@ class HicachedWorker(OffloadingWorker):
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
         assert isinstance(dst_spec, HicachedStoreSpec)
-        self._submit(_Job(job_id, True, src_spec, dst_spec.handle, dst_spec.acks))
+        self._submit(_Job(job_id, True, src_spec, dst_spec.handles, dst_spec.acks))
         return True
 
     def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
         assert isinstance(src_spec, HicachedLoadSpec)
-        self._submit(_Job(job_id, False, dst_spec, src_spec.handle, ""))
+        self._submit(_Job(job_id, False, dst_spec, src_spec.handles, ""))
         return True
 
     def _submit(self, job: _Job) -> None:
@@ -144,7 +141,7 @@ class HicachedWorker(OffloadingWorker):
         result = TransferResult(
             job.job_id,
             ok or job.store,  # vLLM takes no failed store: the scheduler heard it from us
-            transfer_size=len(job.gpu.block_ids) * self._block_bytes if ok else 0,
+            transfer_size=self._layout.size(job.gpu) if ok else 0,
             transfer_time=time.perf_counter() - started,
         )
         with self._lock:
@@ -155,18 +152,22 @@ class HicachedWorker(OffloadingWorker):
 
     def _copy(self, job: _Job) -> bool:
         """One transfer; a store says which slots it wrote before it counts as done."""
-        if job.handle is None:
+        if not any(job.handles):
             return True
         copied = False
         try:
-            handle = self._adopt(job.handle)
+            handles = [None if h is None else self._adopt(h) for h in job.handles]
             client = self._session()
-            for pages, rows, at in self._plan(job.gpu, len(handle.offsets)):
-                view = handle.select(pages) if len(pages) != len(handle.offsets) else handle
+            pages = [0 if h is None else len(h.offsets) for h in handles]
+            for g, some, rows, at in self._layout.plan(job.gpu, pages):
+                handle = handles[g]
+                assert handle is not None, "blocks of a group without a handle"
+                view = handle.select(some) if len(some) != len(handle.offsets) else handle
+                segments = self._layout.segments[g]
                 if isinstance(view, Reservation):
-                    client.write_pages(view, self._tensors, rows=rows, at=at)
+                    client.write_pages(view, segments, rows=rows, at=at)
                 else:
-                    client.read_pages(view, out=self._tensors, rows=rows, at=at)
+                    client.read_pages(view, out=segments, rows=rows, at=at)
             copied = True
         except (HicachedError, *UNREACHABLE) as exc:
             log.warning("hicached: transfer %d failed: %s", job.job_id, exc)
@@ -175,7 +176,9 @@ class HicachedWorker(OffloadingWorker):
         if job.store:
             with self._lock:
                 copied = copied and job.job_id not in self._abandoned
-            self._say(job.handle, job.acks, copied)
+            for wire in job.handles:
+                if wire is not None:
+                    self._say(wire, job.acks, copied)
         return copied
 
     def _session(self) -> Client:
@@ -199,22 +202,6 @@ class HicachedWorker(OffloadingWorker):
         except StaleHandle:
             client.stats()  # hello again, to the new daemon if there is one
             return client.adopt(wire)
-
-    def _plan(self, gpu: GPULoadStoreSpec, pages: int) -> list[tuple[list[int], Any, int]]:
-        """One transfer's copies, one per block place in a chunk: (pages, the blocks
-        that go with them, where in each slot). A load may start mid-chunk."""
-        (start,) = gpu.block_indices
-        blocks = np.asarray(gpu.block_ids, dtype=np.int64)
-        places = np.arange(len(blocks)) + start % self.chunk
-        page_of = places // self.chunk
-        assert not len(blocks) or int(page_of[-1]) == pages - 1, "blocks and pages disagree"
-        plan = []
-        for sub in range(self.chunk):
-            mine = places % self.chunk == sub
-            if mine.any():
-                at = self._at + sub * self._block_bytes
-                plan.append((page_of[mine].tolist(), blocks[mine], at))
-        return plan
 
     def _say(self, handle: PortableHandle, acks: str, written: bool) -> None:
         """Tell the scheduler whether this worker wrote the slots of ``handle``."""
