@@ -69,6 +69,9 @@ CASES = {
     # sliding window of 64 tokens (2 chunks of 32) + full attention; X ends
     # mid-chunk, so its window is chunks 5 and 6 and a hit ends at 192
     "gemma3": Case("gemma3", stored=200, cached=192),
+    # a GDN state (vLLM's align mode: a state page at each 64-token boundary a
+    # request's prefill reached; X's is at 256) + full attention
+    "qwen3next": Case("qwen3next", stored=257, cached=256),
 }
 
 
