@@ -85,7 +85,7 @@ class _Request:
     ``incoming``, which the loop thread hands over under the manager's lock."""
 
     scan: list[bytes] = field(default_factory=list)  # keys this step's lookups showed
-    ends: dict[int, bytes] = field(default_factory=dict)  # token position -> block hash
+    ends: dict[int, bytes] = field(default_factory=dict)  # and their chunks' ends -> block hash
     unknown: bool = False  # some keys had no answer: ask at the step's end
     asking: concurrent.futures.Future[None] | None = None  # the question in flight
     answer: _Answer | None = None  # what this step's lookups and load read
@@ -154,9 +154,9 @@ class HicachedManager(OffloadingManager):
         if not req.scan:
             self._adopt(req)  # a lookup pass starts: the newest answer, for all of it
         req.scan.append(key)
-        end = req_context.get_offload_key_position(key)
-        if end is None or end % self._tokens[self._group(key)]:
-            return LookupResult.MISS  # not a chunk's end (a partial tail): never stored here
+        end = self._chunk_end(key, req_context)
+        if end is None:
+            return LookupResult.MISS  # a partial tail (a state mid-chunk): never stored here
         req.ends.setdefault(end, key[:-4])
         answer = req.answer
         if answer is not None and not self._fresh(answer):
@@ -172,6 +172,13 @@ class HicachedManager(OffloadingManager):
             req.unknown = True
             self._asking[req_context.req_id] = req
         return LookupResult.RETRY  # asked at this step's end; the next step knows
+
+    def _chunk_end(self, key: bytes, req_context: ReqContext) -> int | None:
+        """Where the chunk the key names ends (vLLM records where each key's tokens
+        end); None if that is not the end of a whole chunk of its group (a
+        partial tail's boundary)."""
+        end = req_context.get_offload_key_position(key)
+        return end if end is not None and end % self._tokens[self._group(key)] == 0 else None
 
     def _adopt(self, req: _Request) -> None:
         """Take the newest answer the loop thread left; the one it replaces ends
@@ -193,6 +200,7 @@ class HicachedManager(OffloadingManager):
         self._asking.clear()
         for req in self._requests.values():
             req.scan.clear()
+            req.ends.clear()  # the next question asks about what the next pass shows
 
     def _question(self, req: _Request) -> _Question:
         ends = sorted(req.ends)
@@ -321,7 +329,8 @@ class HicachedManager(OffloadingManager):
         req = self._request(req_context.req_id)
         empty = HicachedStoreSpec([None] * len(self.groups), self._link.acks)
         nothing = PrepareStoreOutput([], empty, [])
-        chain = list(keys)
+        # a partial tail's key (a state that ends mid-chunk) is never looked up here
+        chain = [key for key in keys if self._chunk_end(key, req_context) is not None]
         if not chain or not self._link.available():
             return nothing  # not stored: a later request recomputes them
         by_group: dict[int, list[bytes]] = {}
@@ -340,7 +349,7 @@ class HicachedManager(OffloadingManager):
             return nothing
         store, fresh = _whole_chunks(granted, by_group)
         if not fresh:
-            self._link.release(res for _, res in granted.items())
+            self._link.release(granted.values())
             return nothing  # all there already (or no room for some group): nothing to write
         req.stores[frozenset(fresh)] = store
         handles: list[Any] = [None] * len(self.groups)
