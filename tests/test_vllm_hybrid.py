@@ -264,18 +264,29 @@ def probed(
 
 
 def test_vllm_keeps_the_model_in_several_kv_cache_groups(
-    model: Model, stored: dict[str, Any]
+    model: Model, stored: dict[str, Any], daemon: Daemon
 ) -> None:
-    """vLLM made more than one KV cache group, and hicached a namespace for each."""
+    """vLLM made more than one KV cache group, and hicached a namespace for each,
+    which holds what vLLM stores of that group's pages: full attention every
+    chunk of X, a window group only the chunks before X's end."""
     wanted = model.case.engine["groups"]
     assert len(stored["kv_groups"]) == len(wanted) > 1, stored["kv_groups"]
-    kinds = [g["kind"] for g in stored["groups"]]
-    assert kinds == wanted
+    assert [g["kind"] for g in stored["groups"]] == wanted
     specs = [NamespaceSpec(**g["spec"]) for g in stored["groups"]]
     assert len({s.layout for s in specs}) == len(specs)  # a namespace per group
-    for g in stored["groups"]:
-        size, tokens = g["spec"]["page_bytes"], g["spec"]["page_tokens"]
-        print(f"\n{model.case.kind} {g['kind']}: {size} bytes a page of {tokens} tokens")
+    pool = Pool(daemon, stored, model)
+    chunks = model.case.cached // model.case.block
+    with daemon.client() as c:
+        for g, spec in zip(stored["groups"], specs, strict=True):
+            ends = [(i + 1) * model.case.block for i in range(chunks)]
+            held = c.exists_keys(c.register(spec), [pool.key("x", g["kind"], e) for e in ends])
+            pages = sum(held.in_l2)
+            assert held.in_l2[-1] and (pages == chunks) == (g["kind"] == "full")
+            print(
+                f"\n{model.case.kind} {g['kind']}: pages of {spec.page_bytes} bytes for "
+                f"{spec.page_tokens} tokens; a hit of {model.case.cached} tokens reads {pages}, "
+                f"{pages * spec.page_bytes / model.case.cached:.0f} bytes a cached token"
+            )
 
 
 def test_a_second_engine_loads_the_prefix_every_group_restores(
