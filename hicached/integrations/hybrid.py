@@ -202,7 +202,8 @@ async def lookup(
     prefetch_timeout_s: float,
     on_pending: Callable[[Answer], None] | None = None,
 ) -> Answer:
-    """The hit every group can restore, under read leases on exactly its pages.
+    """The hit every group can restore, under read leases on its pages (a
+    full-attention group's leading run is leased whole, by its first request).
 
     Pages only L3 holds are loaded into L2 first, for at most
     ``prefetch_timeout_s``; meanwhile ``on_pending`` gets an answer that names
