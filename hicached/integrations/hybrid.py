@@ -79,6 +79,9 @@ class Kind:
 
 @dataclass(frozen=True, slots=True)
 class Probe:
+    """A first look at a group's keys: where each one is, and the read lease the
+    look took, if it took one (on a leading run of the keys)."""
+
     flags: list[int]
     lease: Hit | None = None
 
@@ -213,7 +216,7 @@ async def lookup(
     is released before it is raised."""
     held: list[Hit] = []
     try:
-        probes = [await g.kind.probe(client, g.ns, g.keys) for g in groups]
+        probes = [await g.kind.probe(client, g.ns, g.keys) if g.keys else Probe([]) for g in groups]
         held += [p.lease for p in probes if p.lease is not None]
         present = [[f != ABSENT for f in p.flags] for p in probes]
         # per group: the lease its hit is read through, and where its keys start there
