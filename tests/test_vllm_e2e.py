@@ -22,12 +22,9 @@ path. Besides the tests, a measurement of time to first token:
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,93 +33,24 @@ import pytest
 
 from hicached import Client, NamespaceSpec
 from hicached.arena import arena_path
-from tests.engines import tinyllama, venv
+from tests.engines import tinyllama
+from tests.engines.vllm_engine import engine_python, model_dir, run_engine, same_answer
 from tests.l3util import FILE_STORE, settle_writes, storage, wait_for
 from tests.support import Daemon
 
 # The first test may wait for the venv build (minutes, once per pin and machine).
 pytestmark = pytest.mark.timeout(1200)
 
-ROOT = Path(__file__).resolve().parent.parent
-RUNNER = ROOT / "tests" / "engines" / "vllm_run.py"
 BLOCK = 32  # tokens a block (vllm_run.py)
 PROMPT = np.random.default_rng(2024).integers(3, tinyllama.VOCAB, 300).tolist()
 OTHER = np.random.default_rng(2025).integers(3, tinyllama.VOCAB, 300).tolist()
 CACHED = len(PROMPT) // BLOCK * BLOCK  # the full blocks: 288 tokens
 ANSWER_TOKENS = 8
 KV_BYTES_PER_TOKEN = 2 * 2 * 4 * 32 * 4  # K and V, 2 layers, 4 heads of 32 floats
-# -- engines --------------------------------------------------------------------------
-
-
-def engine_python() -> Path:
-    """The vLLM venv's python, built if need be, with hicached's client dependencies."""
-    return venv.with_client()
-
-
-def model_dir(python: Path) -> Path:
-    """The tiny model, written once next to the venvs and reused."""
-    where = venv.root() / "models" / "tinyllama"
-    if not tinyllama.ready(where):
-        runner = str(ROOT / "tests" / "engines" / "tinyllama.py")
-        subprocess.run([str(python), runner, str(where)], check=True, timeout=300)
-    return where
-
-
-def run_engine(
-    python: Path,
-    model: Path,
-    requests: list[dict[str, Any]],
-    *,
-    hicached: str = "",
-    executor: str = "uni",
-    copy_thread: bool = False,
-    max_model_len: int = 1024,
-    between: Callable[[], None] | None = None,
-    timeout: float = 300,
-) -> dict[str, Any]:
-    """One engine process answering ``requests`` in turn; its JSON answer.
-    ``between``: run before the last request, while the engine waits."""
-    with tempfile.TemporaryDirectory(prefix="hc-vllm-") as where:
-        asked, answered, log, go = (
-            Path(where) / name for name in ("in.json", "out.json", "log", "go")
-        )
-        if between is not None:
-            requests = [*requests[:-1], {**requests[-1], "wait_for": str(go)}]
-        asked.write_text(json.dumps(requests))
-        cmd = [str(python), str(RUNNER), str(model), str(asked), str(answered)]
-        cmd += ["--executor", executor, "--max-model-len", str(max_model_len)]
-        if hicached:
-            cmd += ["--hicached", hicached, *(["--copy-thread"] if copy_thread else [])]
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        with log.open("wb") as out:
-            engine = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-            try:
-                if between is not None:
-                    ready = Path(f"{go}.ready")
-                    wait_for(lambda: ready.exists() or engine.poll() is not None, timeout)
-                    if engine.poll() is None:
-                        between()
-                    go.touch()
-                engine.wait(timeout)
-            finally:
-                if engine.poll() is None:
-                    engine.kill()
-                    engine.wait()
-        assert engine.returncode == 0, f"the engine failed:\n{log.read_text()[-6000:]}"
-        result: dict[str, Any] = json.loads(answered.read_text())
-    assert result["vllm"] == venv.VLLM.split("==")[1]
-    return result
 
 
 def ask(prompt: list[int] = PROMPT, max_tokens: int = ANSWER_TOKENS) -> list[dict[str, Any]]:
     return [{"prompt": prompt, "max_tokens": max_tokens}]
-
-
-def same_answer(got: dict[str, Any], want: dict[str, Any]) -> bool:
-    """The same tokens, and logprobs equal but for float rounding."""
-    return got["token_ids"] == want["token_ids"] and np.allclose(
-        got["logprobs"], want["logprobs"], rtol=0, atol=1e-4
-    )
 
 
 # -- fixtures -------------------------------------------------------------------------

@@ -26,7 +26,8 @@ from vllm.v1.kv_offload.base import ReqContext
 
 import hicached.integrations.vllm.manager as manager_module
 from hicached import Client
-from hicached.integrations.vllm import HicachedOffloadingSpec, Settings, namespace_spec
+from hicached.integrations.hybrid import Answer
+from hicached.integrations.vllm import HicachedOffloadingSpec, Settings, engine_groups
 from hicached.integrations.vllm.manager import HicachedManager, _Answer
 from hicached.integrations.vllm.specs import HicachedLoadSpec
 from tests.engines.vllm_worker_check import config
@@ -40,11 +41,21 @@ def leases(client: Client, want: int, seconds: float = 5.0) -> int:
     return n
 
 
+def context(req_id: str, keys: list[bytes], tokens: int) -> ReqContext:
+    """A request's context as vLLM's connector fills it: where each key's chunk
+    ends (the manager asks about whole chunks only)."""
+    ctx = ReqContext(req_id)
+    for i, key in enumerate(keys):
+        ctx.set_offload_key_position(key, (i + 1) * tokens)
+    return ctx
+
+
 def main(endpoint: str) -> dict[str, Any]:
     facts: dict[str, Any] = {}
     cfg = config()
     settings = Settings(endpoint=endpoint, timeout_s=5.0)
-    spec = namespace_spec(cfg, settings)
+    groups = engine_groups(cfg, settings)  # one full-attention group
+    spec = groups[0].spec
     keys = [hashlib.sha256(b"page %d" % i).digest() + bytes(4) for i in range(4)]
     others = [hashlib.sha256(b"other %d" % i).digest() + bytes(4) for i in range(2)]
     with Client(endpoint, timeout=5.0) as client:
@@ -52,7 +63,7 @@ def main(endpoint: str) -> dict[str, Any]:
         res = client.reserve_keys(ns, keys)
         client.write_pages(res, np.ones((len(keys), spec.page_bytes), np.uint8))
         client.commit(res)
-        manager = HicachedManager(settings, spec, cfg.parallel.world_size)
+        manager = HicachedManager(settings, groups, cfg.parallel.world_size)
         try:
             facts["config_info"] = [dict(m) for m in manager.config_info()]
             facts["config_info_keys"] = list(HicachedOffloadingSpec.config_info_keys({}))
@@ -61,7 +72,7 @@ def main(endpoint: str) -> dict[str, Any]:
             facts["lock_taken_again"] = lock.acquire(blocking=False)
             lock.release()
 
-            a, b = ReqContext("a"), ReqContext("b")
+            a, b = context("a", keys, spec.page_tokens), context("b", others, spec.page_tokens)
             # step 1: the lookups are asked for at the step's end
             with manager.lock:
                 facts["step1"] = [manager.lookup(k, a).name for k in keys]
@@ -78,12 +89,15 @@ def main(endpoint: str) -> dict[str, Any]:
                 req = manager._requests["a"]
 
                 async def nothing() -> None:
-                    manager._answer(req, _Answer({}, None, 0, 0, time.monotonic() + 10))
+                    later = time.monotonic() + 10
+                    manager._offer(req, _Answer(Answer(), frozenset(keys), later))
 
                 manager._link.submit(nothing()).result(5)
                 load = manager.prepare_load(keys, a)
                 assert isinstance(load, HicachedLoadSpec)
-                facts["loaded_pages"] = len(load.handle.offsets)
+                (handle,) = load.handles
+                assert handle is not None
+                facts["loaded_pages"] = len(handle.offsets)
                 manager.on_schedule_end(None)
             # a reset with the load and the store still in flight (vLLM 0.33 would
             # report them flushed later): their leases outlive it until then

@@ -4,11 +4,13 @@ answers some prompts and prints what it did as JSON.
     python vllm_run.py MODEL_DIR REQUESTS_JSON OUT_JSON [--hicached ENDPOINT]
                        [--executor uni|mp] [--hash-algo ALGO] [--max-model-len N]
                        [--blocks-per-chunk N] [--copy-thread] [--tensor-parallel-size N]
+                       [--block-size N] [--dtype DTYPE]
 
 REQUESTS_JSON is a file holding a list of requests, answered one after
 another: ``{"prompt": [token ids], "max_tokens": N}``, and ``"wait_for":
 PATH`` to have the engine stop before that request until PATH exists (it
-writes PATH.ready first: the caller may then change the world around it). Greedy sampling, the
+writes PATH.ready first: the caller may then change the world around it),
+``"reset": true`` to empty the engine's own prefix cache before it. Greedy sampling, the
 chosen token's logprob, no tokenizer (token ids in and out). With
 ``--hicached`` the engine's host KV tier is hicached through vLLM's
 OffloadingConnector (hicached.integrations.vllm), at that endpoint; without
@@ -20,9 +22,12 @@ it, the engine runs alone. The answer, in OUT_JSON (the engine logs to stdout)::
 
 ``elapsed_s`` is the wall time of that request alone: with ``max_tokens`` 1,
 its time to first token. ``keys`` are the offload keys of the prompt's full
-chunks, hex, as vLLM's own block hashing makes them; with ``--hicached``,
-``namespace`` is the namespace the engine registered (``uni`` only: it is read
-from the scheduler in this process). ``--executor uni`` runs the scheduler and the model
+chunks, hex, as vLLM's own block hashing makes them (KV cache group 0's; the
+last four bytes are the group index); with ``--hicached``, ``namespace`` is the
+namespace the engine registered for its first group and ``groups`` every
+group's (index, kind, bytes a block, namespace), and ``kv_groups`` the kinds of
+vLLM's own KV cache groups (``uni`` only: read from the scheduler in this
+process). ``--executor uni`` runs the scheduler and the model
 in this one process (quick to start); ``mp`` runs the model in a worker
 process of its own, as vLLM does by default.
 """
@@ -36,7 +41,7 @@ import sys
 import time
 from typing import Any
 
-BLOCK_TOKENS = 32  # the CPU backend takes multiples of 32
+BLOCK_TOKENS = 32  # the CPU backend takes multiples of 32 (the default --block-size)
 KV_CACHE_BYTES = 64 << 20
 
 
@@ -52,6 +57,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--blocks-per-chunk", type=int, default=1)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--copy-thread", action="store_true", help="worker copies on a thread")
+    ap.add_argument("--block-size", type=int, default=BLOCK_TOKENS)
+    ap.add_argument("--dtype", default="float32")
     return ap.parse_args(argv)
 
 
@@ -59,11 +66,11 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
     kwargs: dict[str, Any] = dict(
         model=args.model,
         skip_tokenizer_init=True,
-        dtype="float32",
+        dtype=args.dtype,
         max_model_len=args.max_model_len,
         max_num_batched_tokens=max(args.max_model_len, 2048),
         enforce_eager=True,
-        block_size=BLOCK_TOKENS,
+        block_size=args.block_size,
         enable_prefix_caching=True,
         prefix_caching_hash_algo=args.hash_algo,
         max_num_seqs=4,
@@ -99,23 +106,46 @@ def offload_keys(prompt: list[int], args: argparse.Namespace) -> list[str]:
     kv.init_none_hash(hash_fn)
     parent = None
     keys = []
-    for block, start in enumerate(range(0, len(prompt) - BLOCK_TOKENS + 1, BLOCK_TOKENS)):
-        parent = kv.hash_block_tokens(hash_fn, parent, prompt[start : start + BLOCK_TOKENS])
+    size = args.block_size
+    for block, start in enumerate(range(0, len(prompt) - size + 1, size)):
+        parent = kv.hash_block_tokens(hash_fn, parent, prompt[start : start + size])
         if (block + 1) % args.blocks_per_chunk == 0:
             keys.append((bytes(parent) + (0).to_bytes(4, "big")).hex())
     return keys
 
 
-def namespace(llm: Any) -> dict[str, Any] | None:
-    """The namespace hicached's manager registered, from the scheduler (``uni``)."""
+def scheduler(llm: Any) -> Any:
+    """The engine's scheduler, when it runs in this process (``uni``)."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    return None if core is None else core.scheduler
+
+
+def namespaces(llm: Any) -> dict[str, Any]:
+    """What hicached's manager registered, per KV cache group, from the scheduler."""
     import msgspec
 
-    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
-    if core is None:  # the scheduler runs in a process of its own
+    found = scheduler(llm)
+    if found is None:  # the scheduler runs in a process of its own
+        return {"namespace": None, "groups": None}
+    manager = found.connector.connector_scheduler.manager
+    groups = [
+        {
+            "group": g.group_id,
+            "kind": g.kind.name,
+            "block_bytes": g.block_bytes,
+            "spec": msgspec.to_builtins(g.spec),
+        }
+        for g in manager.groups
+    ]
+    return {"namespace": msgspec.to_builtins(manager.namespace), "groups": groups}
+
+
+def kv_groups(llm: Any) -> list[str] | None:
+    """The kinds (spec class names) of vLLM's own KV cache groups (``uni``)."""
+    found = scheduler(llm)
+    if found is None:
         return None
-    manager = core.scheduler.connector.connector_scheduler.manager
-    spec: dict[str, Any] = msgspec.to_builtins(manager.namespace)
-    return spec
+    return [type(g.kv_cache_spec).__name__ for g in found.kv_cache_config.kv_cache_groups]
 
 
 def wait_for(path: str, timeout: float = 120.0) -> None:
@@ -134,6 +164,8 @@ def answer(llm: Any, request: dict[str, Any], args: argparse.Namespace) -> dict[
 
     if "wait_for" in request:
         wait_for(request["wait_for"])
+    if request.get("reset"):
+        assert llm.reset_prefix_cache(), "the engine's prefix cache was not emptied"
     params = SamplingParams(
         max_tokens=request["max_tokens"],
         temperature=0.0,
@@ -174,7 +206,8 @@ def main(argv: list[str]) -> None:
         "vllm": vllm.__version__,
         "startup_s": startup,
         "results": results,
-        "namespace": namespace(llm) if args.hicached else None,
+        "kv_groups": kv_groups(llm),
+        **(namespaces(llm) if args.hicached else {"namespace": None, "groups": None}),
     }
     del llm  # shut the engine down before the answer goes out
     with open(args.out, "w") as f:

@@ -45,7 +45,7 @@ from vllm.v1.kv_offload.config import (
 
 import hicached.client.mapping as mapping
 from hicached import Client
-from hicached.integrations.vllm import Settings, namespace_spec
+from hicached.integrations.vllm import Settings, engine_groups
 from hicached.integrations.vllm.specs import Ack, HicachedLoadSpec, HicachedStoreSpec
 from hicached.integrations.vllm.worker import HicachedWorker
 
@@ -135,7 +135,8 @@ def main(endpoint: str) -> dict[str, Any]:
     kv = CanonicalKVCaches(
         tensors=[CanonicalKVCacheTensor(t, BLOCK_BYTES) for t in tensors], group_data_refs=[[]]
     )
-    worker = HicachedWorker(kv, settings, cfg)
+    groups = engine_groups(cfg, settings)  # one full-attention group
+    worker = HicachedWorker(kv, settings, cfg, groups)
     where = Path(tempfile.mkdtemp(prefix="hc-worker-"))
     acks = f"ipc://{where}/acks.sock"
     ctx = zmq.Context()
@@ -155,11 +156,11 @@ def main(endpoint: str) -> dict[str, Any]:
 
     try:
         with Client(endpoint, timeout=5.0) as scheduler:
-            ns = scheduler.register(namespace_spec(cfg, settings))
+            ns = scheduler.register(groups[0].spec)
             # a store, held at its gate: submit returns, nothing is reported, then it is
             res = scheduler.reserve_keys(ns, keys)
             gate.close()
-            store = HicachedStoreSpec(res.portable(), acks)
+            store = HicachedStoreSpec([res.portable()], acks)
             facts["store_submitted"] = worker.submit_store(1, spec(blocks), store)
             facts["store_copy_began"] = gate.entered.wait(10)
             facts["store_reported_while_held"] = quiet(worker)
@@ -181,7 +182,7 @@ def main(endpoint: str) -> dict[str, Any]:
             for t in tensors:
                 t[targets] = 0
             gate.close()
-            load = HicachedLoadSpec(hit.portable())
+            load = HicachedLoadSpec([hit.portable()])
             facts["load_submitted"] = worker.submit_load(2, load, spec(targets))
             facts["load_copy_began"] = gate.entered.wait(10)
             facts["load_reported_while_held"] = quiet(worker)
@@ -193,7 +194,7 @@ def main(endpoint: str) -> dict[str, Any]:
             )
             # wait() returns once a held job is done, and it is reported after
             gate.close()
-            worker.submit_load(3, HicachedLoadSpec(hit.portable()), spec(targets))
+            worker.submit_load(3, HicachedLoadSpec([hit.portable()]), spec(targets))
             threading.Timer(0.3, gate.open.set).start()
             worker.wait({3})
             facts["gate_open_when_wait_returned"] = gate.open.is_set()
@@ -205,11 +206,11 @@ def main(endpoint: str) -> dict[str, Any]:
             for t in tensors:
                 t[first + second + third] = 0
             gate.close()
-            worker.submit_load(10, HicachedLoadSpec(hit.portable()), spec(first))
+            worker.submit_load(10, HicachedLoadSpec([hit.portable()]), spec(first))
             facts["regular_held"] = gate.entered.wait(10)
-            worker.submit_load(11, HicachedLoadSpec(hit.portable()), spec(second))
+            worker.submit_load(11, HicachedLoadSpec([hit.portable()]), spec(second))
             facts["expedited_submitted"] = worker.submit_load(
-                12, HicachedLoadSpec(hit.portable()), spec(third), expedited=True
+                12, HicachedLoadSpec([hit.portable()]), spec(third), expedited=True
             )
             facts["expedited_returned_while_held"] = not gate.open.is_set()
             threading.Timer(0.3, gate.open.set).start()
@@ -225,11 +226,11 @@ def main(endpoint: str) -> dict[str, Any]:
             facts["reported_in_order"] = reported
             # with copies in the submit call (the default for KV in host memory), an
             # expedited load is there when submit_load returns
-            inline = HicachedWorker(kv, Settings(endpoint=endpoint, timeout_s=5.0), cfg)
+            inline = HicachedWorker(kv, Settings(endpoint=endpoint, timeout_s=5.0), cfg, groups)
             try:
                 for t in tensors:
                     t[third] = 0
-                inline.submit_load(13, HicachedLoadSpec(hit.portable()), spec(third), True)
+                inline.submit_load(13, HicachedLoadSpec([hit.portable()]), spec(third), True)
                 facts["inline_loaded_at_return"] = bool(
                     np.array_equal(block_bytes(third), block_bytes(blocks))
                 )
@@ -239,13 +240,13 @@ def main(endpoint: str) -> dict[str, Any]:
                 inline.shutdown()
             # a load that wait() finds unfinished at its deadline (4 x timeout_s) raises
             short = HicachedWorker(
-                kv, Settings(endpoint=endpoint, copy_thread=True, timeout_s=0.5), cfg
+                kv, Settings(endpoint=endpoint, copy_thread=True, timeout_s=0.5), cfg, groups
             )
             try:
-                short.submit_load(14, HicachedLoadSpec(hit.portable()), spec(first))
+                short.submit_load(14, HicachedLoadSpec([hit.portable()]), spec(first))
                 until(short, 14)  # its session is up
                 gate.close()
-                short.submit_load(15, HicachedLoadSpec(hit.portable()), spec(first))
+                short.submit_load(15, HicachedLoadSpec([hit.portable()]), spec(first))
                 try:
                     short.wait({15})
                     facts["late_load_wait"] = "returned"
@@ -263,7 +264,7 @@ def main(endpoint: str) -> dict[str, Any]:
             late = scheduler.match_keys(ns, keys)
             gate.close()
             gate.open.set()
-            worker.submit_load(4, HicachedLoadSpec(late.portable()), spec(targets))
+            worker.submit_load(4, HicachedLoadSpec([late.portable()]), spec(targets))
             facts["stale_copied"] = gate.copied.wait(10)
             scheduler.release(late)
             scheduler.release(hit)

@@ -11,17 +11,22 @@
     })
 
 vLLM names each offloaded chunk (``blocks_per_chunk`` blocks, 1 unless set)
-by an *offload key*: the block hash of its last block and a 4-byte group
-index. Block hashes chain over the token ids (and the LoRA, the multimodal
-inputs, the cache salt), so a key names the whole prefix up to its chunk's
-end. They are what the daemon keys a namespace of scheme ``vllm-<hash algo>``
-by; no token id reaches this module. Keys are only shared between processes
-when the engine's ``prefix_caching_hash_algo`` is reproducible: sha256 and
-sha256_cbor always are, xxhash and xxhash_cbor only with PYTHONHASHSEED set.
+of each KV cache group by an *offload key*: the block hash of its last block
+and the 4-byte index of the group. Block hashes chain over the token ids (and
+the LoRA, the multimodal inputs, the cache salt), so a key names the whole
+prefix up to its chunk's end. They are what the daemon keys a namespace of
+scheme ``vllm-<hash algo>`` by; no token id reaches this module. Keys are only
+shared between processes when the engine's ``prefix_caching_hash_algo`` is
+reproducible: sha256 and sha256_cbor always are, xxhash and xxhash_cbor only
+with PYTHONHASHSEED set.
 
-One page holds one chunk of every layer of every worker ("wide pages":
-worker r copies at byte ``r * page_bytes // world_size``), so one key and
-one lease cover what all workers hold, and the scheduler decides for all.
+One page holds one chunk of every layer of a group of every worker ("wide
+pages": worker r copies at byte ``r * page_bytes // world_size``), so one key
+and one lease cover what all workers hold, and the scheduler decides for all.
+Hybrid models have several groups (full attention, sliding window, chunked
+local attention, Mamba / GDN state): each has a namespace of its own, with
+its own page size (groups.py), and a lookup reports a hit only up to where
+every group can restore the prefix (hicached/integrations/hybrid.py).
 
 The scheduler side (``HicachedManager``) never waits for the daemon in a
 lookup: the keys a lookup pass shows are asked for together on a private
@@ -29,16 +34,18 @@ event loop thread, and the lookup answers RETRY (ask again next step) until
 the answer is there. Hits come under a read lease, so the slots a load reads
 cannot be evicted or reused under it; keys only L3 holds are loaded into L2
 first and answer HIT_PENDING meanwhile. A store reserves slots
-(``reserve_keys``) and hands their handle to the workers; when every worker
-has copied and said so (a small ipc socket: vLLM tells the scheduler that a
-job ended, not whether it worked), the pages are committed, the ones some
-worker could not write left out. The worker side (``HicachedWorker``)
-copies between vLLM's KV tensors and pool slots without stalling the engine:
-submitting a transfer returns at once; KV on a GPU is copied on a CUDA stream
-of the worker's own (one kernel over a table of pieces where it can run,
-hicached/client/kernel.py), started from a thread of its own, and a transfer
-is reported finished once its copy's event completed and the fences after
-it held; KV in host memory is copied in the submit call (``copy_thread``).
+(``reserve_keys``, per group) and hands their handles to the workers; when
+every worker has copied and said so (a small ipc socket: vLLM tells the
+scheduler that a job ended, not whether it worked), the pages are committed,
+a chunk only with every page of it the store names, the ones some worker
+could not write left out. The worker side (``HicachedWorker``) copies
+between vLLM's KV tensors and pool slots, each group's pages through its own
+handle, without stalling the engine: submitting a transfer returns at once;
+KV on a GPU is copied on a CUDA stream of the worker's own (one kernel over
+a table of pieces where it can run, hicached/client/kernel.py), started from
+a thread of its own, and a transfer is reported finished once its copies'
+events completed and the fences after them held (for every group); KV in
+host memory is copied in the submit call (``copy_thread``).
 
 A daemon that is down or restarting costs hits, never a request: lookups
 answer MISS, stores store nothing, and the daemon is tried again after
@@ -64,11 +71,12 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from hicached.integrations.common import settings_from
+from hicached.integrations.vllm.groups import KVGroup, engine_groups
 from hicached.integrations.vllm.manager import HicachedManager
-from hicached.integrations.vllm.settings import INFO_KEYS, Settings, namespace_spec
+from hicached.integrations.vllm.settings import INFO_KEYS, Settings
 from hicached.integrations.vllm.worker import HicachedWorker
 
-__all__ = ["HicachedOffloadingSpec", "Settings", "namespace_spec"]
+__all__ = ["HicachedOffloadingSpec", "KVGroup", "Settings", "engine_groups"]
 
 
 # -- the spec vLLM loads ----------------------------------------------------------------
@@ -82,7 +90,7 @@ class HicachedOffloadingSpec(OffloadingSpec):
         super().__init__(config)
         self.settings = settings_from(Settings, self.extra_config)
         self._check_hash_algo()
-        self.spec = namespace_spec(config, self.settings)
+        self.groups = engine_groups(config, self.settings)
         self._manager: HicachedManager | None = None
         self._worker: HicachedWorker | None = None
 
@@ -103,17 +111,18 @@ class HicachedOffloadingSpec(OffloadingSpec):
     @classmethod
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
         """vLLM 0.33: the ``vllm:kv_offload_config_info`` labels the manager
-        fills (``HicachedManager.config_info``)."""
+        fills (``HicachedManager.config_info``, one series per KV cache
+        group's namespace)."""
         return INFO_KEYS
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:
             self._manager = HicachedManager(
-                self.settings, self.spec, self.config.parallel.world_size
+                self.settings, self.groups, self.config.parallel.world_size
             )
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:
-            self._worker = HicachedWorker(kv_caches, self.settings, self.config)
+            self._worker = HicachedWorker(kv_caches, self.settings, self.config, self.groups)
         return self._worker

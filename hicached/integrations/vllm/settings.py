@@ -1,5 +1,6 @@
-"""What hicached's vLLM tier may be told (``kv_connector_extra_config``), and the
-namespace an engine's pages live in.
+"""What hicached's vLLM tier may be told (``kv_connector_extra_config``), the
+key scheme of an engine's namespaces (hicached/integrations/vllm/groups.py
+makes them), and the labels vLLM 0.33 shows of each.
 """
 
 from __future__ import annotations
@@ -7,13 +8,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
-import re
 
 import msgspec
-from vllm.v1.kv_offload.config import OffloadingConfig
 
 from hicached.errors import DaemonUnavailable, DeadlineExceeded
-from hicached.integrations.common import default_revision, safe_model
 from hicached.wire.namespace import NamespaceSpec
 
 # Hash algorithms whose keys are the same in every process, and those that are
@@ -69,7 +67,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     copy_thread: bool | None = None
 
 
-# -- the namespace ----------------------------------------------------------------------
+# -- the key scheme ---------------------------------------------------------------------
 
 
 def key_scheme(hash_algo: str) -> str:
@@ -87,40 +85,6 @@ def key_scheme(hash_algo: str) -> str:
     raise ValueError(f"unknown prefix_caching_hash_algo {hash_algo!r}")
 
 
-def namespace_spec(config: OffloadingConfig, settings: Settings) -> NamespaceSpec:
-    """One namespace for the whole engine: a page is one chunk of every layer
-    of every worker, worker r's part at ``r * page_bytes // shards``."""
-    if len(config.groups) != 1:
-        raise ValueError(
-            "hicached's vLLM tier takes models with one KV cache group (full attention "
-            f"in every layer); this one has {len(config.groups)}"
-        )
-    if config.canonical_layout or config.replicated_layout:
-        raise ValueError(
-            "hicached's vLLM tier copies vLLM's own block layout: unset canonical_layout"
-        )
-    if config.worker_kv_bytes_per_block <= 0:
-        raise ValueError("vLLM gave no KV bytes per block: is the KV cache allocated?")
-    parallel = config.parallel
-    chunk = config.cache.blocks_per_chunk
-    block_tokens = config.groups[0].tokens_per_block
-    layout = re.sub(r"[^a-z0-9_]", "_", (config.kv_cache_layout or "default").lower())
-    return NamespaceSpec(
-        model=settings.model or safe_model(config.model.name),
-        revision=settings.revision or default_revision(config.model.name),
-        kv_dtype=re.sub(r"[^a-z0-9_]", "_", config.model.dtype.lower()),
-        layout=f"vllm_{layout}_b{block_tokens}",  # the sub-blocks of a chunk differ by block size
-        page_tokens=block_tokens * chunk,
-        page_bytes=config.worker_kv_bytes_per_block * chunk * parallel.world_size,
-        tp_size=parallel.tp_size,
-        cp_size=parallel.pcp_size * parallel.dcp_size,
-        pp_size=parallel.pp_size,
-        tenant=settings.tenant,
-        key_scheme=key_scheme(settings.hash_algo),
-        shards=parallel.world_size,
-    )
-
-
 # -- what vLLM 0.33 shows of it -------------------------------------------------------
 
 # The labels of vLLM 0.33's ``vllm:kv_offload_config_info`` that hicached fills:
@@ -129,6 +93,7 @@ INFO_KEYS = (
     "hicached_model",
     "hicached_revision",
     "hicached_key_scheme",
+    "hicached_layout",
     "hicached_page_tokens",
     "hicached_page_bytes",
 )
@@ -137,12 +102,15 @@ INFO_KEYS = (
 def info_labels(spec: NamespaceSpec) -> dict[str, str | int]:
     """The labels of ``INFO_KEYS`` for the namespace ``spec``: its model (the
     ``{model}`` of hicached's event topics) and revision, its key scheme (the
-    engine's hash algorithm), and one page's tokens and bytes (every worker's
-    part). Not the tenant: a daemon with tenants sets it from the connection."""
+    engine's hash algorithm), its layout (which tells the namespaces of a
+    hybrid model's KV cache groups apart: one series each), and one page's
+    tokens and bytes (every worker's part). Not the tenant: a daemon with
+    tenants sets it from the connection."""
     return {
         "hicached_model": spec.model,
         "hicached_revision": spec.revision,
         "hicached_key_scheme": spec.key_scheme,
+        "hicached_layout": spec.layout,
         "hicached_page_tokens": spec.page_tokens,
         "hicached_page_bytes": spec.page_bytes,
     }

@@ -1,5 +1,6 @@
 """What travels from vLLM's scheduler to its workers: the pages to load or to
-store (as portable handles), and the workers' word on each store.
+store (as portable handles, one per KV cache group), and the workers' word on
+each store.
 """
 
 from __future__ import annotations
@@ -14,30 +15,40 @@ from hicached.client.handles import PortableHandle
 # -- what travels from the scheduler to the workers -----------------------------------
 
 
-class HicachedLoadSpec(LoadStoreSpec):
-    """Pages to load: a read lease's slots, one per key, in the keys' order."""
+Handles = list[PortableHandle | None]
 
-    def __init__(self, handle: PortableHandle) -> None:
-        self.handle = handle
+
+def _pages(handles: Handles) -> list[int]:
+    return [len(h.offsets) if h is not None else 0 for h in handles]
+
+
+class HicachedLoadSpec(LoadStoreSpec):
+    """Pages to load: per KV cache group (in the transfer's group order), a read
+    lease's slots, one per key of that group, in the keys' order; None for a
+    group with nothing to load."""
+
+    def __init__(self, handles: Handles) -> None:
+        self.handles = handles
 
     def __repr__(self) -> str:
-        return f"HicachedLoadSpec(lease={self.handle.lease}, pages={len(self.handle.offsets)})"
+        return f"HicachedLoadSpec(pages={_pages(self.handles)})"
 
 
 class HicachedStoreSpec(LoadStoreSpec):
-    """Slots to fill, one per key to store, and where to say how the copy went."""
+    """Slots to fill, per KV cache group one per key of it to store (None: none),
+    and where to say how the copy went."""
 
-    def __init__(self, handle: PortableHandle | None, acks: str) -> None:
-        self.handle = handle
+    def __init__(self, handles: Handles, acks: str) -> None:
+        self.handles = handles
         self.acks = acks
 
     def __repr__(self) -> str:
-        pages = len(self.handle.offsets) if self.handle else 0
-        return f"HicachedStoreSpec(pages={pages})"
+        return f"HicachedStoreSpec(pages={_pages(self.handles)})"
 
 
 class Ack(msgspec.Struct, array_like=True, frozen=True):
-    """A worker's word on one store: which of the slots it wrote (one byte each)."""
+    """A worker's word on one store's handle (one per group): which of its slots
+    it wrote (one byte each)."""
 
     instance: int
     lease: int

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import numpy as np
 import torch
 import zmq
 import zmq.asyncio
@@ -32,8 +31,9 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from hicached.client import Client, PendingCopy
 from hicached.client.handles import Hit, PortableHandle, Reservation
 from hicached.errors import HicachedError, StaleHandle
+from hicached.integrations.vllm.groups import KVGroup, Layout
 from hicached.integrations.vllm.settings import UNREACHABLE, Settings
-from hicached.integrations.vllm.specs import Ack, HicachedLoadSpec, HicachedStoreSpec
+from hicached.integrations.vllm.specs import Ack, Handles, HicachedLoadSpec, HicachedStoreSpec
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ class _Job:
     job_id: int
     store: bool
     gpu: GPULoadStoreSpec
-    handle: PortableHandle | None
+    handles: Handles  # per KV cache group
     acks: str
     ready: Any = None  # KV on a GPU: an event after the engine's work queued at submit
     expedited: bool = False  # a load vLLM waits for within the step (vLLM 0.33)
@@ -69,7 +69,8 @@ class _Transfer:
 
 class HicachedWorker(OffloadingWorker):
     """Worker side: copies between this worker's KV tensors and pool slots, each
-    page at this worker's part of the wide page.
+    page at this worker's part of the wide page, each KV cache group's pages
+    through its own handle (groups.Layout).
 
     ``submit_store``/``submit_load`` return at once: the job is started on a
     thread of its own or in the submit call (``Settings.copy_thread``). KV on
@@ -94,26 +95,21 @@ class HicachedWorker(OffloadingWorker):
     """
 
     def __init__(
-        self, kv_caches: CanonicalKVCaches, settings: Settings, config: OffloadingConfig
+        self,
+        kv_caches: CanonicalKVCaches,
+        settings: Settings,
+        config: OffloadingConfig,
+        groups: list[KVGroup],
     ) -> None:
         self.settings = settings
         self.rank = config.parallel.rank
-        self.chunk = config.cache.blocks_per_chunk
-        self._tensors = [t.tensor for t in kv_caches.tensors]
-        self._block_bytes = sum(int(t.shape[1]) * t.element_size() for t in self._tensors)
-        if self._block_bytes != config.worker_kv_bytes_per_block:
-            raise ValueError(
-                f"vLLM's KV tensors hold {self._block_bytes} bytes a block, its config "
-                f"{config.worker_kv_bytes_per_block}: a layout hicached's vLLM tier cannot copy"
-            )
-        self._at = self.rank * self._block_bytes * self.chunk  # this worker's part of a page
-        self._on_gpu = bool(self._tensors) and bool(self._tensors[0].is_cuda)
+        self._layout = Layout(kv_caches, groups, self.rank, config.cache.blocks_per_chunk)
+        self._on_gpu = bool(kv_caches.tensors) and bool(kv_caches.tensors[0].tensor.is_cuda)
+        device = kv_caches.tensors[0].tensor.device if self._on_gpu else None
         # the copies' own stream: beside the engine's, never holding it up
-        self._stream = torch.cuda.Stream(self._tensors[0].device) if self._on_gpu else None
+        self._stream = torch.cuda.Stream(device) if self._on_gpu else None
         # expedited loads' own: never behind the regular copies queued on the other
-        self._expedited_stream = (
-            torch.cuda.Stream(self._tensors[0].device) if self._on_gpu else None
-        )
+        self._expedited_stream = torch.cuda.Stream(device) if self._on_gpu else None
         self._client: Client | None = None  # the copying thread's alone
         self._pushers: dict[str, zmq.Socket[Any]] = {}  # the engine's thread's alone
         self._zmq = zmq.Context()
@@ -136,7 +132,7 @@ class HicachedWorker(OffloadingWorker):
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
         assert isinstance(dst_spec, HicachedStoreSpec)
-        job = _Job(job_id, True, src_spec, dst_spec.handle, dst_spec.acks, self._ready())
+        job = _Job(job_id, True, src_spec, dst_spec.handles, dst_spec.acks, self._ready())
         self._submit(job)
         return True
 
@@ -152,7 +148,7 @@ class HicachedWorker(OffloadingWorker):
         started ahead of every job queued for the copy thread, on a CUDA stream
         of its own. Submission returns at once either way, as vLLM asks."""
         assert isinstance(src_spec, HicachedLoadSpec)
-        job = _Job(job_id, False, dst_spec, src_spec.handle, "", self._ready(), expedited)
+        job = _Job(job_id, False, dst_spec, src_spec.handles, "", self._ready(), expedited)
         self._submit(job)
         return True
 
@@ -259,18 +255,22 @@ class HicachedWorker(OffloadingWorker):
     def _start(self, job: _Job) -> _Transfer:
         """Start one transfer's copies (no waiting for them)."""
         copies: list[PendingCopy] = []
-        if job.handle is None:
+        if not any(job.handles):
             return _Transfer(job, copies, True)
         try:
-            handle = self._adopt(job.handle)
+            handles = [None if h is None else self._adopt(h) for h in job.handles]
             client = self._session()
+            pages = [0 if h is None else len(h.offsets) for h in handles]
             with self._on_stream(job):
-                for pages, rows, at in self._plan(job.gpu, len(handle.offsets)):
-                    view = handle.select(pages) if len(pages) != len(handle.offsets) else handle
+                for g, some, rows, at in self._layout.plan(job.gpu, pages):
+                    handle = handles[g]
+                    assert handle is not None, "blocks of a group without a handle"
+                    view = handle.select(some) if len(some) != len(handle.offsets) else handle
+                    segments = self._layout.segments[g]
                     if isinstance(view, Reservation):
-                        copies.append(client.start_write(view, self._tensors, rows=rows, at=at))
+                        copies.append(client.start_write(view, segments, rows=rows, at=at))
                     else:
-                        copies.append(client.start_read(view, out=self._tensors, rows=rows, at=at))
+                        copies.append(client.start_read(view, out=segments, rows=rows, at=at))
             return _Transfer(job, copies, True)
         except (HicachedError, *UNREACHABLE) as exc:
             log.warning("hicached: transfer %d failed: %s", job.job_id, exc)
@@ -299,8 +299,9 @@ class HicachedWorker(OffloadingWorker):
 
     def _finish(self, transfer: _Transfer) -> TransferResult:
         """One transfer's result, once its copies are done: the fence after each
-        copy (a slot that changed owner since it began fails it), and a store
-        says which slots it wrote before it counts as done."""
+        copy (a slot that changed owner since it began fails it, and with it the
+        whole transfer, every group), and a store says which slots of each
+        group's handle it wrote before it counts as done."""
         job = transfer.job
         ok = transfer.started
         for copy in transfer.copies:
@@ -309,14 +310,16 @@ class HicachedWorker(OffloadingWorker):
             except StaleHandle as exc:
                 log.warning("hicached: transfer %d failed: %s", job.job_id, exc)
                 ok = False
-        if job.store and job.handle is not None:
+        if job.store and any(job.handles):
             with self._lock:
                 ok = ok and job.job_id not in self._abandoned
-            self._say(job.handle, job.acks, ok)
+            for wire in job.handles:
+                if wire is not None:
+                    self._say(wire, job.acks, ok)
         return TransferResult(
             job.job_id,
             ok or job.store,  # vLLM takes no failed store: the scheduler heard it from us
-            transfer_size=len(job.gpu.block_ids) * self._block_bytes if ok else 0,
+            transfer_size=self._layout.size(job.gpu) if ok else 0,
             transfer_time=sum(copy.seconds() for copy in transfer.copies),
         )
 
@@ -341,22 +344,6 @@ class HicachedWorker(OffloadingWorker):
         except StaleHandle:
             client.stats()  # hello again, to the new daemon if there is one
             return client.adopt(wire)
-
-    def _plan(self, gpu: GPULoadStoreSpec, pages: int) -> list[tuple[list[int], Any, int]]:
-        """One transfer's copies, one per block place in a chunk: (pages, the blocks
-        that go with them, where in each slot). A load may start mid-chunk."""
-        (start,) = gpu.block_indices
-        blocks = np.asarray(gpu.block_ids, dtype=np.int64)
-        places = np.arange(len(blocks)) + start % self.chunk
-        page_of = places // self.chunk
-        assert not len(blocks) or int(page_of[-1]) == pages - 1, "blocks and pages disagree"
-        plan = []
-        for sub in range(self.chunk):
-            mine = places % self.chunk == sub
-            if mine.any():
-                at = self._at + sub * self._block_bytes
-                plan.append((page_of[mine].tolist(), blocks[mine], at))
-        return plan
 
     def _say(self, handle: PortableHandle, acks: str, written: bool) -> None:
         """Tell the scheduler whether this worker wrote the slots of ``handle``."""

@@ -1,0 +1,357 @@
+"""Hybrid models: one chunk of tokens kept as several KV cache groups, and the
+prefix that every group can restore.
+
+An engine may keep a model's layers in several *groups*, each of its own kind
+and page size: full attention (every chunk of a prefix is needed to go on
+from its end), sliding-window or chunked-local attention (only the chunks
+inside the window before the end), Mamba or linear-attention state (only the
+state at the end: a window of one chunk). Each group's pages live in a
+key-addressed namespace of their own (their own page_bytes). A prefix ending
+at ``end`` can be restored only if *every* group has what its kind needs there,
+so a hit is the largest ``end`` that all groups accept (the intersection over
+groups), and the pages it reads are, per group, exactly what that group needs
+at ``end``: a half-present prefix is a miss, never a partial load.
+
+``restorable_end`` is that intersection, synchronous and without I/O.
+``lookup`` asks the daemon: what the groups hold (a full-attention group's
+leading run under a read lease at once, a window group's keys one by one),
+the end all of them can restore, the pages of that end loaded from L3 first
+where only L3 holds them, then read leases on exactly those pages, and the
+end again from what the leases hold, so an answer never names a page that was
+evicted in between. Engine-neutral: the vLLM integration builds the groups
+from vLLM's KV cache specs (hicached/integrations/vllm/groups.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import accumulate, pairwise
+
+from hicached.client import AsyncClient
+from hicached.client.handles import Fetch, Hit, Namespace
+from hicached.errors import HicachedError
+
+__all__ = [
+    "ABSENT",
+    "IN_L2",
+    "IN_L3",
+    "Answer",
+    "Group",
+    "GroupView",
+    "Kind",
+    "Prefix",
+    "Window",
+    "lookup",
+    "restorable_end",
+]
+
+# Where a key's page is, as far as the daemon knows.
+ABSENT, IN_L2, IN_L3 = 0, 1, 2
+
+
+# -- kinds ------------------------------------------------------------------------------
+
+
+class Kind:
+    """What a group of one kind needs of the chunks before a hit's end: the pages
+    whose chunks end after ``since(end)`` and at or before ``end``."""
+
+    name = ""
+
+    @property
+    def label(self) -> str:
+        """The kind and its size, for names and logs."""
+        return self.name
+
+    def since(self, end: int) -> int:
+        raise NotImplementedError
+
+    async def probe(self, client: AsyncClient, ns: Namespace, keys: list[bytes]) -> Probe:
+        """Where each of ``keys`` is (ABSENT, IN_L2, IN_L3), and a read lease if
+        the question already takes one."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """A first look at a group's keys: where each one is, and the read lease the
+    look took, if it took one (on a leading run of the keys)."""
+
+    flags: list[int]
+    lease: Hit | None = None
+
+
+class Prefix(Kind):
+    """Full attention: every chunk from the first one asked about up to the end.
+    Its leading run is asked for with a read lease at once (one request: for a
+    model of one such group, the whole lookup)."""
+
+    name = "full"
+
+    def since(self, end: int) -> int:
+        return -1
+
+    async def probe(self, client: AsyncClient, ns: Namespace, keys: list[bytes]) -> Probe:
+        hit = await client.match_keys(ns, keys)
+        flags = [IN_L2] * hit.hits + [IN_L3] * hit.l3_hits
+        return Probe(flags + [ABSENT] * (len(keys) - len(flags)), hit if hit.lease else None)
+
+
+@dataclass(frozen=True)
+class Window(Kind):
+    """Sliding-window or chunked-local attention, or a recurrent state (a window
+    of one chunk): only the chunks ending in the last ``tokens`` tokens before the
+    end. The keys may have holes (an engine stores a window's chunks, not the
+    whole prefix), so each key is asked about on its own, without a lease."""
+
+    tokens: int
+    name: str = "window"
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}{self.tokens}"
+
+    def since(self, end: int) -> int:
+        return end - self.tokens
+
+    async def probe(self, client: AsyncClient, ns: Namespace, keys: list[bytes]) -> Probe:
+        found = await client.exists_keys(ns, keys)
+        flags = [
+            IN_L2 if l2 else IN_L3 if l3 else ABSENT
+            for l2, l3 in zip(found.in_l2, found.in_l3, strict=True)
+        ]
+        return Probe(flags)
+
+
+# -- the intersection -------------------------------------------------------------------
+
+
+class GroupView:
+    """One group's keys asked about, by the token position where each one's chunk
+    ends (ascending), and which of them are there."""
+
+    __slots__ = ("_absent", "kind", "positions")
+
+    def __init__(self, kind: Kind, positions: Sequence[int], present: Sequence[bool]) -> None:
+        assert len(positions) == len(present), "one presence flag per key"
+        assert all(a < b for a, b in pairwise(positions)), "positions must ascend"
+        self.kind = kind
+        self.positions = list(positions)
+        # absent[i]: how many of the first i keys are missing
+        self._absent = [0, *accumulate(not p for p in present)]
+
+    def needed(self, end: int) -> range:
+        """The indices of the keys a hit ending at ``end`` needs of this group."""
+        lo = bisect_right(self.positions, self.kind.since(end))
+        return range(lo, bisect_right(self.positions, end))
+
+    def restores(self, end: int) -> bool:
+        """This group has a key ending at ``end`` and every key it needs there."""
+        need = self.needed(end)
+        if not need or self.positions[need.stop - 1] != end:
+            return False
+        return self._absent[need.stop] == self._absent[need.start]
+
+
+def restorable_end(views: Sequence[GroupView]) -> int:
+    """The largest chunk end that every group can restore (0: none): an end where
+    each group has a key, and has every page its kind needs before it."""
+    if not views:
+        return 0
+    ends = set(views[0].positions).intersection(*(v.positions for v in views[1:]))
+    for end in sorted(ends, reverse=True):
+        if all(view.restores(end) for view in views):
+            return end
+    return 0
+
+
+# -- asking the daemon ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Group:
+    """One group's part of a question: its namespace, its kind, and its keys by
+    the position where each key's chunk ends (ascending)."""
+
+    ns: Namespace
+    kind: Kind
+    keys: list[bytes]
+    positions: list[int]
+
+
+@dataclass(slots=True)
+class Answer:
+    """What the groups can restore: ``end`` (0: nothing), and for each key of the
+    hit, its group and its place in that group's handle. ``pending`` keys are on
+    their way from L3 (ask again). The answer owns ``leases`` (its handles'),
+    which whoever drops it releases."""
+
+    end: int = 0
+    hits: dict[bytes, tuple[int, int]] = field(default_factory=dict)
+    handles: list[Hit | None] = field(default_factory=list)
+    pending: frozenset[bytes] = frozenset()
+    leases: list[Hit] = field(default_factory=list)
+
+
+async def lookup(
+    client: AsyncClient,
+    groups: Sequence[Group],
+    *,
+    prefetch_timeout_s: float,
+    on_pending: Callable[[Answer], None] | None = None,
+) -> Answer:
+    """The hit every group can restore, under read leases on its pages (a
+    full-attention group's leading run is leased whole, by its first request).
+
+    Pages only L3 holds are loaded into L2 first, for at most
+    ``prefetch_timeout_s``; meanwhile ``on_pending`` gets an answer that names
+    them pending (and holds no lease). A page that left L2 between the first
+    look and its lease is taken as absent and the end found again (a few
+    times at most, then it is a miss). On an error, every lease taken so far
+    is released before it is raised."""
+    held: list[Hit] = []
+    try:
+        probes = [await g.kind.probe(client, g.ns, g.keys) if g.keys else Probe([]) for g in groups]
+        held += [p.lease for p in probes if p.lease is not None]
+        present = [[f != ABSENT for f in p.flags] for p in probes]
+        # per group: the lease its hit is read through, and where its keys start there
+        leases: list[tuple[Hit, int] | None] = [(p.lease, 0) if p.lease else None for p in probes]
+        loaded = False
+        end = 0
+        for _ in range(ROUNDS):
+            views = [
+                GroupView(g.kind, g.positions, on) for g, on in zip(groups, present, strict=True)
+            ]
+            end = restorable_end(views)
+            if not end:
+                break
+            needs = [view.needed(end) for view in views]
+            if not loaded:
+                loaded = True
+                await _load(client, groups, probes, needs, end, prefetch_timeout_s, on_pending)
+            short = False
+            for n, (g, need) in enumerate(zip(groups, needs, strict=True)):
+                if _covers(leases[n], need):
+                    continue
+                hit = await client.match_keys(g.ns, g.keys[need.start : need.stop])
+                if hit.lease:
+                    held.append(hit)
+                if hit.hits == len(need):
+                    leases[n] = (hit, need.start)
+                else:  # that page left L2 (or never came from L3): absent now
+                    present[n][need.start + hit.hits] = False
+                    short = True
+            if not short:
+                break
+        else:
+            end = 0  # pages kept leaving: a miss
+        return await _answer(client, groups, present, leases, held, end)
+    except BaseException:
+        await _release(client, held)
+        raise
+
+
+# How often a lookup finds its end again after a page it meant to lease was gone.
+ROUNDS = 4
+
+
+def _covers(lease: tuple[Hit, int] | None, need: range) -> bool:
+    return lease is not None and lease[1] <= need.start and need.stop <= lease[1] + lease[0].hits
+
+
+async def _answer(
+    client: AsyncClient,
+    groups: Sequence[Group],
+    present: list[list[bool]],
+    leases: list[tuple[Hit, int] | None],
+    held: list[Hit],
+    end: int,
+) -> Answer:
+    """The answer for ``end``: each needed key's place in its group's lease; the
+    leases it does not read through are released now."""
+    hits: dict[bytes, tuple[int, int]] = {}
+    handles: list[Hit | None] = [None] * len(groups)
+    if end:
+        for n, (g, on) in enumerate(zip(groups, present, strict=True)):
+            lease = leases[n]
+            need = GroupView(g.kind, g.positions, on).needed(end)
+            assert lease is not None and _covers(lease, need), "an end beyond the leases"
+            hit, start = lease
+            handles[n] = hit
+            hits.update((g.keys[i], (n, i - start)) for i in need)
+    used = {id(h) for h in handles if h is not None}
+    await _release(client, [h for h in held if id(h) not in used])
+    return Answer(end, hits, handles, leases=[h for h in held if id(h) in used])
+
+
+async def _load(
+    client: AsyncClient,
+    groups: Sequence[Group],
+    probes: list[Probe],
+    needs: list[range],
+    end: int,
+    timeout_s: float,
+    on_pending: Callable[[Answer], None] | None,
+) -> None:
+    """Bring the pages a hit at ``end`` needs that only L3 holds into L2, saying
+    meanwhile (``on_pending``) that the hit's keys are on their way."""
+    loading = [
+        (g, [g.keys[i] for i in need])
+        for g, p, need in zip(groups, probes, needs, strict=True)
+        if any(p.flags[i] == IN_L3 for i in need)
+    ]
+    if not loading:
+        return
+    if on_pending is not None:
+        pairs = zip(groups, needs, strict=True)
+        pending = frozenset(g.keys[i] for g, need in pairs for i in need)
+        on_pending(Answer(end, handles=[None] * len(groups), pending=pending))
+    await _from_l3(client, loading, timeout_s)
+
+
+async def _from_l3(
+    client: AsyncClient, loading: list[tuple[Group, list[bytes]]], timeout_s: float
+) -> None:
+    """Load these keys of each group from L3 into L2 (all at once, within
+    ``timeout_s``); the leading pages that arrived in time are committed, the
+    rest released. Whatever did not come is found absent by the leases after."""
+    fetches: list[Fetch] = []
+    deadline = time.monotonic() + timeout_s
+    pause = 0.001
+    try:
+        for g, keys in loading:
+            fetches.append(await client.prefetch_keys(g.ns, keys))
+        completed = dict.fromkeys(range(len(fetches)), 0)
+        waiting = list(completed)
+        while True:
+            for n in list(waiting):
+                progress = await client.progress(fetches[n])
+                completed[n] = progress.completed
+                if progress.done:
+                    waiting.remove(n)
+            if not waiting or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.02)
+        for n, fetch in enumerate(fetches):
+            if completed[n]:
+                await client.commit(fetch, pages=completed[n])
+            else:
+                await client.release(fetch)
+    except BaseException:  # the prefetches' leases end now, not at their TTL
+        for fetch in fetches:
+            with contextlib.suppress(HicachedError, TimeoutError, asyncio.TimeoutError):
+                await client.release(fetch)
+        raise
+
+
+async def _release(client: AsyncClient, leases: Sequence[Hit]) -> None:
+    """End leases this lookup will not hand on; a daemon that is gone ended them."""
+    for hit in leases:
+        with contextlib.suppress(HicachedError, TimeoutError, asyncio.TimeoutError):
+            await client.release(hit)

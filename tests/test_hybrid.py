@@ -1,0 +1,272 @@
+"""Hybrid models (hicached/integrations/hybrid.py): the prefix every KV cache
+group can restore, in exact order, and asked of a real daemon whose
+namespaces hold each group's pages: a full-attention group, a sliding window
+and a recurrent state, with pages in L2, only in L3, or gone."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+
+import hicached
+from hicached import Client
+from hicached.client.handles import Namespace
+from hicached.integrations.hybrid import (
+    Answer,
+    Group,
+    GroupView,
+    Prefix,
+    Window,
+    lookup,
+    restorable_end,
+)
+from tests.l3util import settle_writes, wait_for
+from tests.support import Daemon
+
+FULL, SLIDING, STATE = Prefix(), Window(64, "sliding"), Window(32, "state")
+CHUNK = 32  # tokens a chunk
+FILE_L3 = 'backend = "file"\nwrite_policy = "write_through"\n'
+FILE_OPTIONS = "[storage.file]\ncapacity_mib = 16\nsegment_mib = 4\n"
+
+
+def view(kind: Any, present: str, chunk: int = CHUNK) -> GroupView:
+    """A group's keys at chunk ends chunk, 2 chunk, ...; ``present``: one
+    character a key, 'x' there and '.' missing."""
+    positions = [(i + 1) * chunk for i in range(len(present))]
+    return GroupView(kind, positions, [c == "x" for c in present])
+
+
+# -- the intersection, in exact order ----------------------------------------------------
+
+
+def test_a_window_group_restores_only_where_its_window_was_stored() -> None:
+    # full attention holds chunks 1-6; the sliding window (two chunks) only 5-6
+    assert restorable_end([view(FULL, "xxxxxx"), view(SLIDING, "....xx")]) == 6 * CHUNK
+    # without chunk 6's window page no end works: 5 needs 4 and 5
+    assert restorable_end([view(FULL, "xxxxxx"), view(SLIDING, "....x.")]) == 0
+    # a window stored at chunk 3 serves a hit there, not past it
+    assert restorable_end([view(FULL, "xxxxxx"), view(SLIDING, ".xx...")]) == 3 * CHUNK
+    # full attention's leading run ends at 4: the window at 6 is out of reach
+    assert restorable_end([view(FULL, "xxxx.x"), view(SLIDING, "..xxxx")]) == 4 * CHUNK
+    assert restorable_end([view(FULL, "xx.xxx"), view(SLIDING, "....xx")]) == 0
+
+
+def test_a_recurrent_state_is_one_page_at_the_end() -> None:
+    # states stored at chunks 4 and 8 (two requests' ends): the later one wins
+    full = view(FULL, "xxxxxxxxxx")
+    assert restorable_end([full, view(STATE, "...x...x..")]) == 8 * CHUNK
+    # that state gone: the earlier one, never a hit past it
+    assert restorable_end([full, view(STATE, "...x......")]) == 4 * CHUNK
+    assert restorable_end([full, view(STATE, "..........")]) == 0
+
+
+def test_every_group_must_end_at_the_same_place() -> None:
+    # chunks of 32 tokens for attention, a state every 64: ends are multiples of 64
+    full = view(FULL, "xxxxxxx")  # 32 .. 224
+    state = view(STATE, "x.x", chunk=64)  # 64, 128 (missing), 192
+    assert restorable_end([full, state]) == 192
+    # three groups: the intersection of all three
+    assert restorable_end([full, state, view(SLIDING, "....x.x")]) == 0
+    assert restorable_end([full, state, view(SLIDING, "....xx.")]) == 192
+    assert restorable_end([view(FULL, "")]) == 0
+    assert restorable_end([]) == 0
+
+
+def test_what_a_hit_needs_of_each_group() -> None:
+    full, sliding, state = view(FULL, "xxxxxx"), view(SLIDING, "xxxxxx"), view(STATE, "xxxxxx")
+    assert list(full.needed(4 * CHUNK)) == [0, 1, 2, 3]
+    assert list(sliding.needed(4 * CHUNK)) == [2, 3]  # chunks 3 and 4
+    assert list(state.needed(4 * CHUNK)) == [3]
+    # the keys asked about may start later (the engine has the first ones): clipped
+    late = GroupView(SLIDING, [96, 128], [True, True])
+    assert list(late.needed(96)) == [0] and late.restores(96)
+
+
+# -- asked of a daemon ---------------------------------------------------------------------
+
+# each group's namespace: its own page size, as an engine's groups have
+SPECS = {
+    "full": dict(page_bytes=8192),
+    "sliding": dict(page_bytes=4096),
+    "state": dict(page_bytes=6144),
+}
+
+
+def spec(group: str) -> dict[str, Any]:
+    return dict(
+        model="org/hybrid",
+        kv_dtype="bfloat16",
+        layout=f"test_{group}",
+        page_tokens=CHUNK,
+        key_scheme="vllm-sha256",
+        **SPECS[group],
+    )
+
+
+def chain(n: int, group: int, salt: int = 0) -> list[bytes]:
+    """vLLM-style keys: a chained block hash and the group index."""
+    out, parent = [], bytes(32)
+    for i in range(n):
+        parent = hashlib.sha256(parent + bytes([salt, i])).digest()
+        out.append(parent + group.to_bytes(4, "big"))
+    return out
+
+
+def data(group: str, n: int) -> np.ndarray:
+    size = SPECS[group]["page_bytes"]
+    return np.random.default_rng(len(group)).integers(0, 256, (n, size), dtype=np.uint8)
+
+
+def store(
+    c: Client, ns: Namespace, keys: list[bytes], pages: np.ndarray, at: Sequence[int]
+) -> None:
+    """Pages ``at`` (chunk indices) of ``keys`` into ``ns``."""
+    res = c.reserve_keys(ns, [keys[i] for i in at])
+    c.write_pages(res, pages[list(at)][res.indices])
+    assert c.commit(res).published == len(at)
+
+
+class Model:
+    """Three groups (full, a two-chunk sliding window, a state) over 8 chunks."""
+
+    N = 8
+
+    def __init__(self, c: Client) -> None:
+        self.ns = {name: c.register(**spec(name)) for name in SPECS}
+        self.keys = {name: chain(self.N, g) for g, name in enumerate(SPECS)}
+        self.pages = {name: data(name, self.N) for name in SPECS}
+        self.kinds = {"full": FULL, "sliding": SLIDING, "state": STATE}
+
+    def store(self, c: Client, name: str, at: Sequence[int]) -> None:
+        store(c, self.ns[name], self.keys[name], self.pages[name], at)
+
+    def groups(self, nss: dict[str, Namespace]) -> list[Group]:
+        positions = [(i + 1) * CHUNK for i in range(self.N)]
+        return [Group(nss[n], self.kinds[n], self.keys[n], positions) for n in SPECS]
+
+
+async def ask(d: Daemon, model: Model, **kwargs: Any) -> tuple[Answer, hicached.AsyncClient]:
+    c = hicached.AsyncClient(d.endpoint, timeout=5.0)
+    nss = {name: await c.register(**spec(name)) for name in SPECS}
+    return await lookup(c, model.groups(nss), prefetch_timeout_s=10.0, **kwargs), c
+
+
+def read_hit(c: hicached.AsyncClient, model: Model, answer: Answer) -> None:
+    """Every page of the hit reads back what was stored under its key."""
+    names = list(SPECS)
+    for key, (g, place) in answer.hits.items():
+        handle = answer.handles[g]
+        assert handle is not None
+        name = names[g]
+        page = c.read_pages(handle.select([place]))[0]
+        assert np.array_equal(page, model.pages[name][model.keys[name].index(key)])
+
+
+async def test_a_hit_leases_what_each_group_needs_at_its_end(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        model = Model(c)
+        model.store(c, "full", range(8))
+        model.store(c, "sliding", [4, 5, 6, 7])  # windows at chunks 6 and 8
+        model.store(c, "state", [5])  # a state at chunk 6 only
+    answer, ac = await ask(daemon, model)
+    try:
+        assert answer.end == 6 * CHUNK
+        want = {*model.keys["full"][:6], *model.keys["sliding"][4:6], model.keys["state"][5]}
+        assert set(answer.hits) == want  # nothing past 6, nothing of the window before 5
+        read_hit(ac, model, answer)
+        with daemon.client() as c:  # full attention's first lease holds all 8 of its pages
+            assert c.stats().pinned_pages == 8 + 2 + 1
+    finally:
+        for hit in answer.leases:
+            await ac.release(hit)
+        await ac.close()
+
+
+async def test_a_group_that_lacks_its_pages_makes_a_miss_and_holds_nothing(
+    daemon: Daemon,
+) -> None:
+    with daemon.client() as c:
+        model = Model(c)
+        model.store(c, "full", range(8))
+        model.store(c, "sliding", [5, 6, 7])
+        model.store(c, "state", [])  # no state anywhere
+    answer, ac = await ask(daemon, model)
+    await ac.close()
+    assert (answer.end, answer.hits, answer.leases) == (0, {}, [])
+    with daemon.client() as c:
+        assert c.stats().pinned_pages == 0
+
+
+async def test_pages_only_l3_holds_come_back_first(daemon_factory: Callable[..., Daemon]) -> None:
+    d = daemon_factory(storage=FILE_L3, tail=FILE_OPTIONS)
+    with d.client() as c:
+        model = Model(c)
+        model.store(c, "full", range(8))
+        model.store(c, "sliding", [6, 7])
+        model.store(c, "state", [7])
+        settle_writes(c)
+    d.stop()
+    d.start()
+    with d.client() as c:
+        ns = c.register(**spec("full"))
+        wait_for(lambda: c.exists_keys(ns, model.keys["full"]).leading == 8)
+    seen: list[Answer] = []
+    answer, ac = await ask(d, model, on_pending=seen.append)
+    try:
+        assert answer.end == 8 * CHUNK
+        assert len(seen) == 1 and seen[0].leases == [] and not seen[0].hits
+        assert set(answer.hits) == seen[0].pending  # what was loading is what is read
+        read_hit(ac, model, answer)
+    finally:
+        for hit in answer.leases:
+            await ac.release(hit)
+        await ac.close()
+
+
+class Forgetful(hicached.AsyncClient):
+    """Fault injection: says the sliding window's last page is there after it
+    was evicted (an answer the eviction overtook between the two requests)."""
+
+    def __init__(self, *args: Any, gone: bytes, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gone = gone
+
+    async def exists_keys(self, ns: Namespace, keys: Sequence[bytes]) -> Any:
+        found = await super().exists_keys(ns, keys)
+        in_l2 = [l2 or key == self.gone for key, l2 in zip(keys, found.in_l2, strict=True)]
+        return type(found)(found.l2, found.leading, in_l2, found.in_l3)
+
+
+async def test_a_page_gone_before_its_lease_lowers_the_end(daemon: Daemon) -> None:
+    with daemon.client() as c:
+        model = Model(c)
+        model.store(c, "full", range(8))
+        model.store(c, "sliding", [2, 3, 6])  # window at 4, and half of one at 8
+        model.store(c, "state", [3, 7])
+    ac = Forgetful(daemon.endpoint, timeout=5.0, gone=model.keys["sliding"][7])
+    try:
+        nss = {name: await ac.register(**spec(name)) for name in SPECS}
+        answer = await lookup(ac, model.groups(nss), prefetch_timeout_s=1.0)
+        # the probe saw a window at 8; its lease found half of it: the end is 4
+        assert answer.end == 4 * CHUNK
+        assert model.keys["sliding"][7] not in answer.hits
+        read_hit(ac, model, answer)
+        with daemon.client() as c:
+            assert c.stats().pinned_pages == 8 + 2 + 1  # the leases at 8 were given back
+        for hit in answer.leases:
+            await ac.release(hit)
+    finally:
+        await ac.close()
+
+
+@pytest.mark.parametrize("missing", ["full", "sliding", "state"])
+def test_each_group_can_end_a_hit(missing: str) -> None:
+    """The same model with one group's page at the end gone: a shorter hit."""
+    present = {"full": "xxxxxxxx", "sliding": "..xx..xx", "state": "...x...x"}
+    present[missing] = {"full": "xxxxxxx.", "sliding": "..xx...x", "state": "...x...."}[missing]
+    kinds = {"full": FULL, "sliding": SLIDING, "state": STATE}
+    assert restorable_end([view(kinds[n], p) for n, p in present.items()]) == 4 * CHUNK
