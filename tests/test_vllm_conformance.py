@@ -235,6 +235,24 @@ def test_the_manager_lock_is_a_property_the_scheduler_enters(source: Path) -> No
     assert methods(VLLM_DIR / "manager.py", "HicachedManager")["lock"].kind == "property"
 
 
+def test_what_groups_py_reads_of_the_connector_is_there_in_0_33(source: Path) -> None:
+    """groups.py finds each KV cache group's kind with vLLM's own
+    ``get_sliding_window_size_in_chunks`` (0.33 moved it to the connector's
+    config module; groups.py imports it from there first) and its specs in
+    the ``kv_cache_config`` of ``OffloadingConnector.__init__``'s frame."""
+    config = ast.parse((source / CONNECTOR / "config.py").read_text())
+    found = [
+        [a.arg for a in n.args.args]
+        for n in config.body
+        if isinstance(n, ast.FunctionDef) and n.name == "get_sliding_window_size_in_chunks"
+    ]
+    assert found == [["kv_cache_spec", "tokens_per_chunk"]]  # kind_of passes these two
+    groups = (VLLM_DIR / "groups.py").read_text()
+    assert "kv_connector.v1.offloading.config import (" in groups
+    connector = methods(source / f"{CONNECTOR}_connector.py", "OffloadingConnector")
+    assert "kv_cache_config" in connector["__init__"].positional
+
+
 # -- events -----------------------------------------------------------------------------
 
 STRUCTS = ("EventBatch", "KVCacheEvent", "BlockStored", "BlockRemoved", "AllBlocksCleared")

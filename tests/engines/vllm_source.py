@@ -32,7 +32,7 @@ from tests.engines import venv
 VLLM = "vllm==0.33.0"
 # What the conformance test reads: the offloading interfaces, their config,
 # the event structs (and the block hash type they name), and the connector
-# that calls them.
+# that calls them (and builds the spec, whose frame groups.py reads).
 FILES = (
     "vllm/v1/kv_offload/base.py",
     "vllm/v1/kv_offload/config.py",
@@ -40,6 +40,8 @@ FILES = (
     "vllm/v1/core/kv_cache_utils.py",
     "vllm/distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py",
     "vllm/distributed/kv_transfer/kv_connector/v1/offloading/worker.py",
+    "vllm/distributed/kv_transfer/kv_connector/v1/offloading/config.py",
+    "vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py",
 )
 STAMP = ".hicached-pin"
 

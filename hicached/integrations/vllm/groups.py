@@ -100,9 +100,14 @@ def kind_of(spec: Any, tokens_per_chunk: int) -> Kind:
     """The group kind of a vLLM KV cache spec: its window as vLLM's offloading
     scheduler counts it (chunks a hit needs before its end), or the whole
     prefix for full attention."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
-        get_sliding_window_size_in_chunks,
-    )
+    try:  # vLLM 0.33 moved it to the connector's config module
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+            get_sliding_window_size_in_chunks,
+        )
+    except ImportError:  # vLLM 0.32
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+            get_sliding_window_size_in_chunks,
+        )
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
