@@ -418,7 +418,8 @@ class HicachedManager(OffloadingManager):
     async def _finish_store(self, store: _Store, success: bool) -> None:
         """Publish the pages every worker wrote, a chunk only with all its groups'
         pages (a chunk some group's page of is missing is published in none);
-        release the rest."""
+        release the rest. The groups commit one after another: a failed commit
+        leaves the groups after it unpublished (docs/engines.md)."""
         link = self._link
         try:
             client, _ = await link.session()
@@ -436,14 +437,22 @@ class HicachedManager(OffloadingManager):
                 for key, ok in zip(keys, flags, strict=True)
                 if not ok
             }
-            for (_, res, slots), keys, flags in zip(store.parts, store.keys, written, strict=True):
+            parts = list(zip(store.parts, store.keys, written, strict=True))
+            for i, ((_, res, slots), keys, flags) in enumerate(parts):
                 mask = [False] * len(res.offsets)
                 for slot, key, ok in zip(slots, keys, flags, strict=True):
                     mask[slot] = ok and key[:-4] not in bad
-                if any(mask):
-                    await client.commit(res, ok=mask)
-                else:
-                    await client.release(res)
+                try:
+                    if any(mask):
+                        await client.commit(res, ok=mask)
+                    else:
+                        await client.release(res)
+                except HicachedError:
+                    # the groups' commits are requests of their own: once one fails,
+                    # the groups after it publish nothing of this store (those before
+                    # it stay published, unused: a lookup needs every group's page)
+                    link.release(later for (_, later, _), _, _ in parts[i + 1 :])
+                    raise
         except (HicachedError, *UNREACHABLE) as exc:
             if isinstance(exc, UNREACHABLE):
                 link.failed()
