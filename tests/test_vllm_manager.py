@@ -11,16 +11,12 @@ fills the labels the spec declares.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.engines import venv
-from tests.support import Daemon
+from tests.engines import vllm_engine
 
 # The first test may wait for the venv build (minutes, once per pin and machine).
 pytestmark = pytest.mark.timeout(1200)
@@ -31,23 +27,7 @@ CHECK = ROOT / "tests" / "engines" / "vllm_manager_check.py"
 
 @pytest.fixture(scope="module")
 def facts() -> dict[str, Any]:
-    python = venv.with_client()
-    d = Daemon(size_mib=1, slab_mib=1)
-    try:
-        d.start()
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        done = subprocess.run(
-            [str(python), str(CHECK), d.endpoint],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=300,
-        )
-    finally:
-        d.cleanup()
-    assert done.returncode == 0, done.stderr[-4000:]
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    return vllm_engine.check_facts(CHECK)
 
 
 def test_the_lock_is_a_real_lock(facts: dict[str, Any]) -> None:

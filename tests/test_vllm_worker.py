@@ -17,16 +17,12 @@ copies; this host kind has no GPU for vLLM).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.engines import venv
-from tests.support import Daemon
+from tests.engines import vllm_engine
 
 # The first test may wait for the venv build (minutes, once per pin and machine).
 pytestmark = pytest.mark.timeout(1200)
@@ -37,23 +33,7 @@ CHECK = ROOT / "tests" / "engines" / "vllm_worker_check.py"
 
 @pytest.fixture(scope="module")
 def facts() -> dict[str, Any]:
-    python = venv.with_client()
-    d = Daemon(size_mib=1, slab_mib=1)  # 512 slots of the check's 2 KiB pages
-    try:
-        d.start()
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        done = subprocess.run(
-            [str(python), str(CHECK), d.endpoint],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=300,
-        )
-    finally:
-        d.cleanup()
-    assert done.returncode == 0, done.stderr[-4000:]
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    return vllm_engine.check_facts(CHECK)  # a daemon of 1 MiB: 512 slots of 2 KiB pages
 
 
 def test_a_store_is_reported_only_after_its_copy(facts: dict[str, Any]) -> None:

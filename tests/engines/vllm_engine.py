@@ -104,3 +104,26 @@ def same_answer(got: dict[str, Any], want: dict[str, Any]) -> bool:
     return got["token_ids"] == want["token_ids"] and np.allclose(
         got["logprobs"], want["logprobs"], rtol=0, atol=1e-4
     )
+
+
+def check_facts(check: Path) -> dict[str, Any]:
+    """Run a check script in the vLLM venv against a daemon of its own (a 1 MiB
+    pool of one slab) and return the facts its last line prints as JSON."""
+    from tests.support import Daemon
+
+    python = venv.with_client()
+    d = Daemon(size_mib=1, slab_mib=1)
+    try:
+        d.start()
+        done = subprocess.run(
+            [str(python), str(check), d.endpoint],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            timeout=300,
+        )
+    finally:
+        d.cleanup()
+    assert done.returncode == 0, done.stderr[-4000:]
+    facts: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return facts
