@@ -90,7 +90,6 @@ class Cache:
         gens: np.ndarray | None = None,
         instance: int | None = None,
         clock: Callable[[], float] = time.monotonic,
-        tier: TierPort | None = None,
     ) -> None:
         self.config = config
         self.pool_path = pool_path
@@ -105,7 +104,7 @@ class Cache:
         self.events = EventLog(config.events.queue_events, enabled=bool(config.events.endpoint))
         self.events.add(Cleared())  # a new daemon's L2 starts empty; L3 is announced by its scan
         # the L3 port (daemon/tier.py), once its store is open (``use_tier``)
-        self.tier: TierPort | None = tier
+        self.tier: TierPort | None = None
         self.policy = write_policy(config.storage.write_policy)  # when pages go to L3
         self.requests: dict[str, int] = {}
         self.errors: dict[str, int] = {}
