@@ -197,6 +197,10 @@ class Server:
         assert self.cache is not None
         self._ctx = zmq.Context()
         self.access.start(self._ctx)
+        if cfg.events.endpoint:
+            # Before the request socket: a refused events bind stops the start
+            # before any client is answered (it was answered while the stop ran).
+            self._start_events()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         if self.access.tenants is not None:
@@ -228,8 +232,6 @@ class Server:
         interval = watchdog_interval()
         if interval:
             self._tasks.append(loop.create_task(self._watchdog(interval)))
-        if cfg.events.endpoint:
-            self._start_events()
         log.info("listening on %s (instance %x)", self.endpoint, self.cache.instance)
         sd_notify(f"READY=1\nSTATUS=serving on {self.endpoint}")
         self.ready.set()
