@@ -25,7 +25,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     )
     from hicached.daemon.server import serve
 
-    serve(config)
+    serve(config, fresh=args.fresh)
     return 0
 
 
@@ -282,6 +282,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the daemon in the foreground")
     serve.add_argument("--config", help="TOML config file (default: built-in defaults)")
+    serve.add_argument(
+        "--fresh",
+        action="store_true",
+        help="make a new pool instead of adopting the one the daemon before left (pool.adopt)",
+    )
     serve.set_defaults(func=_cmd_serve)
 
     status = sub.add_parser("status", help="show what a running daemon holds")

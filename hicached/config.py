@@ -143,6 +143,13 @@ class PoolConfig(msgspec.Struct, **_Section):
     huge_pages: str = "off"
     # Namespaces registered at once; one more is refused.
     max_namespaces: int = 256
+    # Keep L2 across restarts: a stop (or a crash) leaves the pool file and its
+    # journal (<pool file>.journal) in shm_dir, and the next start with the same
+    # runtime directory and pool geometry adopts every page committed before it
+    # (docs/operations.md). The pool's memory stays in use while no daemon runs.
+    # false: every start makes a new pool, and a stop removes it. `hicached
+    # serve --fresh` makes a new pool once.
+    adopt: bool = True
 
     def __post_init__(self) -> None:
         positive(self, "size_mib", "slab_mib", "max_page_bytes", "max_namespaces")

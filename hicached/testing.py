@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from hicached.client import Client, CurveKeys
+from hicached.daemon.journal import journal_path
 from hicached.wire.arena import arena_path
 
 
@@ -49,8 +50,12 @@ class DaemonProcess:
         tail: str = "",
         metrics: str = "port = 0",  # any free port: daemons side by side
         curve: CurveKeys | None = None,  # the keys this harness connects with
+        fresh: bool = True,
     ) -> None:
         self.curve = curve
+        # each start makes a new pool (serve --fresh), so a restart empties L2 as
+        # tests of L3 want; False: a start adopts the pool the last stop left
+        self.fresh = fresh
         self.dir = Path(tempfile.mkdtemp(prefix="hc-", dir="/tmp"))
         self.runtime = self.dir / "run"
         self.endpoint = (
@@ -72,7 +77,15 @@ class DaemonProcess:
         """Start the daemon and wait until it answers a request."""
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "hicached", "serve", "--config", str(self.config)],
+                [
+                    sys.executable,
+                    "-m",
+                    "hicached",
+                    "serve",
+                    "--config",
+                    str(self.config),
+                    *(["--fresh"] if self.fresh else []),
+                ],
                 stdout=log,
                 stderr=log,
             )
@@ -117,7 +130,9 @@ class DaemonProcess:
     def cleanup(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.kill()
-        arena_path("/dev/shm", self.runtime).unlink(missing_ok=True)  # left by a SIGKILL
+        pool = arena_path("/dev/shm", self.runtime)  # left for the next start
+        pool.unlink(missing_ok=True)
+        journal_path(pool).unlink(missing_ok=True)
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> DaemonProcess:

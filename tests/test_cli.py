@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from hicached.arena import arena_path
+from hicached.daemon.journal import journal_path
 from hicached.config import Config, load_config
 from hicached.errors import ResourceExhausted
 from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
@@ -114,7 +115,10 @@ def test_serve_on_defaults_and_stop_cleanly_on_sigterm(tmp_path: Path) -> None:
         log = proc.stderr.read()
         assert "shutting down" in log and "stopped" in log
         assert not (runtime / "hicached.sock").exists()
-        assert not pool_file.exists()
+        # the pool and its journal stay for the next start to adopt (pool.adopt)
+        journal = journal_path(pool_file)
+        assert pool_file.exists() and journal.exists()
+        assert stat.S_IMODE(journal.stat().st_mode) == 0o600
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -122,6 +126,9 @@ def test_serve_on_defaults_and_stop_cleanly_on_sigterm(tmp_path: Path) -> None:
         if proc.stderr is not None:
             proc.stderr.close()
         subprocess.run(["rm", "-rf", str(runtime_base)], check=False)
+        pool_file = arena_path("/dev/shm", runtime_base / "hicached")
+        pool_file.unlink(missing_ok=True)
+        journal_path(pool_file).unlink(missing_ok=True)
 
 
 def test_second_daemon_on_the_same_runtime_dir_is_refused(daemon: Daemon) -> None:

@@ -286,10 +286,12 @@ def test_a_daemon_user_in_the_group_shares_with_engines(accounts: Accounts, prim
             assert st.st_uid == accounts.daemon.pw_uid
             check_modes(runtime, endpoint, pool, accounts.gid)
             check_engine_and_outsider(accounts, endpoint, pool)
-        assert not pool.exists(), "the daemon removes its pool at a stop"
+        journal = pool.with_name(pool.name + ".journal")
+        assert pool.exists() and journal.exists(), "a stop leaves the pool for the next start"
+        assert stat.S_IMODE(journal.stat().st_mode) == 0o600, "the journal is the daemon's alone"
         assert "stopped" in log.read_text(), log.read_text()
     finally:
-        for stale in Path("/dev/shm").glob(pools):
+        for stale in Path("/dev/shm").glob(pools + "*"):  # and its journal
             stale.unlink(missing_ok=True)
         shutil.rmtree(base, ignore_errors=True)
 

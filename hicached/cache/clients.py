@@ -62,6 +62,7 @@ class Clients:
             max_pages_per_request=config.server.max_pages_per_request,
             gen_granule=GEN_GRANULE,
             huge_pages=config.pool.huge_pages,
+            pool_id=desk.pool_id,
         )
 
     def _make_room(self) -> None:

@@ -33,9 +33,11 @@ from typing import get_args
 
 import numpy as np
 
+from hicached.cache.adopt import Adopted, adopt
 from hicached.cache.chainorder import ChainOrder
 from hicached.cache.clients import Clients
 from hicached.cache.eventlog import EventLog
+from hicached.cache.journal import NoRecorder, Recorder
 from hicached.cache.kinds import KeyedKind, TokenKind
 from hicached.cache.leasing import Leasing
 from hicached.cache.namespaces import MAX_SLOTS_PER_SLAB, Namespaces
@@ -60,6 +62,7 @@ from hicached.state.pool import SlotPool
 from hicached.wire import protocol as p
 from hicached.wire.events import MEDIUM_L2, Cleared
 from hicached.wire.hashing import KeyCache
+from hicached.wire.journal import Record
 
 __all__ = [
     "MAX_SLOTS_PER_SLAB",
@@ -90,15 +93,23 @@ class Cache:
         gens: np.ndarray | None = None,
         instance: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        journal: Recorder | None = None,
+        pool_id: int = 0,
     ) -> None:
         self.config = config
         self.pool_path = pool_path
+        self.pool_id = pool_id  # the pool file's id: clients keep a mapping of the same one
         self.instance = instance if instance is not None else secrets.randbits(63)
         self.clock = clock
         self.started = clock()
         mib = 1 << 20
         self.pool = SlotPool(config.pool.size_mib * mib, config.pool.slab_mib * mib, gens)
         self.l2 = L2(self.pool, self.evicted)
+        # what the pool journal must say, for a restarted daemon (cache/journal.py)
+        self.journal = journal if journal is not None else NoRecorder()
+        if self.journal.on:
+            self.l2.on_free = self.journal.freed
+        self.adopted: Adopted | None = None  # what this daemon took over at start
         self._set_quotas(config)
         self.key_cache = KeyCache(config.server.key_cache_pages)
         self.events = EventLog(config.events.queue_events, enabled=bool(config.events.endpoint))
@@ -199,6 +210,13 @@ class Cache:
         self.metrics_endpoint = endpoint
 
     # -- L2 ------------------------------------------------------------------------
+
+    def adopt(self, records: list[Record]) -> Adopted:
+        """Take over the pool of the daemon before this one, from its journal's
+        records (cache/adopt.py); before any request is served."""
+        leases = self.config.leases
+        self.adopted = adopt(self, records, self.clock() + leases.ttl_s + leases.quarantine_s)
+        return self.adopted
 
     def evicted(self, victims: Victims) -> None:
         """Free evicted slots; under write_back, first write pages L3 lacks (under

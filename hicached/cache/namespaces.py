@@ -84,6 +84,7 @@ class Namespaces:
             ns = NamespaceState(next(self._ids), spec, digest, index, book, kind)
             self.by_id[ns.id] = ns
             self.by_digest[digest] = ns
+            desk.journal.namespace(ns.id, book.name, spec)
         if ns.id not in session.namespaces:
             session.namespaces.add(ns.id)
             ns.sessions += 1
@@ -119,6 +120,7 @@ class Namespaces:
         if ns.unused and self.by_id.get(ns.id) is ns:
             del self.by_id[ns.id]
             del self.by_digest[ns.digest]
+            self.desk.journal.forget_namespace(ns.id)
 
     def of(self, session: Session, ns_id: int) -> NamespaceState:
         """Namespace ``ns_id``, which ``session`` must have registered."""

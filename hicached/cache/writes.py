@@ -21,8 +21,10 @@ import numpy as np
 from hicached.cache.sessions import Handlers, KeyedPage, Lease, NamespaceState, Session
 from hicached.errors import BadRequest
 from hicached.wire import protocol as p
+from hicached.wire.arena import GEN_GRANULE
 from hicached.wire.events import MEDIUM_L2, event_key
-from hicached.wire.hashing import engine_page_keys
+from hicached.wire.hashing import TOKEN_BYTES, engine_page_keys
+from hicached.wire.journal import PageRecord
 from hicached.wire.namespace import MAX_KEY_BYTES
 
 if TYPE_CHECKING:
@@ -51,6 +53,7 @@ class Writes:
         fresh = desk.l2.alloc(ns.book, ns.spec.page_bytes, want)
         lease.keys = keys[: len(present) + len(fresh)]
         lease.fresh = fresh
+        desk.journal.alloc(fresh, ns.spec.page_bytes)
         lease.tokens = msg.tokens
         if not fresh:
             desk.leasing.drop(lease)  # nothing to write: no lease is kept open
@@ -85,6 +88,7 @@ class Writes:
         indices = missing[: len(fresh)]
         pages = chain(ns, keys, msg.keys, msg.parent)
         lease.fresh = fresh
+        desk.journal.alloc(fresh, ns.spec.page_bytes)
         lease.chain = [pages[i] for i in indices]
         mask = bytes(slot >= 0 for slot in found)
         pool_full = len(fresh) < len(missing)
@@ -133,6 +137,8 @@ class Writes:
         desk.leasing.end(lease)
         new = n - published
         page_tokens = ns.spec.page_tokens
+        if published and desk.journal.on:
+            self._record(ns, keys, slots, new, lease.tokens)
         if published:
             parent = keys[new - 1] if new else None
             tokens = token_ids(lease.tokens, new * page_tokens, n * page_tokens)
@@ -149,6 +155,18 @@ class Writes:
             else:
                 desk.policy.committed(tiering, ns, keys[new:], slots[new:])
         return p.CommitOk(id=msg.id, published=published, duplicates=count - published)
+
+    def _record(
+        self, ns: NamespaceState, keys: list[bytes], slots: list[int], new: int, tokens: bytes
+    ) -> None:
+        """Journal token pages ``new..`` of a commit, each with its parent and tokens."""
+        gens, record = self.desk.pool.gens, self.desk.journal.page
+        step = ns.spec.page_tokens * TOKEN_BYTES
+        for i in range(new, len(keys)):
+            slot = slots[i]
+            parent = keys[i - 1] if i else b""
+            page = tokens[i * step : (i + 1) * step]
+            record(PageRecord(ns.id, keys[i], parent, slot, int(gens[slot // GEN_GRANULE]), page))
 
     def _commit_keyed(self, lease: Lease, msg: p.Commit, ready: int) -> p.CommitOk:
         """Commit a key-addressed lease: the pages its mask (or ``pages``) names
@@ -188,6 +206,15 @@ class Writes:
             # an adopted write handle must not write into a page once it is published
             for slot in slots:
                 desk.pool.bump(slot)
+        if stored and desk.journal.on:
+            gens, record = desk.pool.gens, desk.journal.page
+            for page, slot in zip(stored, slots, strict=True):
+                gen = int(gens[slot // GEN_GRANULE])
+                record(
+                    PageRecord(
+                        ns.id, page.key, page.parent, slot, gen, b"", page.ekey, page.eparent
+                    )
+                )
         desk.leasing.end(lease)
         if stored:
             desk.keyed.remember(stored)

@@ -265,9 +265,15 @@ class PoolMapping:
         instance: int,
         gen_granule: int,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        pool_id: int = 0,
     ) -> None:
         self.arena = arena
         self.instance = instance
+        self.pool_id = pool_id
+        # instances before this one that served this pool: their read handles are fenced
+        # by generations alone (a page the new daemon did not adopt has moved on)
+        self.earlier: set[int] = set()
         self.granule = gen_granule
         self.clock = clock  # the clock of the handles' deadlines
         self._pinned = False
@@ -284,10 +290,16 @@ class PoolMapping:
             return np.empty(0, dtype=self.arena.gens.dtype)
         return self.arena.gens[np.asarray(offsets, dtype=np.int64) // self.granule]
 
+    def adopted_by(self, instance: int) -> None:
+        """A restarted daemon (``instance``) adopted this pool."""
+        self.earlier.add(self.instance)
+        self.instance = instance
+
     def _fence(self, handle: Reservation | Hit, what: str) -> None:
         if handle.closed:
             raise StaleHandle(f"this {what} is closed (committed, aborted or released)")
-        if handle.instance != self.instance:
+        earlier = isinstance(handle, Hit) and handle.instance in self.earlier
+        if handle.instance != self.instance and not earlier:
             raise StaleHandle(f"the daemon restarted since this {what} was granted")
         if self.clock() >= handle.deadline:
             raise StaleHandle(

@@ -1,8 +1,11 @@
 """One client's view of the daemon's pool, across daemon restarts.
 
 A client maps the pool of the daemon instance it speaks to (client/mapping.py
-holds the mapping and the fenced copies). When the daemon restarts, the new
-instance has a pool of its own; the old one stays mapped until every read
+holds the mapping and the fenced copies). When the daemon restarts and adopts the
+pool of the one before it (same file, same ``pool_id``), the mapping stays:
+read handles of the old instance keep working where the slots' generations
+say the pages are unchanged, writes through its handles are refused. When the
+new instance has a pool of its own, the old one stays mapped until every read
 lease it granted has ended, so that a read through one of its handles (by a
 worker that adopted it before the restart was known) is served, not failed.
 Nothing writes that pool any more (its daemon serves no requests), so its
@@ -36,7 +39,16 @@ class PoolView:
     def hello(self, reply: p.HelloOk, *, prefault: bool) -> None:
         """A daemon answered hello: map its pool unless it is the one mapped now
         (the one before is retired); ``prefault`` faults it in on a thread."""
-        if self.current is None or reply.instance != self.current.instance:
+        current = self.current
+        if (
+            current is not None
+            and reply.instance != current.instance
+            and _same_pool(current, reply)
+        ):
+            # the new daemon adopted this very pool: the mapping stays, and the
+            # read handles of the daemon before stay good where generations say so
+            current.adopted_by(reply.instance)
+        elif current is None or reply.instance != current.instance:
             if not reply.gen_granule:
                 raise VersionMismatch(
                     f"the daemon speaks protocol {reply.major}.{reply.minor} and keeps no slot "
@@ -50,7 +62,9 @@ class PoolView:
                 threading.Thread(
                     target=arena.prefault, name="hicached-prefault", daemon=True
                 ).start()
-            self.current = PoolMapping(arena, reply.instance, reply.gen_granule)
+            self.current = PoolMapping(
+                arena, reply.instance, reply.gen_granule, pool_id=reply.pool_id
+            )
             if self._pin:
                 self.current.pin()
         self._lease_ttl = reply.lease_ttl_s
@@ -75,7 +89,12 @@ class PoolView:
             self._retired = (mapping, time.monotonic() + self._lease_ttl)
 
     def retired(self, instance: int) -> PoolMapping | None:
-        """The retired mapping of ``instance``, while its read leases may live."""
+        """The mapping that serves the read handles of an earlier ``instance``:
+        the current one where the daemon adopted that instance's pool, else the
+        retired one, while its read leases may live."""
+        current = self.current
+        if current is not None and instance in current.earlier:
+            return current
         retired = self._retired
         if retired is None:
             return None
@@ -94,3 +113,14 @@ class PoolView:
         if self._retired is not None:
             retired, self._retired = self._retired[0], None
             retired.close()
+
+
+def _same_pool(mapping: PoolMapping, reply: p.HelloOk) -> bool:
+    """Whether ``reply``'s daemon serves the pool file ``mapping`` maps."""
+    return bool(
+        reply.pool_id
+        and reply.pool_id == mapping.pool_id
+        and reply.pool_path == str(mapping.arena.path)
+        and reply.pool_bytes == mapping.arena.size
+        and reply.gen_granule == mapping.granule
+    )

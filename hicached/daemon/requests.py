@@ -26,6 +26,7 @@ import zmq
 
 from hicached.cache import OP_NAMES, Cache, L3Lookup
 from hicached.config import ServerConfig
+from hicached.daemon.journal import JournalFile
 from hicached.daemon.metrics import Metrics
 from hicached.daemon.tenants import user_id
 from hicached.daemon.tier import Tier
@@ -55,7 +56,8 @@ class RequestLoop:
     ``config``: the server section, replaced on a reload (``drain_batch`` may
     change at run time). ``tenants``: the socket's peers carry their tenant as
     the ZAP User-Id. ``metrics`` times each request; ``tier`` answers the
-    lookups of requests that wait on L3."""
+    lookups of requests that wait on L3; ``journal`` (pool.adopt) is written
+    before any reply goes out."""
 
     def __init__(
         self,
@@ -66,8 +68,10 @@ class RequestLoop:
         tenants: bool,
         metrics: Metrics | None,
         tier: Tier | None,
+        journal: JournalFile | None = None,
     ) -> None:
         self.sock = sock
+        self.journal = journal  # written before each reply: what a reply says is in it
         self.cache = cache
         self.config = config
         self.tenants = tenants
@@ -238,6 +242,8 @@ class RequestLoop:
 
     def _send(self, routing_id: bytes, reply: p.AnyReply) -> None:
         sock, payload = self.sock, p.encode(reply)
+        if self.journal is not None:
+            self.journal.flush()
         try:
             # two sends with integer flags: a third of what send_multipart costs;
             # a message queues whole or not at all (the HWM admits messages)

@@ -32,6 +32,7 @@ import zmq
 import zmq.auth
 
 from hicached.cache import Cache
+from hicached.cache.journal import Recorder
 from hicached.config import (
     Config,
     config_source,
@@ -40,6 +41,8 @@ from hicached.config import (
     runtime_dir,
 )
 from hicached.daemon.access import Access, ensure_private_dir
+from hicached.daemon.adoption import open_pool
+from hicached.daemon.journal import JournalFile, journal_path
 from hicached.daemon.metrics import Metrics
 from hicached.daemon.notify import StartupProgress, sd_notify, watchdog_interval
 from hicached.daemon.publisher import Publisher
@@ -62,14 +65,18 @@ class Server:
     ``config_path``: the file SIGHUP reads again (by default the one
     ``load_config`` read ``config`` from, if it did)."""
 
-    def __init__(self, config: Config, config_path: str | None = None) -> None:
+    def __init__(
+        self, config: Config, config_path: str | None = None, *, fresh: bool = False
+    ) -> None:
         self.config = config
+        self.fresh = fresh  # make a new pool even where one could be adopted
         self.config_path = config_path or config_source(config)
         self.endpoint = endpoint(config)
         self.runtime_dir = runtime_dir(config)
         self.cache: Cache | None = None
         self.tier: Tier | None = None
         self.arena: Arena | None = None
+        self.journal: JournalFile | None = None  # with pool.adopt
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sock: zmq.Socket[bytes] | None = None
         self._requests: RequestLoop | None = None  # serves _sock once it is bound
@@ -173,23 +180,37 @@ class Server:
             sock_path = Path(self.endpoint[len("ipc://") :])
             ensure_private_dir(sock_path.parent, gid)
             sock_path.unlink(missing_ok=True)
-        size = cfg.pool.size_mib << 20
         started = time.monotonic()
-        self.arena = Arena.create(
-            arena_path(cfg.pool.shm_dir, self.runtime_dir),
-            size,
-            cfg.pool.populate,
-            gid,
-            on_populate,
-            cfg.pool.huge_pages,
+        path = arena_path(cfg.pool.shm_dir, self.runtime_dir)
+        opened = open_pool(cfg, path, gid, self.fresh, on_populate)
+        self.arena = opened.arena
+        recorder = Recorder() if cfg.pool.adopt else None
+        self.cache = Cache(
+            cfg,
+            pool_path=str(self.arena.path),
+            gens=self.arena.gens,
+            journal=recorder,
+            pool_id=opened.header.pool_id,
         )
+        if opened.records is not None:
+            adopted = self.cache.adopt(opened.records)
+            log.info(
+                "pool: adopted %d pages of %d namespaces, %d slots quarantined, dropped %s%s",
+                adopted.pages,
+                adopted.namespaces,
+                adopted.quarantined,
+                adopted.dropped or "none",
+                f", {opened.torn} bytes of torn journal" if opened.torn else "",
+            )
+        if recorder is not None:
+            self.journal = JournalFile(journal_path(path), opened.header, recorder)
+            self.journal.start()
         log.info(
             "pool: %d MiB at %s (%.2fs)",
             cfg.pool.size_mib,
             self.arena.path,
             time.monotonic() - started,
         )
-        self.cache = Cache(cfg, pool_path=str(self.arena.path), gens=self.arena.gens)
 
     def _listen(self) -> None:
         """Bind the socket and start serving; READY goes to systemd last."""
@@ -223,7 +244,13 @@ class Server:
         self._sock = sock
         tenants = self.access.tenants is not None
         requests = RequestLoop(
-            sock, self.cache, server, tenants=tenants, metrics=self.metrics, tier=self.tier
+            sock,
+            self.cache,
+            server,
+            tenants=tenants,
+            metrics=self.metrics,
+            tier=self.tier,
+            journal=self.journal,
         )
         requests.start()
         self._requests = requests
@@ -283,8 +310,16 @@ class Server:
             self._ctx = None
         if bound and self.endpoint.startswith("ipc://"):  # never another daemon's socket
             Path(self.endpoint[len("ipc://") :]).unlink(missing_ok=True)
+        keep = False
+        if self.journal is not None:
+            self.journal.flush()
+            self.journal.close()
+            keep = not self.journal.failed  # the next start adopts the pool
+            self.journal = None
         if self.arena is not None:
-            self.arena.close()
+            self.arena.close(keep=keep)
+            if not keep:
+                journal_path(self.arena.path).unlink(missing_ok=True)
             self.arena = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)
@@ -302,6 +337,8 @@ class Server:
             ended = self.cache.expire()
             if ended:
                 log.info("expired %d leases", ended)
+            if self.journal is not None:
+                self.journal.flush()  # what changed without a reply (prefetches, expiry)
 
     async def _watchdog(self, interval: float) -> None:
         while True:
@@ -364,10 +401,11 @@ class Server:
         return True
 
 
-def serve(config: Config, config_path: str | None = None) -> None:
+def serve(config: Config, config_path: str | None = None, *, fresh: bool = False) -> None:
     """Run a daemon in this process until SIGTERM or SIGINT; SIGHUP reloads
-    ``config_path`` (by default the file ``config`` was loaded from)."""
-    server = Server(config, config_path)
+    ``config_path`` (by default the file ``config`` was loaded from). ``fresh``:
+    make a new pool even where the one before could be adopted."""
+    server = Server(config, config_path, fresh=fresh)
     server.exit_past_stuck_calls = True
     try:
         import uvloop

@@ -133,6 +133,8 @@ class L2:
         self._quarantine: list[tuple[float, int, int]] = []
         self.evicted_pages = 0
         self.reclaimed_slabs = 0
+        # hears every slot freed (the pool journal's records, cache/journal.py)
+        self.on_free: Callable[[int], None] | None = None
 
     def book(self, tenant: str = DEFAULT_TENANT) -> TenantBook:
         book = self.books.get(tenant)
@@ -168,6 +170,16 @@ class L2:
         if book is not None and size is not None:
             book.slots -= 1
             book.bytes -= size
+        if self.on_free is not None:
+            self.on_free(slot)
+
+    def charge(self, book: TenantBook, slots: list[int], page_bytes: int) -> None:
+        """Charge allocated ``slots`` to ``book``'s tenant (slots the pool adopted)."""
+        holder = self._holder
+        for slot in slots:
+            holder[slot] = book
+        book.slots += len(slots)
+        book.bytes += len(slots) * page_bytes
 
     def holder(self, slot: int) -> TenantBook | None:
         return self._holder.get(slot)

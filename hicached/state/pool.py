@@ -133,6 +133,51 @@ class SlotPool:
         cls.slabs += 1
         return True
 
+    def adopt(self, slots: dict[int, int]) -> set[int]:
+        """Take ``slots`` (offset -> page size) as allocated, on a fresh pool: the
+        pages a restarted daemon adopts (cache/adopt.py). A slot that does not
+        fit the geometry (misaligned, past the arena, or in a slab that another
+        page size claims first) is refused; returns the refused offsets."""
+        assert not self.allocated, "a pool adopts before it gives out any slot"
+        refused: set[int] = set()
+        by_slab: dict[int, dict[int, int]] = {}
+        sizes: dict[int, int] = {}
+        for offset, size in slots.items():
+            slab = offset // self.slab_bytes
+            first = -(-(slab * self.slab_bytes) // size) * size
+            fits = (
+                size > 0
+                and offset % size == 0
+                and offset >= first
+                and offset + size <= min((slab + 1) * self.slab_bytes, self.arena_bytes)
+                and slab < self.n_slabs
+                and sizes.setdefault(slab, size) == size
+            )
+            if fits:
+                by_slab.setdefault(slab, {})[offset] = size
+            else:
+                refused.add(offset)
+        for slab, taken in by_slab.items():
+            size = sizes[slab]
+            cls = self._classes.get(size)
+            if cls is None:
+                cls = self._classes[size] = _SizeClass(size)
+            base = slab * self.slab_bytes
+            first = -(-base // size) * size
+            offsets = range(first, base + self.slab_bytes - size + 1, size)
+            free = [offset for offset in reversed(offsets) if offset not in taken]
+            if free:
+                cls.partial[slab] = free
+            cls.slots_per_slab = max(cls.slots_per_slab, len(offsets))
+            self._slab_class[slab] = cls
+            cls.slabs += 1
+            cls.used += len(taken)
+            self._slab_used[slab] = len(taken)
+            self.allocated.update(taken)
+        self._free_slabs = [slab for slab in self._free_slabs if slab not in by_slab]
+        heapq.heapify(self._free_slabs)
+        return refused
+
     # -- pins ------------------------------------------------------------
 
     def pin(self, offsets: list[int]) -> None:

@@ -139,16 +139,7 @@ class Arena:
             raise HicachedError(f"cannot create the pool file {path}: {exc.strerror}") from None
         try:
             if group is not None:
-                try:
-                    if os.fstat(fd).st_gid != group:
-                        os.fchown(fd, -1, group)
-                    os.fchmod(fd, 0o660)  # the unit's UMask=0077 left it 0600
-                except OSError as exc:
-                    path.unlink(missing_ok=True)
-                    raise ConfigError(
-                        f"server.client_group: cannot give the pool file {path} to group "
-                        f"{group}: {exc.strerror} (the daemon's user must be in that group)"
-                    ) from None
+                _share(fd, path, group)
             try:
                 os.posix_fallocate(fd, 0, length)
             except OSError as exc:
@@ -171,6 +162,40 @@ class Arena:
         finally:
             os.close(fd)
         return cls(path, size, mapping, owner=True)
+
+    @classmethod
+    def reopen(
+        cls, path: Path, size: int, length: int, group: int | None = None, huge_pages: str = "off"
+    ) -> Arena:
+        """Map the pool file a daemon before this one left (``length`` bytes, as
+        its journal says); daemon side, the file is kept as it is. With
+        ``group`` it is given to that group again (0660)."""
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise HicachedError(f"cannot open the pool file {path}: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if st.st_size != length or st.st_uid != os.getuid():
+                raise HicachedError(
+                    f"the pool file {path} has {st.st_size} bytes (uid {st.st_uid}), "
+                    f"its journal says {length} (uid {os.getuid()})"
+                )
+            if group is not None:
+                _share(fd, path, group)
+            else:
+                os.fchmod(fd, 0o600)
+            mapping = mmap.mmap(fd, length, flags=mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        if huge_pages == "madvise":
+            advise_huge(mapping)
+        return cls(path, size, mapping, owner=True)
+
+    @property
+    def file_bytes(self) -> int:
+        """The pool file's length (slots, header, alignment)."""
+        return len(self._mmap)
 
     @classmethod
     def attach(cls, path: str, size: int, populate: bool = False, huge_pages: str = "") -> Arena:
@@ -216,14 +241,29 @@ class Arena:
         n = self.size // page_bytes
         return self.array[: n * page_bytes].reshape(n, page_bytes)
 
-    def close(self) -> None:
-        """Drop the mapping (views must be gone) and, for the owner, the file."""
+    def close(self, keep: bool = False) -> None:
+        """Drop the mapping (views must be gone) and, for the owner, the file
+        (unless ``keep``: the next daemon adopts it)."""
         self.array = np.empty(0, dtype=np.uint8)
         self.gens = np.empty(0, dtype=GEN_DTYPE)
         with contextlib.suppress(BufferError):  # a view still exists: it ends with the process
             self._mmap.close()
-        if self.owner:
+        if self.owner and not keep:
             self.path.unlink(missing_ok=True)
+
+
+def _share(fd: int, path: Path, group: int) -> None:
+    """Give the pool file to the clients' group, mode 0660."""
+    try:
+        if os.fstat(fd).st_gid != group:
+            os.fchown(fd, -1, group)
+        os.fchmod(fd, 0o660)  # the unit's UMask=0077 left it 0600
+    except OSError as exc:
+        path.unlink(missing_ok=True)
+        raise ConfigError(
+            f"server.client_group: cannot give the pool file {path} to group "
+            f"{group}: {exc.strerror} (the daemon's user must be in that group)"
+        ) from None
 
 
 @functools.cache

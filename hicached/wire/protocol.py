@@ -15,7 +15,7 @@ from hicached.errors import HicachedError, error_from_code
 from hicached.wire.namespace import NamespaceSpec
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 2
+PROTOCOL_MINOR = 3
 
 
 class Request(msgspec.Struct, tag_field="op", kw_only=True, forbid_unknown_fields=True):
@@ -182,6 +182,9 @@ class HelloOk(Reply, tag="hello_ok"):
     gen_granule: int = 0
     # "madvise": clients ask for transparent huge pages on their mapping too
     huge_pages: str = ""
+    # the pool file's id (0: none): a daemon that adopted the pool of the one
+    # before it says the same id, and a client keeps its mapping of that file
+    pool_id: int = 0
 
 
 class NamespaceOk(Reply, tag="namespace_ok"):

@@ -1,0 +1,132 @@
+"""What the pool journal must say: the records a restarted daemon replays.
+
+Synchronous and free of I/O: the cache calls this as namespaces appear, write
+leases get fresh slots, pages are published and slots freed; the records wait
+in ``pending`` until the daemon writes them (daemon/journal.py), which it does
+before any reply leaves, so whatever a client was told (a lease on fresh
+slots, a commit) is in the file first. The format is wire/journal.py's.
+
+The recorder also keeps what a compacted journal would hold (the namespaces,
+each live page's record, the slots under write leases) so that the daemon can
+replace a journal that grew long with one of that size (``snapshot``).
+"""
+
+from __future__ import annotations
+
+from hicached.wire.journal import AllocRecord, FreeRecord, NsRecord, PageRecord, frame
+from hicached.wire.namespace import NamespaceSpec
+
+__all__ = ["NoRecorder", "Recorder"]
+
+# A journal this many times larger than what it describes (plus a floor) is compacted.
+COMPACT_RATIO = 4
+COMPACT_FLOOR = 32 << 20
+
+
+class Recorder:
+    """Records for the pool journal, and the live state a snapshot holds."""
+
+    on = True  # the cache builds records only for a recorder that keeps them
+
+    def __init__(self) -> None:
+        self.pending: list[bytes] = []
+        self._frees: list[int] = []  # slots freed since the last record (one record)
+        self.namespaces: dict[int, bytes] = {}  # ns id -> its record
+        self.pages: dict[int, bytes] = {}  # slot -> the record of the page it holds
+        self.allocs: dict[int, int] = {}  # slot under a write lease -> its page size
+        self.live_bytes = 0  # bytes of records in ``pages``
+        self.written = 0  # bytes the journal file holds since its last snapshot
+
+    def namespace(self, ns: int, tenant: str, spec: NamespaceSpec) -> None:
+        record = frame(NsRecord(ns, tenant, spec))
+        self.namespaces[ns] = record
+        self._add(record)
+
+    def forget_namespace(self, ns: int) -> None:
+        """A namespace with no page left: a snapshot leaves it out."""
+        self.namespaces.pop(ns, None)
+
+    def alloc(self, slots: list[int], page_bytes: int) -> None:
+        """Fresh slots given to a client's write lease."""
+        if not slots:
+            return
+        allocs = self.allocs
+        for slot in slots:
+            allocs[slot] = page_bytes
+        self._add(frame(AllocRecord(slots, page_bytes)))
+
+    def page(self, record: PageRecord) -> None:
+        """A page published in L2."""
+        made = frame(record)
+        slot = record.slot
+        self.allocs.pop(slot, None)
+        old = self.pages.get(slot)
+        if old is not None:
+            self.live_bytes -= len(old)
+        self.pages[slot] = made
+        self.live_bytes += len(made)
+        self._add(made)
+
+    def freed(self, slot: int) -> None:
+        """``slot`` holds nothing any record says any more."""
+        old = self.pages.pop(slot, None)
+        if old is not None:
+            self.live_bytes -= len(old)
+        self.allocs.pop(slot, None)
+        self._frees.append(slot)
+
+    def _add(self, record: bytes) -> None:
+        if self._frees:
+            self.pending.append(frame(FreeRecord(self._frees)))
+            self._frees = []
+        self.pending.append(record)
+
+    @property
+    def waiting(self) -> bool:
+        return bool(self.pending or self._frees)
+
+    def take(self) -> bytes:
+        """The records not yet written, in order; they count as written."""
+        if self._frees:
+            self.pending.append(frame(FreeRecord(self._frees)))
+            self._frees = []
+        data = b"".join(self.pending)
+        self.pending.clear()
+        self.written += len(data)
+        return data
+
+    def should_compact(self) -> bool:
+        live = self.live_bytes + len(self.allocs) * 16
+        return self.written > COMPACT_RATIO * live + COMPACT_FLOOR
+
+    def snapshot(self) -> bytes:
+        """Every record a new journal needs (after its header): the namespaces,
+        the slots under write leases, the live pages. Pending records are
+        folded in; the new file counts as written from here."""
+        self._frees.clear()
+        self.pending.clear()
+        by_size: dict[int, list[int]] = {}
+        for slot, size in self.allocs.items():
+            by_size.setdefault(size, []).append(slot)
+        allocs = [frame(AllocRecord(slots, size)) for size, slots in by_size.items()]
+        data = b"".join([*self.namespaces.values(), *allocs, *self.pages.values()])
+        self.written = len(data)
+        return data
+
+
+class NoRecorder(Recorder):
+    """No journal (``pool.adopt = false``, or a cache of its own in a test)."""
+
+    on = False
+
+    def namespace(self, ns: int, tenant: str, spec: NamespaceSpec) -> None:
+        pass
+
+    def alloc(self, slots: list[int], page_bytes: int) -> None:
+        pass
+
+    def page(self, record: PageRecord) -> None:
+        pass
+
+    def freed(self, slot: int) -> None:
+        pass

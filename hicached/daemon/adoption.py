@@ -1,0 +1,92 @@
+"""The pool at start: the one the daemon before left (adopted), or a new one.
+
+With ``pool.adopt`` (the default) a stopped or killed daemon leaves its pool
+file and its journal (daemon/journal.py) in ``pool.shm_dir``, and the next
+start with the same runtime directory maps that file again and rebuilds its
+index from the journal (cache/adopt.py). A pool that cannot be adopted (no
+journal, a journal of another layout version, another pool size or slab size,
+a file of another length) is replaced by a new one, and the log says why.
+``hicached serve --fresh`` replaces it whatever it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from hicached.config import Config
+from hicached.daemon.journal import JournalDamage, check, journal_path, load
+from hicached.errors import HicachedError
+from hicached.wire.arena import GEN_GRANULE, Arena, file_bytes
+from hicached.wire.journal import JOURNAL_VERSION, JournalHeader, Record
+
+log = logging.getLogger("hicached")
+
+__all__ = ["OpenedPool", "open_pool"]
+
+
+@dataclass(slots=True)
+class OpenedPool:
+    arena: Arena
+    header: JournalHeader  # what the journal of this daemon starts with
+    records: list[Record] | None  # the journal to adopt (None: a new pool)
+    torn: int = 0  # bytes at the journal's end that did not verify
+
+
+def open_pool(
+    config: Config,
+    path: Path,
+    group: int | None,
+    fresh: bool,
+    on_populate: Callable[[int], None] | None = None,
+) -> OpenedPool:
+    """Adopt the pool at ``path`` when ``pool.adopt`` allows and it can be, else
+    make a new one (removing any journal of the old)."""
+    pool = config.pool
+    size = pool.size_mib << 20
+    slab = pool.slab_mib << 20
+    journal = journal_path(path)
+    if pool.adopt and not fresh and path.exists():
+        why = ""
+        try:
+            header, records, torn = load(journal)
+            why = check(
+                header,
+                JournalHeader(
+                    version=JOURNAL_VERSION,
+                    pool_bytes=size,
+                    slab_bytes=slab,
+                    gen_granule=GEN_GRANULE,
+                    file_bytes=header.file_bytes,
+                    pool_id=header.pool_id,
+                ),
+            )
+            if not why and header.file_bytes < file_bytes(size):
+                why = f"its file has {header.file_bytes} bytes, less than a pool of {size} needs"
+        except FileNotFoundError:
+            why = "it has no journal"
+        except (OSError, JournalDamage) as exc:
+            why = f"its journal cannot be read: {exc}"
+        if not why:
+            try:
+                arena = Arena.reopen(path, size, header.file_bytes, group, pool.huge_pages)
+            except HicachedError as exc:
+                why = str(exc)
+            else:
+                log.info("pool: adopting %s (%d journal records)", path, len(records))
+                return OpenedPool(arena, header, records, torn)
+        log.warning("pool: not adopting the pool at %s: %s; making a new one", path, why)
+    journal.unlink(missing_ok=True)
+    arena = Arena.create(path, size, pool.populate, group, on_populate, pool.huge_pages)
+    header = JournalHeader(
+        version=JOURNAL_VERSION,
+        pool_bytes=size,
+        slab_bytes=slab,
+        gen_granule=GEN_GRANULE,
+        file_bytes=arena.file_bytes,
+        pool_id=secrets.randbits(63),
+    )
+    return OpenedPool(arena, header, None)

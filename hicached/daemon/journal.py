@@ -1,0 +1,128 @@
+"""The pool journal's file: written before replies, read by the next daemon.
+
+The file lives beside the pool file (``<pool>.journal``, mode 0600, the same
+tmpfs and lifetime). The request loop writes the records the cache made
+(cache/journal.py) before it sends any reply, in one ``write`` a turn, so a
+lease or a commit a client heard of is in the file even if the daemon is
+killed the next instant (tmpfs keeps what a write put there). A journal that
+grew long is replaced by one that holds only what it describes (a new file,
+then ``rename``: a crash in between leaves the old one whole).
+
+A write that fails (a full tmpfs) ends journaling for this daemon's life:
+the file is removed, so the next start makes a fresh pool rather than adopt
+one whose journal misses records, and the error is logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+
+from hicached.cache.journal import Recorder
+from hicached.wire.journal import (
+    JournalDamage,
+    JournalHeader,
+    Record,
+    header_bytes,
+    read_header,
+    read_journal,
+)
+
+log = logging.getLogger("hicached")
+
+__all__ = ["JournalFile", "journal_path", "load"]
+
+
+def journal_path(pool: Path) -> Path:
+    return pool.with_name(pool.name + ".journal")
+
+
+def load(path: Path) -> tuple[JournalHeader, list[Record], int]:
+    """The header, the records and the bytes of torn tail of the journal at
+    ``path``; ``JournalDamage`` (or ``OSError``) when it cannot be adopted."""
+    data = path.read_bytes()
+    view = memoryview(data)
+    header, start = read_header(view)
+    records, torn = read_journal(view, start)
+    return header, records, torn
+
+
+class JournalFile:
+    """The journal of this daemon's pool, open for appending."""
+
+    def __init__(self, path: Path, header: JournalHeader, recorder: Recorder) -> None:
+        self.path = path
+        self.header = header
+        self.recorder = recorder
+        self._fd: int | None = None
+        self.failed = False
+
+    def start(self) -> None:
+        """Write a new journal: the header and what the recorder holds now."""
+        self._replace(header_bytes(self.header) + self.recorder.snapshot())
+
+    def flush(self) -> None:
+        """Write the records made since the last flush (before a reply goes out)."""
+        recorder = self.recorder
+        if not recorder.waiting:
+            return
+        data = recorder.take()
+        if self._fd is None:
+            return
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError as exc:
+            self._fail(f"cannot write the pool journal {self.path}: {exc.strerror}")
+            return
+        if recorder.should_compact():
+            self._replace(header_bytes(self.header) + recorder.snapshot())
+
+    def _replace(self, data: bytes) -> None:
+        tmp = self.path.with_name(self.path.name + ".new")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+            except BaseException:
+                os.close(fd)
+                raise
+            os.replace(tmp, self.path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            self._fail(f"cannot write the pool journal {self.path}: {exc.strerror}")
+            return
+        if self._fd is not None:
+            os.close(self._fd)
+        self._fd = fd
+        os.lseek(fd, 0, os.SEEK_END)
+
+    def _fail(self, why: str) -> None:
+        self.failed = True
+        log.error("%s: the pool will not be adopted by the next start", why)
+        self.close()
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def check(header: JournalHeader, expected: JournalHeader) -> str:
+    """Why a pool with ``header`` cannot be adopted by a daemon that would make
+    one like ``expected`` ("" when it can)."""
+    for name in ("pool_bytes", "slab_bytes", "gen_granule", "file_bytes"):
+        have, want = getattr(header, name), getattr(expected, name)
+        if have != want:
+            return f"its {name} is {have}, this configuration makes {want}"
+    return ""
+
+
+__all__ += ["JournalDamage", "check"]

@@ -1,0 +1,164 @@
+"""The pool journal's format: what a restarted daemon reads to adopt the pool.
+
+The journal is a file beside the pool file (same tmpfs, same lifetime, mode
+0600): a header, then framed records. Each frame is ``<u32 length><u64 xxh3
+of the body><body>``, the body one msgpack-encoded record; a frame that is cut
+short or does not verify ends the journal there (a daemon killed mid-write
+leaves at most its last frame torn, and that frame was never acknowledged).
+
+Records, in the order the daemon made them:
+
+- ``NsRecord``: a namespace (its id on the wire, its tenant, its spec);
+- ``AllocRecord``: fresh slots given to a client's write lease (bytes may
+  land in them through that client's handle until the lease ends);
+- ``PageRecord``: a page published in L2: namespace, key, parent, slot, the
+  slot's generation when it was published, and what its events need;
+- ``FreeRecord``: slots that no longer hold what an earlier record says.
+
+Replayed in order, the last record about a slot says what it is. A page is
+adopted only if its slot's generation in the pool file still equals the one
+recorded: a slot freed since (whether or not its ``FreeRecord`` reached the
+file) has a newer generation, so a lost record can make the cache forget a
+page, never serve another key's bytes.
+
+``JournalHeader`` names what must match for a pool to be adopted: the
+format version, the pool's byte size and slab size, the generation granule,
+the pool file's length and the pool's id (a random number made with the
+file, which clients compare to keep their mapping across a restart).
+"""
+
+from __future__ import annotations
+
+import struct
+
+import msgspec
+import xxhash
+
+from hicached.wire.namespace import NamespaceSpec
+
+__all__ = [
+    "JOURNAL_VERSION",
+    "AllocRecord",
+    "FreeRecord",
+    "JournalHeader",
+    "NsRecord",
+    "PageRecord",
+    "Record",
+    "frame",
+    "read_journal",
+]
+
+JOURNAL_MAGIC = b"HICJRNL\x00"
+JOURNAL_VERSION = 1  # bump when a record or the header changes meaning
+_FRAME = struct.Struct("<IQ")
+MAX_FRAME = 16 << 20  # a longer frame is damage, not a record
+
+
+class JournalHeader(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a pool must match to be adopted (``version`` first: an older or newer
+    daemon reads no further than it)."""
+
+    version: int
+    pool_bytes: int
+    slab_bytes: int
+    gen_granule: int
+    file_bytes: int
+    pool_id: int
+
+
+class NsRecord(msgspec.Struct, tag="ns", array_like=True):
+    ns: int
+    tenant: str
+    spec: NamespaceSpec
+
+
+class AllocRecord(msgspec.Struct, tag="alloc", array_like=True):
+    slots: list[int]
+    page_bytes: int
+
+
+class PageRecord(msgspec.Struct, tag="page", array_like=True):
+    """One published page. ``tokens`` (packed uint32 LE) are a token page's ids
+    for its events; ``ekey``/``eparent`` the event keys of a key-addressed page."""
+
+    ns: int
+    key: bytes
+    parent: bytes
+    slot: int
+    gen: int
+    tokens: bytes = b""
+    ekey: bytes = b""
+    eparent: bytes = b""
+
+
+class FreeRecord(msgspec.Struct, tag="free", array_like=True):
+    slots: list[int]
+
+
+Record = NsRecord | AllocRecord | PageRecord | FreeRecord
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode_record = msgspec.msgpack.Decoder(Record).decode
+_decode_header = msgspec.msgpack.Decoder(JournalHeader).decode
+
+
+def frame(record: Record | JournalHeader) -> bytes:
+    """One record (or the header), framed."""
+    body = _encode(record)
+    return _FRAME.pack(len(body), xxhash.xxh3_64_intdigest(body)) + body
+
+
+def header_bytes(header: JournalHeader) -> bytes:
+    return JOURNAL_MAGIC + frame(header)
+
+
+class JournalDamage(ValueError):
+    """The journal cannot be read as this version writes it."""
+
+
+def read_header(data: memoryview) -> tuple[JournalHeader, int]:
+    """The header and where the records start; ``JournalDamage`` when it is not
+    a journal, or one of another version (said in the message)."""
+    if bytes(data[: len(JOURNAL_MAGIC)]) != JOURNAL_MAGIC:
+        raise JournalDamage("not a hicached pool journal")
+    body, end = _unframe(data, len(JOURNAL_MAGIC))
+    if body is None:
+        raise JournalDamage("the journal's header is torn")
+    version = msgspec.msgpack.decode(body, type=dict).get("version")
+    if version != JOURNAL_VERSION:
+        raise JournalDamage(f"pool layout version {version}, this daemon reads {JOURNAL_VERSION}")
+    try:
+        return _decode_header(body), end
+    except msgspec.MsgspecError as exc:
+        raise JournalDamage(f"the journal's header does not decode: {exc}") from None
+
+
+def read_journal(data: memoryview, start: int) -> tuple[list[Record], int]:
+    """The records from ``start`` on, up to the first that is torn or does not
+    verify, and how many bytes were left unread from there (the torn tail)."""
+    records: list[Record] = []
+    pos = start
+    while pos < len(data):
+        body, end = _unframe(data, pos)
+        if body is None:
+            break
+        try:
+            records.append(_decode_record(body))
+        except msgspec.MsgspecError:
+            break
+        pos = end
+    return records, len(data) - pos
+
+
+def _unframe(data: memoryview, pos: int) -> tuple[bytes | None, int]:
+    if pos + _FRAME.size > len(data):
+        return None, pos
+    length, digest = _FRAME.unpack_from(data, pos)
+    start = pos + _FRAME.size
+    end = start + length
+    if length > MAX_FRAME or end > len(data):
+        return None, pos
+    body = bytes(data[start:end])
+    if xxhash.xxh3_64_intdigest(body) != digest:
+        return None, pos
+    return body, end
