@@ -83,6 +83,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
         "dropped:    " + _pairs(stats.dropped),
         "matched:    " + _pairs(stats.match_pages),
     ]
+    if stats.adopted_pages or stats.adoption_dropped:
+        lines.append(
+            f"adopted:    {stats.adopted_pages} pages at start; dropped "
+            + _pairs(stats.adoption_dropped)
+        )
     if stats.l3_backend:
         lines.append(
             f"L3:         {stats.l3_backend} {stats.l3_state}, {stats.l3_pages_known} pages known; "

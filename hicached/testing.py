@@ -51,6 +51,7 @@ class DaemonProcess:
         metrics: str = "port = 0",  # any free port: daemons side by side
         curve: CurveKeys | None = None,  # the keys this harness connects with
         fresh: bool = True,
+        adopt: bool = True,  # pool.adopt
     ) -> None:
         self.curve = curve
         # each start makes a new pool (serve --fresh), so a restart empties L2 as
@@ -67,6 +68,7 @@ class DaemonProcess:
             f"[pool]\nsize_mib = {size_mib}\nslab_mib = {slab_mib}\n"
             f"max_page_bytes = {max_page_bytes}\n"
             f"populate = {'true' if populate else 'false'}\n"
+            f"adopt = {'true' if adopt else 'false'}\n"
             f"[metrics]\n{metrics}\n"
             f'[storage]\ndata_dir = "{self.dir / "data"}"\n{storage}\n{tail}\n'
         )

@@ -420,4 +420,6 @@ class Cache:
             match_pages=dict(self.reads.pages),
             events_pending=len(self.events.pending),
             metrics_endpoint=self.metrics_endpoint,
+            adopted_pages=self.adopted.pages if self.adopted else 0,
+            adoption_dropped=dict(self.adopted.dropped) if self.adopted else {},
         )

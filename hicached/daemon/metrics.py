@@ -132,6 +132,17 @@ class _Snapshot(Collector):
             s.match_pages,
         )
         yield _total("hicached_evicted_pages", "Pages evicted from L2.", s.evicted_pages)
+        yield _gauge(
+            "hicached_adopted_pages",
+            "Pages adopted at start from the pool of the daemon before this one.",
+            s.adopted_pages,
+        )
+        yield _counter(
+            "hicached_adoption_dropped",
+            "Pages of the pool before a restart not adopted, by reason.",
+            "reason",
+            s.adoption_dropped,
+        )
         yield _total(
             "hicached_reclaimed_slabs",
             "Pool slabs one page size gave up for another.",

@@ -308,6 +308,10 @@ class DaemonStats(msgspec.Struct, kw_only=True):
     # pages written to L3 (rewrites included) per page committed
     l3_write_amplification: float = 0.0
     metrics_endpoint: str = ""  # "" when metrics are off
+    # pages this daemon adopted at its start from the pool of the one before it,
+    # and those it dropped, by reason (stale, orphan, geometry, ...; docs/operations.md)
+    adopted_pages: int = 0
+    adoption_dropped: dict[str, int] = {}
 
 
 class StatsOk(Reply, tag="stats_ok"):

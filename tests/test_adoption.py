@@ -1,0 +1,237 @@
+"""L2 across restarts: a daemon adopts the pool of the one before it.
+
+Real daemons, real client processes. Whatever the timing of a kill -9, no page
+is ever read with bytes that were not stored under its key, every page whose
+commit was acknowledged before the kill is matched again after the restart,
+and clients go on without restarting (docs/operations.md, cache/adopt.py).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+
+from hicached.daemon.journal import journal_path
+from hicached.errors import StaleHandle
+from hicached.wire.arena import arena_path
+from hicached.wire.journal import JOURNAL_VERSION, JournalHeader, header_bytes, read_header
+from tests.adoption_worker import PAGES, SPEC, pattern, tokens
+from tests.l3util import FILE_STORE
+from tests.support import Daemon
+
+ROOT = Path(__file__).resolve().parent.parent
+CYCLES = int(os.environ.get("HICACHED_ADOPTION_CYCLES", "4"))
+
+
+def adopting(**kwargs: object) -> Daemon:
+    """A daemon whose every start adopts the pool of the stop before."""
+    made: dict[str, object] = {"size_mib": 96, "max_page_bytes": 1 << 20, **kwargs}
+    return Daemon(fresh=False, **made)  # type: ignore[arg-type]
+
+
+def acked(logs: list[Path]) -> list[int]:
+    out = []
+    for log in logs:
+        for line in log.read_text().splitlines():
+            assert not line.startswith("LIE"), f"a page was read with another key's bytes: {line}"
+            if line.startswith("ACK"):
+                out.append(int(line.split()[1]))
+    return out
+
+
+def check_all_matched(d: Daemon, sequences: list[int]) -> None:
+    """Every sequence is matched whole in L2, with its own bytes."""
+    with d.client() as c:
+        ns = c.register(**SPEC)
+        for s in sequences:
+            hit = c.match(ns, tokens(s))
+            try:
+                assert hit.hits == PAGES, f"sequence {s}: {hit.hits} of {PAGES} pages after restart"
+                assert np.array_equal(c.read_pages(hit), pattern(s))
+            finally:
+                c.release(hit)
+
+
+def test_kill9_and_sigterm_cycles_lose_no_acknowledged_page(tmp_path: Path) -> None:
+    """Three client processes store, read back (every byte compared) and
+    prefetch while the daemon is killed (-9, and once SIGTERM) at random
+    moments; after each restart every sequence acknowledged before the stop is
+    matched whole, and the clients carry on with the client objects they had."""
+    d = adopting(storage='backend = "file"\nwrite_policy = "write_through"\n', tail=FILE_STORE)
+    d.start()
+    rng = random.Random(7)
+    logs = [tmp_path / f"worker{w}.log" for w in range(3)]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.adoption_worker", d.endpoint, str(log), str(w), "400"],
+            cwd=ROOT,
+        )
+        for w, log in enumerate(logs)
+    ]
+    matched = committed = 0
+    try:
+        for cycle in range(CYCLES):
+            time.sleep(rng.uniform(0.2, 1.2))
+            sigterm = cycle == CYCLES - 1
+            if sigterm:
+                assert d.stop() == 0
+            else:
+                d.kill()
+            before = acked(logs)
+            d.start()
+            check_all_matched(d, before)
+            with d.client() as c:
+                stats = c.stats()
+            assert stats.adopted_pages >= PAGES * len(before)
+            matched += len(before)
+            committed += len(before)
+        for worker in workers:
+            assert worker.wait(120) == 0
+        assert all(log.read_text().endswith("DONE\n") for log in logs)
+        acked(logs)  # and no LIE in any
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+        d.cleanup()
+    assert matched == committed > 0
+
+
+def test_a_client_keeps_its_mapping_and_its_read_handles(tmp_path: Path) -> None:
+    """Across a restart that adopts the pool: the client goes on with its mapping
+    (no remap), a hit granted by the daemon before reads the original bytes,
+    and once the new daemon evicts that page the same hit is a miss."""
+    d = adopting(size_mib=16)
+    d.start()
+    try:
+        with d.client() as c:
+            ns = c.register(**SPEC)
+            c.store(ns, tokens(1), pattern(1))
+            hit = c.match(ns, tokens(1))
+            mapping = c.mapping
+            d.stop()
+            d.start()
+            c.stats()  # catches up with the new instance
+            assert c.mapping is mapping, "the same pool file is not mapped again"
+            assert np.array_equal(c.read_pages(hit), pattern(1)), "adopted: the bytes stand"
+            # the new daemon gives the page's slot to others: the old hit is stale
+            with d.client() as other:
+                ons = other.register(**{**SPEC, "model": "test/other"})
+                for s in range(2, 400):
+                    other.store(ons, tokens(s), pattern(s))
+            assert c.match(ns, tokens(1), lease=False).hits == 0, "the page was evicted"
+            with pytest.raises(StaleHandle):
+                c.read_pages(hit)
+    finally:
+        d.cleanup()
+
+
+def test_a_write_handle_from_before_the_restart_lands_in_no_other_page() -> None:
+    """A client holds a reservation across a kill -9; the new daemon quarantines
+    its slots, so even bytes written straight into them (fault injection: a copy
+    that began before the restart and ends after it) reach no page another
+    client stores meanwhile; the client's own library refuses the old handle."""
+    d = adopting()
+    d.start()
+    try:
+        with d.client() as late:
+            ns = late.register(**SPEC)
+            res = late.reserve(ns, tokens(1))
+            offsets = list(res.offsets)
+            assert len(offsets) == PAGES
+            d.kill()
+            d.start()
+            late.stats()
+            with pytest.raises(StaleHandle):
+                late.write_pages(res, pattern(1))
+            with d.client() as other:
+                ons = other.register(**{**SPEC, "model": "test/other"})
+                stored = []
+                for s in range(2, 200):
+                    ok = other.store(ons, tokens(s), pattern(s))
+                    if ok.published:
+                        stored.append(s)
+                # the late copy lands now, straight through the mapping
+                rows = late.mapping.arena.array
+                for offset in offsets:
+                    rows[offset : offset + SPEC["page_bytes"]] = 0xEE
+                for s in stored:
+                    hit = other.match(ons, tokens(s))
+                    try:
+                        got = other.read_pages(hit)
+                        assert np.array_equal(got, pattern(s)[: len(got)]), s
+                    finally:
+                        other.release(hit)
+                stats = other.stats()
+                assert stats.quarantined_pages == PAGES
+    finally:
+        d.cleanup()
+
+
+def test_a_pool_of_another_layout_version_is_replaced(tmp_path: Path) -> None:
+    """A pool whose journal says another layout version (an older or newer
+    daemon's) is never read: the start says why and makes a new pool."""
+    d = adopting()
+    d.start()
+    try:
+        with d.client() as c:
+            ns = c.register(**SPEC)
+            c.store(ns, tokens(1), pattern(1))
+        assert d.stop() == 0
+        journal = journal_path(arena_path("/dev/shm", d.runtime))
+        data = journal.read_bytes()
+        header, start = read_header(memoryview(data))
+        bumped = msgspec.structs.replace(header, version=JOURNAL_VERSION + 1)
+        # written as a newer daemon would: its header, the same records
+        journal.write_bytes(header_bytes(bumped) + data[start:])
+        d.start()
+        with d.client() as c:
+            ns = c.register(**SPEC)
+            assert c.match(ns, tokens(1), lease=False).hits == 0
+            assert c.stats().adopted_pages == 0
+        log = d.log.read_text()
+        assert (
+            f"pool layout version {JOURNAL_VERSION + 1}, this daemon reads {JOURNAL_VERSION}" in log
+        )
+        assert "making a new one" in log
+    finally:
+        d.cleanup()
+
+
+def test_a_fresh_start_and_adopt_off_forget_l2() -> None:
+    """`serve --fresh` makes a new pool once; pool.adopt = false never keeps one."""
+    d = adopting()
+    d.start()
+    try:
+        with d.client() as c:
+            ns = c.register(**SPEC)
+            c.store(ns, tokens(1), pattern(1))
+        d.stop()
+        d.fresh = True
+        d.start()
+        with d.client() as c:
+            assert c.match(c.register(**SPEC), tokens(1), lease=False).hits == 0
+    finally:
+        d.cleanup()
+    off = Daemon(fresh=False, adopt=False)
+    off.start()
+    try:
+        with off.client() as c:
+            ns = c.register(**SPEC)
+            c.store(ns, tokens(1), pattern(1))
+        pool = arena_path("/dev/shm", off.runtime)
+        assert off.stop() == 0
+        assert not pool.exists() and not journal_path(pool).exists()
+        off.start()
+        with off.client() as c:
+            assert c.match(c.register(**SPEC), tokens(1), lease=False).hits == 0
+    finally:
+        off.cleanup()
