@@ -22,7 +22,7 @@ import pytest
 from hicached.daemon.journal import journal_path
 from hicached.errors import StaleHandle
 from hicached.wire.arena import arena_path
-from hicached.wire.journal import JOURNAL_VERSION, JournalHeader, header_bytes, read_header
+from hicached.wire.journal import JOURNAL_VERSION, header_bytes, read_header
 from tests.adoption_worker import PAGES, SPEC, pattern, tokens
 from tests.l3util import FILE_STORE
 from tests.support import Daemon

@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from hicached.arena import arena_path
-from hicached.daemon.journal import journal_path
 from hicached.config import Config, load_config
+from hicached.daemon.journal import journal_path
 from hicached.errors import ResourceExhausted
 from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
 
