@@ -50,6 +50,7 @@ from hypothesis.stateful import (
 from hicached import protocol as p
 from hicached.arena import Arena
 from hicached.cache import Cache, Lease, NamespaceState
+from hicached.cache.journal import Recorder
 from hicached.config import Config, LeaseConfig, PoolConfig, StorageConfig
 from hicached.errors import StaleHandle
 from hicached.handles import Hit, LeaseState, Reservation
@@ -59,6 +60,7 @@ from hicached.index import PageIndex
 from hicached.keyindex import KeyIndex
 from hicached.mapping import PoolMapping, lease_margin
 from hicached.pool import GEN_GRANULE
+from hicached.wire.journal import PageRecord, Record, read_journal
 
 PAGE = 256 * 1024  # 4 slots per 1 MiB slab, 2 slabs
 SIZES = {"small": PAGE, "large": 2 * PAGE}  # 4 or 2 pages a slab
@@ -132,15 +134,27 @@ class CacheMachine(RuleBasedStateMachine):
         )
         self.boot()
 
-    def boot(self) -> None:
-        """A daemon (re)starts: new instance, new state, the same pool file and store."""
+    def boot(self, journal: list[Record] | None = None) -> None:
+        """A daemon (re)starts: new instance, new state, the same pool file and
+        store; with ``journal``, it adopts the pool (the clients keep their
+        mapping) from those records."""
         self.cache = Cache(
-            self.config, pool_path=str(self.arena.path), gens=self.arena.gens, clock=self.clock
+            self.config,
+            pool_path=str(self.arena.path),
+            gens=self.arena.gens,
+            clock=self.clock,
+            journal=Recorder(),
         )
+        if journal is not None:
+            self.cache.adopt(journal)
+            self.mapping.adopted_by(self.cache.instance)
+        else:
+            self.mapping = PoolMapping(self.arena, self.cache.instance, GEN_GRANULE, self.clock)
+        # the new daemon's journal starts from what it holds
+        self.journal: list[bytes] = [self.cache.journal.snapshot()]
         self.tier = HeldTier()
         self.cache.tier = self.tier
         self.cache.l3.update(self.l3)  # the startup scan
-        self.mapping = PoolMapping(self.arena, self.cache.instance, GEN_GRANULE, self.clock)
         self.ns: dict[tuple[bytes, str], ClientNamespace] = {}
         for rid in (b"A", b"B"):
             self.connect(rid)
@@ -167,7 +181,9 @@ class CacheMachine(RuleBasedStateMachine):
         request.id = next(self.ids)
         # through the wire encoding, as the server does
         decoded = p.request_decoder.decode(p.encode(request))
-        return self.cache.handle(rid, decoded)
+        reply = self.cache.handle(rid, decoded)
+        self.journal.append(self.cache.journal.take())  # written before the reply goes
+        return reply
 
     def keys(self, which: str, seq: list[int]) -> list[bytes]:
         return page_keys(self.ns[b"A", which].digest, pack_tokens(seq), 1)
@@ -470,8 +486,8 @@ class CacheMachine(RuleBasedStateMachine):
         res, keys = self.stalled.pop(data.draw(st.integers(0, len(self.stalled) - 1)))
         if self.clock.now >= res.deadline + lease_margin(TTL) + QUARANTINE:
             return  # stopped for longer than the quarantine covers
-        if res.instance != self.cache.instance:
-            return  # the daemon restarted: a new pool owner (the model's stand-in)
+        if res.instance != self.cache.instance and res.instance not in self.mapping.earlier:
+            return  # the daemon restarted with a pool of its own (the model's stand-in)
         size = res.ns.page_bytes
         others: dict[int, str] = {}
         for index in self.cache.l2.indexes():
@@ -519,6 +535,37 @@ class CacheMachine(RuleBasedStateMachine):
     def restart(self) -> None:
         """The daemon dies and a new one starts; writes in flight are lost."""
         self.boot()
+
+    @rule(flushed=st.booleans(), torn=st.booleans())
+    def restart_adopting(self, flushed: bool, torn: bool) -> None:
+        """The daemon dies between two replies (what changed since the last one
+        written or not: ``flushed``; the last write cut short: ``torn``) and a
+        new one adopts the pool. Every page indexed before is indexed after, in
+        its slot, but those whose record was in the torn write; no other page
+        appears; handles from before are used again by the other rules."""
+        pages = {(key, slot) for index in self.cache.l2.indexes() for key, slot, _ in index.items()}
+        held = {(key, slot) for _, key, slot, _ in self.tier.pending}  # evicted, not yet free
+        if flushed:
+            self.journal.append(self.cache.journal.take())
+        # only the last request's write can be cut short: its reply never went
+        torn = torn and bool(self.journal[-1])
+        writes = [data for data in self.journal if data]
+        lost: set[tuple[bytes, int]] = set()
+        if torn:
+            last = writes.pop()
+            records, _ = read_journal(memoryview(last), 0)
+            lost = {(r.key, r.slot) for r in records if isinstance(r, PageRecord)}
+            writes.append(last[: len(last) // 2])
+        records, _ = read_journal(memoryview(b"".join(writes)), 0)
+        self.boot(records)
+        after = {(key, slot) for index in self.cache.l2.indexes() for key, slot, _ in index.items()}
+        assert pages - lost <= after, "a page committed before the restart was not adopted"
+        assert after <= pages | (held if torn else set()), "adoption made up a page"
+
+    @rule()
+    def journal_compacts(self) -> None:
+        """The journal is replaced by one that holds only what it describes."""
+        self.journal = [self.cache.journal.snapshot()]
 
     # -- invariants --------------------------------------------------------------
 

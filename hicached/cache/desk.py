@@ -225,7 +225,9 @@ class Cache:
         tiering, namespaces = self.tiering, self.names.by_id
         owners: dict[NamespaceState, list[bytes]] = {}
         # parents first: eviction takes a sequence from its tail, L3 gets it from its head
+        forget = self.journal.freed
         for key, slot, owner in reversed(victims):
+            forget(slot)  # held for a write-back or not, no restart adopts it
             ns = namespaces[owner]
             ns.pages -= 1
             ns.book.evicted += 1
