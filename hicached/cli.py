@@ -341,7 +341,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=_cmd_check_config)
 
     bench = sub.add_parser("bench", help="run a benchmark and print its figures")
-    bench.add_argument("which", choices=["control", "data", "l3", "ranks", "cuda", "scale"])
+    bench.add_argument(
+        "which", choices=["control", "data", "l3", "ranks", "cuda", "scale", "adopt"]
+    )
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--endpoint", help="use this daemon instead of the default one")
     bench.add_argument("--requests", type=int, default=2000, help="timed requests per client")
@@ -350,6 +352,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--backend", default="file", help="l3: file, s3 or mooncake")
     bench.add_argument("--mib", type=int, default=128, help="l3: MiB moved per page size")
     bench.add_argument("--rounds", type=int, default=5, help="l3: paired read rounds")
+    bench.add_argument(
+        "--pool-mib", type=int, default=16384, help="adopt: MiB of the pool that is filled"
+    )
+    bench.add_argument(
+        "--no-million",
+        dest="million",
+        action="store_false",
+        help="adopt: leave out the case of a million 4 KiB pages",
+    )
     bench.add_argument(
         "--read-processes",
         type=int,

@@ -26,6 +26,8 @@ def run_bench(which: str, args: argparse.Namespace) -> dict[str, Any]:
         from hicached.bench.cuda import run
     elif which == "scale":
         from hicached.bench.scale import run
+    elif which == "adopt":
+        from hicached.bench.adopt import run
     else:  # pragma: no cover - argparse restricts the choice
         raise ValueError(which)
     started = time.time()
