@@ -18,9 +18,13 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
+import zmq
 
 from hicached.daemon.journal import journal_path
+from hicached.daemon.publisher import END_SEQ
 from hicached.errors import StaleHandle
+from hicached.wire.events import BlockStored, batch_decoder, block_hash
+from hicached.wire.hashing import pack_tokens, page_keys
 from hicached.wire.arena import arena_path
 from hicached.wire.journal import JOURNAL_VERSION, header_bytes, read_header
 from tests.adoption_worker import PAGES, SPEC, pattern, tokens
@@ -264,4 +268,51 @@ def test_pages_smaller_than_a_generation_granule_are_not_adopted() -> None:
             with pytest.raises(StaleHandle):
                 c.read_pages(hit)
     finally:
+        d.cleanup()
+
+
+def test_adopted_pages_are_announced_after_all_blocks_cleared(tmp_path: Path) -> None:
+    """Routers learn the adopted pages again: the new daemon's events begin with
+    AllBlocksCleared, then BlockStored (CPU) for each adopted sequence, with its
+    parent and token ids as first published."""
+    events = tmp_path / "ev"
+    events.mkdir(mode=0o700)
+    tail = (
+        f'[events]\nendpoint = "ipc://{events}/events.sock"\n'
+        f'replay_endpoint = "ipc://{events}/replay.sock"\n'
+    )
+    d = adopting(tail=tail)
+    d.start()
+    ctx = zmq.Context()
+    try:
+        with d.client() as c:
+            ns = c.register(**SPEC)
+            for s in (1, 2):
+                c.store(ns, tokens(s), pattern(s))
+            keys = {
+                s: page_keys(ns.digest, pack_tokens(tokens(s)), SPEC["page_tokens"]) for s in (1, 2)
+            }
+        d.kill()
+        d.start()
+        replay = ctx.socket(zmq.DEALER)
+        replay.setsockopt(zmq.LINGER, 0)
+        replay.connect(f"ipc://{events}/replay.sock")
+        replay.send_multipart([b"", (0).to_bytes(8, "big")])
+        got = []
+        while True:
+            assert replay.poll(5000), "no replay"
+            _, _topic, seq, payload = replay.recv_multipart()
+            if seq == END_SEQ:
+                break
+            got.extend(batch_decoder.decode(payload).events)
+        assert type(got[0]).__name__ == "AllBlocksCleared"
+        stored = [e for e in got[1:] if isinstance(e, BlockStored)]
+        assert all(e.medium == "CPU" for e in stored)
+        announced = {tuple(e.block_hashes): e for e in stored}
+        for s in (1, 2):
+            e = announced[tuple(block_hash(k) for k in keys[s])]
+            assert e.parent_block_hash is None
+            assert e.token_ids == tokens(s) and e.block_size == SPEC["page_tokens"]
+    finally:
+        ctx.destroy(linger=0)
         d.cleanup()
