@@ -23,9 +23,9 @@ import zmq
 from hicached.daemon.journal import journal_path
 from hicached.daemon.publisher import END_SEQ
 from hicached.errors import StaleHandle
+from hicached.wire.arena import arena_path
 from hicached.wire.events import BlockStored, batch_decoder, block_hash
 from hicached.wire.hashing import pack_tokens, page_keys
-from hicached.wire.arena import arena_path
 from hicached.wire.journal import JOURNAL_VERSION, header_bytes, read_header
 from tests.adoption_worker import PAGES, SPEC, pattern, tokens
 from tests.l3util import FILE_STORE
