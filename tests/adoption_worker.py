@@ -48,11 +48,13 @@ def main(endpoint: str, log_path: str, worker: int, sequences: int) -> None:
     rng = random.Random(worker)
     acked: list[int] = []
     log = open(log_path, "a", buffering=1)  # noqa: SIM115 - one line each, as it happens
-    client = Client(endpoint, timeout=2.0, name=f"adoption-{worker}").connect()
-    ns = client.register(**SPEC)
+    client = Client(endpoint, timeout=2.0, name=f"adoption-{worker}")
+    ns = None
     i = 0
     while i < sequences:
         try:
+            if ns is None:  # the daemon may be down already: connecting is retried too
+                ns = client.register(**SPEC)
             s = worker * 1_000_000 + i
             ok = client.store(ns, tokens(s), pattern(s))
             i += 1
@@ -74,6 +76,7 @@ def main(endpoint: str, log_path: str, worker: int, sequences: int) -> None:
                         if not np.array_equal(got[j], want[j]):
                             log.write(f"LIE {old} {j}\n")
             if acked and rng.random() < 0.2:
+                assert ns is not None
                 fetch = client.prefetch(ns, tokens(rng.choice(acked)))
                 client.release(fetch)
         except HicachedError:

@@ -73,10 +73,14 @@ def test_kill9_and_sigterm_cycles_lose_no_acknowledged_page(tmp_path: Path) -> N
     d.start()
     rng = random.Random(7)
     logs = [tmp_path / f"worker{w}.log" for w in range(3)]
+    for log in logs:
+        log.touch()
+    errs = [open(f"{log}.err", "wb") for log in logs]  # noqa: SIM115 - closed below
     workers = [
         subprocess.Popen(
             [sys.executable, "-m", "tests.adoption_worker", d.endpoint, str(log), str(w), "400"],
             cwd=ROOT,
+            stderr=errs[w],
         )
         for w, log in enumerate(logs)
     ]
@@ -97,14 +101,17 @@ def test_kill9_and_sigterm_cycles_lose_no_acknowledged_page(tmp_path: Path) -> N
             assert stats.adopted_pages >= PAGES * len(before)
             matched += len(before)
             committed += len(before)
-        for worker in workers:
-            assert worker.wait(120) == 0
+        for worker, log in zip(workers, logs, strict=True):
+            assert worker.wait(120) == 0, Path(f"{log}.err").read_text()
         assert all(log.read_text().endswith("DONE\n") for log in logs)
         acked(logs)  # and no LIE in any
     finally:
         for worker in workers:
             if worker.poll() is None:
                 worker.kill()
+                worker.wait()
+        for err in errs:
+            err.close()
         d.cleanup()
     assert matched == committed > 0
 

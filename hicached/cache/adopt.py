@@ -91,17 +91,25 @@ def adopt(desk: Cache, records: list[Record], quarantine_until: float) -> Adopte
     namespaces, pages, allocs = replay(records)
     gens = desk.pool.gens
     # 1. what each record claims, checked against the pool as it is
+    where = np.fromiter(pages, dtype=np.int64, count=len(pages))
+    recorded = np.fromiter((page.gen for page in pages.values()), np.int64, len(pages))
+    at = where // GEN_GRANULE
+    inside = at < len(gens)
+    now = np.full(len(pages), -1, dtype=np.int64)
+    now[inside] = gens[at[inside]]
+    stale = set(where[now != recorded].tolist())
+    size_of = {ns: record.spec.page_bytes for ns, record in namespaces.items()}
     sizes: dict[int, int] = {}
     for slot, page in list(pages.items()):
-        named = namespaces.get(page.ns)
-        if named is None:
+        size = size_of.get(page.ns)
+        if size is None:
             reason = "no_namespace"
-        elif named.spec.page_bytes < GEN_GRANULE:
+        elif size < GEN_GRANULE:
             reason = "small_page"
-        elif slot // GEN_GRANULE >= len(gens) or int(gens[slot // GEN_GRANULE]) != page.gen:
+        elif slot in stale:
             reason = "stale"
         else:
-            sizes[slot] = named.spec.page_bytes
+            sizes[slot] = size
             continue
         del pages[slot]
         out.drop(reason)

@@ -130,7 +130,8 @@ class Server:
         with StartupProgress() as progress:
             populated = [0]  # MiB, as _prepare prefaults the pool
             progress.phase(
-                f"populating the {cfg.pool.size_mib} MiB pool",
+                f"opening the {cfg.pool.size_mib} MiB pool (adopting the one before, "
+                "or populating a new one)",
                 lambda: populated[0],
                 stall_s=None,
                 unit=" MiB",
