@@ -182,6 +182,12 @@ def adopt(desk: Cache, records: list[Record], quarantine_until: float) -> Adopte
         journal.page(page)
     for size, slots in by_size.items():
         journal.alloc(slots, size)
+    # 7. last (its evictions free slots as any would): quotas lowered across the restart
+    for book in list(desk.l2.books.values()):
+        if book.max_slots or book.max_bytes:
+            evicted = desk.l2.enforce(book)
+            out.drop("quota", evicted)
+            out.pages -= evicted
     return out
 
 

@@ -81,7 +81,10 @@ class Namespaces:
                 )
             index = desk.l2.index(spec.page_bytes, book.name, spec.keyed)
             kind = desk.keyed if spec.keyed else desk.tokens
-            ns = NamespaceState(next(self._ids), spec, digest, index, book, kind)
+            ns_id = next(self._ids)
+            while ns_id in self.by_id:  # an id adopted from the daemon before
+                ns_id = next(self._ids)
+            ns = NamespaceState(ns_id, spec, digest, index, book, kind)
             self.by_id[ns.id] = ns
             self.by_digest[digest] = ns
             desk.journal.namespace(ns.id, book.name, spec)

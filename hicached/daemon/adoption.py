@@ -19,7 +19,7 @@ from pathlib import Path
 
 from hicached.config import Config
 from hicached.daemon.journal import JournalDamage, check, journal_path, load
-from hicached.errors import HicachedError
+from hicached.errors import ConfigError, HicachedError
 from hicached.wire.arena import GEN_GRANULE, Arena, file_bytes
 from hicached.wire.journal import JOURNAL_VERSION, JournalHeader, Record
 
@@ -79,7 +79,13 @@ def open_pool(
                 log.info("pool: adopting %s (%d journal records)", path, len(records))
                 return OpenedPool(arena, header, records, torn)
         log.warning("pool: not adopting the pool at %s: %s; making a new one", path, why)
-    journal.unlink(missing_ok=True)
+    try:
+        journal.unlink(missing_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot remove the old pool journal {journal}: {exc.strerror} (it is not "
+            "this daemon's: remove it, or set pool.shm_dir to a directory of its own)"
+        ) from None
     arena = Arena.create(path, size, pool.populate, group, on_populate, pool.huge_pages)
     header = JournalHeader(
         version=JOURNAL_VERSION,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 from pathlib import Path
 
 from hicached.cache.journal import Recorder
@@ -42,7 +43,20 @@ def journal_path(pool: Path) -> Path:
 def load(path: Path) -> tuple[JournalHeader, list[Record], int]:
     """The header, the records and the bytes of torn tail of the journal at
     ``path``; ``JournalDamage`` (or ``OSError``) when it cannot be adopted."""
-    data = path.read_bytes()
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or st.st_mode & 0o077 or not stat.S_ISREG(st.st_mode):
+            # in a directory others may write (/dev/shm), a journal that is not
+            # this user's own and private could name any slot: never read it
+            raise JournalDamage(
+                f"{path} is not this daemon's own (uid {st.st_uid}, mode "
+                f"{stat.S_IMODE(st.st_mode):o}; expected uid {os.getuid()}, mode 600)"
+            )
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read()
+    finally:
+        os.close(fd)
     view = memoryview(data)
     header, start = read_header(view)
     records, torn = read_journal(view, start)
@@ -84,7 +98,9 @@ class JournalFile:
     def _replace(self, data: bytes) -> None:
         tmp = self.path.with_name(self.path.name + ".new")
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            tmp.unlink(missing_ok=True)  # left by a crash mid-rewrite
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(tmp, flags, 0o600)
             try:
                 view = memoryview(data)
                 while view:
