@@ -323,3 +323,42 @@ def test_adopted_pages_are_announced_after_all_blocks_cleared(tmp_path: Path) ->
     finally:
         ctx.destroy(linger=0)
         d.cleanup()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "torn", "foreign"])
+def test_a_damaged_or_foreign_journal_is_never_trusted(damage: str) -> None:
+    """A journal that does not verify is read up to its first bad frame (a torn
+    tail loses only what follows it); one that is garbage from the start, or
+    not this user's own and private (in /dev/shm anyone may make a file), is
+    never read: the start makes a new pool and says why."""
+    d = adopting()
+    d.start()
+    try:
+        with d.client() as c:
+            ns = c.register(**SPEC)
+            for s in (1, 2):
+                c.store(ns, tokens(s), pattern(s))
+        assert d.stop() == 0
+        journal = journal_path(arena_path("/dev/shm", d.runtime))
+        data = journal.read_bytes()
+        if damage == "garbage":
+            journal.write_bytes(bytes(len(data)))
+        elif damage == "torn":
+            journal.write_bytes(data[:-7])  # the last page's record cut short
+        else:
+            os.chown(journal, 65534, -1)  # another user's file (the test runs as root)
+        d.start()
+        with d.client() as c:
+            ns = c.register(**SPEC)
+            hits = [c.match(ns, tokens(s), lease=False).hits for s in (1, 2)]
+            adopted = c.stats().adopted_pages
+        log = d.log.read_text()
+        if damage == "torn":
+            # the last sequence's last page is gone; every page kept is whole
+            assert hits == [PAGES, PAGES - 1] and adopted == 2 * PAGES - 1
+        else:
+            assert hits == [0, 0] and adopted == 0
+            why = "not a hicached pool journal" if damage == "garbage" else "not this daemon's own"
+            assert why in log and "making a new one" in log
+    finally:
+        d.cleanup()
