@@ -15,10 +15,12 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from hicached.daemon.journal import journal_path
 from hicached.wire.arena import arena_path
-from tests.adoption_worker import SPEC, pattern, tokens
+from hicached.wire.journal import AllocRecord, frame
+from tests.adoption_worker import PAGES, SPEC, pattern, tokens
 from tests.support import Daemon
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,3 +67,41 @@ def test_a_journal_of_another_pool_file_is_never_replayed_over_this_one() -> Non
     finally:
         first.cleanup()
         second.cleanup()
+
+
+@pytest.mark.parametrize(
+    "record",
+    [AllocRecord([-16384], 16384), AllocRecord([1 << 20], 0), AllocRecord([1 << 20], -4096)],
+    ids=["negative_slot", "zero_page_bytes", "negative_page_bytes"],
+)
+def test_records_no_daemon_writes_are_dropped_not_obeyed(record: AllocRecord) -> None:
+    """A record that verifies but that no daemon writes (a negative slot, a page
+    size of zero or less) neither stops the start nor reaches the allocator: the
+    pages the journal holds besides are adopted, nothing is quarantined, and
+    the daemon stores pages of other sizes after it."""
+    d = adopting()
+    d.start()
+    try:
+        with d.client() as c:
+            c.store(c.register(**SPEC), tokens(1), pattern(1))
+        d.kill()
+        journal = journal_of(d)
+        journal.write_bytes(journal.read_bytes() + frame(record))
+        d.start()
+        with d.client() as c:
+            ns = c.register(**SPEC)
+            hit = c.match(ns, tokens(1))
+            try:
+                assert hit.hits == PAGES
+                assert np.array_equal(c.read_pages(hit), pattern(1))
+            finally:
+                c.release(hit)
+            stats = c.stats()
+            assert stats.quarantined_pages == 0
+            assert stats.adoption_dropped == {"geometry": 1}
+            wide = c.register(**{**SPEC, "model": "test/wide", "page_bytes": 65536})
+            data = np.full((PAGES, 65536), 7, np.uint8)
+            assert c.store(wide, tokens(5), data).published == PAGES
+            assert np.array_equal(c.load(wide, tokens(5)), data)
+    finally:
+        d.cleanup()
