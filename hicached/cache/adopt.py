@@ -89,6 +89,7 @@ def adopt(desk: Cache, records: list[Record], quarantine_until: float) -> Adopte
     over the pool it maps; returns what was kept and dropped."""
     out = Adopted()
     namespaces, pages, allocs = replay(records)
+    _drop_unwritable(pages, allocs, out)
     gens = desk.pool.gens
     # 1. what each record claims, checked against the pool as it is
     where = np.fromiter(pages, dtype=np.int64, count=len(pages))
@@ -189,6 +190,19 @@ def adopt(desk: Cache, records: list[Record], quarantine_until: float) -> Adopte
             out.drop("quota", evicted)
             out.pages -= evicted
     return out
+
+
+def _drop_unwritable(pages: dict[int, PageRecord], allocs: dict[int, int], out: Adopted) -> None:
+    """Drop the records no daemon writes, which verify all the same (a journal
+    made by hand): a negative slot (numpy would count it from the end of the
+    generations, the allocator from its last slab) or a page size of zero or
+    less (the allocator divides by it). Neither reaches the pool."""
+    for slot in [slot for slot in pages if slot < 0]:
+        del pages[slot]
+        out.drop("geometry")
+    for slot in [slot for slot, size in allocs.items() if slot < 0 or size <= 0]:
+        del allocs[slot]
+        out.drop("geometry")
 
 
 def _chains(desk: Cache, ns: NamespaceState, pages: list[PageRecord]) -> list[PageRecord]:

@@ -5,13 +5,15 @@ file and its journal (daemon/journal.py) in ``pool.shm_dir``, and the next
 start with the same runtime directory maps that file again and rebuilds its
 index from the journal (cache/adopt.py). A pool that cannot be adopted (no
 journal, a journal of another layout version, another pool size or slab size,
-a file of another length) is replaced by a new one, and the log says why.
+a file of another length, a journal of another pool file) is replaced by a
+new one, and the log says why.
 ``hicached serve --fresh`` replaces it whatever it is.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,6 +55,7 @@ def open_pool(
         why = ""
         try:
             header, records, torn = load(journal)
+            dev, ino = _identity(path)
             why = check(
                 header,
                 JournalHeader(
@@ -62,6 +65,8 @@ def open_pool(
                     gen_granule=GEN_GRANULE,
                     file_bytes=header.file_bytes,
                     pool_id=header.pool_id,
+                    pool_dev=dev,
+                    pool_ino=ino,
                 ),
             )
             if not why and header.file_bytes < file_bytes(size):
@@ -87,6 +92,7 @@ def open_pool(
             "this daemon's: remove it, or set pool.shm_dir to a directory of its own)"
         ) from None
     arena = Arena.create(path, size, pool.populate, group, on_populate, pool.huge_pages)
+    dev, ino = _identity(path)
     header = JournalHeader(
         version=JOURNAL_VERSION,
         pool_bytes=size,
@@ -94,5 +100,13 @@ def open_pool(
         gen_granule=GEN_GRANULE,
         file_bytes=arena.file_bytes,
         pool_id=secrets.randbits(63),
+        pool_dev=dev,
+        pool_ino=ino,
     )
     return OpenedPool(arena, header, None)
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    """The pool file at ``path`` as the journal names it: (device, inode)."""
+    st = os.lstat(path)
+    return st.st_dev, st.st_ino

@@ -138,6 +138,12 @@ def check(header: JournalHeader, expected: JournalHeader) -> str:
         have, want = getattr(header, name), getattr(expected, name)
         if have != want:
             return f"its {name} is {have}, this configuration makes {want}"
+    if (header.pool_dev, header.pool_ino) != (expected.pool_dev, expected.pool_ino):
+        return (
+            f"it is the journal of another pool file (device {header.pool_dev}, inode "
+            f"{header.pool_ino}; the file there is device {expected.pool_dev}, inode "
+            f"{expected.pool_ino})"
+        )
     return ""
 
 

@@ -23,8 +23,12 @@ page, never serve another key's bytes.
 
 ``JournalHeader`` names what must match for a pool to be adopted: the
 format version, the pool's byte size and slab size, the generation granule,
-the pool file's length and the pool's id (a random number made with the
-file, which clients compare to keep their mapping across a restart).
+the pool file's length, the pool file itself (its device and inode: a journal
+put beside another pool file of the same geometry would otherwise name that
+file's bytes as its own pages wherever the generations happen to agree, as
+they do in slots that neither pool ever freed) and the pool's id (a random
+number made with the file, which clients compare to keep their mapping
+across a restart).
 """
 
 from __future__ import annotations
@@ -49,7 +53,7 @@ __all__ = [
 ]
 
 JOURNAL_MAGIC = b"HICJRNL\x00"
-JOURNAL_VERSION = 1  # bump when a record or the header changes meaning
+JOURNAL_VERSION = 2  # bump when a record or the header changes meaning
 _FRAME = struct.Struct("<IQ")
 MAX_FRAME = 16 << 20  # a longer frame is damage, not a record
 
@@ -64,6 +68,9 @@ class JournalHeader(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     gen_granule: int
     file_bytes: int
     pool_id: int
+    # the pool file this journal describes: (st_dev, st_ino) when it was made
+    pool_dev: int
+    pool_ino: int
 
 
 class NsRecord(msgspec.Struct, tag="ns", array_like=True):
