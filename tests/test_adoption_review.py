@@ -113,12 +113,6 @@ def test_records_no_daemon_writes_are_dropped_not_obeyed(record: AllocRecord) ->
         d.cleanup()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the journal keeps no quarantine end: every start quarantines the slots of "
-    "leases that ended before the stop for a whole leases.ttl_s + quarantine_s again, "
-    "so under restarts closer together than that they never come back",
-)
 def test_a_restart_does_not_prolong_a_quarantine_that_began_before_it() -> None:
     """A key-addressed commit that leaves pages out puts their slots in
     quarantine until the lease's deadline plus quarantine_s; a kill -9 and a

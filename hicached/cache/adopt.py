@@ -58,14 +58,17 @@ class Adopted:
             self.dropped[reason] = self.dropped.get(reason, 0) + n
 
 
+Alloc = tuple[int, str, float]  # page size, tenant, quarantined until (0: the lease was open)
+
+
 def replay(
     records: list[Record],
-) -> tuple[dict[int, NsRecord], dict[int, PageRecord], dict[int, int]]:
+) -> tuple[dict[int, NsRecord], dict[int, PageRecord], dict[int, Alloc]]:
     """The journal's last word on each namespace and slot: namespaces, pages by
     slot, and slots under write leases (slot -> page size)."""
     namespaces: dict[int, NsRecord] = {}
     pages: dict[int, PageRecord] = {}
-    allocs: dict[int, int] = {}
+    allocs: dict[int, Alloc] = {}
     for record in records:
         if isinstance(record, PageRecord):
             allocs.pop(record.slot, None)
@@ -76,9 +79,10 @@ def replay(
                 pages.pop(slot, None)
                 allocs.pop(slot, None)
         elif isinstance(record, AllocRecord):
+            what = (record.page_bytes, record.tenant, record.until)
             for slot in record.slots:
                 pages.pop(slot, None)
-                allocs[slot] = record.page_bytes
+                allocs[slot] = what
         else:
             namespaces[record.ns] = record
     return namespaces, pages, allocs
@@ -114,7 +118,7 @@ def adopt(desk: Cache, records: list[Record], quarantine_until: float) -> Adopte
             continue
         del pages[slot]
         out.drop(reason)
-    for slot, size in allocs.items():
+    for slot, (size, _, _) in allocs.items():
         if slot not in sizes:
             sizes[slot] = size
     refused = desk.pool.adopt(sizes)
@@ -160,15 +164,17 @@ def adopt(desk: Cache, records: list[Record], quarantine_until: float) -> Adopte
         desk.pool.free(slot)  # dropped after the pool took it
     for state in states.values():
         desk.names.forget_if_unused(state)
-    # 4. slots of write leases open at the stop wait out their writers
-    quarantine = [slot for slot in allocs if slot not in adopted]
-    by_size: dict[int, list[int]] = {}
-    for slot in quarantine:
-        by_size.setdefault(desk.pool.allocated[slot], []).append(slot)
-    for size, slots in by_size.items():
-        desk.l2.charge(desk.l2.book(), slots, size)
-    desk.l2.quarantine(quarantine, quarantine_until)
-    out.quarantined = len(quarantine)
+    # 4. slots of write leases open at the stop wait out their writers, for a
+    # lease's life and its quarantine; slots already quarantined, until then
+    groups: dict[Alloc, list[int]] = {}
+    for slot, (size, tenant, until) in allocs.items():
+        if slot not in adopted:
+            end = min(until, quarantine_until) if until > 0 else quarantine_until
+            groups.setdefault((size, tenant, end), []).append(slot)
+    for (size, tenant, end), slots in groups.items():
+        desk.l2.charge(desk.l2.book(tenant), slots, size)
+        desk.l2.quarantine(slots, end)
+    out.quarantined = sum(len(slots) for slots in groups.values())
     # 5. every generation moves on but those of the adopted pages
     gens += 1
     if kept:
@@ -181,8 +187,8 @@ def adopt(desk: Cache, records: list[Record], quarantine_until: float) -> Adopte
             journal.namespace(record.ns, record.tenant, record.spec)
     for page in kept:
         journal.page(page)
-    for size, slots in by_size.items():
-        journal.alloc(slots, size)
+    for (size, tenant, end), slots in groups.items():
+        journal.alloc(slots, size, tenant, end)
     # 7. last (its evictions free slots as any would): quotas lowered across the restart
     for book in list(desk.l2.books.values()):
         if book.max_slots or book.max_bytes:
@@ -192,7 +198,7 @@ def adopt(desk: Cache, records: list[Record], quarantine_until: float) -> Adopte
     return out
 
 
-def _drop_unwritable(pages: dict[int, PageRecord], allocs: dict[int, int], out: Adopted) -> None:
+def _drop_unwritable(pages: dict[int, PageRecord], allocs: dict[int, Alloc], out: Adopted) -> None:
     """Drop the records no daemon writes, which verify all the same (a journal
     made by hand): a negative slot (numpy would count it from the end of the
     generations, the allocator from its last slab) or a page size of zero or
@@ -200,7 +206,7 @@ def _drop_unwritable(pages: dict[int, PageRecord], allocs: dict[int, int], out: 
     for slot in [slot for slot in pages if slot < 0]:
         del pages[slot]
         out.drop("geometry")
-    for slot in [slot for slot, size in allocs.items() if slot < 0 or size <= 0]:
+    for slot in [slot for slot, (size, _, _) in allocs.items() if slot < 0 or size <= 0]:
         del allocs[slot]
         out.drop("geometry")
 

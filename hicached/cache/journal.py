@@ -33,7 +33,8 @@ class Recorder:
         self._frees: list[int] = []  # slots freed since the last record (one record)
         self.namespaces: dict[int, bytes] = {}  # ns id -> its record
         self.pages: dict[int, bytes] = {}  # slot -> the record of the page it holds
-        self.allocs: dict[int, int] = {}  # slot under a write lease -> its page size
+        # slot under a write lease -> (page size, tenant, quarantined until or 0)
+        self.allocs: dict[int, tuple[int, str, float]] = {}
         self.live_bytes = 0  # bytes of records in ``pages``
         self.written = 0  # bytes the journal file holds since its last snapshot
 
@@ -46,14 +47,15 @@ class Recorder:
         """A namespace with no page left: a snapshot leaves it out."""
         self.namespaces.pop(ns, None)
 
-    def alloc(self, slots: list[int], page_bytes: int) -> None:
-        """Fresh slots given to a client's write lease."""
+    def alloc(self, slots: list[int], page_bytes: int, tenant: str, until: float = 0.0) -> None:
+        """Fresh slots given to a client's write lease of ``tenant``; with ``until``,
+        the same slots quarantined until then (the lease ended, its writer may not)."""
         if not slots:
             return
         allocs = self.allocs
         for slot in slots:
-            allocs[slot] = page_bytes
-        self._add(frame(AllocRecord(slots, page_bytes)))
+            allocs[slot] = (page_bytes, tenant, until)
+        self._add(frame(AllocRecord(slots, page_bytes, tenant, until)))
 
     def page(self, record: PageRecord) -> None:
         """A page published in L2."""
@@ -105,10 +107,10 @@ class Recorder:
         folded in; the new file counts as written from here."""
         self._frees.clear()
         self.pending.clear()
-        by_size: dict[int, list[int]] = {}
-        for slot, size in self.allocs.items():
-            by_size.setdefault(size, []).append(slot)
-        allocs = [frame(AllocRecord(slots, size)) for size, slots in by_size.items()]
+        groups: dict[tuple[int, str, float], list[int]] = {}
+        for slot, what in self.allocs.items():
+            groups.setdefault(what, []).append(slot)
+        allocs = [frame(AllocRecord(slots, *what)) for what, slots in groups.items()]
         data = b"".join([*self.namespaces.values(), *allocs, *self.pages.values()])
         self.written = len(data)
         return data
@@ -122,7 +124,7 @@ class NoRecorder(Recorder):
     def namespace(self, ns: int, tenant: str, spec: NamespaceSpec) -> None:
         pass
 
-    def alloc(self, slots: list[int], page_bytes: int) -> None:
+    def alloc(self, slots: list[int], page_bytes: int, tenant: str, until: float = 0.0) -> None:
         pass
 
     def page(self, record: PageRecord) -> None:

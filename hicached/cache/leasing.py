@@ -93,7 +93,10 @@ class Leasing:
                 ns.open += 1  # the reader still holds it; released when it finishes
                 return
         if lease.client_writes and (stale or lease.chain is not None):
-            desk.l2.quarantine(lease.fresh, self.free_after(lease))
+            until = self.free_after(lease)
+            desk.l2.quarantine(lease.fresh, until)
+            # a restart keeps the quarantine's end, neither shortens nor prolongs it
+            desk.journal.alloc(lease.fresh, ns.spec.page_bytes, ns.book.name, until)
         else:
             for slot in lease.fresh:
                 desk.l2.free(slot, ns.spec.page_bytes)

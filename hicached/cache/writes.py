@@ -53,7 +53,7 @@ class Writes:
         fresh = desk.l2.alloc(ns.book, ns.spec.page_bytes, want)
         lease.keys = keys[: len(present) + len(fresh)]
         lease.fresh = fresh
-        desk.journal.alloc(fresh, ns.spec.page_bytes)
+        desk.journal.alloc(fresh, ns.spec.page_bytes, ns.book.name)
         lease.tokens = msg.tokens
         if not fresh:
             desk.leasing.drop(lease)  # nothing to write: no lease is kept open
@@ -88,7 +88,7 @@ class Writes:
         indices = missing[: len(fresh)]
         pages = chain(ns, keys, msg.keys, msg.parent)
         lease.fresh = fresh
-        desk.journal.alloc(fresh, ns.spec.page_bytes)
+        desk.journal.alloc(fresh, ns.spec.page_bytes, ns.book.name)
         lease.chain = [pages[i] for i in indices]
         mask = bytes(slot >= 0 for slot in found)
         pool_full = len(fresh) < len(missing)

@@ -10,7 +10,8 @@ Records, in the order the daemon made them:
 
 - ``NsRecord``: a namespace (its id on the wire, its tenant, its spec);
 - ``AllocRecord``: fresh slots given to a client's write lease (bytes may
-  land in them through that client's handle until the lease ends);
+  land in them through that client's handle until the lease ends), and the
+  same slots again when that lease ends with them quarantined (until when);
 - ``PageRecord``: a page published in L2: namespace, key, parent, slot, the
   slot's generation when it was published, and what its events need;
 - ``FreeRecord``: slots that no longer hold what an earlier record says.
@@ -53,7 +54,7 @@ __all__ = [
 ]
 
 JOURNAL_MAGIC = b"HICJRNL\x00"
-JOURNAL_VERSION = 2  # bump when a record or the header changes meaning
+JOURNAL_VERSION = 3  # bump when a record or the header changes meaning
 _FRAME = struct.Struct("<IQ")
 MAX_FRAME = 16 << 20  # a longer frame is damage, not a record
 
@@ -80,8 +81,13 @@ class NsRecord(msgspec.Struct, tag="ns", array_like=True):
 
 
 class AllocRecord(msgspec.Struct, tag="alloc", array_like=True):
+    """Fresh slots of a write lease of ``tenant``; ``until`` > 0: quarantined
+    until then (the daemon's monotonic clock, the host's since boot)."""
+
     slots: list[int]
     page_bytes: int
+    tenant: str = "default"
+    until: float = 0.0
 
 
 class PageRecord(msgspec.Struct, tag="page", array_like=True):
