@@ -203,6 +203,47 @@ def test_wide_pages_written_by_workers_through_one_lease(daemon: Daemon) -> None
         assert np.array_equal(page, expect)
 
 
+def test_workers_place_their_fragments_apart_in_one_page(daemon: Daemon) -> None:
+    """A byte in the page for each segment (vLLM's canonical pages: each token's
+    row holds every worker's heads): two workers' strided slices of their
+    blocks interleave in one page, and each reads its own back; segments
+    placed over one another are refused before anything is copied."""
+    tokens, head = 4, PAGE // 8  # a page: 4 tokens x 2 workers' heads
+    rng = np.random.default_rng(9)
+    kv = [rng.integers(0, 256, (8, tokens * head), dtype=np.uint8) for _ in range(2)]
+    keys = engine_keys(2, salt=21)
+    block_ids = [6, 1]
+
+    def fragments(blocks: np.ndarray) -> list[np.ndarray]:
+        return [blocks[:, t * head : (t + 1) * head] for t in range(tokens)]
+
+    def places(rank: int) -> list[int]:
+        return [(2 * t + rank) * head for t in range(tokens)]
+
+    with daemon.client() as owner, daemon.client() as w0, daemon.client() as w1:
+        ns = owner.register(**SPEC)
+        res = owner.reserve_keys(ns, keys)
+        for rank, worker in enumerate((w0, w1)):
+            handle = worker.adopt(res.portable())
+            assert isinstance(handle, Reservation)
+            worker.write_pages(handle, fragments(kv[rank]), rows=block_ids, at=places(rank))
+        with pytest.raises(ValueError, match="over one another"):  # and the page kept
+            w1.write_pages(handle, fragments(kv[0]), rows=block_ids, at=[0, 8, 16, 24])
+        assert owner.commit(res).published == 2
+        hit = owner.match_keys(ns, keys)
+        pages = owner.read_pages(hit)
+        for j, block in enumerate(block_ids):
+            rows = [kv[r][block].reshape(tokens, head) for r in range(2)]
+            assert np.array_equal(pages[j], np.stack(rows, axis=1).reshape(-1))
+        back = [np.zeros_like(kv[0]) for _ in range(2)]
+        for rank, worker in enumerate((w0, w1)):
+            view = worker.adopt(hit.portable())
+            assert isinstance(view, Hit)
+            worker.read_pages(view, fragments(back[rank]), rows=[2, 5], at=places(rank))
+            assert np.array_equal(back[rank][[2, 5]], kv[rank][block_ids])
+        owner.release(hit)
+
+
 def test_portable_handles_go_stale(daemon: Daemon) -> None:
     keys = engine_keys(2, salt=4)
     with daemon.client() as owner, daemon.client() as worker:

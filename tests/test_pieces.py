@@ -357,3 +357,52 @@ def test_without_triton_the_kernel_says_so_once(caplog: pytest.LogCaptureFixture
         assert not kernel.launch(table, None)
     said = [r for r in caplog.records if "table kernel are off" in r.getMessage()]
     assert len(said) == 1, said
+
+
+def test_segments_placed_apart_move_each_to_its_own_byte() -> None:
+    """A byte for each segment (vLLM's canonical pages: a worker's heads lie
+    apart in each token's row): each row lands at its own place, the gaps
+    between them keep the page's other bytes, and the table moves what
+    ``mapping._copy_rows`` moves on host memory."""
+    from hicached.client.mapping import _copy_rows
+
+    rng = np.random.default_rng(4)
+    pool = rng.integers(0, 256, (4, 64), dtype=np.uint8)
+    kv = rng.integers(0, 256, (6, 32), dtype=np.uint8)
+    a, b = kv[:, 0:8], kv[:, 16:24]  # two fragments of each block, as strided views
+    starts = [40, 8]  # placed out of order, with gaps
+    slots, rows = np.array([3, 1]), np.array([5, 2])
+    table = pieces.build(
+        _pool(pool), slots, [_seg(kv, 8), _seg(kv, 8, skip=16)], rows, starts, to_pool=True
+    )
+    want = pool.copy()
+    want[slots, 40:48] = a[rows]
+    want[slots, 8:16] = b[rows]
+    by_rows = pool.copy()
+    _copy_rows(by_rows, slots, [a, b], rows, starts, True)
+    pieces.run_on_host(table)
+    assert np.array_equal(pool, want)
+    assert np.array_equal(by_rows, want)
+    back = np.zeros_like(kv)
+    _copy_rows(pool, slots, [back[:, 0:8], back[:, 16:24]], rows, starts, False)
+    assert np.array_equal(back[rows][:, 0:8], a[rows])
+    assert np.array_equal(back[rows][:, 16:24], b[rows])
+
+
+@pytest.mark.parametrize(
+    ("starts", "match"),
+    [
+        ([0, 4], "over one another"),  # 8 bytes at 0 reach byte 4
+        ([60, 0], "do not fit"),  # 8 bytes at 60 leave a page of 64
+        ([-8, 16], "do not fit"),
+        ([0], "one each"),
+    ],
+)
+def test_segments_placed_over_one_another_or_outside_the_page_are_refused(
+    starts: list[int], match: str
+) -> None:
+    pool = np.zeros((4, 64), dtype=np.uint8)
+    kv = np.zeros((6, 16), dtype=np.uint8)
+    segs = [_seg(kv, 8), _seg(kv, 8, skip=8)]
+    with pytest.raises(ValueError, match=match):
+        pieces.build(_pool(pool), np.array([0]), segs, None, starts, to_pool=True)

@@ -15,6 +15,9 @@ their source is compared with 0.33's without importing either vLLM:
   ``lock``, ``on_reset_flushed``, ``config_info`` and ``config_info_keys``;
 - every call 0.33's offloading connector makes on the manager, the worker and
   the spec binds to those signatures (positional count and keywords);
+- what hicached takes of 0.33's offload layouts is there: the config fields,
+  the connector's rule that only rank 0 stores replicated pages, the
+  canonical page sizes and writer turns hicached mirrors;
 - hicached's event structs are 0.33's, field for field, and 0.33's own
   classes (built from its source) decode what hicached sends and encode it
   again to the very same bytes.
@@ -251,6 +254,77 @@ def test_what_groups_py_reads_of_the_connector_is_there_in_0_33(source: Path) ->
     assert "kv_connector.v1.offloading.config import (" in groups
     connector = methods(source / f"{CONNECTOR}_connector.py", "OffloadingConnector")
     assert "kv_cache_config" in connector["__init__"].positional
+
+
+def _declared(tree: ast.Module, cls: str) -> set[str]:
+    """The annotated fields a dataclass of ``tree`` declares."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            return {ast.unparse(n.target) for n in node.body if isinstance(n, ast.AnnAssign)}
+    raise AssertionError(f"no class {cls}")
+
+
+def test_the_layouts_hicached_takes_are_those_0_33_hands_a_spec(source: Path) -> None:
+    """groups.py and layouts.py read ``replicated_layout``, ``canonical_layout``,
+    ``kv_cache_layout`` and ``is_parallelism_agnostic`` of vLLM's
+    OffloadingConfig, and the ``vllm_config`` beside ``kv_cache_config`` in
+    ``OffloadingConnector.__init__``'s frame; and hicached's replicated pages
+    take one writer because 0.33's connector still submits stores under
+    ``replicated_layout`` to rank 0 alone (every rank under canonical_layout)."""
+    config = ast.parse((source / "vllm/v1/kv_offload/config.py").read_text())
+    assert {"replicated_layout", "canonical_layout", "kv_cache_layout"} <= _declared(
+        config, "OffloadingConfig"
+    )
+    assert "is_parallelism_agnostic" in _declared(config, "OffloadingParallelConfig")
+    connector = methods(source / f"{CONNECTOR}_connector.py", "OffloadingConnector")
+    assert {"vllm_config", "kv_cache_config"} <= set(connector["__init__"].positional)
+    worker = ast.parse((source / CONNECTOR / "worker.py").read_text())
+    gates = [
+        ast.unparse(n.value)
+        for n in ast.walk(worker)
+        if isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "self._is_store_writer"
+    ]
+    assert gates == [
+        "not self.spec.replicated_layout or self.spec.config.canonical_layout "
+        "or self.spec.config.parallel.rank == 0"
+    ]
+
+
+def test_0_33s_canonical_pages_are_those_hicached_sizes_and_turns(source: Path) -> None:
+    """layouts.py sizes a canonical page from the KV cache spec as 0.33's
+    ``canonical_mapping._layer_mapping`` does (every head once; the MLA latent
+    once), names it by ``canonical_format_id``, and copies.py takes turns at
+    bytes several ranks hold as vLLM's ``CanonicalPageMapping.is_writer``
+    does, reading the mapping's fields by these names. (Each worker also
+    checks vLLM's own mappings against the sizes at its start.)"""
+    mapping = vllm_source.wheel_text(f"{CONNECTOR}/canonical_mapping.py")
+    assert "def canonical_format_id(kv_cache_layout: str) -> str:" in mapping
+    assert "canonical_page_size_bytes=ctx.cp_size * page," in mapping  # MLA
+    assert "canonical_page_size_bytes=ctx.cp_size * num_head_shards * page," in mapping
+    assert "num_head_shards, replication = tp, 1" in mapping  # heads >= TP
+    assert "num_head_shards, replication = total, tp // total" in mapping  # TP > heads
+    base = ast.parse((source / BASE).read_text())
+    assert {
+        "canonical_page_size_bytes",
+        "runs",
+        "num_writers",
+        "writer_index",
+        "parallelism_agnostic",
+    } <= _declared(base, "CanonicalPageMapping")
+    assert {
+        "local_offset",
+        "canonical_offset",
+        "fragment_size",
+        "num_fragments",
+        "local_stride",
+        "canonical_stride",
+    } <= _declared(base, "CopyRun")
+    assert "return block_id % self.num_writers == self.writer_index" in (source / BASE).read_text()
+    gpu_worker = vllm_source.wheel_text("vllm/v1/kv_offload/cpu/gpu_worker.py")
+    # vLLM's canonical page id, whose turn copies.py takes by slot: chunk * blocks + place
+    assert "block_ids[:, np.newaxis] * blocks_per_chunk + np.arange(blocks_per_chunk)" in (
+        gpu_worker
+    )
 
 
 # -- events -----------------------------------------------------------------------------

@@ -47,7 +47,7 @@ from hicached.client.handles import (
     PortableHandle,
     Reservation,
 )
-from hicached.client.mapping import PendingCopy, PoolMapping, check_empty, lease_margin
+from hicached.client.mapping import At, PendingCopy, PoolMapping, check_empty, lease_margin
 from hicached.client.poolview import PoolView
 from hicached.config import check_endpoint, default_endpoint
 from hicached.errors import (
@@ -445,9 +445,7 @@ class _Core:
         """Undo ``pin_memory()``: copies go through pageable memory again."""
         self._pool.unpin()
 
-    def write_pages(
-        self, res: Reservation, data: Any, *, rows: Any = None, at: int | None = None
-    ) -> None:
+    def write_pages(self, res: Reservation, data: Any, *, rows: Any = None, at: At = None) -> None:
         """Copy ``data`` (one page of page_bytes per slot of ``res``) into its slots.
 
         ``data`` is a numpy array or CPU tensor (one copy call), or a CUDA
@@ -461,18 +459,18 @@ class _Core:
         with ``rows`` they are whole engine tensors and page j takes row
         ``rows[j]`` of each (one gather). ``at``: the byte in each slot where
         the data starts (worker r of a wide page: ``r * page_bytes //
-        shards``, 0 included). Without a list, ``rows`` or ``at``, ``data``
-        is whole pages, and one of another size raises ``ValueError`` (for
-        an empty reservation, one that holds any bytes).
+        shards``, 0 included), or a list of one byte per segment where the
+        segments lie apart in each slot (vLLM's canonical pages). Without a
+        list, ``rows`` or ``at``, ``data`` is whole pages, and one of another
+        size raises ``ValueError`` (for an empty reservation, one that holds
+        any bytes).
         """
         if not res.offsets:
             check_empty(data, rows, at, "the data")
             return
         self.mapping.write(res, data, rows, at)
 
-    def read_pages(
-        self, hit: Hit, out: Any = None, *, rows: Any = None, at: int | None = None
-    ) -> Any:
+    def read_pages(self, hit: Hit, out: Any = None, *, rows: Any = None, at: At = None) -> Any:
         """Copy the pages of ``hit`` into ``out`` (n, page_bytes), or a new array.
 
         ``out`` may be a CUDA tensor (DMA per run of adjacent slots, or one
@@ -494,7 +492,7 @@ class _Core:
         return self.mapping.read(hit, out, rows, at)
 
     def start_write(
-        self, res: Reservation, data: Any, *, rows: Any = None, at: int | None = None
+        self, res: Reservation, data: Any, *, rows: Any = None, at: At = None
     ) -> PendingCopy:
         """``write_pages``, started: a copy from CUDA tensors is queued on the
         current stream and this returns at once (from host memory the copy is
@@ -505,7 +503,7 @@ class _Core:
         return self.mapping.start_write(res, data, rows, at)
 
     def start_read(
-        self, hit: Hit, out: Any = None, *, rows: Any = None, at: int | None = None
+        self, hit: Hit, out: Any = None, *, rows: Any = None, at: At = None
     ) -> PendingCopy:
         """``read_pages``, started (``start_write``): ``out`` holds the pages only
         once the ``PendingCopy`` finished without ``StaleHandle`` (a miss)."""

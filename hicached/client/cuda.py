@@ -25,6 +25,7 @@ client needs it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -135,11 +136,12 @@ def _by_table(
     rows: np.ndarray,
     segments: list[pieces.Segment | None],
     picks: np.ndarray | None,
-    at: int,
+    at: int | Sequence[int],
     to_pool: bool,
     mapped: Any,
 ) -> bool:
-    """The copy as one launch of the table kernel; False where it cannot go so."""
+    """The copy as one launch of the table kernel; False where it cannot go so.
+    ``at``: where the segments start in a page (``pieces.build``)."""
     if not TABLE_KERNEL or mapped is None or kernel.unusable() is not None:
         return False
     if any(seg is None for seg in segments):
@@ -153,7 +155,7 @@ def _by_table(
         return False
     only = segs[0]
     whole = only.width == only.stride == pool.page_bytes
-    if len(segs) == 1 and picks is None and at == 0 and whole:
+    if len(segs) == 1 and picks is None and at in (0, [0]) and whole:
         table = pieces.whole_pages(pool, rows, only.address, to_pool=to_pool)  # no sort, no merge
     else:
         table = pieces.build(pool, rows, segs, picks, at, to_pool=to_pool)
@@ -209,7 +211,7 @@ def copy_segments(
     rows: np.ndarray,
     segments: list[Any],
     engine_rows: np.ndarray | None,
-    at: int,
+    at: int | Sequence[int],
     *,
     to_pool: bool,
     mapped: Any = None,
@@ -218,7 +220,10 @@ def copy_segments(
     current stream, without waiting; returns the way it went.
 
     Page j's bytes ``at ..`` are the concatenation of row ``engine_rows[j]``
-    (or row j, without ``engine_rows``) of each segment, each viewed as bytes.
+    (or row j, without ``engine_rows``) of each segment, each viewed as bytes;
+    with ``at`` one byte per segment, segment i's row lies at ``at[i]``
+    (``pieces.starts_of``). A segment's rows may be strided (a slice of each
+    block: vLLM's canonical fragments) where each row's bytes are contiguous.
     With the pool registered (``mapped``), one table kernel for all segments
     (or, where it cannot run, a gather or scatter kernel per segment) reads
     or writes the pool over the bus; without, each segment goes through a
@@ -226,16 +231,19 @@ def copy_segments(
     """
     torch = _torch()
     for seg in segments:
-        if not seg.is_contiguous():
-            raise ValueError("segments must be contiguous tensors")
-    if _by_table(pool_rows, rows, [segment(s) for s in segments], engine_rows, at, to_pool, mapped):
+        if not (seg.is_contiguous() or (seg.dim() == 2 and seg.stride(1) == 1)):
+            raise ValueError("segments must be contiguous tensors, or (rows, bytes) slices")
+    widths = [int(seg.nbytes) // max(1, int(seg.shape[0])) for seg in segments]
+    starts = pieces.starts_of(at, widths, pool_rows.shape[1])
+    if _by_table(
+        pool_rows, rows, [segment(s) for s in segments], engine_rows, starts, to_pool, mapped
+    ):
         return "kernel"
     device = segments[0].device
     index = torch.from_numpy(rows).to(device, non_blocking=True)
     picks = None if engine_rows is None else torch.from_numpy(engine_rows).to(device)
     device_rows = None if mapped is None else mapped[: pool_rows.size].view(pool_rows.shape)
-    start = at
-    for seg in segments:
+    for seg, start in zip(segments, starts, strict=True):
         flat = seg.view(torch.uint8).reshape(seg.shape[0], -1)
         end = start + flat.shape[1]
         if to_pool:
@@ -253,5 +261,4 @@ def copy_segments(
                 flat.copy_(got)
             else:
                 flat.index_copy_(0, picks, got)
-        start = end
     return "layers" if device_rows is not None else "host"

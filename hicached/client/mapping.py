@@ -26,17 +26,22 @@ import logging
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from hicached.client.gather import gather, scatter
 from hicached.client.handles import Hit, Namespace, Reservation
+from hicached.client.pieces import starts_of
 from hicached.errors import BadRequest, StaleHandle
 from hicached.wire.arena import Arena
 
 log = logging.getLogger(__name__)
+
+# Where a segmented copy's data lies in each slot: from one byte on, or at one
+# byte for each segment (pieces.starts_of); None: whole pages.
+At = int | Sequence[int] | None
 
 
 def cuda_tensor(obj: object) -> bool:
@@ -80,7 +85,7 @@ def _segment(seg: Any, writable: bool) -> np.ndarray:
     return flat.view(np.uint8)
 
 
-def check_empty(data: Any, rows: Any, at: int | None, what: str) -> None:
+def check_empty(data: Any, rows: Any, at: At, what: str) -> None:
     """A copy through a handle without slots: one array or tensor (not a
     segmented copy) must hold no bytes either, never be taken as written or
     filled."""
@@ -91,7 +96,7 @@ def check_empty(data: Any, rows: Any, at: int | None, what: str) -> None:
         raise ValueError(f"this handle has no pages: {what} must hold none, not {size} elements")
 
 
-def _segmented(data: Any, rows: Any, at: int | None) -> bool:
+def _segmented(data: Any, rows: Any, at: At) -> bool:
     """A copy that is not of whole pages from one array or tensor: a list of
     segments, engine ``rows`` or a byte offset ``at`` (0 too: worker 0 of a
     wide page) say so. One array or tensor of any other size without them is
@@ -110,32 +115,30 @@ def _copy_rows(
     idx: np.ndarray,
     views: list[np.ndarray],
     picks: np.ndarray | None,
-    at: int,
+    starts: list[int],
     to_pool: bool,
 ) -> None:
-    """Copy page j's bytes ``at ..`` between pool row ``idx[j]`` and row ``picks[j]``
-    (or j) of each view, in order. Runs of rows adjacent on both sides (fresh
-    slots and a request's blocks usually are) go as slice copies, with no
-    gathered temporary; scattered rows as one fancy-indexed copy."""
+    """Copy page j's bytes between pool row ``idx[j]`` and row ``picks[j]`` (or
+    j) of each view, view i's at byte ``starts[i]`` of the page. Runs of rows
+    adjacent on both sides (fresh slots and a request's blocks usually are)
+    go as slice copies, with no gathered temporary; scattered rows as one
+    fancy-indexed copy."""
     rows = np.arange(len(idx)) if picks is None else picks
     cuts = np.flatnonzero((np.diff(idx) != 1) | (np.diff(rows) != 1)) + 1
     runs = len(cuts) + 1
     if len(idx) >= _RUN_ROWS * runs:
-        starts = np.concatenate(([0], cuts)).tolist()
+        firsts = np.concatenate(([0], cuts)).tolist()
         ends = [*cuts.tolist(), len(idx)]
-        spans = [(int(idx[s]), int(rows[s]), e - s) for s, e in zip(starts, ends, strict=True)]
-        start = at
-        for view in views:
+        spans = [(int(idx[s]), int(rows[s]), e - s) for s, e in zip(firsts, ends, strict=True)]
+        for view, start in zip(views, starts, strict=True):
             end = start + view.shape[1]
             for slot, row, n in spans:
                 if to_pool:
                     pool[slot : slot + n, start:end] = view[row : row + n]
                 else:
                     view[row : row + n] = pool[slot : slot + n, start:end]
-            start = end
         return
-    start = at
-    for view in views:
+    for view, start in zip(views, starts, strict=True):
         end = start + view.shape[1]
         if to_pool:
             pool[idx, start:end] = view if picks is None else view[picks]
@@ -143,7 +146,6 @@ def _copy_rows(
             view[...] = pool[idx, start:end]
         else:
             view[picks] = pool[idx, start:end]
-        start = end
 
 
 def _row_bytes(tensor: Any) -> int:
@@ -313,18 +315,18 @@ class PoolMapping:
 
     # -- copies ----------------------------------------------------------------------
 
-    def write(self, res: Reservation, data: Any, rows: Any = None, at: int | None = None) -> None:
+    def write(self, res: Reservation, data: Any, rows: Any = None, at: At = None) -> None:
         """Copy ``data`` (one page per slot of ``res``) into its slots; a list of
         segments, ``rows`` or ``at`` make a segmented copy (``segments``)."""
         self.start_write(res, data, rows, at).result()
 
-    def read(self, hit: Hit, out: Any = None, rows: Any = None, at: int | None = None) -> Any:
+    def read(self, hit: Hit, out: Any = None, rows: Any = None, at: At = None) -> Any:
         """Copy the slots of ``hit`` into ``out`` (n, page_bytes), in one call; a
         list of segments, ``rows`` or ``at`` make a segmented copy (``segments``)."""
         return self.start_read(hit, out, rows, at).result()
 
     def start_write(
-        self, res: Reservation, data: Any, rows: Any = None, at: int | None = None
+        self, res: Reservation, data: Any, rows: Any = None, at: At = None
     ) -> PendingCopy:
         """``write``, started: a CUDA copy is queued on the current stream and not
         waited for; the fence before it is checked now, the one after it by the
@@ -337,7 +339,7 @@ class PoolMapping:
             check_empty(data, rows, at, "the data")
             return _nothing()
         if _segmented(data, rows, at):
-            return self.start_segments(res, data, rows, at or 0, to_pool=True)
+            return self.start_segments(res, data, rows, 0 if at is None else at, to_pool=True)
         ns = res.ns
         on_gpu = cuda_tensor(data)
         # the source is ready before the fences: nothing slow runs between them and the copy
@@ -371,9 +373,7 @@ class PoolMapping:
         took = time.perf_counter() - started
         return PendingCopy("host", self.arena.gens, gidx, res.gens, stale, seconds=took)
 
-    def start_read(
-        self, hit: Hit, out: Any = None, rows: Any = None, at: int | None = None
-    ) -> PendingCopy:
+    def start_read(self, hit: Hit, out: Any = None, rows: Any = None, at: At = None) -> PendingCopy:
         """``read``, started: a CUDA copy is queued on the current stream and not
         waited for; ``out`` holds the pages only once the ``PendingCopy``
         finished without ``StaleHandle``."""
@@ -386,7 +386,8 @@ class PoolMapping:
             if out is None:
                 raise ValueError("a segmented read needs out: the arrays or tensors to fill")
             if hit.offsets:
-                return self.start_segments(hit, out, rows, at or 0, to_pool=False, out=out)
+                at = 0 if at is None else at
+                return self.start_segments(hit, out, rows, at, to_pool=False, out=out)
             return _nothing(out)
         ns = hit.ns
         offsets = hit.offsets
@@ -424,14 +425,23 @@ class PoolMapping:
         return PendingCopy("host", self.arena.gens, gidx, hit.gens, stale, out, seconds=took)
 
     def segments(
-        self, handle: Reservation | Hit, segs: Any, rows: Any, at: int, *, to_pool: bool
+        self,
+        handle: Reservation | Hit,
+        segs: Any,
+        rows: Any,
+        at: int | Sequence[int],
+        *,
+        to_pool: bool,
     ) -> None:
         """One fenced copy between the slots of ``handle`` and several arrays or
         tensors (*segments*): page j's bytes from ``at`` on are row j of each
         segment, in order, or row ``rows[j]`` of each when ``rows`` is given
         (the segments are then whole engine tensors, rows first: vLLM's
         per-layer KV, SGLang's K and V). ``at`` places the data inside each
-        slot: worker r of a wide page copies at ``r * page_bytes // shards``."""
+        slot: worker r of a wide page copies at ``r * page_bytes // shards``;
+        a list places each segment at a byte of its own (segments with gaps
+        between them: a worker's heads in vLLM's canonical pages), no two over
+        one another."""
         self.start_segments(handle, segs, rows, at, to_pool=to_pool).result()
 
     def start_segments(
@@ -439,7 +449,7 @@ class PoolMapping:
         handle: Reservation | Hit,
         segs: Any,
         rows: Any,
-        at: int,
+        at: int | Sequence[int],
         *,
         to_pool: bool,
         out: Any = None,
@@ -456,11 +466,7 @@ class PoolMapping:
             raise ValueError("segments must all be CUDA tensors or all host memory")
         views: list[Any] = segs if on_gpu else [_segment(s, writable=not to_pool) for s in segs]
         widths = [_row_bytes(seg) if on_gpu else seg.shape[1] for seg in views]
-        if at < 0 or at + sum(widths) > ns.page_bytes:
-            raise ValueError(
-                f"segments of {sum(widths)} bytes a page at byte {at} do not fit pages of "
-                f"{ns.page_bytes} bytes"
-            )
+        starts = starts_of(at, widths, ns.page_bytes)
         picks = None
         if rows is not None:
             given = np.asarray(rows)
@@ -487,7 +493,7 @@ class PoolMapping:
             return self._on_gpu(
                 views[0].device,
                 lambda: cuda.copy_segments(
-                    pool, idx, views, picks, at, to_pool=to_pool, mapped=self._mapped
+                    pool, idx, views, picks, starts, to_pool=to_pool, mapped=self._mapped
                 ),
                 handle,
                 gidx,
@@ -495,7 +501,7 @@ class PoolMapping:
                 out,
             )
         started = time.perf_counter()
-        _copy_rows(pool, idx, views, picks, at, to_pool)
+        _copy_rows(pool, idx, views, picks, starts, to_pool)
         took = time.perf_counter() - started
         return PendingCopy("host", self.arena.gens, gidx, handle.gens, stale, out, seconds=took)
 

@@ -58,17 +58,19 @@ def build(
     slots: np.ndarray,
     segments: Sequence[Segment],
     picks: np.ndarray | None,
-    at: int,
+    at: int | Sequence[int],
     *,
     to_pool: bool,
 ) -> np.ndarray:
     """The table of one copy, pieces that follow one another on both sides merged.
 
     Page j lives in slot ``slots[j]``; its bytes from ``at`` on are row
-    ``picks[j]`` (or row j, without ``picks``) of each segment, in order.
-    ``to_pool``: the engine's rows are the sources, else the destinations.
-    Raises ``ValueError`` for any piece that would fall outside its slot's
-    page or its segment's rows, and for segments whose rows overlap.
+    ``picks[j]`` (or row j, without ``picks``) of each segment, in order; or,
+    with ``at`` a byte for each segment (``starts``), segment i's row lies at
+    ``at[i]`` of the page. ``to_pool``: the engine's rows are the sources,
+    else the destinations. Raises ``ValueError`` for any piece that would fall
+    outside its slot's page or its segment's rows, for segments whose rows
+    overlap, and for segments placed over one another in a page.
 
     Pieces come page by page, each page's segments in order; whole pages (one
     segment) come in slot order, so that runs of adjacent slots and rows
@@ -80,11 +82,7 @@ def build(
     widths = np.array([seg.width for seg in segments], dtype=np.int64)
     if pool.page_bytes <= 0 or pool.slots < 0:
         raise ValueError(f"a pool of {pool.slots} slots of {pool.page_bytes} bytes")
-    if at < 0 or at + int(widths.sum()) > pool.page_bytes:
-        raise ValueError(
-            f"segments of {int(widths.sum())} bytes a page at byte {at} do not fit pages of "
-            f"{pool.page_bytes} bytes"
-        )
+    starts = np.asarray(starts_of(at, widths.tolist(), pool.page_bytes), dtype=np.int64)
     for seg in segments:
         if seg.width < 0 or seg.rows < 0 or (seg.rows > 1 and seg.stride < seg.width):
             raise ValueError(f"a segment whose rows overlap or are negative: {seg}")
@@ -104,7 +102,6 @@ def build(
     if len(segments) == 1 and n > 1:
         order = np.argsort(slots, kind="stable")
         slots, rows = slots[order], rows[order]
-    starts = at + np.concatenate(([0], np.cumsum(widths)[:-1]))
     addresses = np.array([seg.address for seg in segments], dtype=np.int64)
     strides = np.array([seg.stride for seg in segments], dtype=np.int64)
     cube = np.empty((3, n, len(segments)), dtype=np.int64)
@@ -115,6 +112,31 @@ def build(
     if (widths == 0).any():
         table = table.take(np.flatnonzero(table[LEN]), axis=1)
     return merge(table)
+
+
+def starts_of(at: int | Sequence[int], widths: Sequence[int], page_bytes: int) -> list[int]:
+    """Where each segment's bytes start in a page: one after another from byte
+    ``at``, or at ``at[i]`` for segment i when ``at`` names a byte for each
+    (segments with gaps between them: a worker's heads in vLLM's canonical
+    pages). Raises ``ValueError`` for a segment outside the page and, with
+    one byte each, for two segments placed over one another."""
+    if isinstance(at, int | np.integer):
+        total = int(sum(widths))
+        if at < 0 or at + total > page_bytes:
+            raise ValueError(
+                f"segments of {total} bytes a page at byte {at} do not fit pages of "
+                f"{page_bytes} bytes"
+            )
+        return list(itertools.accumulate(widths[:-1], initial=int(at)))
+    starts = [int(s) for s in at]
+    if len(starts) != len(widths):
+        raise ValueError(f"{len(starts)} start bytes for {len(widths)} segments: one each")
+    spans = sorted((s, s + int(w)) for s, w in zip(starts, widths, strict=True) if w)
+    if spans and (spans[0][0] < 0 or max(end for _, end in spans) > page_bytes):
+        raise ValueError(f"segments placed at {starts} do not fit pages of {page_bytes} bytes")
+    if any(end > nxt for (_, end), (nxt, _) in itertools.pairwise(spans)):
+        raise ValueError("segments placed over one another in a page: each byte has one source")
+    return starts
 
 
 def whole_pages(pool: Pool, slots: np.ndarray, address: int, *, to_pool: bool) -> np.ndarray:
@@ -179,11 +201,15 @@ def split(table: np.ndarray, most: int) -> np.ndarray:
     return out
 
 
-def aligned_copy(pool: Pool, segments: Sequence[Segment], at: int, base: int, to: int = 16) -> bool:
+def aligned_copy(
+    pool: Pool, segments: Sequence[Segment], at: int | Sequence[int], base: int, to: int = 16
+) -> bool:
     """Every piece ``build`` makes of such a copy (merged or split in multiples
     of ``to``) has addresses (as offsets from ``base``) and a length that are
-    multiples of ``to``, told from the geometry alone. ``to``: a power of two."""
-    values = [pool.address - base, pool.page_bytes, at]
+    multiples of ``to``, told from the geometry alone. ``to``: a power of two;
+    ``at`` as ``build`` takes it."""
+    values = [pool.address - base, pool.page_bytes]
+    values += [int(at)] if isinstance(at, int | np.integer) else [int(s) for s in at]
     for seg in segments:
         values += [seg.address - base, seg.stride, seg.width]
     bits = 0

@@ -106,13 +106,13 @@ def same_answer(got: dict[str, Any], want: dict[str, Any]) -> bool:
     )
 
 
-def check_facts(check: Path) -> dict[str, Any]:
-    """Run a check script in the vLLM venv against a daemon of its own (a 1 MiB
-    pool of one slab) and return the facts its last line prints as JSON."""
+def check_facts(check: Path, size_mib: int = 1) -> dict[str, Any]:
+    """Run a check script in the vLLM venv against a daemon of its own (a pool of
+    ``size_mib`` slabs of 1 MiB) and return the facts its last line prints as JSON."""
     from tests.support import Daemon
 
     python = venv.with_client()
-    d = Daemon(size_mib=1, slab_mib=1)
+    d = Daemon(size_mib=size_mib, slab_mib=1)
     try:
         d.start()
         done = subprocess.run(

@@ -103,5 +103,16 @@ def fetch(timeout_s: float = 1800) -> Path:
     return src
 
 
+def wheel_text(name: str) -> str:
+    """A file of the wheel that ``FILES`` does not name, read from the wheel
+    itself (the unpacked files and their stamp stay as other runs left them)."""
+    fetch()
+    wheel = _wheel(where() / "wheel")
+    if wheel is None:
+        raise RuntimeError(f"no {VLLM} wheel in {where() / 'wheel'}")
+    with zipfile.ZipFile(wheel) as archive:
+        return archive.read(name).decode()
+
+
 if __name__ == "__main__":
     print(fetch())

@@ -23,6 +23,11 @@ with PYTHONHASHSEED set.
 One page holds one chunk of every layer of a group of every worker ("wide
 pages": worker r copies at byte ``r * page_bytes // world_size``), so one key
 and one lease cover what all workers hold, and the scheduler decides for all.
+vLLM's other offload layouts are taken too (layouts.py): ``replicated_layout``
+(MLA at TP > 1: one copy of the KV every rank holds alike, rank 0 writes it,
+every rank reads it) and ``canonical_layout`` (vLLM's canonical pages, every
+head and no parallelism, shared by every TP size of the model where vLLM
+finds them parallelism-agnostic, refused with the reason elsewhere).
 Hybrid models have several groups (full attention, sliding window, chunked
 local attention, Mamba / GDN state): each has a namespace of its own, with
 its own page size (groups.py), and a lookup reports a hit only up to where
@@ -91,6 +96,10 @@ class HicachedOffloadingSpec(OffloadingSpec):
         self.settings = settings_from(Settings, self.extra_config)
         self._check_hash_algo()
         self.groups = engine_groups(config, self.settings)
+        # vLLM's connector then submits stores to rank 0 alone (one copy of the
+        # pages every rank holds alike); the daemon's pool is shared memory, so
+        # the one copy is every rank's (vLLM's CPU tier asks that of its region)
+        self.replicated_layout = config.replicated_layout
         self._manager: HicachedManager | None = None
         self._worker: HicachedWorker | None = None
 

@@ -15,7 +15,9 @@ which keys of each group it asks about and loads
 
 A model of one group keeps the namespace it always had (the layout
 ``vllm_<layout>_b<block tokens>``, pages of every KV tensor's whole rows), so
-the pages an engine stored before stay found.
+the pages an engine stored before stay found. What a page holds of each
+worker (vLLM's direct, replicated or canonical offload layout) is the
+engine's ``PageLayout`` (layouts.py); the copies each worker makes, copies.py.
 """
 
 from __future__ import annotations
@@ -27,43 +29,52 @@ from dataclasses import dataclass, replace
 from types import FrameType
 from typing import Any
 
-import numpy as np
-from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec
 from vllm.v1.kv_offload.config import OffloadingConfig
 
 from hicached.integrations.common import default_revision, safe_model
 from hicached.integrations.hybrid import Kind, Prefix, Window
+from hicached.integrations.vllm.layouts import (
+    CANONICAL,
+    DIRECT,
+    PageLayout,
+    canonical_pages,
+    layer_specs,
+    page_layout,
+)
 from hicached.integrations.vllm.settings import Settings, key_scheme
 from hicached.wire.namespace import NamespaceSpec
 
-__all__ = ["KVGroup", "Layout", "engine_groups"]
+__all__ = ["KVGroup", "engine_groups"]
 
 
 @dataclass(frozen=True, slots=True)
 class KVGroup:
     """One KV cache group: ``index`` is its place in the OffloadingConfig (and in
     every transfer's ``group_sizes``), ``group_id`` vLLM's index, the last four
-    bytes of its keys; ``block_bytes`` one worker's bytes of one block."""
+    bytes of its keys; ``block_bytes`` one worker's bytes of one block;
+    ``layout`` the engine's offload layout; ``canonical`` (canonical layout
+    only) the bytes of each layer's canonical page of one block."""
 
     index: int
     group_id: int
     kind: Kind
     block_bytes: int
     spec: NamespaceSpec
+    layout: PageLayout = DIRECT
+    canonical: tuple[int, ...] = ()
 
 
 def engine_groups(config: OffloadingConfig, settings: Settings) -> list[KVGroup]:
     """The engine's groups, each with its namespace: one chunk of every layer of
-    the group on every worker a page, worker r's part at ``r * page_bytes //
-    shards``."""
-    if config.canonical_layout or config.replicated_layout:
-        raise ValueError(
-            "hicached's vLLM tier copies vLLM's own block layout: unset canonical_layout"
-        )
+    the group a page, as the engine's offload layout holds it (layouts.py;
+    by default every worker's part, worker r's at ``r * page_bytes //
+    shards``). Raises ValueError, saying why, for a layout or a group kind
+    hicached does not take."""
     if config.worker_kv_bytes_per_block <= 0:
         raise ValueError("vLLM gave no KV bytes per block: is the KV cache allocated?")
     chunk = config.cache.blocks_per_chunk
-    kv_config = _kv_cache_config()
+    kv_config, vllm_config = _connector_configs()
+    layout = page_layout(config, kv_config, vllm_config)
     if kv_config is None and len(config.groups) > 1:
         raise ValueError(
             "hicached's vLLM tier needs the KV cache groups' specs of a model with "
@@ -84,15 +95,21 @@ def engine_groups(config: OffloadingConfig, settings: Settings) -> list[KVGroup]
                 if len(config.groups) == 1
                 else group_block_bytes(vllm_group)
             )
-        layout = _layout(config, group.tokens_per_block)
+        canonical: tuple[int, ...] = ()
+        if layout is CANONICAL:
+            total_heads = vllm_config.model_config.get_total_num_kv_heads()
+            canonical = canonical_pages(vllm_group, config.parallel.tp_size, total_heads)
+        name = f"{layout.layout(config)}_b{group.tokens_per_block}"  # sub-blocks differ by size
         if len(config.groups) > 1:
             # the group's own name: its index, its kind and (digested) its layers, so
             # no other grouping of the same model's layers ever reads these pages
             made = f"{group.group_id}|{kind.label}|{','.join(group.layer_names)}"
             digest = hashlib.sha256(made.encode()).hexdigest()[:8]
-            layout = f"{layout}_g{group.group_id}_{kind.name}_{digest}"
-        spec = _spec(config, settings, layout, tokens, block_bytes)
-        groups.append(KVGroup(index, group.group_id, kind, block_bytes, spec))
+            name = f"{name}_g{group.group_id}_{kind.name}_{digest}"
+        world = config.parallel.world_size
+        page_bytes = layout.page_bytes(block_bytes, canonical, chunk, world)
+        spec = _spec(config, settings, layout, name, tokens, page_bytes)
+        groups.append(KVGroup(index, group.group_id, kind, block_bytes, spec, layout, canonical))
     return groups
 
 
@@ -134,13 +151,10 @@ def group_block_bytes(group: Any) -> int:
     """One worker's bytes of one block of a group, as vLLM's offloading worker
     copies it: every layer's unpadded page (a Mamba state without the padding
     that makes its page as large as an attention block)."""
-    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, UniformTypeKVCacheSpecs
+    from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec
 
-    spec = group.kv_cache_spec
-    per_layer = spec.kv_cache_specs if isinstance(spec, UniformTypeKVCacheSpecs) else {}
     total = 0
-    for name in group.layer_names:
-        layer = per_layer.get(name, spec)
+    for _, layer in layer_specs(group):
         if isinstance(layer, AttentionSpec):
             total += layer.unpadded_page_size_bytes
         elif isinstance(layer, MambaSpec):
@@ -150,14 +164,16 @@ def group_block_bytes(group: Any) -> int:
     return total
 
 
-def _kv_cache_config() -> Any:
-    """The KVCacheConfig of the OffloadingConnector that is building this spec.
+def _connector_configs() -> tuple[Any, Any]:
+    """The KVCacheConfig and VllmConfig of the OffloadingConnector that is
+    building this spec.
 
     vLLM 0.32 hands an offloading spec its OffloadingConfig only, which names
     each group's layers but not their kind (how much of a prefix a hit needs)
-    nor their bytes per block; the connector that creates the spec, on the
-    scheduler and on each worker, holds both in its ``kv_cache_config``. None
-    when the spec is not built by a connector."""
+    nor their bytes per block, nor the model's KV heads (a canonical page's
+    size); the connector that creates the spec, on the scheduler and on each
+    worker, holds them in the ``kv_cache_config`` and ``vllm_config`` of its
+    ``__init__``. (None, None) when the spec is not built by a connector."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
         OffloadingConnector,
     )
@@ -167,103 +183,29 @@ def _kv_cache_config() -> Any:
     while frame is not None:
         if isinstance(frame.f_locals.get("self"), OffloadingConnector):
             found = frame.f_locals.get("kv_cache_config")
-            return found if isinstance(found, KVCacheConfig) else None
+            if not isinstance(found, KVCacheConfig):
+                return None, None
+            return found, frame.f_locals.get("vllm_config")
         frame = frame.f_back
-    return None
-
-
-def _layout(config: OffloadingConfig, block_tokens: int) -> str:
-    layout = re.sub(r"[^a-z0-9_]", "_", (config.kv_cache_layout or "default").lower())
-    return f"vllm_{layout}_b{block_tokens}"  # the sub-blocks of a chunk differ by block size
+    return None, None
 
 
 def _spec(
-    config: OffloadingConfig, settings: Settings, layout: str, tokens: int, block_bytes: int
+    config: OffloadingConfig,
+    settings: Settings,
+    layout: PageLayout,
+    name: str,
+    tokens: int,
+    page_bytes: int,
 ) -> NamespaceSpec:
-    parallel = config.parallel
     return NamespaceSpec(
         model=settings.model or safe_model(config.model.name),
         revision=settings.revision or default_revision(config.model.name),
         kv_dtype=re.sub(r"[^a-z0-9_]", "_", config.model.dtype.lower()),
-        layout=layout,
+        layout=name,
         page_tokens=tokens,
-        page_bytes=block_bytes * config.cache.blocks_per_chunk * parallel.world_size,
-        tp_size=parallel.tp_size,
-        cp_size=parallel.pcp_size * parallel.dcp_size,
-        pp_size=parallel.pp_size,
+        page_bytes=page_bytes,
         tenant=settings.tenant,
         key_scheme=key_scheme(settings.hash_algo),
-        shards=parallel.world_size,
+        **layout.parallel(config.parallel),
     )
-
-
-# -- the worker's side ------------------------------------------------------------------
-
-
-class Layout:
-    """Where one worker's part of each group's pages comes from: per group, the
-    tensors whose rows, in order, make one block (vLLM's per-layer references
-    into its KV tensors, each cut to the layer's unpadded page), and where the
-    worker's part starts in a page.
-
-    A model of one group copies every KV tensor's whole rows, as it always did.
-    """
-
-    def __init__(
-        self, kv_caches: CanonicalKVCaches, groups: list[KVGroup], rank: int, chunk: int
-    ) -> None:
-        tensors = [t.tensor for t in kv_caches.tensors]
-        if len(groups) == 1:
-            self.segments: list[list[Any]] = [tensors]
-        else:
-            self.segments = [
-                [_cut(tensors[ref.tensor_idx], ref.page_size_bytes) for ref in refs]
-                for refs in kv_caches.group_data_refs
-            ]
-        self.block_bytes = [sum(_row_bytes(t) for t in segs) for segs in self.segments]
-        for group, found in zip(groups, self.block_bytes, strict=True):
-            if found != group.block_bytes:
-                raise ValueError(
-                    f"vLLM's KV tensors hold {found} bytes a block of group {group.group_id}, "
-                    f"its KV cache specs {group.block_bytes}: a layout hicached's vLLM tier "
-                    "cannot copy"
-                )
-        self.rank = rank
-        self.chunk = chunk
-
-    def size(self, gpu: GPULoadStoreSpec) -> int:
-        """The bytes a transfer of these blocks copies on this worker."""
-        return sum(n * b for n, b in zip(gpu.group_sizes, self.block_bytes, strict=True))
-
-    def plan(
-        self, gpu: GPULoadStoreSpec, pages: list[int]
-    ) -> list[tuple[int, list[int], Any, int]]:
-        """One transfer's copies, one per group and block place in a chunk: (group,
-        pages, the blocks that go with them, where in each slot). ``pages``: the
-        pages of each group's handle. A load may start mid-chunk."""
-        plan = []
-        first = 0
-        for g, (count, start) in enumerate(zip(gpu.group_sizes, gpu.block_indices, strict=True)):
-            blocks = np.asarray(gpu.block_ids[first : first + count], dtype=np.int64)
-            first += count
-            places = np.arange(len(blocks)) + start % self.chunk
-            page_of = places // self.chunk
-            last = int(page_of[-1]) + 1 if len(blocks) else 0
-            assert last == pages[g], "blocks and pages disagree"
-            for sub in range(self.chunk):
-                mine = places % self.chunk == sub
-                if mine.any():
-                    at = (self.rank * self.chunk + sub) * self.block_bytes[g]
-                    plan.append((g, page_of[mine].tolist(), blocks[mine], at))
-        return plan
-
-
-def _cut(tensor: Any, nbytes: int) -> Any:
-    """The first ``nbytes`` of each row of a (blocks, bytes) tensor: a strided view."""
-    per = tensor.element_size()
-    assert tensor.dim() == 2 and nbytes % per == 0, "vLLM's block tensors are (blocks, bytes)"
-    return tensor if nbytes == _row_bytes(tensor) else tensor[:, : nbytes // per]
-
-
-def _row_bytes(tensor: Any) -> int:
-    return int(tensor.shape[1]) * int(tensor.element_size())

@@ -42,10 +42,12 @@ class Link:
     them. The workers' words on their stores arrive there too.
     """
 
-    def __init__(self, settings: Settings, specs: list[NamespaceSpec], world_size: int) -> None:
+    def __init__(
+        self, settings: Settings, specs: list[NamespaceSpec], writers: frozenset[int]
+    ) -> None:
         self.settings = settings
         self.specs = specs  # one namespace per KV cache group
-        self.world_size = world_size
+        self.writers = writers  # the workers whose word a store waits for
         self.down_until = 0.0  # monotonic; calls wait until then after a failure
         self._dir = Path(tempfile.mkdtemp(prefix="hicached-vllm-"))  # 0700: only us
         # gone at close, or at exit for an engine that never closes its connector
@@ -164,11 +166,13 @@ class Link:
                 del self._acks[lease]  # of a store nobody finished (reset, abort)
 
     async def written(self, res: Reservation, n: int) -> list[bool] | None:
-        """Which of the ``n`` slots of ``res`` the workers were handed every worker
-        wrote; None if some worker never said."""
+        """Which of the ``n`` slots of ``res`` the workers were handed every
+        writing worker wrote (``writers``: every worker, or rank 0 alone for
+        replicated pages; a word from another is not taken); None if some
+        writer never said."""
         deadline = time.monotonic() + self.settings.ack_timeout_s
         key = (res.instance, res.lease)
-        while len(self._acks.get(key, (0.0, {}))[1]) < self.world_size:
+        while not self.writers <= self._acks.get(key, (0.0, {}))[1].keys():
             left = deadline - time.monotonic()
             event = self._ack_event
             assert event is not None
@@ -178,7 +182,8 @@ class Link:
                 self._acks.pop(key, None)
                 return None
         _, ranks = self._acks.pop(key)
-        return [all(len(w) == n and w[i] for w in ranks.values()) for i in range(n)]
+        words = [ranks[rank] for rank in self.writers]
+        return [all(len(w) == n and w[i] for w in words) for i in range(n)]
 
     # -- leases ---------------------------------------------------------------------------
 

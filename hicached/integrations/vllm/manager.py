@@ -143,7 +143,8 @@ class HicachedManager(OffloadingManager):
         self.groups = groups
         self._tokens = [g.spec.page_tokens for g in groups]  # tokens a chunk, per group
         self._index = {g.group_id.to_bytes(4, "big"): g.index for g in groups}
-        self._link = Link(settings, [g.spec for g in groups], world_size)
+        writers = groups[0].layout.writers(world_size)  # the workers that write a store
+        self._link = Link(settings, [g.spec for g in groups], writers)
         # hands answers from the loop thread to the scheduler's; never ``lock``
         self._lock = threading.Lock()
         # vLLM 0.33's, held for whole steps; nothing of ours takes it (see ``lock``)

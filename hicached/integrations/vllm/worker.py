@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 import zmq
 import zmq.asyncio
@@ -31,7 +32,8 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from hicached.client import Client, PendingCopy
 from hicached.client.handles import Hit, PortableHandle, Reservation
 from hicached.errors import HicachedError, StaleHandle
-from hicached.integrations.vllm.groups import KVGroup, Layout
+from hicached.integrations.vllm.copies import worker_copies
+from hicached.integrations.vllm.groups import KVGroup
 from hicached.integrations.vllm.settings import UNREACHABLE, Settings
 from hicached.integrations.vllm.specs import Ack, Handles, HicachedLoadSpec, HicachedStoreSpec
 
@@ -39,6 +41,14 @@ log = logging.getLogger(__name__)
 
 # How often wait() and shutdown() look at copies on a GPU (their events).
 _POLL_S = 0.0005
+
+_NO_SLOTS = np.empty(0, dtype=np.int64)
+
+
+def _slots(handle: Reservation | Hit) -> np.ndarray:
+    """The pool slot of each page of a handle: the same on every worker."""
+    return np.asarray(handle.offsets, dtype=np.int64) // handle.ns.page_bytes
+
 
 # -- the worker side --------------------------------------------------------------------
 
@@ -69,8 +79,9 @@ class _Transfer:
 
 class HicachedWorker(OffloadingWorker):
     """Worker side: copies between this worker's KV tensors and pool slots, each
-    page at this worker's part of the wide page, each KV cache group's pages
-    through its own handle (groups.Layout).
+    block's bytes where the engine's offload layout puts this worker's (by
+    default its part of the wide page; copies.py), each KV cache group's
+    pages through its own handle.
 
     ``submit_store``/``submit_load`` return at once: the job is started on a
     thread of its own or in the submit call (``Settings.copy_thread``). KV on
@@ -103,7 +114,7 @@ class HicachedWorker(OffloadingWorker):
     ) -> None:
         self.settings = settings
         self.rank = config.parallel.rank
-        self._layout = Layout(kv_caches, groups, self.rank, config.cache.blocks_per_chunk)
+        self._copies = worker_copies(kv_caches, groups, self.rank, config.cache.blocks_per_chunk)
         self._on_gpu = bool(kv_caches.tensors) and bool(kv_caches.tensors[0].tensor.is_cuda)
         device = kv_caches.tensors[0].tensor.device if self._on_gpu else None
         # the copies' own stream: beside the engine's, never holding it up
@@ -260,17 +271,17 @@ class HicachedWorker(OffloadingWorker):
         try:
             handles = [None if h is None else self._adopt(h) for h in job.handles]
             client = self._session()
-            pages = [0 if h is None else len(h.offsets) for h in handles]
+            slots = [_NO_SLOTS if h is None else _slots(h) for h in handles]
             with self._on_stream(job):
-                for g, some, rows, at in self._layout.plan(job.gpu, pages):
-                    handle = handles[g]
+                for copy in self._copies.plan(job.gpu, slots, job.store):
+                    handle = handles[copy.group]
                     assert handle is not None, "blocks of a group without a handle"
+                    some, rows, at = copy.pages, copy.blocks, copy.at
                     view = handle.select(some) if len(some) != len(handle.offsets) else handle
-                    segments = self._layout.segments[g]
                     if isinstance(view, Reservation):
-                        copies.append(client.start_write(view, segments, rows=rows, at=at))
+                        copies.append(client.start_write(view, copy.segments, rows=rows, at=at))
                     else:
-                        copies.append(client.start_read(view, out=segments, rows=rows, at=at))
+                        copies.append(client.start_read(view, out=copy.segments, rows=rows, at=at))
             return _Transfer(job, copies, True)
         except (HicachedError, *UNREACHABLE) as exc:
             log.warning("hicached: transfer %d failed: %s", job.job_id, exc)
@@ -310,7 +321,7 @@ class HicachedWorker(OffloadingWorker):
             except StaleHandle as exc:
                 log.warning("hicached: transfer %d failed: %s", job.job_id, exc)
                 ok = False
-        if job.store and any(job.handles):
+        if job.store and any(job.handles) and self._copies.says:
             with self._lock:
                 ok = ok and job.job_id not in self._abandoned
             for wire in job.handles:
@@ -319,7 +330,7 @@ class HicachedWorker(OffloadingWorker):
         return TransferResult(
             job.job_id,
             ok or job.store,  # vLLM takes no failed store: the scheduler heard it from us
-            transfer_size=self._layout.size(job.gpu) if ok else 0,
+            transfer_size=self._copies.size(job.gpu) if ok else 0,
             transfer_time=sum(copy.seconds() for copy in transfer.copies),
         )
 
