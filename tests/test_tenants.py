@@ -415,6 +415,7 @@ CHILD = textwrap.dedent(
                 if j is not None:
                     c.store(ns, toks(j), pages(j))
             out.update(cross=cross, own_lookups=own_lookups, own_full=own_full, checked=checked)
+            out.update(arena=str(c.mapping.arena.path), base=c.mapping.base)
     print(json.dumps(out))
     """
 ).replace("ROOT", repr(str(ROOT)))
@@ -495,7 +496,8 @@ def test_quota_pressure_from_one_tenant_never_evicts_anothers_pages(
     pages, beta 200 (800 pages) within its own; meanwhile each looks up 5,000
     random sequences of all 1,100 the two store first (half of them the other's,
     100 of them stored by both): not one page of the other's is found, and beta
-    finds every page of its own, every time."""
+    finds every page of its own, every time. Each maps its own tenant's arena
+    alone (tests/test_arenas.py), and reads back the bytes it stored."""
     (a_uid, a_gid), (b_uid, b_gid), _ = users.ids
     common = {"endpoint": tenant_daemon.endpoint, "universe": 1100, "lookups": 5000}
     alpha = _as_user(
@@ -509,6 +511,8 @@ def test_quota_pressure_from_one_tenant_never_evicts_anothers_pages(
     )
     a, b = _result(alpha, 300), _result(beta, 300)
     assert a["cross"] == 0 and b["cross"] == 0, (a, b)
+    assert str(a["arena"]).endswith(".alpha.pool") and a["base"] == 0, a
+    assert str(b["arena"]).endswith(".beta.pool") and b["base"] == 8 << 20, b
     assert b["own_full"] == b["own_lookups"] > 500, b
     assert int(a["own_lookups"]) + int(b["own_lookups"]) > 5000
     assert int(a["checked"]) > 0 and int(b["checked"]) > 0
