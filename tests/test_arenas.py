@@ -326,3 +326,56 @@ def test_a_user_in_another_tenants_group_is_refused_at_start(users: Users) -> No
             d.start()
     finally:
         d.cleanup()
+
+
+# -- L3 through tenant arenas ------------------------------------------------------------
+
+
+def test_l3_writes_and_prefetches_go_through_the_tenants_arena(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """This process is tenant zeta, whose arena is the second (pool bytes 4..8
+    MiB): pages written to a file L3 come from its file, and a prefetch lands
+    in it again, byte for byte (the store reads on threads: no helper process
+    maps tenant arenas)."""
+    from tests.l3util import FILE_STORE, l3_count, settle_writes, storage, wait_for, wait_prefetch
+
+    d = daemon_factory(
+        size_mib=8,
+        slab_mib=1,
+        storage=storage("file", "write_through", ""),
+        tail=FILE_STORE
+        + f"\n[tenants.alpha]\ngids = [65533]\n[tenants.zeta]\nuids = [{os.getuid()}]\n",
+    )
+    toks = np.arange(20 * PAGE_TOKENS, dtype=np.uint32)
+    want = np.random.default_rng(3).integers(0, 256, (20, 4096), dtype=np.uint8)
+    with d.client() as c:
+        assert (c.mapping.base, c.mapping.arena.size) == (4 * MIB, 4 * MIB)
+        ns = c.register(**NS)
+        c.store(ns, toks, want)
+        wait_for(lambda: l3_count(c, "written") == 20)
+        settle_writes(c)
+        filler = np.arange(1024 * PAGE_TOKENS, dtype=np.uint32) + 10**7  # the whole arena
+        c.store(ns, filler, np.zeros((1024, 4096), np.uint8))
+        settle_writes(c)
+        hit = c.match(ns, toks, lease=False)
+        assert (hit.hits, hit.l3_hits) == (0, 20)
+        pf = c.prefetch(ns, toks)
+        done = wait_prefetch(c, pf)
+        assert (done.completed, done.failed) == (20, False)
+        assert c.commit(pf).published == 20
+        hit = c.match(ns, toks)
+        assert all(4 * MIB <= o < 8 * MIB for o in hit.offsets)
+        assert np.array_equal(c.read_pages(hit), want)
+        c.release(hit)
+        assert l3_count(c, "store_reader_pages") == 0
+
+
+def test_an_arena_size_changes_only_with_a_restart() -> None:
+    from hicached.daemon.reload import reload_plan
+
+    running = _config(16, a=TenantConfig(uids=[1], arena_mib=8, max_pages=10))
+    wanted = _config(16, a=TenantConfig(uids=[1], arena_mib=4, max_pages=20))
+    config, applied, refused = reload_plan(running, wanted)
+    assert applied == {"tenants.a.max_pages": 20} and refused == ["tenants.a.arena_mib"]
+    assert config.tenants["a"].arena_mib == 8
