@@ -452,11 +452,17 @@ class TenantConfig(msgspec.Struct, **_Section):
     max_pages: int = 0
     # The same bound in MiB of slots; 0 = no limit. Changes on SIGHUP.
     max_mib: int = 0
+    # Over an ipc endpoint each tenant with uids, gids or others has an arena of its
+    # own: a pool file only its identities may open. Its size in MiB (whole slabs and
+    # a multiple of 4 MiB); 0 = an equal share of what pool.size_mib leaves after the
+    # arenas sized here. Its pages never leave it and no other tenant's enter it.
+    # Only a restart changes it.
+    arena_mib: int = 0
 
     def problem(self) -> str:
         """What is wrong with this table on its own ("" when nothing), as
         "key: why"; Config names the tenant (msgspec cannot name a dict's key)."""
-        for name in ("max_pages", "max_mib"):
+        for name in ("max_pages", "max_mib", "arena_mib"):
             if getattr(self, name) < 0:
                 return f"{name}: must be 0 (no limit) or positive"
         for name in ("uids", "gids"):

@@ -21,6 +21,7 @@ from pathlib import Path
 from hicached.client import Client, CurveKeys
 from hicached.daemon.journal import journal_path
 from hicached.wire.arena import arena_path
+from hicached.wire.arenas import stale_tenant_files
 
 
 def free_tcp_port() -> int:
@@ -135,6 +136,8 @@ class DaemonProcess:
         pool = arena_path("/dev/shm", self.runtime)  # left for the next start
         pool.unlink(missing_ok=True)
         journal_path(pool).unlink(missing_ok=True)
+        for arena in stale_tenant_files("/dev/shm", self.runtime):  # a killed daemon's
+            arena.unlink(missing_ok=True)
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> DaemonProcess:

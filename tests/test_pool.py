@@ -64,3 +64,35 @@ def test_pins_count_and_guard_free() -> None:
     assert pool.unpin([slot]) == [slot]
     pool.free(slot)
     assert pool.used_bytes == 0
+
+
+# -- arenas (tenant arenas, daemon/arenas.py) ---------------------------------------
+
+
+def test_a_partitioned_pool_gives_each_arena_its_own_slabs_only() -> None:
+    pool = SlotPool(8 * MIB, MIB)
+    pool.partition([(0, 4 * MIB), (4 * MIB, 2 * MIB)])  # the last 2 MiB: no arena's
+    assert pool.arenas == 2
+    b = [pool.alloc(512 * 1024, 1) for _ in range(5)]
+    assert b == [4 * MIB, 4 * MIB + 512 * 1024, 5 * MIB, 5 * MIB + 512 * 1024, None]
+    assert pool.free_slabs_in(1) == 0 and pool.free_slabs_in(0) == 4
+    assert pool.alloc(4096, 0) == 0  # arena 0 is untouched by arena 1's use
+    assert pool.alloc(4096, 2) is None and pool.alloc(4096, -1) is None  # no such arena
+    pool.free(5 * MIB)
+    pool.free(5 * MIB + 512 * 1024)
+    assert pool.free_slabs_in(1) == 1  # the slab went back to its own arena
+    assert pool.alloc(4096, 1) == 5 * MIB
+    assert pool.slabs_of(4096) == 2 and pool.slabs_of(4096, 1) == 1
+
+
+def test_slots_are_aligned_from_the_start_of_their_arena() -> None:
+    """A client maps its arena alone: offset - start must be a whole row."""
+    pool = SlotPool(8 * MIB, MIB)
+    start, page = 3 * MIB, 300_000
+    pool.partition([(0, start), (start, 5 * MIB)])
+    offsets = []
+    while (slot := pool.alloc(page, 1)) is not None:
+        offsets.append(slot)
+    assert all((o - start) % page == 0 for o in offsets)
+    assert all(start <= o and o + page <= 8 * MIB for o in offsets)
+    assert offsets[:4] == [start, start + page, start + 2 * page, start + 4 * page]

@@ -203,6 +203,31 @@ def test_the_books_balance_and_quotas_hold_under_random_work(seed: int) -> None:
     assert all(cache.l2.book(t).quota_evicted for t in quotas)
 
 
+def test_with_arenas_a_tenant_fills_its_own_arena_and_evicts_only_its_own_pages() -> None:
+    """Tenant arenas (as the daemon makes them over ipc): each tenant's slots
+    come from its own run of slabs; a full arena evicts its own tenant's least
+    recently used pages, never another's, quota or not."""
+    config = Config(
+        pool=PoolConfig(size_mib=3, slab_mib=1, max_page_bytes=PAGE),
+        tenants={"alpha": TenantConfig(), "beta": TenantConfig()},
+    )
+    cache = Cache(config, pool_path="x")
+    cache.l2.use_arenas({"alpha": (0, 1 << 20), "beta": (1 << 20, 2 << 20)})
+    a, b = _register(cache, b"a", "alpha"), _register(cache, b"b", "beta")
+    assert _store(cache, b"b", "beta", b, list(range(100))) == 100
+    for i in range(100):  # 400 pages into an arena of 256
+        assert _store(cache, b"a", "alpha", a, [1000 * i + j for j in range(4)]) == 4
+    alpha, beta = cache.l2.book("alpha"), cache.l2.book("beta")
+    assert (alpha.pages, alpha.evicted, alpha.quota_evicted) == (256, 144, 0)
+    assert (beta.pages, beta.evicted) == (100, 0)
+    assert _hits(cache, b"b", "beta", b, list(range(100))) == 100
+    assert all(slot < 1 << 20 for slot, book in cache.l2._holder.items() if book is alpha)
+    assert all(slot >= 1 << 20 for slot, book in cache.l2._holder.items() if book is beta)
+    # a tenant without an arena (none was given) gets no slot, and says pool_full
+    nobody = cache.l2.book("gamma")
+    assert cache.l2.alloc(nobody, PAGE, 3) == []
+
+
 def test_tenant_map_reads_ipc_credentials_and_curve_keys() -> None:
     tenants = {
         "alpha": TenantConfig(uids=[1001]),
@@ -390,6 +415,7 @@ CHILD = textwrap.dedent(
                 if j is not None:
                     c.store(ns, toks(j), pages(j))
             out.update(cross=cross, own_lookups=own_lookups, own_full=own_full, checked=checked)
+            out.update(arena=str(c.mapping.arena.path), base=c.mapping.base)
     print(json.dumps(out))
     """
 ).replace("ROOT", repr(str(ROOT)))
@@ -470,7 +496,8 @@ def test_quota_pressure_from_one_tenant_never_evicts_anothers_pages(
     pages, beta 200 (800 pages) within its own; meanwhile each looks up 5,000
     random sequences of all 1,100 the two store first (half of them the other's,
     100 of them stored by both): not one page of the other's is found, and beta
-    finds every page of its own, every time."""
+    finds every page of its own, every time. Each maps its own tenant's arena
+    alone (tests/test_arenas.py), and reads back the bytes it stored."""
     (a_uid, a_gid), (b_uid, b_gid), _ = users.ids
     common = {"endpoint": tenant_daemon.endpoint, "universe": 1100, "lookups": 5000}
     alpha = _as_user(
@@ -484,6 +511,8 @@ def test_quota_pressure_from_one_tenant_never_evicts_anothers_pages(
     )
     a, b = _result(alpha, 300), _result(beta, 300)
     assert a["cross"] == 0 and b["cross"] == 0, (a, b)
+    assert str(a["arena"]).endswith(".alpha.pool") and a["base"] == 0, a
+    assert str(b["arena"]).endswith(".beta.pool") and b["base"] == 8 << 20, b
     assert b["own_full"] == b["own_lookups"] > 500, b
     assert int(a["own_lookups"]) + int(b["own_lookups"]) > 5000
     assert int(a["checked"]) > 0 and int(b["checked"]) > 0

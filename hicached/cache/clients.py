@@ -17,6 +17,7 @@ from hicached.cache.sessions import Session
 from hicached.errors import ForeignTenant, ResourceExhausted, SessionLost, VersionMismatch
 from hicached.state.pool import GEN_GRANULE
 from hicached.wire import protocol as p
+from hicached.wire.arenas import TenantArena
 
 if TYPE_CHECKING:
     from hicached.cache.desk import Cache
@@ -31,6 +32,12 @@ class Clients:
         self.desk = desk
         self.sessions: OrderedDict[bytes, Session] = OrderedDict()
         self._next = 1
+        # tenant arenas (daemon/arenas.py): each tenant's file, the only one its clients map
+        self.arenas: dict[str, TenantArena] | None = None
+
+    def use_arenas(self, arenas: list[TenantArena]) -> None:
+        """Clients map their tenant's arena (of ``arenas``), not one pool file."""
+        self.arenas = {arena.tenant: arena for arena in arenas}
 
     def hello(self, routing_id: bytes, msg: p.Hello, peer: str | None = None) -> p.HelloOk:
         if msg.major != p.PROTOCOL_MAJOR:
@@ -40,6 +47,16 @@ class Clients:
             )
         desk = self.desk
         config = desk.config
+        path, size, base = desk.pool_path, desk.pool.arena_bytes, 0
+        if self.arenas is not None:
+            if msg.minor < p.ARENAS_MINOR:
+                raise VersionMismatch(
+                    f"client speaks protocol {msg.major}.{msg.minor}; this daemon keeps tenants' "
+                    f"pages in arenas of their own, which clients of {p.PROTOCOL_MAJOR}."
+                    f"{p.ARENAS_MINOR} and later map: upgrade the client"
+                )
+            arena = self.arenas.get(peer or "")
+            path, size, base = (str(arena.path), arena.size, arena.start) if arena else ("", 0, 0)
         session = self.sessions.get(routing_id)
         if session is not None:
             _same_peer(session, peer)
@@ -55,14 +72,15 @@ class Clients:
             minor=p.PROTOCOL_MINOR,
             instance=desk.instance,
             session=session.id,
-            pool_path=desk.pool_path,
-            pool_bytes=desk.pool.arena_bytes,
+            pool_path=path,
+            pool_bytes=size,
             lease_ttl_s=config.leases.ttl_s,
             max_message_bytes=config.server.max_message_bytes,
             max_pages_per_request=config.server.max_pages_per_request,
             gen_granule=GEN_GRANULE,
             huge_pages=config.pool.huge_pages,
             pool_id=desk.pool_id,
+            pool_base=base,
         )
 
     def _make_room(self) -> None:

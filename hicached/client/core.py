@@ -54,6 +54,7 @@ from hicached.errors import (
     BadRequest,
     DaemonUnavailable,
     ForeignLease,
+    ForeignTenant,
     HicachedError,
     SessionLost,
     StaleHandle,
@@ -420,6 +421,8 @@ class _Core:
         if not self.map_pool:
             raise BadRequest("this client does not map the pool (map_pool=False)")
         if self._pool.current is None:
+            if self._pool.unmapped:
+                raise ForeignTenant(self._pool.unmapped)
             raise DaemonUnavailable("not connected: call connect() first")
         return self._pool.current
 

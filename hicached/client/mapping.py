@@ -269,10 +269,14 @@ class PoolMapping:
         clock: Callable[[], float] = time.monotonic,
         *,
         pool_id: int = 0,
+        base: int = 0,
     ) -> None:
         self.arena = arena
         self.instance = instance
         self.pool_id = pool_id
+        # the daemon's offset of this file's first slot (tenant arenas; 0: the whole
+        # pool): handles carry the daemon's offsets, copies go to ``offset - base``
+        self.base = base
         # instances before this one that served this pool: their read handles are fenced
         # by generations alone (a page the new daemon did not adopt has moved on)
         self.earlier: set[int] = set()
@@ -290,7 +294,7 @@ class PoolMapping:
         """The generations of ``offsets`` now (taken when a handle is made)."""
         if not offsets:
             return np.empty(0, dtype=self.arena.gens.dtype)
-        return self.arena.gens[np.asarray(offsets, dtype=np.int64) // self.granule]
+        return self.arena.gens[(np.asarray(offsets, dtype=np.int64) - self.base) // self.granule]
 
     def adopted_by(self, instance: int) -> None:
         """A restarted daemon (``instance``) adopted this pool."""
@@ -531,7 +535,7 @@ class PoolMapping:
     def _row_index(self, ns: Namespace, offsets: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Rows of ``offsets`` and their generation counters; a cache must never
         lie, so every offset is checked."""
-        arr = np.asarray(offsets, dtype=np.int64)
+        arr = np.asarray(offsets, dtype=np.int64) - self.base
         pb = ns.page_bytes
         if int(arr.min()) < 0 or int(arr.max()) + pb > self.arena.size or (arr % pb).any():
             raise ValueError(f"offsets must be slots of {pb} bytes inside the pool")

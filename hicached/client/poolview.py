@@ -14,6 +14,11 @@ Writes through its handles are refused. Only the latest such pool is kept.
 
 The view also remembers whether CUDA registration was asked for
 (``pin_memory``), so that every pool mapped after a restart is pinned too.
+
+Tenant arenas: the daemon names the client's tenant's arena file, and where its
+first slot lies in the daemon's pool (``pool_base``); the mapping translates
+offsets (client/mapping.py). A connection whose tenant has no arena maps
+nothing, and copies are refused, saying why.
 """
 
 from __future__ import annotations
@@ -35,12 +40,20 @@ class PoolView:
         self._retired: tuple[PoolMapping, float] | None = None  # and until when it may be read
         self._pin = False  # pin() was asked for
         self._lease_ttl = 0.0  # of the daemon last spoken to: its read leases' longest life
+        self.unmapped = ""  # why the daemon gave no pool to map ("": it did, or no hello yet)
 
     def hello(self, reply: p.HelloOk, *, prefault: bool) -> None:
         """A daemon answered hello: map its pool unless it is the one mapped now
         (the one before is retired); ``prefault`` faults it in on a thread."""
         current = self.current
-        if (
+        self.unmapped = ""
+        if not reply.pool_bytes:
+            self._retire()
+            self.unmapped = (
+                "the daemon gives this connection no pool to map: its tenant has no arena "
+                "(no tenant lists this client's uid or gid; docs/operations.md, Tenants)"
+            )
+        elif (
             current is not None
             and reply.instance != current.instance
             and _same_pool(current, reply)
@@ -63,7 +76,11 @@ class PoolView:
                     target=arena.prefault, name="hicached-prefault", daemon=True
                 ).start()
             self.current = PoolMapping(
-                arena, reply.instance, reply.gen_granule, pool_id=reply.pool_id
+                arena,
+                reply.instance,
+                reply.gen_granule,
+                pool_id=reply.pool_id,
+                base=reply.pool_base,
             )
             if self._pin:
                 self.current.pin()
@@ -122,5 +139,6 @@ def _same_pool(mapping: PoolMapping, reply: p.HelloOk) -> bool:
         and reply.pool_id == mapping.pool_id
         and reply.pool_path == str(mapping.arena.path)
         and reply.pool_bytes == mapping.arena.size
+        and reply.pool_base == mapping.base
         and reply.gen_granule == mapping.granule
     )

@@ -9,9 +9,10 @@ only set a flag; a second signal exits at once.
 Access control (private directories, the clients' group, CURVE, the ZAP
 handler) is daemon/access.py's. Tenants: with ``[tenants]`` configured, a
 connection's tenant comes from who it is (daemon/tenants.py), never from what
-it says; the cache checks each request against it. SIGHUP reads the config
-file again and applies what may change at run time (daemon/reload.py);
-everything else keeps its running value, logged.
+it says; the cache checks each request against it. Over ipc each tenant's
+pages live in an arena file of its own that only it may open (daemon/arenas.py).
+SIGHUP reads the config file again and applies what may change at run time
+(daemon/reload.py); everything else keeps its running value, logged.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -42,6 +44,7 @@ from hicached.config import (
 )
 from hicached.daemon.access import Access, ensure_private_dir
 from hicached.daemon.adoption import open_pool
+from hicached.daemon.arenas import arena_layout, check_memberships, grant
 from hicached.daemon.journal import JournalFile, journal_path
 from hicached.daemon.metrics import Metrics
 from hicached.daemon.notify import StartupProgress, sd_notify, watchdog_interval
@@ -52,6 +55,7 @@ from hicached.daemon.tenants import TENANT_DOMAIN
 from hicached.daemon.tier import Tier, make_backend
 from hicached.errors import ConfigError
 from hicached.wire.arena import Arena, arena_path
+from hicached.wire.arenas import TenantArena, TenantArenas, stale_tenant_files
 from hicached.wire.peek import peek_request  # noqa: F401 (still importable from here)
 
 log = logging.getLogger("hicached")
@@ -75,7 +79,7 @@ class Server:
         self.runtime_dir = runtime_dir(config)
         self.cache: Cache | None = None
         self.tier: Tier | None = None
-        self.arena: Arena | None = None
+        self.arena: Arena | TenantArenas | None = None  # tenant arenas: daemon/arenas.py
         self.journal: JournalFile | None = None  # with pool.adopt
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
         self._sock: zmq.Socket[bytes] | None = None
@@ -139,7 +143,9 @@ class Server:
             self._prepare(lambda done: populated.__setitem__(0, done >> 20))
             assert self.cache is not None and self.arena is not None
             if cfg.storage.backend:
-                backend = make_backend(cfg, self.arena.array.data, str(self.arena.path))
+                # tenant arenas: no helper process maps the pool (it is not one file)
+                path = str(self.arena.path) if isinstance(self.arena, Arena) else ""
+                backend = make_backend(cfg, self.arena.array.data, path)
                 tier = Tier(self.cache, backend, self.arena)
                 scan = cfg.storage.scan_on_start and not cfg.storage.scan_in_background
                 progress.phase(
@@ -183,6 +189,18 @@ class Server:
             sock_path.unlink(missing_ok=True)
         started = time.monotonic()
         path = arena_path(cfg.pool.shm_dir, self.runtime_dir)
+        for stale in stale_tenant_files(cfg.pool.shm_dir, self.runtime_dir):
+            stale.unlink(missing_ok=True)  # of a daemon before (tenant arenas are not adopted)
+        layout = arena_layout(cfg, self.endpoint, self.runtime_dir)
+        if layout:
+            self._prepare_arenas(layout, path, gid, on_populate)
+            log.info(
+                "pool: %d MiB in %d tenant arenas (%.2fs)",
+                cfg.pool.size_mib,
+                len(layout),
+                time.monotonic() - started,
+            )
+            return
         opened = open_pool(cfg, path, gid, self.fresh, on_populate)
         self.arena = opened.arena
         recorder = Recorder() if cfg.pool.adopt else None
@@ -212,6 +230,49 @@ class Server:
             self.arena.path,
             time.monotonic() - started,
         )
+
+    def _prepare_arenas(
+        self,
+        layout: list[TenantArena],
+        path: Path,
+        gid: int | None,
+        on_populate: Callable[[int], None] | None,
+    ) -> None:
+        """The pool as tenant arenas, one file per tenant (daemon/arenas.py); they
+        are made anew at every start: the journal that lets a restart adopt the
+        pool covers a pool of one file only."""
+        cfg = self.config
+        check_memberships(cfg)
+        if path.exists() or journal_path(path).exists():
+            log.info("pool: removing %s, the pool of a daemon before without tenant arenas", path)
+            path.unlink(missing_ok=True)
+            journal_path(path).unlink(missing_ok=True)
+        if cfg.pool.adopt:
+            log.warning(
+                "pool: tenant arenas are not adopted across restarts (pool.adopt keeps a pool "
+                "without them only): every start makes them anew, empty"
+            )
+        arenas = TenantArenas.create(
+            cfg.pool.size_mib << 20,
+            layout,
+            grant(cfg, gid),
+            cfg.pool.populate,
+            on_populate,
+            cfg.pool.huge_pages,
+        )
+        self.arena = arenas
+        self.cache = Cache(cfg, pool_path="", gens=arenas.gens, pool_id=secrets.randbits(63))
+        self.cache.l2.use_arenas({a.tenant: (a.start, a.size) for a in layout})
+        self.cache.clients.use_arenas(layout)
+        for arena in layout:
+            log.info(
+                "pool: tenant %s: %d MiB at %s (pool bytes %d..%d)",
+                arena.tenant,
+                arena.size >> 20,
+                arena.path,
+                arena.start,
+                arena.start + arena.size,
+            )
 
     def _listen(self) -> None:
         """Bind the socket and start serving; READY goes to systemd last."""
@@ -317,7 +378,10 @@ class Server:
             self.journal.close()
             keep = not self.journal.failed  # the next start adopts the pool
             self.journal = None
-        if self.arena is not None:
+        if isinstance(self.arena, TenantArenas):
+            self.arena.close()  # and their files: tenant arenas are not adopted
+            self.arena = None
+        elif self.arena is not None:
             self.arena.close(keep=keep)
             if not keep:
                 journal_path(self.arena.path).unlink(missing_ok=True)

@@ -27,6 +27,7 @@ from hicached.config import Config, data_dir
 from hicached.daemon.dispatcher import Dispatcher, WriteJob
 from hicached.errors import ConfigError
 from hicached.wire.arena import Arena
+from hicached.wire.arenas import TenantArenas
 from hicached_backends import Backend, BackendEnv, PageRef, load_backend_class
 
 log = logging.getLogger("hicached.storage")
@@ -88,7 +89,7 @@ class FlushCounts:
 class Tier:
     """The cache's port to L3 (cache/tiering.py's TierPort): its I/O side."""
 
-    def __init__(self, cache: Cache, backend: Backend, arena: Arena) -> None:
+    def __init__(self, cache: Cache, backend: Backend, arena: Arena | TenantArenas) -> None:
         self.cache = cache
         self.arena = arena
         self.config = cache.config.storage

@@ -21,6 +21,12 @@ another tenant's page. When the pool itself is full, pages of every tenant
 compete by recency, as pages of every size do; quotas that add up to no more
 than the pool (in whole slabs per page size) keep that from happening.
 
+Tenant arenas (``use_arenas``): where each tenant's pages live in an arena of
+their own (state/pool.py ``partition``), a tenant's slots come from its arena
+only, and when its arena is full its own least recently used pages make way:
+tenants never compete, the arena's size bounds the tenant as a quota does. A
+tenant without an arena gets no slot.
+
 What happens to an evicted page (freed at once, or held for a write-back) is
 the cache's policy: it is handed to ``on_evict``, which frees each slot or
 ``hold``s it until its write-back ends.
@@ -36,7 +42,7 @@ import msgspec
 
 from hicached.state.index import PageIndex
 from hicached.state.keyindex import KeyIndex
-from hicached.state.pool import SlotPool
+from hicached.state.pool import NO_ARENA, SlotPool
 
 Victims = list[tuple[bytes, int, int]]  # (key, slot, owner namespace id)
 # The radix tree of token namespaces, or the key table of key-addressed ones.
@@ -54,6 +60,7 @@ class TenantBook:
     (0 = none) and what happened to its pages."""
 
     __slots__ = (
+        "arena",
         "asked",
         "bytes",
         "evicted",
@@ -66,8 +73,9 @@ class TenantBook:
         "slots",
     )
 
-    def __init__(self, name: str, max_slots: int = 0, max_bytes: int = 0) -> None:
+    def __init__(self, name: str, max_slots: int = 0, max_bytes: int = 0, arena: int = 0) -> None:
         self.name = name
+        self.arena = arena  # the pool's arena its slots come from (state/pool.py)
         # (page_bytes, keyed) -> this tenant's index of token or key-addressed pages
         self.indexes: dict[tuple[int, bool], Index] = {}
         self.slots = 0  # slots charged: indexed, under a lease, on their way back
@@ -135,12 +143,27 @@ class L2:
         self.reclaimed_slabs = 0
         # hears every slot freed (the pool journal's records, cache/journal.py)
         self.on_free: Callable[[int], None] | None = None
+        self._arena_of: dict[str, int] | None = None  # with tenant arenas: tenant -> arena
 
     def book(self, tenant: str = DEFAULT_TENANT) -> TenantBook:
         book = self.books.get(tenant)
         if book is None:
-            book = self.books[tenant] = TenantBook(tenant)
+            book = self.books[tenant] = TenantBook(tenant, arena=self._arena(tenant))
         return book
+
+    def use_arenas(self, arenas: dict[str, tuple[int, int]]) -> None:
+        """Give each tenant an arena of the pool, tenant -> (first byte, bytes);
+        a tenant not named gets none. Before any slot is given out."""
+        names = list(arenas)
+        self.pool.partition([arenas[name] for name in names])
+        self._arena_of = {name: i for i, name in enumerate(names)}
+        for book in self.books.values():
+            book.arena = self._arena(book.name)
+
+    def _arena(self, tenant: str) -> int:
+        if self._arena_of is None:
+            return 0
+        return self._arena_of.get(tenant, NO_ARENA)
 
     def index(self, page_bytes: int, tenant: str = DEFAULT_TENANT, keyed: bool = False) -> Index:
         """The index of ``tenant``'s pages of ``page_bytes`` (key-addressed ones: ``keyed``)."""
@@ -239,19 +262,22 @@ class L2:
         out: list[int] = []
         budget = count  # pages this request may evict of its own size
         reclaim = True  # give up taking slabs once an attempt frees none
+        arena = book.arena
+        if arena == NO_ARENA:
+            return []
         while len(out) < count:
-            slot = pool.alloc(page_bytes)
+            slot = pool.alloc(page_bytes, arena)
             if slot is not None:
                 out.append(slot)
                 continue
-            other = self._other_size_to_reclaim(page_bytes) if reclaim else None
+            other = self._other_size_to_reclaim(page_bytes, arena) if reclaim else None
             if other is not None:
-                reclaim = self._reclaim_slab(other)
+                reclaim = self._reclaim_slab(other, arena)
                 continue
             want = min(budget, count - len(out))
             if want <= 0:
                 break
-            evicted = self._evict_lru(page_bytes, want)
+            evicted = self._evict_lru(page_bytes, want, arena)
             if not evicted:
                 break
             budget -= evicted
@@ -312,11 +338,21 @@ class L2:
                 best, choice, size = tick, index, page_bytes
         return choice, size
 
-    def _evict_lru(self, page_bytes: int, count: int) -> int:
+    def _in_arena(self, page_bytes: int, arena: int) -> Iterator[Index]:
+        """The indexes of ``page_bytes`` of the tenants whose slots come from ``arena``."""
+        for book in self.books.values():
+            if book.arena != arena:
+                continue
+            for (size, _), index in book.indexes.items():
+                if size == page_bytes:
+                    yield index
+
+    def _evict_lru(self, page_bytes: int, count: int, arena: int = 0) -> int:
         """Evict up to ``count`` pages of ``page_bytes``, least recently used first
-        over every tenant's index of that size; returns how many went."""
+        over the indexes of that size of every tenant of ``arena``; returns how
+        many went."""
         done = 0
-        candidates = [(page_bytes, index) for index in self.indexes(page_bytes)]
+        candidates = [(page_bytes, index) for index in self._in_arena(page_bytes, arena)]
         while done < count:
             index, _ = self._oldest(iter(candidates))
             if index is None:
@@ -332,36 +368,38 @@ class L2:
         self.evicted_pages += len(victims)
         self._on_evict(victims)
 
-    def _other_size_to_reclaim(self, page_bytes: int) -> int | None:
-        """The other page size whose LRU page is older than every page of
-        ``page_bytes`` (any with pages, when it has none), or None."""
-        sizes = {size for book in self.books.values() for size, _ in book.indexes}
+    def _other_size_to_reclaim(self, page_bytes: int, arena: int = 0) -> int | None:
+        """The other page size (in ``arena``) whose LRU page is older than every
+        page of ``page_bytes`` (any with pages, when it has none), or None."""
+        sizes = {
+            size for book in self.books.values() if book.arena == arena for size, _ in book.indexes
+        }
         if len(sizes) < 2:
             return None
-        oldest = [index.oldest() for index in self.indexes(page_bytes)]
+        oldest = [index.oldest() for index in self._in_arena(page_bytes, arena)]
         best = min((tick for tick in oldest if tick is not None), default=None)
         choice = None
         for size in sizes:
-            if size == page_bytes or not self.pool.slabs_of(size):
+            if size == page_bytes or not self.pool.slabs_of(size, arena):
                 continue
-            for index in self.indexes(size):
+            for index in self._in_arena(size, arena):
                 tick = index.oldest()
                 if tick is not None and (best is None or tick < best):
                     best, choice = tick, size
         return choice
 
-    def _reclaim_slab(self, page_bytes: int) -> bool:
-        """Evict LRU pages of ``page_bytes`` until one of its slabs is free; bounded
-        by two slabs' worth of pages. True if a slab came back."""
+    def _reclaim_slab(self, page_bytes: int, arena: int = 0) -> bool:
+        """Evict LRU pages of ``page_bytes`` (in ``arena``) until one of its slabs
+        there is free; bounded by two slabs' worth of pages. True if a slab came back."""
         pool = self.pool
-        before = pool.free_slabs
+        before = pool.free_slabs_in(arena)
         budget = 2 * max(1, pool.slots_per_slab(page_bytes))
-        while pool.free_slabs == before and budget > 0:
-            evicted = self._evict_lru(page_bytes, min(budget, 64))
+        while pool.free_slabs_in(arena) == before and budget > 0:
+            evicted = self._evict_lru(page_bytes, min(budget, 64), arena)
             if not evicted:
                 break
             budget -= evicted
-        if pool.free_slabs > before:
+        if pool.free_slabs_in(arena) > before:
             self.reclaimed_slabs += 1
             return True
         return False

@@ -22,6 +22,14 @@ counters when it is handed a slot and checks them after copying out of it
 (seqlock style): a copy that raced a reuse is reported as a miss, never as
 bytes. Pages smaller than a granule share counters with their neighbours,
 which can only cause spurious misses.
+
+Arenas: a pool may be cut into arenas (``partition``), contiguous runs of whole
+slabs, one per tenant where tenants' pages live in files of their own
+(daemon/arenas.py). A slot is then drawn from one arena only, and a slab never
+leaves its arena: a tenant's pages stay in its own file. Slots are aligned to
+their page size from the start of their arena, so a client that maps only its
+arena (``offset - start`` is its file offset) sees whole rows too. Unpartitioned,
+the pool is one arena, the whole of it.
 """
 
 from __future__ import annotations
@@ -37,11 +45,15 @@ class SlotStateError(AssertionError):
     """A slot was freed that is not allocated, or freed as another page size."""
 
 
-class _SizeClass:
-    __slots__ = ("page_bytes", "partial", "slabs", "slots_per_slab", "used")
+NO_ARENA = -1  # the arena of a tenant the pool gives nothing to
 
-    def __init__(self, page_bytes: int) -> None:
+
+class _SizeClass:
+    __slots__ = ("arena", "page_bytes", "partial", "slabs", "slots_per_slab", "used")
+
+    def __init__(self, page_bytes: int, arena: int = 0) -> None:
         self.page_bytes = page_bytes
+        self.arena = arena
         # slab id -> free slot offsets of that slab, highest first (pop gives the lowest)
         self.partial: dict[int, list[int]] = {}
         self.used = 0
@@ -61,20 +73,50 @@ class SlotPool:
         self.arena_bytes = arena_bytes
         self.slab_bytes = slab_bytes
         self.n_slabs = arena_bytes // slab_bytes
-        self._free_slabs = list(range(self.n_slabs))  # a heap: lowest slab first
+        # per arena: its free slabs, a heap (lowest slab first), and its first byte
+        self._free: list[list[int]] = [list(range(self.n_slabs))]
+        self._starts = [0]
         self._slab_class: list[_SizeClass | None] = [None] * self.n_slabs
         self._slab_used = [0] * self.n_slabs
-        self._classes: dict[int, _SizeClass] = {}
+        # (arena, page_bytes) -> that page size's slabs in that arena
+        self._classes: dict[tuple[int, int], _SizeClass] = {}
         self.pins: dict[int, int] = {}
         self.allocated: dict[int, int] = {}  # slot offset -> its page size
 
+    def partition(self, arenas: list[tuple[int, int]]) -> None:
+        """Cut the pool into arenas of (first byte, bytes), each a whole number of
+        slabs; arena ``i`` is the ``i``-th. Slabs outside every arena are never
+        given out. Before any slot is."""
+        assert not self.allocated, "a pool is partitioned before it gives out any slot"
+        free: list[list[int]] = []
+        end = 0
+        for start, size in arenas:
+            assert start % self.slab_bytes == 0 and size % self.slab_bytes == 0 and size > 0, (
+                f"arena ({start}, {size}) is not whole slabs of {self.slab_bytes} bytes"
+            )
+            assert start >= end and start + size <= self.n_slabs * self.slab_bytes, (
+                f"arena ({start}, {size}) overlaps another or passes the pool"
+            )
+            end = start + size
+            free.append(list(range(start // self.slab_bytes, end // self.slab_bytes)))
+        self._free = free
+        self._starts = [start for start, _ in arenas]
+
+    @property
+    def arenas(self) -> int:
+        """How many arenas the pool has (1 unless partitioned)."""
+        return len(self._free)
+
     # -- allocation ------------------------------------------------------
 
-    def alloc(self, page_bytes: int) -> int | None:
-        """Offset of a free slot of ``page_bytes``, or None when no slab has room."""
-        cls = self._classes.get(page_bytes)
+    def alloc(self, page_bytes: int, arena: int = 0) -> int | None:
+        """Offset of a free slot of ``page_bytes`` in ``arena``, or None when no slab
+        of that arena has room (or there is no such arena: ``NO_ARENA``)."""
+        cls = self._classes.get((arena, page_bytes))
         if cls is None:
-            cls = self._classes[page_bytes] = _SizeClass(page_bytes)
+            if not 0 <= arena < len(self._free):
+                return None
+            cls = self._classes[arena, page_bytes] = _SizeClass(page_bytes, arena)
         if not cls.partial and not self._carve(cls):
             return None
         slab, free = next(iter(cls.partial.items()))
@@ -112,18 +154,20 @@ class SlotPool:
             cls.partial.pop(slab, None)
             cls.slabs -= 1
             self._slab_class[slab] = None
-            heapq.heappush(self._free_slabs, slab)
+            heapq.heappush(self._free[cls.arena], slab)
         else:
             cls.partial.setdefault(slab, []).append(offset)
 
     def _carve(self, cls: _SizeClass) -> bool:
-        if not self._free_slabs:
+        free = self._free[cls.arena]
+        if not free:
             return False
-        slab = heapq.heappop(self._free_slabs)
+        slab = heapq.heappop(free)
         base = slab * self.slab_bytes
         end = base + self.slab_bytes
         pb = cls.page_bytes
-        first = -(-base // pb) * pb  # align to the page size across the arena
+        start = self._starts[cls.arena]
+        first = start + -(-(base - start) // pb) * pb  # aligned to the page size in its arena
         offsets = list(range(first, end - pb + 1, pb))
         assert offsets, f"slab of {self.slab_bytes} bytes holds no page of {pb} bytes"
         offsets.reverse()
@@ -137,8 +181,10 @@ class SlotPool:
         """Take ``slots`` (offset -> page size) as allocated, on a fresh pool: the
         pages a restarted daemon adopts (cache/adopt.py). A slot that does not
         fit the geometry (misaligned, past the arena, or in a slab that another
-        page size claims first) is refused; returns the refused offsets."""
+        page size claims first) is refused; returns the refused offsets. An
+        unpartitioned pool only (tenant arenas are not adopted)."""
         assert not self.allocated, "a pool adopts before it gives out any slot"
+        assert len(self._free) == 1 and not self._starts[0], "an unpartitioned pool adopts"
         refused: set[int] = set()
         by_slab: dict[int, dict[int, int]] = {}
         sizes: dict[int, int] = {}
@@ -159,9 +205,9 @@ class SlotPool:
                 refused.add(offset)
         for slab, taken in by_slab.items():
             size = sizes[slab]
-            cls = self._classes.get(size)
+            cls = self._classes.get((0, size))
             if cls is None:
-                cls = self._classes[size] = _SizeClass(size)
+                cls = self._classes[0, size] = _SizeClass(size)
             base = slab * self.slab_bytes
             first = -(-base // size) * size
             offsets = range(first, base + self.slab_bytes - size + 1, size)
@@ -174,8 +220,8 @@ class SlotPool:
             cls.used += len(taken)
             self._slab_used[slab] = len(taken)
             self.allocated.update(taken)
-        self._free_slabs = [slab for slab in self._free_slabs if slab not in by_slab]
-        heapq.heapify(self._free_slabs)
+        self._free[0] = [slab for slab in self._free[0] if slab not in by_slab]
+        heapq.heapify(self._free[0])
         return refused
 
     # -- pins ------------------------------------------------------------
@@ -206,21 +252,28 @@ class SlotPool:
 
     @property
     def free_slabs(self) -> int:
-        return len(self._free_slabs)
+        return sum(len(free) for free in self._free)
+
+    def free_slabs_in(self, arena: int) -> int:
+        """Free slabs of ``arena``."""
+        return len(self._free[arena]) if 0 <= arena < len(self._free) else 0
 
     def size_of(self, offset: int) -> int | None:
         """The page size slot ``offset`` was given out for, or None when it is free."""
         return self.allocated.get(offset)
 
-    def slabs_of(self, page_bytes: int) -> int:
-        """Slabs the page size holds now."""
-        cls = self._classes.get(page_bytes)
-        return cls.slabs if cls else 0
+    def _of_size(self, page_bytes: int, arena: int | None) -> list[_SizeClass]:
+        if arena is not None:
+            cls = self._classes.get((arena, page_bytes))
+            return [cls] if cls else []
+        return [cls for (_, size), cls in self._classes.items() if size == page_bytes]
+
+    def slabs_of(self, page_bytes: int, arena: int | None = None) -> int:
+        """Slabs the page size holds now (in ``arena``, or in all)."""
+        return sum(cls.slabs for cls in self._of_size(page_bytes, arena))
 
     def slots_per_slab(self, page_bytes: int) -> int:
-        cls = self._classes.get(page_bytes)
-        return cls.slots_per_slab if cls else 0
+        return max((cls.slots_per_slab for cls in self._of_size(page_bytes, None)), default=0)
 
     def used_slots(self, page_bytes: int) -> int:
-        cls = self._classes.get(page_bytes)
-        return cls.used if cls else 0
+        return sum(cls.used for cls in self._of_size(page_bytes, None))

@@ -1,5 +1,9 @@
 """The shared-memory arena: one tmpfs file mapped by the daemon and every client.
 
+(With tenant arenas each tenant has a file of this layout, which its clients
+map as they map this one, and the daemon maps them all as one pool:
+wire/arenas.py.)
+
 The daemon creates it (mode 0600, or 0660 for the clients' group when
 ``server.client_group`` is set; prefaulted) and unlinks it
 at shutdown; clients map the same file by path. Its name is derived from the

@@ -15,7 +15,9 @@ from hicached.errors import HicachedError, error_from_code
 from hicached.wire.namespace import NamespaceSpec
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 3
+PROTOCOL_MINOR = 4
+# the first minor version whose clients map a tenant's arena (HelloOk.pool_base)
+ARENAS_MINOR = 4
 
 
 class Request(msgspec.Struct, tag_field="op", kw_only=True, forbid_unknown_fields=True):
@@ -185,6 +187,11 @@ class HelloOk(Reply, tag="hello_ok"):
     # the pool file's id (0: none): a daemon that adopted the pool of the one
     # before it says the same id, and a client keeps its mapping of that file
     pool_id: int = 0
+    # tenant arenas (1.4): the offset in the daemon's pool of the first slot of
+    # ``pool_path``, the client's tenant's arena; slot ``offset`` is at
+    # ``offset - pool_base`` of that file. With ``pool_bytes`` 0 there is no pool
+    # to map: the connection's tenant has no arena.
+    pool_base: int = 0
 
 
 class NamespaceOk(Reply, tag="namespace_ok"):
