@@ -379,3 +379,44 @@ def test_an_arena_size_changes_only_with_a_restart() -> None:
     config, applied, refused = reload_plan(running, wanted)
     assert applied == {"tenants.a.max_pages": 20} and refused == ["tenants.a.arena_mib"]
     assert config.tenants["a"].arena_mib == 8
+
+
+def match_work(endpoint: str, seed: int) -> Callable[[], dict[str, object]]:
+    """Match ``seed``'s pages and read them back; say from which file."""
+
+    def work() -> dict[str, object]:
+        with Client(endpoint, timeout=5.0) as c:
+            ns = c.register(**NS)
+            hit = c.match(ns, _toks(seed))
+            got = c.read_pages(hit)
+            return {
+                "hits": hit.hits,
+                "same": bool(np.array_equal(got, _pages(seed)[: hit.hits])),
+                "arena": str(c.mapping.arena.path),
+                "adopted": c.stats().adopted_pages,
+            }
+
+    return work
+
+
+def test_tenant_arenas_are_adopted_across_a_kill(tenant_daemon: Daemon, users: Users) -> None:
+    """kill -9 and a new start: each tenant's pages are matched again from its own
+    arena file, with their bytes, and the files keep opening to their tenant only."""
+    (a_uid, _), (b_uid, _), _ = users.ids
+    d = tenant_daemon
+    endpoint = d.endpoint
+    arena = {t: str(tenant_arena_path("/dev/shm", d.runtime, t)) for t in ("alpha", "beta")}
+    assert as_user(_pw(a_uid), store_work(endpoint, 21))["same"]
+    assert as_user(_pw(b_uid), store_work(endpoint, 22))["same"]
+    d.fresh = False
+    d.kill()
+    d.start()
+    alpha = as_user(_pw(a_uid), match_work(endpoint, 21))
+    beta = as_user(_pw(b_uid), match_work(endpoint, 22))
+    assert alpha == {"hits": 4, "same": True, "arena": arena["alpha"], "adopted": 8}, alpha
+    assert beta == {"hits": 4, "same": True, "arena": arena["beta"], "adopted": 8}, beta
+    # beta's tokens in alpha's namespace: nothing (the namespaces are per tenant)
+    assert as_user(_pw(a_uid), match_work(endpoint, 22))["hits"] == 0
+    other = as_user(_pw(b_uid), lambda: {"open": _errno(lambda: _open(arena["alpha"]))})
+    assert other == {"open": "EACCES"}
+    assert "adopting 2 tenant arenas" in d.log.read_text()

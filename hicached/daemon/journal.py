@@ -138,6 +138,17 @@ def check(header: JournalHeader, expected: JournalHeader) -> str:
         have, want = getattr(header, name), getattr(expected, name)
         if have != want:
             return f"its {name} is {have}, this configuration makes {want}"
+    if bool(header.arenas) != bool(expected.arenas):
+        made = "tenant arenas" if header.arenas else "one file"
+        return f"it is a pool of {made}, this configuration makes the other"
+    if header.arenas:
+        have = [tuple(a[:3]) for a in header.arenas]
+        want = [tuple(a[:3]) for a in expected.arenas]
+        if have != want:
+            return f"its tenant arenas are {have}, this configuration makes {want}"
+        if [tuple(a[3:]) for a in header.arenas] != [tuple(a[3:]) for a in expected.arenas]:
+            return "it is the journal of other arena files"
+        return ""
     if (header.pool_dev, header.pool_ino) != (expected.pool_dev, expected.pool_ino):
         return (
             f"it is the journal of another pool file (device {header.pool_dev}, inode "

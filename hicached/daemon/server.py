@@ -22,7 +22,6 @@ import contextlib
 import fcntl
 import logging
 import os
-import secrets
 import signal
 import sys
 import threading
@@ -43,7 +42,7 @@ from hicached.config import (
     runtime_dir,
 )
 from hicached.daemon.access import Access, ensure_private_dir
-from hicached.daemon.adoption import open_pool
+from hicached.daemon.adoption import OpenedPool, open_arenas, open_pool
 from hicached.daemon.arenas import arena_layout, check_memberships, grant
 from hicached.daemon.journal import JournalFile, journal_path
 from hicached.daemon.metrics import Metrics
@@ -55,7 +54,7 @@ from hicached.daemon.tenants import TENANT_DOMAIN
 from hicached.daemon.tier import Tier, make_backend
 from hicached.errors import ConfigError
 from hicached.wire.arena import Arena, arena_path
-from hicached.wire.arenas import TenantArena, TenantArenas, stale_tenant_files
+from hicached.wire.arenas import TenantArena, TenantArenas
 from hicached.wire.peek import peek_request  # noqa: F401 (still importable from here)
 
 log = logging.getLogger("hicached")
@@ -189,8 +188,6 @@ class Server:
             sock_path.unlink(missing_ok=True)
         started = time.monotonic()
         path = arena_path(cfg.pool.shm_dir, self.runtime_dir)
-        for stale in stale_tenant_files(cfg.pool.shm_dir, self.runtime_dir):
-            stale.unlink(missing_ok=True)  # of a daemon before (tenant arenas are not adopted)
         layout = arena_layout(cfg, self.endpoint, self.runtime_dir)
         if layout:
             self._prepare_arenas(layout, path, gid, on_populate)
@@ -211,6 +208,18 @@ class Server:
             journal=recorder,
             pool_id=opened.header.pool_id,
         )
+        self._adopt(opened, path, recorder)
+        log.info(
+            "pool: %d MiB at %s (%.2fs)",
+            cfg.pool.size_mib,
+            self.arena.path,
+            time.monotonic() - started,
+        )
+
+    def _adopt(self, opened: OpenedPool, path: Path, recorder: Recorder | None) -> None:
+        """Adopt what the daemon before left (when ``opened`` has its journal),
+        then start this daemon's journal (pool.adopt)."""
+        assert self.cache is not None
         if opened.records is not None:
             adopted = self.cache.adopt(opened.records)
             log.info(
@@ -224,12 +233,6 @@ class Server:
         if recorder is not None:
             self.journal = JournalFile(journal_path(path), opened.header, recorder)
             self.journal.start()
-        log.info(
-            "pool: %d MiB at %s (%.2fs)",
-            cfg.pool.size_mib,
-            self.arena.path,
-            time.monotonic() - started,
-        )
 
     def _prepare_arenas(
         self,
@@ -238,32 +241,22 @@ class Server:
         gid: int | None,
         on_populate: Callable[[int], None] | None,
     ) -> None:
-        """The pool as tenant arenas, one file per tenant (daemon/arenas.py); they
-        are made anew at every start: the journal that lets a restart adopt the
-        pool covers a pool of one file only."""
+        """The pool as tenant arenas, one file per tenant (daemon/arenas.py),
+        adopted from the daemon before where its journal describes these very
+        arenas (daemon/adoption.py), else made anew."""
         cfg = self.config
         check_memberships(cfg)
-        if path.exists() or journal_path(path).exists():
-            log.info("pool: removing %s, the pool of a daemon before without tenant arenas", path)
-            path.unlink(missing_ok=True)
-            journal_path(path).unlink(missing_ok=True)
-        if cfg.pool.adopt:
-            log.warning(
-                "pool: tenant arenas are not adopted across restarts (pool.adopt keeps a pool "
-                "without them only): every start makes them anew, empty"
-            )
-        arenas = TenantArenas.create(
-            cfg.pool.size_mib << 20,
-            layout,
-            grant(cfg, gid),
-            cfg.pool.populate,
-            on_populate,
-            cfg.pool.huge_pages,
-        )
+        opened = open_arenas(cfg, layout, path, grant(cfg, gid), self.fresh, on_populate)
+        arenas = opened.arena
+        assert isinstance(arenas, TenantArenas)
         self.arena = arenas
-        self.cache = Cache(cfg, pool_path="", gens=arenas.gens, pool_id=secrets.randbits(63))
+        recorder = Recorder() if cfg.pool.adopt else None
+        self.cache = Cache(
+            cfg, pool_path="", gens=arenas.gens, journal=recorder, pool_id=opened.header.pool_id
+        )
         self.cache.l2.use_arenas({a.tenant: (a.start, a.size) for a in layout})
         self.cache.clients.use_arenas(layout)
+        self._adopt(opened, path, recorder)
         for arena in layout:
             log.info(
                 "pool: tenant %s: %d MiB at %s (pool bytes %d..%d)",
@@ -378,13 +371,11 @@ class Server:
             self.journal.close()
             keep = not self.journal.failed  # the next start adopts the pool
             self.journal = None
-        if isinstance(self.arena, TenantArenas):
-            self.arena.close()  # and their files: tenant arenas are not adopted
-            self.arena = None
-        elif self.arena is not None:
-            self.arena.close(keep=keep)
+        if self.arena is not None:
+            self.arena.close(keep=keep)  # kept: the next start adopts it (pool.adopt)
             if not keep:
-                journal_path(self.arena.path).unlink(missing_ok=True)
+                pool = arena_path(self.config.pool.shm_dir, self.runtime_dir)
+                journal_path(pool).unlink(missing_ok=True)
             self.arena = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)

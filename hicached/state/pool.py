@@ -76,6 +76,7 @@ class SlotPool:
         # per arena: its free slabs, a heap (lowest slab first), and its first byte
         self._free: list[list[int]] = [list(range(self.n_slabs))]
         self._starts = [0]
+        self._ends = [self.n_slabs * slab_bytes]
         self._slab_class: list[_SizeClass | None] = [None] * self.n_slabs
         self._slab_used = [0] * self.n_slabs
         # (arena, page_bytes) -> that page size's slabs in that arena
@@ -101,6 +102,7 @@ class SlotPool:
             free.append(list(range(start // self.slab_bytes, end // self.slab_bytes)))
         self._free = free
         self._starts = [start for start, _ in arenas]
+        self._ends = [start + size for start, size in arenas]
 
     @property
     def arenas(self) -> int:
@@ -180,36 +182,40 @@ class SlotPool:
     def adopt(self, slots: dict[int, int]) -> set[int]:
         """Take ``slots`` (offset -> page size) as allocated, on a fresh pool: the
         pages a restarted daemon adopts (cache/adopt.py). A slot that does not
-        fit the geometry (misaligned, past the arena, or in a slab that another
-        page size claims first) is refused; returns the refused offsets. An
-        unpartitioned pool only (tenant arenas are not adopted)."""
+        fit the geometry (misaligned from its arena's start, outside every
+        arena, or in a slab that another page size claims first) is refused;
+        returns the refused offsets."""
         assert not self.allocated, "a pool adopts before it gives out any slot"
-        assert len(self._free) == 1 and not self._starts[0], "an unpartitioned pool adopts"
         refused: set[int] = set()
         by_slab: dict[int, dict[int, int]] = {}
         sizes: dict[int, int] = {}
         for offset, size in slots.items():
             slab = offset // self.slab_bytes
-            first = -(-(slab * self.slab_bytes) // size) * size
-            fits = (
-                size > 0
-                and offset % size == 0
-                and offset >= first
-                and offset + size <= min((slab + 1) * self.slab_bytes, self.arena_bytes)
-                and slab < self.n_slabs
-                and sizes.setdefault(slab, size) == size
-            )
+            arena = self._arena_at(offset)
+            base = slab * self.slab_bytes
+            fits = size > 0 and arena >= 0 and slab < self.n_slabs
+            if fits:
+                start = self._starts[arena]
+                first = start + -(-(base - start) // size) * size
+                fits = (
+                    (offset - start) % size == 0
+                    and offset >= first
+                    and offset + size <= min(base + self.slab_bytes, self._ends[arena])
+                    and sizes.setdefault(slab, size) == size
+                )
             if fits:
                 by_slab.setdefault(slab, {})[offset] = size
             else:
                 refused.add(offset)
         for slab, taken in by_slab.items():
             size = sizes[slab]
-            cls = self._classes.get((0, size))
-            if cls is None:
-                cls = self._classes[0, size] = _SizeClass(size)
             base = slab * self.slab_bytes
-            first = -(-base // size) * size
+            arena = self._arena_at(base)
+            cls = self._classes.get((arena, size))
+            if cls is None:
+                cls = self._classes[arena, size] = _SizeClass(size, arena)
+            start = self._starts[arena]
+            first = start + -(-(base - start) // size) * size
             offsets = range(first, base + self.slab_bytes - size + 1, size)
             free = [offset for offset in reversed(offsets) if offset not in taken]
             if free:
@@ -220,9 +226,17 @@ class SlotPool:
             cls.used += len(taken)
             self._slab_used[slab] = len(taken)
             self.allocated.update(taken)
-        self._free[0] = [slab for slab in self._free[0] if slab not in by_slab]
-        heapq.heapify(self._free[0])
+        for free in self._free:
+            free[:] = [slab for slab in free if slab not in by_slab]
+            heapq.heapify(free)
         return refused
+
+    def _arena_at(self, offset: int) -> int:
+        """The arena holding byte ``offset`` of the pool, or -1."""
+        for i, (start, end) in enumerate(zip(self._starts, self._ends, strict=True)):
+            if start <= offset < end:
+                return i
+        return -1
 
     # -- pins ------------------------------------------------------------
 

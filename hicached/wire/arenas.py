@@ -118,7 +118,7 @@ class TenantArenas:
         done = 0
         try:
             for arena in arenas:
-                pool._map(arena, share, huge_pages)
+                pool._map(arena, share, huge_pages, fresh=True)
                 if populate:
                     done = pool._populate(arena, done, on_populate)
         except BaseException:
@@ -126,20 +126,56 @@ class TenantArenas:
             raise
         return pool
 
+    @classmethod
+    def reopen(
+        cls,
+        pool_bytes: int,
+        arenas: list[TenantArena],
+        share: Callable[[int, TenantArena], None],
+        huge_pages: str = "off",
+    ) -> TenantArenas:
+        """Map the arena files a daemon before this one left, as they are (the
+        next daemon adopts them: daemon/adoption.py); each is given to its
+        tenant again."""
+        pool = cls(pool_bytes, arenas)
+        try:
+            for arena in arenas:
+                pool._map(arena, share, huge_pages, fresh=False)
+        except BaseException:
+            pool.close(keep=True)
+            raise
+        return pool
+
     def _map(
-        self, arena: TenantArena, share: Callable[[int, TenantArena], None], huge: str
+        self,
+        arena: TenantArena,
+        share: Callable[[int, TenantArena], None],
+        huge: str,
+        *,
+        fresh: bool,
     ) -> None:
         path, size = arena.path, arena.size
         length = file_bytes(size)
         try:
-            path.unlink(missing_ok=True)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            if fresh:
+                path.unlink(missing_ok=True)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            else:
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
-            raise HicachedError(f"cannot create the arena file {path}: {exc.strerror}") from None
+            raise HicachedError(f"cannot open the arena file {path}: {exc.strerror}") from None
         try:
+            if not fresh:
+                st = os.fstat(fd)
+                if st.st_size != length or st.st_uid != os.getuid():
+                    raise HicachedError(
+                        f"the arena file {path} has {st.st_size} bytes (uid {st.st_uid}), "
+                        f"expected {length} (uid {os.getuid()})"
+                    )
             share(fd, arena)
             try:
-                os.posix_fallocate(fd, 0, length)
+                if fresh:
+                    os.posix_fallocate(fd, 0, length)
             except OSError as exc:
                 raise HicachedError(
                     f"cannot reserve {size} bytes for tenant {arena.tenant}'s arena in "
@@ -158,7 +194,8 @@ class TenantArenas:
             if huge == "madvise":  # no huge pages on tmpfs is no error
                 libc.madvise(self._slots + arena.start, size, _MADV_HUGEPAGE)
         except BaseException:
-            path.unlink(missing_ok=True)
+            if fresh:
+                path.unlink(missing_ok=True)
             raise
         finally:
             os.close(fd)
@@ -191,11 +228,10 @@ class TenantArenas:
         return sum(file_bytes(arena.size) for arena in self.arenas)
 
     def close(self, keep: bool = False) -> None:
-        """Let go of every file (and remove them: tenant arenas are not adopted,
-        ``keep`` is refused). The address ranges are replaced by anonymous
-        memory, not unmapped: a view some thread still holds (an L3 call past its
-        deadline) reads zeros instead of faulting; the process's end frees them."""
-        assert not keep, "tenant arenas are not kept for the next daemon"
+        """Let go of every file (and remove them, unless ``keep``: the next daemon
+        adopts them). The address ranges are replaced by anonymous memory, not
+        unmapped: a view some thread still holds (an L3 call past its deadline)
+        reads zeros instead of faulting; the process's end frees them."""
         self.array = np.empty(0, dtype=np.uint8)
         self.gens = np.empty(0, dtype=GEN_DTYPE)
         libc = _libc()
@@ -203,7 +239,7 @@ class TenantArenas:
             if where:
                 libc.mmap(where, length, _PROT_RW, _ANON | _MAP_FIXED, -1, 0)
         self._slots = self._gens = 0
-        for arena in self.arenas:
+        for arena in self.arenas if not keep else ():
             with contextlib.suppress(OSError):
                 arena.path.unlink()
 

@@ -72,6 +72,9 @@ class JournalHeader(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # the pool file this journal describes: (st_dev, st_ino) when it was made
     pool_dev: int
     pool_ino: int
+    # tenant arenas (wire/arenas.py): each file as (tenant, first byte in the pool,
+    # bytes, st_dev, st_ino); empty for a pool of one file
+    arenas: list[tuple[str, int, int, int, int]] = msgspec.field(default_factory=list)
 
 
 class NsRecord(msgspec.Struct, tag="ns", array_like=True):
