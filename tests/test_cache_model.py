@@ -60,7 +60,7 @@ from hicached.index import PageIndex
 from hicached.keyindex import KeyIndex
 from hicached.mapping import PoolMapping, lease_margin
 from hicached.pool import GEN_GRANULE
-from hicached.wire.journal import PageRecord, Record, read_journal
+from hicached.wire.journal import PagesRecord, Record, read_journal
 
 PAGE = 256 * 1024  # 4 slots per 1 MiB slab, 2 slabs
 SIZES = {"small": PAGE, "large": 2 * PAGE}  # 4 or 2 pages a slab
@@ -554,7 +554,12 @@ class CacheMachine(RuleBasedStateMachine):
         if torn:
             last = writes.pop()
             records, _ = read_journal(memoryview(last), 0)
-            lost = {(r.key, r.slot) for r in records if isinstance(r, PageRecord)}
+            lost = {
+                (page.key, page.slot)
+                for r in records
+                if isinstance(r, PagesRecord)
+                for page in r.pages
+            }
             writes.append(last[: len(last) // 2])
         records, _ = read_journal(memoryview(b"".join(writes)), 0)
         self.boot(records)

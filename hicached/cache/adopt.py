@@ -35,7 +35,14 @@ from hicached.state.index import PageIndex
 from hicached.state.keyindex import KeyIndex
 from hicached.wire.arena import GEN_GRANULE
 from hicached.wire.events import MEDIUM_L2
-from hicached.wire.journal import AllocRecord, FreeRecord, NsRecord, PageRecord, Record
+from hicached.wire.journal import (
+    AllocRecord,
+    FreeRecord,
+    NsRecord,
+    PageRecord,
+    PagesRecord,
+    Record,
+)
 from hicached.wire.namespace import namespace_digest
 
 if TYPE_CHECKING:
@@ -70,10 +77,11 @@ def replay(
     pages: dict[int, PageRecord] = {}
     allocs: dict[int, Alloc] = {}
     for record in records:
-        if isinstance(record, PageRecord):
-            allocs.pop(record.slot, None)
-            pages.pop(record.slot, None)  # a slot reused: the newest record goes last
-            pages[record.slot] = record
+        if isinstance(record, PagesRecord | PageRecord):
+            for page in record.pages if isinstance(record, PagesRecord) else [record]:
+                allocs.pop(page.slot, None)
+                pages.pop(page.slot, None)  # a slot reused: the newest record goes last
+                pages[page.slot] = page
         elif isinstance(record, FreeRecord):
             for slot in record.slots:
                 pages.pop(slot, None)
@@ -185,8 +193,7 @@ def adopt(desk: Cache, records: list[Record], quarantine_until: float) -> Adopte
     for record in namespaces.values():
         if record.ns in states and states[record.ns].pages:
             journal.namespace(record.ns, record.tenant, record.spec)
-    for page in kept:
-        journal.page(page)
+    journal.publish(kept)
     for (size, tenant, end), slots in groups.items():
         journal.alloc(slots, size, tenant, end)
     # 7. last (its evictions free slots as any would): quotas lowered across the restart

@@ -13,7 +13,14 @@ replace a journal that grew long with one of that size (``snapshot``).
 
 from __future__ import annotations
 
-from hicached.wire.journal import AllocRecord, FreeRecord, NsRecord, PageRecord, frame
+from hicached.wire.journal import (
+    AllocRecord,
+    FreeRecord,
+    NsRecord,
+    PageRecord,
+    PagesRecord,
+    frame,
+)
 from hicached.wire.namespace import NamespaceSpec
 
 __all__ = ["NoRecorder", "Recorder"]
@@ -21,6 +28,12 @@ __all__ = ["NoRecorder", "Recorder"]
 # A journal this many times larger than what it describes (plus a floor) is compacted.
 COMPACT_RATIO = 4
 COMPACT_FLOOR = 32 << 20
+SNAPSHOT_BATCH = 4096  # pages a record of a compacted journal holds
+
+
+def _size(record: PageRecord) -> int:
+    """About the bytes ``record`` takes in the journal."""
+    return 40 + len(record.key) + len(record.parent) + len(record.tokens) + len(record.ekey) * 2
 
 
 class Recorder:
@@ -32,10 +45,10 @@ class Recorder:
         self.pending: list[bytes] = []
         self._frees: list[int] = []  # slots freed since the last record (one record)
         self.namespaces: dict[int, bytes] = {}  # ns id -> its record
-        self.pages: dict[int, bytes] = {}  # slot -> the record of the page it holds
+        self.pages: dict[int, PageRecord] = {}  # slot -> the record of the page it holds
         # slot under a write lease -> (page size, tenant, quarantined until or 0)
         self.allocs: dict[int, tuple[int, str, float]] = {}
-        self.live_bytes = 0  # bytes of records in ``pages``
+        self.live_bytes = 0  # about the bytes of the records in ``pages``
         self.written = 0  # bytes the journal file holds since its last snapshot
 
     def namespace(self, ns: int, tenant: str, spec: NamespaceSpec) -> None:
@@ -57,23 +70,28 @@ class Recorder:
             allocs[slot] = (page_bytes, tenant, until)
         self._add(frame(AllocRecord(slots, page_bytes, tenant, until)))
 
-    def page(self, record: PageRecord) -> None:
-        """A page published in L2."""
-        made = frame(record)
-        slot = record.slot
-        self.allocs.pop(slot, None)
-        old = self.pages.get(slot)
-        if old is not None:
-            self.live_bytes -= len(old)
-        self.pages[slot] = made
-        self.live_bytes += len(made)
-        self._add(made)
+    def publish(self, records: list[PageRecord]) -> None:
+        """Pages published in L2 together (one commit): one record."""
+        if not records:
+            return
+        allocs, pages = self.allocs, self.pages
+        live = self.live_bytes
+        for record in records:
+            slot = record.slot
+            allocs.pop(slot, None)
+            old = pages.get(slot)
+            if old is not None:
+                live -= _size(old)
+            pages[slot] = record
+            live += _size(record)
+        self.live_bytes = live
+        self._add(frame(PagesRecord(records)))
 
     def freed(self, slot: int) -> None:
         """``slot`` holds nothing any record says any more."""
         old = self.pages.pop(slot, None)
         if old is not None:
-            self.live_bytes -= len(old)
+            self.live_bytes -= _size(old)
         self.allocs.pop(slot, None)
         self._frees.append(slot)
 
@@ -111,7 +129,12 @@ class Recorder:
         for slot, what in self.allocs.items():
             groups.setdefault(what, []).append(slot)
         allocs = [frame(AllocRecord(slots, *what)) for what, slots in groups.items()]
-        data = b"".join([*self.namespaces.values(), *allocs, *self.pages.values()])
+        live = list(self.pages.values())
+        pages = [
+            frame(PagesRecord(live[i : i + SNAPSHOT_BATCH]))
+            for i in range(0, len(live), SNAPSHOT_BATCH)
+        ]
+        data = b"".join([*self.namespaces.values(), *allocs, *pages])
         self.written = len(data)
         return data
 
@@ -127,7 +150,7 @@ class NoRecorder(Recorder):
     def alloc(self, slots: list[int], page_bytes: int, tenant: str, until: float = 0.0) -> None:
         pass
 
-    def page(self, record: PageRecord) -> None:
+    def publish(self, records: list[PageRecord]) -> None:
         pass
 
     def freed(self, slot: int) -> None:

@@ -160,13 +160,24 @@ class Writes:
         self, ns: NamespaceState, keys: list[bytes], slots: list[int], new: int, tokens: bytes
     ) -> None:
         """Journal token pages ``new..`` of a commit, each with its parent and tokens."""
-        gens, record = self.desk.pool.gens, self.desk.journal.page
+        gens = self.desk.pool.gens
         step = ns.spec.page_tokens * TOKEN_BYTES
-        for i in range(new, len(keys)):
-            slot = slots[i]
-            parent = keys[i - 1] if i else b""
-            page = tokens[i * step : (i + 1) * step]
-            record(PageRecord(ns.id, keys[i], parent, slot, int(gens[slot // GEN_GRANULE]), page))
+        published = slots[new:]
+        at = np.asarray(published, dtype=np.int64) // GEN_GRANULE
+        records = [
+            PageRecord(
+                ns.id,
+                keys[i],
+                keys[i - 1] if i else b"",
+                slot,
+                gen,
+                tokens[i * step : (i + 1) * step],
+            )
+            for i, slot, gen in zip(
+                range(new, len(keys)), published, gens[at].tolist(), strict=True
+            )
+        ]
+        self.desk.journal.publish(records)
 
     def _commit_keyed(self, lease: Lease, msg: p.Commit, ready: int) -> p.CommitOk:
         """Commit a key-addressed lease: the pages its mask (or ``pages``) names
@@ -207,14 +218,22 @@ class Writes:
             for slot in slots:
                 desk.pool.bump(slot)
         if stored and desk.journal.on:
-            gens, record = desk.pool.gens, desk.journal.page
-            for page, slot in zip(stored, slots, strict=True):
-                gen = int(gens[slot // GEN_GRANULE])
-                record(
+            gens = desk.pool.gens
+            desk.journal.publish(
+                [
                     PageRecord(
-                        ns.id, page.key, page.parent, slot, gen, b"", page.ekey, page.eparent
+                        ns.id,
+                        page.key,
+                        page.parent,
+                        slot,
+                        int(gens[slot // GEN_GRANULE]),
+                        b"",
+                        page.ekey,
+                        page.eparent,
                     )
-                )
+                    for page, slot in zip(stored, slots, strict=True)
+                ]
+            )
         desk.leasing.end(lease)
         if stored:
             desk.keyed.remember(stored)

@@ -13,7 +13,8 @@ Records, in the order the daemon made them:
   land in them through that client's handle until the lease ends), and the
   same slots again when that lease ends with them quarantined (until when);
 - ``PageRecord``: a page published in L2: namespace, key, parent, slot, the
-  slot's generation when it was published, and what its events need;
+  slot's generation when it was published, and what its events need (the
+  pages of one commit travel in one ``PagesRecord``);
 - ``FreeRecord``: slots that no longer hold what an earlier record says.
 
 Replayed in order, the last record about a slot says what it is. A page is
@@ -48,6 +49,7 @@ __all__ = [
     "JournalHeader",
     "NsRecord",
     "PageRecord",
+    "PagesRecord",
     "Record",
     "frame",
     "read_journal",
@@ -107,11 +109,17 @@ class PageRecord(msgspec.Struct, tag="page", array_like=True):
     eparent: bytes = b""
 
 
+class PagesRecord(msgspec.Struct, tag="pages", array_like=True):
+    """Pages published together (one commit), in order."""
+
+    pages: list[PageRecord]
+
+
 class FreeRecord(msgspec.Struct, tag="free", array_like=True):
     slots: list[int]
 
 
-Record = NsRecord | AllocRecord | PageRecord | FreeRecord
+Record = NsRecord | AllocRecord | PageRecord | PagesRecord | FreeRecord
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode_record = msgspec.msgpack.Decoder(Record).decode
