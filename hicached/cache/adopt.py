@@ -193,7 +193,7 @@ def adopt(desk: Cache, records: list[Record], quarantine_until: float) -> Adopte
     for record in namespaces.values():
         if record.ns in states and states[record.ns].pages:
             journal.namespace(record.ns, record.tenant, record.spec)
-    journal.publish(kept)
+    journal.adopted(kept)
     for (size, tenant, end), slots in groups.items():
         journal.alloc(slots, size, tenant, end)
     # 7. last (its evictions free slots as any would): quotas lowered across the restart

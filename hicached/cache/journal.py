@@ -87,6 +87,14 @@ class Recorder:
         self.live_bytes = live
         self._add(frame(PagesRecord(records)))
 
+    def adopted(self, records: list[PageRecord]) -> None:
+        """Pages adopted at start: live, with no record of their own (the journal
+        this daemon starts with is a snapshot)."""
+        pages = self.pages
+        for record in records:
+            pages[record.slot] = record
+        self.live_bytes += sum(map(_size, records))
+
     def freed(self, slot: int) -> None:
         """``slot`` holds nothing any record says any more."""
         old = self.pages.pop(slot, None)
@@ -151,6 +159,9 @@ class NoRecorder(Recorder):
         pass
 
     def publish(self, records: list[PageRecord]) -> None:
+        pass
+
+    def adopted(self, records: list[PageRecord]) -> None:
         pass
 
     def freed(self, slot: int) -> None:

@@ -189,10 +189,13 @@ class SlotPool:
         refused: set[int] = set()
         by_slab: dict[int, dict[int, int]] = {}
         sizes: dict[int, int] = {}
+        arena_of: dict[int, int] = {}  # slab -> its arena
         for offset, size in slots.items():
             slab = offset // self.slab_bytes
-            arena = self._arena_at(offset)
             base = slab * self.slab_bytes
+            arena = arena_of.get(slab)
+            if arena is None:
+                arena = arena_of[slab] = self._arena_at(base)
             fits = size > 0 and arena >= 0 and slab < self.n_slabs
             if fits:
                 start = self._starts[arena]
