@@ -1,0 +1,176 @@
+"""Tenant arenas under attack: what an outsider tries to reach another
+tenant's KV bytes through restarts, adoption and tcp.
+
+Real daemons and real users (tests/test_tenants.py's ``users``: root and
+useradd, skipped elsewhere); client processes are forks that switch uid
+(tests/test_client_group.py ``as_user``).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hicached import Client
+from hicached.wire.arenas import tenant_arena_path
+from tests.support import NS, Daemon
+from tests.test_arenas import _pages, _pw, _toks, store_work
+from tests.test_client_group import as_user
+from tests.test_tenants import Users, users
+
+_ = users  # fixture, used by name
+MIB = 1 << 20
+
+
+def _tenants(alpha: str, beta: str) -> str:
+    return f"[tenants.alpha]\n{alpha}\n[tenants.beta]\n{beta}\n"
+
+
+@pytest.fixture
+def two_uids(users: Users) -> Iterator[Daemon]:
+    """A daemon (as root) whose tenants alpha and beta are the first and the
+    second user's uids, adopting its pool across restarts."""
+    (a_uid, _), (b_uid, _), _ = users.ids
+    d = Daemon(
+        size_mib=16,
+        extra=f'client_group = "{users.group}"',
+        tail=_tenants(f"uids = [{a_uid}]", f"uids = [{b_uid}]"),
+    )
+    os.chmod(d.dir, 0o711)
+    try:
+        yield d.start()
+    finally:
+        d.cleanup()
+
+
+def _restart_as(d: Daemon, tail: str) -> None:
+    """kill -9, then a start that adopts, with the tenants of ``tail``."""
+    text = d.config.read_text()
+    head = text[: text.index("[tenants.alpha]")]
+    d.config.write_text(head + tail)
+    d.fresh = False
+    d.kill()
+    d.start()
+
+
+def peek_work(endpoint: str, seed: int) -> Callable[[], dict[str, object]]:
+    """Match ``seed``'s tokens in this peer's own namespace; say whether the
+    bytes read are ``seed``'s."""
+
+    def work() -> dict[str, object]:
+        with Client(endpoint, timeout=5.0) as c:
+            ns = c.register(**NS)
+            hit = c.match(ns, _toks(seed))
+            got = c.read_pages(hit) if hit.hits else np.empty((0, 4096), np.uint8)
+            return {
+                "hits": hit.hits,
+                "theirs": bool(hit.hits) and bool(np.array_equal(got, _pages(seed)[: hit.hits])),
+            }
+
+    return work
+
+
+def hold_work(path: str, seed: int) -> Callable[[], dict[str, object]]:
+    """Open the own arena file (allowed now), keep the descriptor over a
+    restart that no longer lists this uid, and look for ``seed``'s pages in
+    it after the new tenant of that arena wrote them."""
+
+    def work() -> dict[str, object]:
+        fd = os.open(path, os.O_RDONLY)
+        flag = Path(path + ".test-restarted")
+        deadline = time.monotonic() + 20
+        while not flag.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        data = np.frombuffer(os.pread(fd, 8 * MIB, 0), dtype=np.uint8)
+        rows = data[: len(data) // 4096 * 4096].reshape(-1, 4096)
+        found = sum(int((rows == page).all(axis=1).any()) for page in _pages(seed))
+        os.close(fd)
+        return {"found": found}
+
+    return work
+
+
+def test_tenants_whose_uids_changed_across_a_kill_do_not_adopt_each_others_arena(
+    two_uids: Daemon, users: Users
+) -> None:
+    """alpha's uid and beta's are swapped in the config, then kill -9 and a
+    start that adopts: alpha's pages (written by the first user) must not be
+    served to the second user, who is alpha now; the arena files are made anew."""
+    (a_uid, _), (b_uid, _), _ = users.ids
+    d = two_uids
+    path = tenant_arena_path("/dev/shm", d.runtime, "alpha")
+    assert as_user(_pw(a_uid), store_work(d.endpoint, 31))["same"]
+    before = os.stat(path).st_ino
+    _restart_as(d, _tenants(f"uids = [{b_uid}]", f"uids = [{a_uid}]"))
+    got = as_user(_pw(b_uid), peek_work(d.endpoint, 31))
+    assert got == {"hits": 0, "theirs": False}, got
+    assert os.stat(path).st_ino != before  # a new file: old descriptors see nothing new
+    assert "not adopting the tenant arenas" in d.log.read_text()
+
+
+def test_a_tenant_that_becomes_the_others_tenant_is_not_adopted(
+    two_uids: Daemon, users: Users
+) -> None:
+    """alpha's private pages must not become the others tenant's, whose arena
+    every member of the client group opens."""
+    (a_uid, _), (b_uid, _), (n_uid, _) = users.ids
+    d = two_uids
+    assert as_user(_pw(a_uid), store_work(d.endpoint, 32))["same"]
+    _restart_as(d, _tenants("others = true", f"uids = [{b_uid}]"))
+    got = as_user(_pw(n_uid), peek_work(d.endpoint, 32))  # no tenant lists it: others
+    assert got == {"hits": 0, "theirs": False}, got
+
+
+def test_a_descriptor_kept_over_a_restart_that_drops_its_uid_sees_nothing_new(
+    two_uids: Daemon, users: Users
+) -> None:
+    """The first user keeps alpha's file open; a restart gives alpha to the
+    second user only; what the second user stores must not appear in the
+    first user's descriptor (the ACL is checked at open only)."""
+    (a_uid, _), (b_uid, _), (n_uid, _) = users.ids
+    d = two_uids
+    path = str(tenant_arena_path("/dev/shm", d.runtime, "alpha"))
+    flag = Path(path + ".test-restarted")
+    flag.unlink(missing_ok=True)
+    out: dict[str, object] = {}
+    spy = threading.Thread(target=lambda: out.update(as_user(_pw(a_uid), hold_work(path, 33))))
+    spy.start()
+    try:
+        time.sleep(1.0)  # the descriptor is open by now
+        _restart_as(d, _tenants(f"uids = [{b_uid}]", f"uids = [{n_uid}]"))
+        assert as_user(_pw(b_uid), store_work(d.endpoint, 33))["same"]
+    finally:
+        flag.touch()
+        spy.join(30)
+        flag.unlink(missing_ok=True)
+    assert out == {"found": 0}, out
+
+
+def test_arena_files_are_not_open_to_others_and_acl_names_only_the_tenant(
+    two_uids: Daemon, users: Users
+) -> None:
+    """getfacl, by reading the xattr: owner rw, the tenant's uid rw, group-obj
+    none, mask rw, other none; and nothing else."""
+    (a_uid, _), (b_uid, _), _ = users.ids
+    for tenant, uid in (("alpha", a_uid), ("beta", b_uid)):
+        path = tenant_arena_path("/dev/shm", two_uids.runtime, tenant)
+        raw = os.getxattr(path, "system.posix_acl_access")
+        (version,) = struct.unpack_from("<I", raw)
+        entries = [struct.unpack_from("<HHI", raw, 4 + 8 * i) for i in range((len(raw) - 4) // 8)]
+        assert version == 2
+        assert entries == [
+            (0x01, 6, 0xFFFFFFFF),
+            (0x02, 6, uid),
+            (0x04, 0, 0xFFFFFFFF),
+            (0x10, 6, 0xFFFFFFFF),
+            (0x20, 0, 0xFFFFFFFF),
+        ], (tenant, entries)
+        assert stat.S_IMODE(os.stat(path).st_mode) & 0o007 == 0
