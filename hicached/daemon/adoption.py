@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hicached.config import Config
+from hicached.daemon.arenas import Grant
 from hicached.daemon.journal import JournalDamage, check, journal_path, load
 from hicached.errors import ConfigError, HicachedError
 from hicached.wire.arena import GEN_GRANULE, Arena, file_bytes
@@ -118,15 +119,15 @@ def open_arenas(
     config: Config,
     layout: list[TenantArena],
     path: Path,
-    share: Callable[[int, TenantArena], None],
+    share: Grant,
     fresh: bool,
     on_populate: Callable[[int], None] | None = None,
 ) -> OpenedPool:
     """Tenant arenas (daemon/arenas.py): adopt the arena files of the daemon
     before when ``pool.adopt`` allows and its journal (at ``path``'s journal
-    name) describes exactly these arenas, else make them anew. Whatever else
-    is there (a pool of one file, arenas of tenants no longer configured) is
-    removed."""
+    name) describes exactly these arenas, opened to exactly the same uids and
+    gids, else make them anew. Whatever else is there (a pool of one file,
+    arenas of tenants no longer configured) is removed."""
     pool = config.pool
     size = pool.size_mib << 20
     journal = journal_path(path)
@@ -135,7 +136,8 @@ def open_arenas(
         why = ""
         try:
             header, records, torn = load(journal)
-            why = check(header, _header(config, layout, header.pool_id, _identities(layout)))
+            expected = _header(config, layout, header.pool_id, _identities(layout), share)
+            why = check(header, expected)
         except FileNotFoundError:
             why = "they have no journal"
         except (OSError, JournalDamage) as exc:
@@ -156,13 +158,16 @@ def open_arenas(
         log.warning("pool: not adopting the tenant arenas of %s: %s; making new ones", path, why)
     _remove([path, journal, *_tenant_files(path)])
     arenas = TenantArenas.create(size, layout, share, pool.populate, on_populate, pool.huge_pages)
-    return OpenedPool(
-        arenas, _header(config, layout, secrets.randbits(63), _identities(layout)), None
-    )
+    header = _header(config, layout, secrets.randbits(63), _identities(layout), share)
+    return OpenedPool(arenas, header, None)
 
 
 def _header(
-    config: Config, layout: list[TenantArena], pool_id: int, ids: list[tuple[int, int]]
+    config: Config,
+    layout: list[TenantArena],
+    pool_id: int,
+    ids: list[tuple[int, int]],
+    share: Grant,
 ) -> JournalHeader:
     return JournalHeader(
         version=JOURNAL_VERSION,
@@ -177,6 +182,7 @@ def _header(
             (arena.tenant, arena.start, arena.size, dev, ino)
             for arena, (dev, ino) in zip(layout, ids, strict=True)
         ],
+        readers=[share.readers(arena.tenant) for arena in layout],
     )
 
 

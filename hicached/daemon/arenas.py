@@ -34,7 +34,7 @@ import math
 import os
 import pwd
 import struct
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from hicached.config import Config, TenantConfig
@@ -45,7 +45,7 @@ log = logging.getLogger("hicached")
 
 MIB = 1 << 20
 
-__all__ = ["arena_layout", "check_memberships", "grant", "has_arena"]
+__all__ = ["Grant", "arena_layout", "check_memberships", "grant", "has_arena"]
 
 
 def has_arena(tenant: TenantConfig) -> bool:
@@ -112,14 +112,26 @@ def acl(uids: list[int], gids: list[int]) -> bytes:
     return struct.pack("<I", _ACL_VERSION) + b"".join(struct.pack("<HHI", *e) for e in entries)
 
 
-def grant(config: Config, client_gid: int | None) -> Callable[[int, TenantArena], None]:
-    """What gives each arena's file (open as ``fd``, 0600) to its tenant."""
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """What gives each arena's file (open as ``fd``, 0600) to its tenant, and
+    to whom: ``readers`` goes into the journal, since a restart that would give
+    an arena to other identities must not adopt its file (descriptors and
+    mappings opened before outlive any new ACL)."""
 
-    def share(fd: int, arena: TenantArena) -> None:
-        tenant = config.tenants[arena.tenant]
-        uids, gids = list(tenant.uids), list(tenant.gids)
-        if tenant.others and client_gid is not None:
-            gids.append(client_gid)  # its peers: whoever reaches the socket
+    config: Config
+    client_gid: int | None
+
+    def readers(self, tenant: str) -> tuple[list[int], list[int]]:
+        """The uids and gids (sorted) that ``tenant``'s file opens to."""
+        config = self.config.tenants[tenant]
+        gids = set(config.gids)
+        if config.others and self.client_gid is not None:
+            gids.add(self.client_gid)  # its peers: whoever reaches the socket
+        return sorted(set(config.uids)), sorted(gids)
+
+    def __call__(self, fd: int, arena: TenantArena) -> None:
+        uids, gids = self.readers(arena.tenant)
         try:
             os.setxattr(fd, "system.posix_acl_access", acl(uids, gids))
             return
@@ -134,11 +146,14 @@ def grant(config: Config, client_gid: int | None) -> Callable[[int, TenantArena]
                 if gids:
                     os.fchown(fd, -1, gids[0])
                     os.fchmod(fd, 0o660)
+                else:
+                    os.fchmod(fd, 0o600)  # an adopted file may have been a group's
                 return
             except OSError as exc:
                 raise ConfigError(
                     f"tenants.{arena.tenant}: cannot give its arena {arena.path} to group "
-                    f"{gids[0]}: {exc.strerror} (the daemon's user must be in that group)"
+                    f"{gids[0] if gids else os.getgid()}: {exc.strerror} (the daemon's user "
+                    "must be in that group)"
                 ) from None
         raise ConfigError(
             f"tenants.{arena.tenant}: pool.shm_dir ({arena.path.parent}) has no POSIX ACLs, "
@@ -146,7 +161,11 @@ def grant(config: Config, client_gid: int | None) -> Callable[[int, TenantArena]
             "for this tenant, or put pool.shm_dir on a tmpfs with ACLs"
         )
 
-    return share
+
+def grant(config: Config, client_gid: int | None) -> Grant:
+    """What gives each arena's file to its tenant (``client_gid``: the clients'
+    group, which the ``others`` tenant's file opens to)."""
+    return Grant(config, client_gid)
 
 
 def check_memberships(config: Config) -> None:

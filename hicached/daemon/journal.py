@@ -148,6 +148,12 @@ def check(header: JournalHeader, expected: JournalHeader) -> str:
             return f"its tenant arenas are {have}, this configuration makes {want}"
         if [tuple(a[3:]) for a in header.arenas] != [tuple(a[3:]) for a in expected.arenas]:
             return "it is the journal of other arena files"
+        if _readers(header) != _readers(expected):
+            return (
+                f"its arena files open to {_readers(header)} (tenant: uids, gids), this "
+                f"configuration gives them to {_readers(expected)}; a process that opened "
+                "one before would keep reading it"
+            )
         return ""
     if (header.pool_dev, header.pool_ino) != (expected.pool_dev, expected.pool_ino):
         return (
@@ -159,3 +165,13 @@ def check(header: JournalHeader, expected: JournalHeader) -> str:
 
 
 __all__ += ["JournalDamage", "check"]
+
+
+def _readers(header: JournalHeader) -> dict[str, tuple[list[int], list[int]]]:
+    """Each tenant arena's uids and gids, by tenant (none recorded: an older journal)."""
+    if len(header.readers) != len(header.arenas):
+        return {}
+    return {
+        arena[0]: (list(uids), list(gids))
+        for arena, (uids, gids) in zip(header.arenas, header.readers, strict=True)
+    }

@@ -77,6 +77,10 @@ class JournalHeader(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # tenant arenas (wire/arenas.py): each file as (tenant, first byte in the pool,
     # bytes, st_dev, st_ino); empty for a pool of one file
     arenas: list[tuple[str, int, int, int, int]] = msgspec.field(default_factory=list)
+    # who each arena's file opens to, in the order of ``arenas``: (uids, gids).
+    # A start that would open a file to other identities makes it anew: what a
+    # process opened or mapped before keeps reading it whatever the new ACL says
+    readers: list[tuple[list[int], list[int]]] = msgspec.field(default_factory=list)
 
 
 class NsRecord(msgspec.Struct, tag="ns", array_like=True):
