@@ -539,6 +539,15 @@ class Config(msgspec.Struct, **_Section):
             raise ValueError(
                 f"tenants: {' and '.join(others)} both say others = true; at most one may"
             )
+        if self.tenants and self.server.client_group and self.server.endpoint.startswith("tcp://"):
+            # over tcp there are no tenant arenas: the pool is one file, and the group
+            # that opens it would let every tenant's local client read every other's
+            raise ValueError(
+                "server.client_group: with [tenants] over a tcp:// endpoint the pool is one "
+                "file, which the group would let every tenant's local clients map whole: "
+                "use an ipc:// endpoint (each tenant gets an arena of its own) or leave "
+                "client_group unset (the pool stays the daemon's own)"
+            )
 
 
 def parse_config(text: str | bytes, source: str = "<config>") -> Config:

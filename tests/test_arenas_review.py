@@ -21,9 +21,10 @@ import numpy as np
 import pytest
 
 from hicached import Client, CurveKeys
+from hicached.wire.arena import arena_path
 from hicached.wire.arenas import tenant_arena_path
 from tests.support import NS, Daemon
-from tests.test_arenas import _pages, _pw, _toks, store_work
+from tests.test_arenas import _errno, _open, _pages, _pw, _toks, store_work
 from tests.test_client_group import as_user
 from tests.test_tenants import Users, _keygen, users
 
@@ -180,36 +181,15 @@ def test_arena_files_are_not_open_to_others_and_acl_names_only_the_tenant(
 # -- tenants over tcp: one pool file ------------------------------------------------------
 
 
-def curve_work(
-    endpoint: str, keys: CurveKeys, seed: int, store: bool
-) -> Callable[[], dict[str, object]]:
-    """A tcp client of the same host, by its CURVE key: store ``seed``'s pages,
-    or look for them anywhere in the pool it mapped."""
-
-    def work() -> dict[str, object]:
-        with Client(endpoint, timeout=5.0, curve=keys) as c:
-            ns = c.register(**NS)
-            if store:
-                c.store(ns, _toks(seed), _pages(seed))
-                return {"stored": c.match(ns, _toks(seed), lease=False).hits}
-            rows = c.mapping.arena.rows(4096)
-            return {"found": sum(int((rows == page).all(axis=1).any()) for page in _pages(seed))}
-
-    return work
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="over tcp with tenants the pool is one file that server.client_group opens and "
-    "every tcp client of the host maps whole (no arenas over tcp)",
-)
 def test_curve_tenants_over_tcp_cannot_read_each_others_pages_in_the_pool(
     users: Users, tmp_path: Path
 ) -> None:
     """Two CURVE tenants of one host over tcp, both users in the clients'
-    group: the pool is one file, which the group opens (0660) and every tcp
-    client of the host maps whole at hello, so beta reads alpha's pages out
-    of its own mapping. (docs/operations.md says no tcp client maps the pool.)"""
+    group: the pool would be one file, which the group opens (0660) and every
+    tcp client of the host maps whole at hello, so beta would read alpha's
+    pages out of its own mapping. Such a configuration is refused (exit 2),
+    and without client_group the pool is the daemon's own: neither tenant's
+    user can open it, and neither finds the other's pages."""
     (a_uid, _), (b_uid, _), _ = users.ids
     server_public, server_secret = _keygen(tmp_path / "server", "daemon")
     authorized = tmp_path / "authorized"
@@ -218,22 +198,27 @@ def test_curve_tenants_over_tcp_cannot_read_each_others_pages_in_the_pool(
     for name, (public, _) in made.items():
         shutil.copy(public, authorized / f"{name}.key")
     keys = {name: CurveKeys.load(str(server_public), str(made[name][1])) for name in made}
-    d = Daemon(
-        tcp=True,
-        curve=keys["a1"],
-        extra=f'client_group = "{users.group}"',
-        tail=(
-            f'[curve]\nsecret_key_file = "{server_secret}"\n'
-            f'authorized_keys_dir = "{authorized}"\n'
-            '[tenants.alpha]\ncurve_keys = ["a1.key"]\n'
-            '[tenants.beta]\ncurve_keys = ["b1.key"]\n'
-        ),
+    tail = (
+        f'[curve]\nsecret_key_file = "{server_secret}"\n'
+        f'authorized_keys_dir = "{authorized}"\n'
+        '[tenants.alpha]\ncurve_keys = ["a1.key"]\n'
+        '[tenants.beta]\ncurve_keys = ["b1.key"]\n'
     )
+    shared = Daemon(tcp=True, curve=keys["a1"], extra=f'client_group = "{users.group}"', tail=tail)
+    try:
+        with pytest.raises(RuntimeError, match="exited with 2") as refused:
+            shared.start()
+        assert "with [tenants] over a tcp:// endpoint the pool is one file" in str(refused.value)
+    finally:
+        shared.cleanup()
+    d = Daemon(tcp=True, curve=keys["a1"], tail=tail)
     try:
         d.start()
-        assert as_user(_pw(a_uid), curve_work(d.endpoint, keys["a1"], 41, True)) == {"stored": 4}
-        got = as_user(_pw(b_uid), curve_work(d.endpoint, keys["b1"], 41, False))
-        assert got.get("found", 0) == 0, got
+        pool = str(arena_path("/dev/shm", d.runtime))
+        assert stat.S_IMODE(os.stat(pool).st_mode) == 0o600
+        for uid in (a_uid, b_uid):
+            got = as_user(_pw(uid), lambda: {"open": _errno(lambda: _open(pool))})
+            assert got == {"open": "EACCES"}, got
     finally:
         d.cleanup()
 
