@@ -289,6 +289,8 @@ def test_sigkill_during_heavy_writes_never_serves_wrong_bytes(
             [sys.executable, "-c", WRITER, d.endpoint, str(log), str(first)],
             cwd=Path(__file__).parents[1],
         )
+        if cycle == 0:  # a loaded machine may take a while to start the writer
+            wait_for(lambda: log.exists() and bool(log.read_text().split()), timeout=60)
         time.sleep(rng.uniform(0.3, 1.2))
         d.stop(signal.SIGKILL)
         writer.wait(30)

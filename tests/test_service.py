@@ -251,7 +251,7 @@ def test_startup_reports_progress_and_extends_the_timeout_until_ready(
         ready = next(i for i, m in enumerate(got) if m.startswith("READY=1"))
         before = got[:ready]
         assert any(
-            "EXTEND_TIMEOUT_USEC=" in m and "STATUS=populating the 16 MiB pool" in m for m in before
+            "EXTEND_TIMEOUT_USEC=" in m and "STATUS=opening the 16 MiB pool" in m for m in before
         ), before
         assert any(
             "EXTEND_TIMEOUT_USEC=" in m and "STATUS=L3: opening the file store, scanning" in m

@@ -111,7 +111,10 @@ class Engine:
 def model_dir(root: Path, name: str) -> str:
     where = root / name
     where.mkdir(exist_ok=True)
-    (where / "config.json").write_text(json.dumps({**COMMON, **MODELS[name]}))
+    # every rank process writes it: whole files only (a rename), never one half-written
+    tmp = where / f".config.{os.getpid()}.json"
+    tmp.write_text(json.dumps({**COMMON, **MODELS[name]}))
+    os.replace(tmp, where / "config.json")
     return str(where)
 
 
