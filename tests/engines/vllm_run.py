@@ -25,8 +25,8 @@ its time to first token. ``keys`` are the offload keys of the prompt's full
 chunks, hex, as vLLM's own block hashing makes them (KV cache group 0's; the
 last four bytes are the group index); with ``--hicached``, ``namespace`` is the
 namespace the engine registered for its first group and ``groups`` every
-group's (index, kind, bytes a block, namespace), and ``kv_groups`` the kinds of
-vLLM's own KV cache groups (``uni`` only: read from the scheduler in this
+group's (index, kind, window in tokens, bytes a block, namespace), and
+``kv_groups`` the kinds of vLLM's own KV cache groups (``uni`` only: read from the scheduler in this
 process). ``--executor uni`` runs the scheduler and the model
 in this one process (quick to start); ``mp`` runs the model in a worker
 process of its own, as vLLM does by default.
@@ -132,6 +132,7 @@ def namespaces(llm: Any) -> dict[str, Any]:
         {
             "group": g.group_id,
             "kind": g.kind.name,
+            "window_tokens": getattr(g.kind, "tokens", None),  # None: the whole prefix
             "block_bytes": g.block_bytes,
             "spec": msgspec.to_builtins(g.spec),
         }
