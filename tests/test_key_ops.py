@@ -680,3 +680,22 @@ def test_keys_in_a_numpy_bytes_array_keep_their_trailing_nul_bytes(daemon: Daemo
         hit = c.match_keys(ns, rows)  # type: ignore[arg-type]
         assert hit.hits == 3 and (c.read_pages(hit) == 7).all()
         c.release(hit)
+
+
+@pytest.mark.parametrize("at", [[0.9, 8.7], [16.0, 40.0], ["8", "16"], 3.0, "8"])
+def test_segment_places_that_are_not_integers_are_refused(daemon: Daemon, at: object) -> None:
+    """A place that is not an integer byte (a float, a string) is refused before
+    anything is copied, never rounded to a byte of the page: [0.9, 8.7] put
+    the segments at bytes 0 and 8, over the bytes the caller meant to keep."""
+    keys = engine_keys(1, salt=33)
+    segments = [np.full((1, 8), 1, np.uint8), np.full((1, 8), 2, np.uint8)]
+    with daemon.client() as c:
+        ns = c.register(**SPEC)
+        res = c.reserve_keys(ns, keys)
+        c.write_pages(res, np.full((1, PAGE), 7, np.uint8))
+        with pytest.raises(ValueError, match="integer byte"):
+            c.write_pages(res, segments, at=at)  # type: ignore[arg-type]
+        assert c.commit(res).published == 1
+        hit = c.match_keys(ns, keys)
+        assert np.array_equal(c.read_pages(hit)[0], np.full(PAGE, 7, np.uint8))  # untouched
+        c.release(hit)

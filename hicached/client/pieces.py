@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -119,7 +120,8 @@ def starts_of(at: int | Sequence[int], widths: Sequence[int], page_bytes: int) -
     ``at``, or at ``at[i]`` for segment i when ``at`` names a byte for each
     (segments with gaps between them: a worker's heads in vLLM's canonical
     pages). Raises ``ValueError`` for a segment outside the page and, with
-    one byte each, for two segments placed over one another."""
+    one byte each, for two segments placed over one another, and for a place
+    that is not an integer (bools, numpy integers and ints are)."""
     if isinstance(at, int | np.integer):
         total = int(sum(widths))
         if at < 0 or at + total > page_bytes:
@@ -128,7 +130,12 @@ def starts_of(at: int | Sequence[int], widths: Sequence[int], page_bytes: int) -
                 f"{page_bytes} bytes"
             )
         return list(itertools.accumulate(widths[:-1], initial=int(at)))
-    starts = [int(s) for s in at]
+    try:  # integers only: a float or a string is never rounded into a byte of the page
+        starts = [operator.index(s) for s in at]
+    except TypeError:
+        raise ValueError(
+            f"at must be an integer byte or a list of integer bytes, one a segment: {at!r}"
+        ) from None
     if len(starts) != len(widths):
         raise ValueError(f"{len(starts)} start bytes for {len(widths)} segments: one each")
     spans = sorted((s, s + int(w)) for s, w in zip(starts, widths, strict=True) if w)
