@@ -125,29 +125,19 @@ def packed(root: Path, endpoint: str, ranks: list[Rank], client: Any) -> dict[st
     ks, ids = base.keys(4, b"packed"), [5, 9, 2, 30]
     try:
         spec = manager.groups[0].spec
-        base.stored(manager, ranks[:2], ks, ids, 1)
-        halves = [rank.ask("blocks", ids) for rank in ranks[:2]]
+        base.stored(manager, ranks[:2], ks, ids, 1)  # the split engine's pages are there
     finally:
         manager.shutdown()
-    # the same K and V at TP 1: split (n, 2, t, 4, hd) -> packed physical (n, t, 4, 2, hd)
-    want, split = [], []
-    for layer in range(len(LAYERS)):
-        full = np.concatenate([_split(h[layer], 4, 2) for h in halves], axis=3)
-        want.append(np.ascontiguousarray(full.transpose(0, 2, 3, 1, 4)).tobytes())
-        split.append(full.tobytes())
     connector1, _ = base.scheduler(root, endpoint, packed1)
     manager1 = connector1.connector_scheduler.manager
     try:
         spec1 = manager1.groups[0].spec
         facts["same_namespace"] = namespace_digest(spec1) == namespace_digest(spec)
-        facts["packed_worker"] = ranks[0].ask("start", packed1, 0, 53)["copies"]
-        got = base.loaded(manager1, ranks[:1], ks, [1, 6, 8, 10], 2)
-        facts["lookups"] = got["lookups"]
-        if "ranks" in got:
-            got_raw = ranks[0].ask("raw", [1, 6, 8, 10])
-            facts["loaded_the_same_kv"] = got_raw == want
-            # what it took instead: the split engine's K rows read as packed K|V pairs
-            facts["loaded_split_bytes_verbatim"] = got_raw == split
+        try:
+            facts["packed_worker"] = ranks[0].ask("start", packed1, 0, 53)["copies"]
+        except RuntimeError as exc:  # the packed worker refuses canonical_layout at its start
+            facts["packed_worker"] = f"refused: {exc}"
+            return facts
     finally:
         manager1.shutdown()
     return facts

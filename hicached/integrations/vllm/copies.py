@@ -13,9 +13,11 @@ workers holding the same bytes writes them).
 
 from __future__ import annotations
 
+import sys
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -200,7 +202,12 @@ class CanonicalCopies(Copies):
     without a mapping, or whose mapping is not the portable canonical page
     the namespace was made for (vLLM fell back to an opaque page of its
     rank: a physical KV layout it could not certify), is refused here, at
-    the worker's start, never stored under the canonical name.
+    the worker's start, never stored under the canonical name. So is a worker
+    whose attention keeps K and V packed per head (a 4-D cache, as HPC
+    attention's): vLLM names its canonical pages as it names split K/V ones
+    (``v1-nhd``), but their bytes are arranged otherwise, so two engines of
+    the two kinds would share a namespace and load each other's bytes as
+    their own. hicached's canonical pages are the split arrangement's.
     """
 
     def __init__(
@@ -227,6 +234,17 @@ class CanonicalCopies(Copies):
                 )
             self.layers.append(layers)
             block_bytes.append(sum(ref.page_size_bytes for ref in refs))
+        # certified by vLLM, all of them: but not alike where K and V are packed
+        packed = sorted(name for name, shape in _kv_shapes().items() if len(shape) == 4)
+        if packed:
+            raise ValueError(
+                f"canonical_layout: layers {packed[:3]} keep K and V packed per head (a "
+                "4-D KV cache), whose canonical pages vLLM names as it names split K/V "
+                "ones while their bytes are arranged otherwise: engines of the two kinds "
+                "would load each other's pages as their own. hicached takes canonical "
+                "pages of split K/V caches only: unset canonical_layout, or use an "
+                "attention backend that keeps K and V apart"
+            )
         super().__init__(rank, chunk, block_bytes)
 
     def _copies(
@@ -250,6 +268,23 @@ class CanonicalCopies(Copies):
             if mine.any():
                 plan.append(_join(g, pages[mine], blocks[mine], layers, sub))
         return plan
+
+
+def _kv_shapes() -> dict[str, tuple[int, ...]]:
+    """The shapes of the KV tensors vLLM's offloading worker is registering
+    (``register_kv_caches(kv_caches)``, a caller of this spec's ``get_worker``:
+    the canonical caches it hands on have lost them); {} when not called so."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        found = frame.f_locals.get("kv_caches")
+        if frame.f_code.co_name == "register_kv_caches" and isinstance(found, dict):
+            return {
+                str(name): tuple(tensor.shape)
+                for name, tensor in found.items()
+                if hasattr(tensor, "shape")
+            }
+        frame = frame.f_back
+    return {}
 
 
 def _layer(ref: Any, page: int, area: int, tensor: Any, name: str) -> _Layer:
