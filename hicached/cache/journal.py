@@ -31,11 +31,6 @@ COMPACT_FLOOR = 32 << 20
 SNAPSHOT_BATCH = 4096  # pages a record of a compacted journal holds
 
 
-def _size(record: PageRecord) -> int:
-    """About the bytes ``record`` takes in the journal."""
-    return 40 + len(record.key) + len(record.parent) + len(record.tokens) + len(record.ekey) * 2
-
-
 class Recorder:
     """Records for the pool journal, and the live state a snapshot holds."""
 
@@ -48,7 +43,9 @@ class Recorder:
         self.pages: dict[int, PageRecord] = {}  # slot -> the record of the page it holds
         # slot under a write lease -> (page size, tenant, quarantined until or 0)
         self.allocs: dict[int, tuple[int, str, float]] = {}
-        self.live_bytes = 0  # about the bytes of the records in ``pages``
+        # about the bytes a page's record takes (the last commit's average): what
+        # ``pages`` would take in a compacted journal is ``len(pages)`` of them
+        self.page_bytes = 64
         self.written = 0  # bytes the journal file holds since its last snapshot
 
     def namespace(self, ns: int, tenant: str, spec: NamespaceSpec) -> None:
@@ -74,32 +71,23 @@ class Recorder:
         """Pages published in L2 together (one commit): one record."""
         if not records:
             return
-        allocs, pages = self.allocs, self.pages
-        live = self.live_bytes
-        for record in records:
-            slot = record.slot
-            allocs.pop(slot, None)
-            old = pages.get(slot)
-            if old is not None:
-                live -= _size(old)
-            pages[slot] = record
-            live += _size(record)
-        self.live_bytes = live
-        self._add(frame(PagesRecord(records)))
+        allocs = self.allocs
+        if allocs:
+            for record in records:
+                allocs.pop(record.slot, None)
+        self.pages.update((record.slot, record) for record in records)
+        made = frame(PagesRecord(records))
+        self.page_bytes = len(made) // len(records)
+        self._add(made)
 
     def adopted(self, records: list[PageRecord]) -> None:
         """Pages adopted at start: live, with no record of their own (the journal
         this daemon starts with is a snapshot)."""
-        pages = self.pages
-        for record in records:
-            pages[record.slot] = record
-        self.live_bytes += sum(map(_size, records))
+        self.pages.update((record.slot, record) for record in records)
 
     def freed(self, slot: int) -> None:
         """``slot`` holds nothing any record says any more."""
-        old = self.pages.pop(slot, None)
-        if old is not None:
-            self.live_bytes -= _size(old)
+        self.pages.pop(slot, None)
         self.allocs.pop(slot, None)
         self._frees.append(slot)
 
@@ -124,7 +112,7 @@ class Recorder:
         return data
 
     def should_compact(self) -> bool:
-        live = self.live_bytes + len(self.allocs) * 16
+        live = len(self.pages) * self.page_bytes + len(self.allocs) * 16
         return self.written > COMPACT_RATIO * live + COMPACT_FLOOR
 
     def snapshot(self) -> bytes:
