@@ -51,68 +51,28 @@ def open_pool(
     make a new one (removing any journal of the old)."""
     pool = config.pool
     size = pool.size_mib << 20
-    slab = pool.slab_mib << 20
-    journal = journal_path(path)
     _remove(_tenant_files(path))  # tenant arenas of a daemon before: not this pool
     if pool.adopt and not fresh and path.exists():
-        why = ""
-        try:
-            header, records, torn = load(journal)
-            dev, ino = _identity(path)
-            why = check(
-                header,
-                JournalHeader(
-                    version=JOURNAL_VERSION,
-                    pool_bytes=size,
-                    slab_bytes=slab,
-                    gen_granule=GEN_GRANULE,
-                    file_bytes=header.file_bytes,
-                    pool_id=header.pool_id,
-                    pool_dev=dev,
-                    pool_ino=ino,
-                ),
-            )
-            if not why and header.file_bytes < file_bytes(size):
-                why = f"its file has {header.file_bytes} bytes, less than a pool of {size} needs"
-        except FileNotFoundError:
-            why = "it has no journal"
-        except (OSError, JournalDamage) as exc:
-            why = f"its journal cannot be read: {exc}"
-        if not why:
-            try:
-                arena = Arena.reopen(path, size, header.file_bytes, group, pool.huge_pages)
-            except HicachedError as exc:
-                why = str(exc)
-            else:
-                log.info("pool: adopting %s (%d journal records)", path, len(records))
-                return OpenedPool(arena, header, records, torn)
-        log.warning("pool: not adopting the pool at %s: %s; making a new one", path, why)
-    try:
-        journal.unlink(missing_ok=True)
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot remove the old pool journal {journal}: {exc.strerror} (it is not "
-            "this daemon's: remove it, or set pool.shm_dir to a directory of its own)"
-        ) from None
+
+        def expected(found: JournalHeader) -> JournalHeader:
+            return _header(config, found.pool_id, found.file_bytes, _identity(path))
+
+        def reopen(found: JournalHeader) -> Arena:
+            if found.file_bytes < file_bytes(size):
+                raise HicachedError(
+                    f"its file has {found.file_bytes} bytes, less than a pool of {size} needs"
+                )
+            return Arena.reopen(path, size, found.file_bytes, group, pool.huge_pages)
+
+        adopted = _try(journal_path(path), expected, reopen)
+        if isinstance(adopted, OpenedPool):
+            log.info("pool: adopting %s (%d journal records)", path, len(adopted.records or ()))
+            return adopted
+        log.warning("pool: not adopting the pool at %s: %s; making a new one", path, adopted)
+    _remove([journal_path(path)])
     arena = Arena.create(path, size, pool.populate, group, on_populate, pool.huge_pages)
-    dev, ino = _identity(path)
-    header = JournalHeader(
-        version=JOURNAL_VERSION,
-        pool_bytes=size,
-        slab_bytes=slab,
-        gen_granule=GEN_GRANULE,
-        file_bytes=arena.file_bytes,
-        pool_id=secrets.randbits(63),
-        pool_dev=dev,
-        pool_ino=ino,
-    )
+    header = _header(config, secrets.randbits(63), arena.file_bytes, _identity(path))
     return OpenedPool(arena, header, None)
-
-
-def _identity(path: Path) -> tuple[int, int]:
-    """The pool file at ``path`` as the journal names it: (device, inode)."""
-    st = os.lstat(path)
-    return st.st_dev, st.st_ino
 
 
 def open_arenas(
@@ -131,59 +91,97 @@ def open_arenas(
     pool = config.pool
     size = pool.size_mib << 20
     journal = journal_path(path)
-    keep = {arena.path for arena in layout}
     if pool.adopt and not fresh and all(arena.path.exists() for arena in layout):
-        why = ""
-        try:
-            header, records, torn = load(journal)
-            expected = _header(config, layout, header.pool_id, _identities(layout), share)
-            why = check(header, expected)
-        except FileNotFoundError:
-            why = "they have no journal"
-        except (OSError, JournalDamage) as exc:
-            why = f"their journal cannot be read: {exc}"
-        if not why:
-            try:
-                arenas = TenantArenas.reopen(size, layout, share, pool.huge_pages)
-            except HicachedError as exc:
-                why = str(exc)
-            else:
-                _remove(f for f in _tenant_files(path) if f not in keep)
-                log.info(
-                    "pool: adopting %d tenant arenas (%d journal records)",
-                    len(layout),
-                    len(records),
-                )
-                return OpenedPool(arenas, header, records, torn)
-        log.warning("pool: not adopting the tenant arenas of %s: %s; making new ones", path, why)
+
+        def expected(found: JournalHeader) -> JournalHeader:
+            return _arenas_header(config, layout, found.pool_id, share)
+
+        def reopen(found: JournalHeader) -> TenantArenas:
+            return TenantArenas.reopen(size, layout, share, pool.huge_pages)
+
+        adopted = _try(journal, expected, reopen)
+        if isinstance(adopted, OpenedPool):
+            keep = {arena.path for arena in layout}
+            _remove(f for f in _tenant_files(path) if f not in keep)
+            records = len(adopted.records or ())
+            log.info("pool: adopting %d tenant arenas (%d journal records)", len(layout), records)
+            return adopted
+        log.warning(
+            "pool: not adopting the tenant arenas of %s: %s; making new ones", path, adopted
+        )
     _remove([path, journal, *_tenant_files(path)])
     arenas = TenantArenas.create(size, layout, share, pool.populate, on_populate, pool.huge_pages)
-    header = _header(config, layout, secrets.randbits(63), _identities(layout), share)
-    return OpenedPool(arenas, header, None)
+    return OpenedPool(arenas, _arenas_header(config, layout, secrets.randbits(63), share), None)
+
+
+def _try(
+    journal: Path,
+    expected: Callable[[JournalHeader], JournalHeader],
+    reopen: Callable[[JournalHeader], Arena | TenantArenas],
+) -> OpenedPool | str:
+    """The pool the journal at ``journal`` describes, adopted: its header checked
+    against what this configuration makes (``expected``, given the header
+    found), then its files mapped again (``reopen``); else why not."""
+    try:
+        header, records, torn = load(journal)
+        why = check(header, expected(header))
+    except FileNotFoundError:
+        return "there is no journal"
+    except (OSError, JournalDamage) as exc:
+        return f"the journal cannot be read: {exc}"
+    if why:
+        return why
+    try:
+        return OpenedPool(reopen(header), header, records, torn)
+    except HicachedError as exc:
+        return str(exc)
 
 
 def _header(
     config: Config,
-    layout: list[TenantArena],
     pool_id: int,
-    ids: list[tuple[int, int]],
-    share: Grant,
+    length: int,
+    identity: tuple[int, int],
+    arenas: list[tuple[str, int, int, int, int]] | None = None,
+    readers: list[tuple[list[int], list[int]]] | None = None,
 ) -> JournalHeader:
+    """The header of the journal of a pool this configuration makes: a file of
+    ``length`` bytes (``identity``: its device and inode), or tenant arenas."""
     return JournalHeader(
         version=JOURNAL_VERSION,
         pool_bytes=config.pool.size_mib << 20,
         slab_bytes=config.pool.slab_mib << 20,
         gen_granule=GEN_GRANULE,
-        file_bytes=sum(file_bytes(arena.size) for arena in layout),
+        file_bytes=length,
         pool_id=pool_id,
-        pool_dev=0,
-        pool_ino=0,
-        arenas=[
+        pool_dev=identity[0],
+        pool_ino=identity[1],
+        arenas=arenas or [],
+        readers=readers or [],
+    )
+
+
+def _arenas_header(
+    config: Config, layout: list[TenantArena], pool_id: int, share: Grant
+) -> JournalHeader:
+    ids = _identities(layout)
+    return _header(
+        config,
+        pool_id,
+        sum(file_bytes(arena.size) for arena in layout),
+        (0, 0),
+        [
             (arena.tenant, arena.start, arena.size, dev, ino)
             for arena, (dev, ino) in zip(layout, ids, strict=True)
         ],
-        readers=[share.readers(arena.tenant) for arena in layout],
+        [share.readers(arena.tenant) for arena in layout],
     )
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    """The pool file at ``path`` as the journal names it: (device, inode)."""
+    st = os.lstat(path)
+    return st.st_dev, st.st_ino
 
 
 def _identities(layout: list[TenantArena]) -> list[tuple[int, int]]:
