@@ -227,13 +227,14 @@ class Cache:
         # parents first: eviction takes a sequence from its tail, L3 gets it from its head
         forget = self.journal.freed
         for key, slot, owner in reversed(victims):
-            forget(slot)  # held for a write-back or not, no restart adopts it
             ns = namespaces[owner]
             ns.pages -= 1
             ns.book.evicted += 1
             owners.setdefault(ns, []).append(key)
-            if not tiering.left_l2(ns, key, slot, write_back):
-                self.l2.free(slot, ns.spec.page_bytes)
+            if tiering.left_l2(ns, key, slot, write_back):
+                forget(slot)  # held for its write-back: no restart adopts it
+            else:
+                self.l2.free(slot, ns.spec.page_bytes)  # which tells the journal
         for ns, keys in owners.items():
             self.events.removed(ns.kind.left_l2(keys), MEDIUM_L2, ns.spec.model)
             self.names.forget_if_unused(ns)
