@@ -6,7 +6,9 @@ while an answer arrives (the manager's loop thread never waits for the lock);
 an answer handed over between a lookup's HIT and its ``prepare_load`` does not
 change what is loaded (fault injection); after ``reset_cache`` the leases of
 transfers in flight are held until ``on_reset_flushed``; ``config_info``
-fills the labels the spec declares.
+fills the labels the spec declares; a step's end waits for the answer to the
+lookups it asked (``lookup_wait_s``), so the next step's lookups hit, and a
+daemon that hangs (fault injection: SIGSTOP) holds it no longer than that.
 """
 
 from __future__ import annotations
@@ -65,3 +67,20 @@ def test_config_info_fills_the_labels_the_spec_declares(facts: dict[str, Any]) -
     assert labels["hicached_model"] == "check/model"
     assert labels["hicached_page_tokens"] == 16
     assert labels["hicached_page_bytes"] == 2 * 1024
+
+
+def test_a_steps_end_waits_for_the_answer_so_the_next_step_hits(facts: dict[str, Any]) -> None:
+    got = facts["wait"]
+    assert got["first"] == ["RETRY"] * 4
+    assert got["second"] == ["HIT"] * 4  # the step right after: no time between
+    assert facts["wait_step_end_s"] < 10  # the answer came, not the 30 s bound
+
+
+def test_a_hung_daemon_holds_a_steps_end_no_longer_than_lookup_wait_s(
+    facts: dict[str, Any],
+) -> None:
+    got = facts["stopped"]
+    assert got["first"] == ["RETRY"] * 4
+    assert got["second"] == ["RETRY"] * 4  # no answer yet: asked again later, not a miss
+    assert 0.25 <= facts["stopped_step_end_s"] < 5  # the 0.3 s bound, not timeout_s (10)
+    assert got["later"] == ["HIT"] * 4  # the answer after SIGCONT is taken

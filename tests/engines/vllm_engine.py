@@ -116,7 +116,7 @@ def check_facts(check: Path, size_mib: int = 1) -> dict[str, Any]:
     try:
         d.start()
         done = subprocess.run(
-            [str(python), str(check), d.endpoint],
+            [str(python), str(check), d.endpoint, str(d.proc.pid if d.proc else 0)],
             capture_output=True,
             text=True,
             env={**os.environ, "PYTHONPATH": str(ROOT)},

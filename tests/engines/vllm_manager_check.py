@@ -3,20 +3,24 @@ scheduler side, driven directly in this venv's python (vLLM 0.32) against a
 real daemon. Prints one JSON object of what it saw;
 tests/test_vllm_manager.py checks it.
 
-    vllm_manager_check.py ENDPOINT
+    vllm_manager_check.py ENDPOINT [DAEMON_PID]
 
 The check plays vLLM 0.33's connector: it holds ``manager.lock`` for each
 step, from the first lookup to ``on_schedule_end``, and calls
 ``on_reset_flushed`` after a reset (``manager.REPORTS_FLUSH`` is set as 0.33
 would set it). Fault injection: an answer that says "nothing" is handed over
 from the manager's loop thread between a lookup's HIT and its
-``prepare_load``, as a lookup that failed at the worst moment would.
+``prepare_load``, as a lookup that failed at the worst moment would; and
+the daemon stopped (SIGSTOP, given its pid) while a step's end waits for an
+answer (``lookup_wait_s``), then let go on (SIGCONT).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
 import sys
 import time
 from typing import Any
@@ -50,7 +54,47 @@ def context(req_id: str, keys: list[bytes], tokens: int) -> ReqContext:
     return ctx
 
 
-def main(endpoint: str) -> dict[str, Any]:
+def waits(endpoint: str, daemon_pid: int, keys: list[bytes]) -> dict[str, Any]:
+    """A step's end waits for the answer to the lookups it asked (``lookup_wait_s``),
+    so the next step's lookups know it; a daemon that does not answer holds it
+    no longer than that bound, and its late answer is still taken."""
+    facts: dict[str, Any] = {}
+    cfg = config()
+    for name, wait_s in (("wait", 30.0), ("stopped", 0.3)):
+        settings = Settings(endpoint=endpoint, timeout_s=10.0, lookup_wait_s=wait_s)
+        groups = engine_groups(cfg, settings)
+        manager = HicachedManager(settings, groups, cfg.parallel.world_size)
+        try:
+            ctx = context(name, keys, groups[0].spec.page_tokens)
+            stopped = name == "stopped" and daemon_pid > 0
+            if stopped:
+                os.kill(daemon_pid, signal.SIGSTOP)  # fault injection: a daemon that hangs
+            try:
+                with manager.lock:
+                    first = [manager.lookup(k, ctx).name for k in keys]
+                    started = time.monotonic()
+                    manager.on_schedule_end(None)
+                    facts[f"{name}_step_end_s"] = time.monotonic() - started
+                with manager.lock:  # at once: no sleep, no other step in between
+                    second = [manager.lookup(k, ctx).name for k in keys]
+                    manager.on_schedule_end(None)
+            finally:
+                if stopped:
+                    os.kill(daemon_pid, signal.SIGCONT)
+            later: list[str] = []
+            deadline = time.monotonic() + 10
+            while "HIT" not in later and time.monotonic() < deadline:
+                time.sleep(0.01)
+                with manager.lock:
+                    later = [manager.lookup(k, ctx).name for k in keys]
+                    manager.on_schedule_end(None)
+            facts[name] = {"first": first, "second": second, "later": later}
+        finally:
+            manager.shutdown()
+    return facts
+
+
+def main(endpoint: str, daemon_pid: int = 0) -> dict[str, Any]:
     facts: dict[str, Any] = {}
     cfg = config()
     settings = Settings(endpoint=endpoint, timeout_s=5.0)
@@ -112,8 +156,9 @@ def main(endpoint: str) -> dict[str, Any]:
             facts["leases_after_flushed"] = leases(client, 0)
         finally:
             manager.shutdown()
+        facts.update(waits(endpoint, daemon_pid, keys))
     return facts
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1])))
+    print(json.dumps(main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0)))

@@ -57,6 +57,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--blocks-per-chunk", type=int, default=1)
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--copy-thread", action="store_true", help="worker copies on a thread")
+    ap.add_argument("--lookup-wait-s", type=float, default=None, help="hicached's lookup_wait_s")
     ap.add_argument("--block-size", type=int, default=BLOCK_TOKENS)
     ap.add_argument("--dtype", default="float32")
     return ap.parse_args(argv)
@@ -91,6 +92,7 @@ def engine_args(args: argparse.Namespace) -> dict[str, Any]:
                 "hash_algo": args.hash_algo,
                 "blocks_per_chunk": args.blocks_per_chunk,
                 **({"copy_thread": True} if args.copy_thread else {}),
+                **({} if args.lookup_wait_s is None else {"lookup_wait_s": args.lookup_wait_s}),
             },
         }
     return kwargs

@@ -36,7 +36,8 @@ every group can restore the prefix (hicached/integrations/hybrid.py).
 The scheduler side (``HicachedManager``) never waits for the daemon in a
 lookup: the keys a lookup pass shows are asked for together on a private
 event loop thread, and the lookup answers RETRY (ask again next step) until
-the answer is there. Hits come under a read lease, so the slots a load reads
+the answer is there; the step's end waits for it, ``lookup_wait_s`` at most,
+so that the next step knows it. Hits come under a read lease, so the slots a load reads
 cannot be evicted or reused under it; keys only L3 holds are loaded into L2
 first and answer HIT_PENDING meanwhile. A store reserves slots
 (``reserve_keys``, per group) and hands their handles to the workers; when

@@ -109,6 +109,7 @@ class _Request:
     answer: _Answer | None = None  # what this step's lookups and load read
     incoming: _Answer | None = None  # newer, taken at the next pass's first lookup
     loading: _Answer | None = None  # handed to a load; ends at complete_load
+    offers: int = 0  # answers the loop thread left so far (under the manager's lock)
     stores: dict[frozenset[bytes], _Store] = field(default_factory=dict)
     before: dict[bytes, bytes] = field(default_factory=dict)  # key -> the key before it
     last_stored: dict[int, bytes] = field(default_factory=dict)  # group -> its last key stored
@@ -147,6 +148,7 @@ class HicachedManager(OffloadingManager):
         self._link = Link(settings, [g.spec for g in groups], writers)
         # hands answers from the loop thread to the scheduler's; never ``lock``
         self._lock = threading.Lock()
+        self._answered = threading.Condition(self._lock)  # an answer was left
         # vLLM 0.33's, held for whole steps; nothing of ours takes it (see ``lock``)
         self._step_lock = threading.Lock()
         # Leases of the transfers in flight at a cache reset, ended once vLLM says
@@ -217,15 +219,35 @@ class HicachedManager(OffloadingManager):
     def on_schedule_end(self, context: Any) -> None:
         """Ask for the keys the lookups of this step could not answer, one question
         per request: every group at every position the lookups showed."""
+        asked: list[tuple[_Request, int]] = []
         for req in self._asking.values():
             if req.unknown and req.can_ask() and req.ends:
                 question = self._question(req)
+                with self._lock:
+                    asked.append((req, req.offers))
                 req.asking = self._link.submit(self._ask(req, question))
             req.unknown = False
         self._asking.clear()
         for req in self._requests.values():
             req.scan.clear()
             req.ends.clear()  # the next question asks about what the next pass shows
+        self._await_answers(asked)
+
+    def _await_answers(self, asked: list[tuple[_Request, int]]) -> None:
+        """Wait, ``lookup_wait_s`` at most, until the loop thread has answered
+        each question just asked (an answer left, or the question over). Waiting
+        here lets that thread run at once; otherwise the scheduler's next steps
+        hold the GIL while it waits for it, and a hit's load starts steps later."""
+        if not asked or self.settings.lookup_wait_s <= 0:
+            return
+        deadline = time.monotonic() + self.settings.lookup_wait_s
+        with self._answered:
+            for req, offers in asked:
+                while req.offers == offers and not (req.asking is None or req.asking.done()):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return
+                    self._answered.wait(left)
 
     def _question(self, req: _Request) -> _Question:
         ends = sorted(req.ends)
@@ -285,11 +307,13 @@ class HicachedManager(OffloadingManager):
         """Leave an answer for the scheduler (loop thread); an answer nobody took
         yet, or one for a finished request, ends here."""
         old: _Answer | None
-        with self._lock:
+        with self._answered:
             if req.finished:
                 old = answer
             else:
                 old, req.incoming = req.incoming, answer
+            req.offers += 1
+            self._answered.notify_all()
         if old is not None:
             self._link.release(old.answer.leases)
 

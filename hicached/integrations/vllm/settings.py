@@ -53,6 +53,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     ack_timeout_s: float = 5.0
     # Seconds an L3 load may take; the pages loaded by then are served.
     prefetch_timeout_s: float = 10.0
+    # Seconds the scheduler waits, at the end of a step that asked the daemon
+    # about new keys, for the answer (one round trip, under a millisecond on an
+    # idle host): the next step's lookups then know them. 0: never wait, the
+    # answer is taken whenever the link's thread has it (on a busy engine loop,
+    # a few steps later: that thread must first win the GIL). A daemon slower
+    # than this costs a step's wait, never a lookup's answer.
+    lookup_wait_s: float = 0.005
     # Seconds a lookup answer is reused before the keys are asked for again.
     answer_ttl_s: float = 2.0
     # A hit whose lease ends sooner than this is asked for again, not loaded.
