@@ -111,7 +111,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 _GATHER_SHOWN = 8  # measured clients given a line each; --json has them all
-_HOW = {"measured": "measured", "forced": "HICACHED_GATHER", "no_torch": "without torch"}
+_HOW = {"measured": "measured", "forced": "set by HICACHED_GATHER", "no_torch": "without torch"}
 
 
 def _gather_lines(clients: list[p.GatherClient]) -> list[str]:
@@ -136,7 +136,8 @@ def _gather_lines(clients: list[p.GatherClient]) -> list[str]:
             f"            #{c.session} {c.client} (pid {c.pid}): read {c.read} "
             f"(numpy {c.read_numpy_gbps:.1f}, torch {c.read_torch_gbps:.1f} GB/s), write "
             f"{c.write} (numpy {c.write_numpy_gbps:.1f}, torch {c.write_torch_gbps:.1f} GB/s); "
-            f"{c.sample_pages} x {c.page_bytes >> 10} KiB a round, {c.rounds} rounds"
+            f"{c.sample_pages} x {c.page_bytes >> 10} KiB a round, "
+            f"{c.rounds} round{'s' if c.rounds != 1 else ''}"
         )
     if len(measured) > _GATHER_SHOWN:
         lines.append(f"            and {len(measured) - _GATHER_SHOWN} more measured (--json)")

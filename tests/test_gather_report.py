@@ -159,7 +159,7 @@ def test_each_client_process_reports_its_kernels_until_its_session_ends(
     for pick in set(picks):
         n = picks.count(pick)
         assert f"{n} client{'s' if n > 1 else ''} {pick}" in line, line
-    assert "1 measured" in line and "1 HICACHED_GATHER" in line and "1 without torch" in line
+    assert "1 measured" in line and "1 set by HICACHED_GATHER" in line and "1 without torch" in line
     assert f"engine-measure (pid {measured['pid']}): read {m['read']}" in text
     js = json.loads(hicached("status", "--json", "--endpoint", d.endpoint))
     assert sorted(g["how"] for g in js["gather_clients"]) == ["forced", "measured", "no_torch"]
