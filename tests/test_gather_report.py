@@ -181,6 +181,50 @@ def test_each_client_process_reports_its_kernels_until_its_session_ends(
     assert "gather:     none reported" in hicached("status", "--endpoint", d.endpoint)
 
 
+ASYNC_ENGINE = textwrap.dedent(
+    """
+    import asyncio, json, os, sys
+    import numpy as np
+    import torch  # loaded: HICACHED_GATHER names torch
+    from hicached.client import AsyncClient
+
+    async def main():
+        size = 16384
+        async with AsyncClient(sys.argv[1], timeout=10.0, name="async-engine") as c:
+            ns = await c.register(model="t/async", kv_dtype="bfloat16", layout="layer_first",
+                                  page_tokens=16, page_bytes=size)
+            tokens = np.arange(0, 4 * 16, dtype=np.uint32)
+            data = np.random.default_rng(3).integers(0, 256, (4, size), dtype=np.uint8)
+            res = await c.reserve(ns, tokens)
+            c.write_pages(res.select([2, 0, 3, 1]), data)  # scattered: the pick
+            await asyncio.gather(c.commit(res), c.stats(), c.stats())  # calls in flight
+            stats = await c.stats()
+            mine = [g.how + " " + g.read for g in stats.gather_clients if g.pid == os.getpid()]
+            print(json.dumps({"mine": mine, "errors": stats.errors, "n": stats.requests}))
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_an_async_client_reports_once_with_calls_in_flight(daemon: Daemon) -> None:
+    pytest.importorskip("torch")
+    before = probe_stats(daemon.endpoint).requests.get("gather", 0)
+    environ = {k: v for k, v in os.environ.items() if k != gather.ENV}
+    out = subprocess.run(
+        [sys.executable, "-c", ASYNC_ENGINE, daemon.endpoint],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env={**environ, gather.ENV: "torch"},
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["mine"] == ["forced torch"] and not got["errors"]
+    assert got["n"]["gather"] - before == 1
+    assert probe_stats(daemon.endpoint).gather_clients == []  # closed: forgotten
+
+
 class Raw:
     """A DEALER that speaks the protocol by hand: reports a client library never sends."""
 
