@@ -60,7 +60,13 @@ ENGINE = textwrap.dedent(
             "errors": stats.errors,
             "requests": stats.requests,
         }), flush=True)
-        sys.stdin.readline()  # the session stays open until the test has looked
+        # the session stays open until the test has looked; "again": two more
+        # calls (the first says hello again to a restarted daemon, and sends the
+        # report after it), then the records as the second one saw them
+        while sys.stdin.readline().strip() == "again":
+            c.stats()
+            again = [msgspec.to_builtins(g) for g in c.stats().gather_clients]
+            print(json.dumps([g for g in again if g["pid"] == os.getpid()]), flush=True)
     """
 )
 
@@ -83,6 +89,17 @@ class Engine:
         if not line:
             raise AssertionError(self.finish())
         self.out: dict[str, Any] = json.loads(line)
+
+    def again(self) -> list[dict[str, Any]]:
+        """Its own records in stats after two more calls."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("again\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise AssertionError(self.finish())
+        mine: list[dict[str, Any]] = json.loads(line)
+        return mine
 
     def finish(self) -> str:
         """Let it close its client (goodbye) and exit; its stderr."""
@@ -179,6 +196,26 @@ def test_each_client_process_reports_its_kernels_until_its_session_ends(
         engine.finish()
     assert probe_stats(d.endpoint).gather_clients == []
     assert "gather:     none reported" in hicached("status", "--endpoint", d.endpoint)
+
+
+def test_a_restarted_daemon_hears_the_pick_again_at_the_new_hello(
+    daemon_factory: Callable[..., Daemon], engines: list[Engine]
+) -> None:
+    pytest.importorskip("torch")
+    d = daemon_factory(size_mib=8, populate=False)
+    engine = Engine(d.endpoint, "torch", 0, {gather.ENV: "numpy"})
+    engines.append(engine)
+    (first,) = engine.out["mine"]
+    assert engine.again() == [first]  # more calls: the same record, no new report
+    d.stop()
+    d.start()  # a new daemon: no session, no record
+    stats = probe_stats(d.endpoint)
+    assert stats.gather_clients == []
+    before = stats.requests.get("gather", 0)  # the harness's own, if any
+    (got,) = engine.again()  # its calls said hello again, then reported
+    assert (got["how"], got["read"], got["write"]) == ("forced", "numpy", "numpy")
+    assert probe_stats(d.endpoint).requests["gather"] - before == 1
+    engine.finish()
 
 
 ASYNC_ENGINE = textwrap.dedent(
