@@ -9,11 +9,15 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from hicached.config import load_config
 from hicached.errors import HicachedError
+
+if TYPE_CHECKING:
+    from hicached.wire import protocol as p
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -100,9 +104,44 @@ def _cmd_status(args: argparse.Namespace) -> int:
             + "; "
             + _pairs(stats.l3)
         )
+    lines.extend(_gather_lines(stats.gather_clients))
     lines.append(f"metrics:    {stats.metrics_endpoint or 'off'}")
     print("\n".join(lines))
     return 0
+
+
+_GATHER_SHOWN = 8  # measured clients given a line each; --json has them all
+_HOW = {"measured": "measured", "forced": "set by HICACHED_GATHER", "no_torch": "without torch"}
+
+
+def _gather_lines(clients: list[p.GatherClient]) -> list[str]:
+    """Clients' scattered-copy kernels (client/gather.py): a summary, then one
+    line per measured client with the rates that decided."""
+    if not clients:
+        return ["gather:     none reported"]
+    picks: dict[str, int] = {}
+    hows: dict[str, int] = {}
+    for c in clients:
+        pick = f"{c.read}/{c.write}"
+        picks[pick] = picks.get(pick, 0) + 1
+        hows[c.how] = hows.get(c.how, 0) + 1
+    summary = ", ".join(
+        f"{n} client{'s' if n > 1 else ''} {pick}" for pick, n in sorted(picks.items())
+    )
+    how = ", ".join(f"{n} {_HOW.get(h, h)}" for h, n in sorted(hows.items()))
+    lines = [f"gather:     {summary} (read/write kernels; {how})"]
+    measured = [c for c in clients if c.how == "measured"]
+    for c in measured[:_GATHER_SHOWN]:
+        lines.append(
+            f"            #{c.session} {c.client} (pid {c.pid}): read {c.read} "
+            f"(numpy {c.read_numpy_gbps:.1f}, torch {c.read_torch_gbps:.1f} GB/s), write "
+            f"{c.write} (numpy {c.write_numpy_gbps:.1f}, torch {c.write_torch_gbps:.1f} GB/s); "
+            f"{c.sample_pages} x {c.page_bytes >> 10} KiB a round, "
+            f"{c.rounds} round{'s' if c.rounds != 1 else ''}"
+        )
+    if len(measured) > _GATHER_SHOWN:
+        lines.append(f"            and {len(measured) - _GATHER_SHOWN} more measured (--json)")
+    return lines
 
 
 def _cmd_events(args: argparse.Namespace) -> int:

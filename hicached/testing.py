@@ -53,8 +53,10 @@ class DaemonProcess:
         curve: CurveKeys | None = None,  # the keys this harness connects with
         fresh: bool = True,
         adopt: bool = True,  # pool.adopt
+        module: str = "hicached",  # run as ``python -m module serve ...``
     ) -> None:
         self.curve = curve
+        self.module = module
         # each start makes a new pool (serve --fresh), so a restart empties L2 as
         # tests of L3 want; False: a start adopts the pool the last stop left
         self.fresh = fresh
@@ -83,7 +85,7 @@ class DaemonProcess:
                 [
                     sys.executable,
                     "-m",
-                    "hicached",
+                    self.module,
                     "serve",
                     "--config",
                     str(self.config),

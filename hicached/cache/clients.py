@@ -6,6 +6,10 @@ on, the peer it is (cache/sessions.py). The table is bounded
 longest idle session that holds no lease, or is refused. A session that
 ends takes its leases with it (their fresh slots go to quarantine) and its
 namespaces lose a user.
+
+A session also holds what its client's process reported of its scattered-copy
+kernels (``gather``, protocol 1.5; client/gather.py): facts about the client,
+kept for ``stats`` and forgotten with the session.
 """
 
 from __future__ import annotations
@@ -13,8 +17,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
-from hicached.cache.sessions import Session
-from hicached.errors import ForeignTenant, ResourceExhausted, SessionLost, VersionMismatch
+from hicached.cache.sessions import Handlers, Session
+from hicached.errors import (
+    BadRequest,
+    ForeignTenant,
+    ResourceExhausted,
+    SessionLost,
+    VersionMismatch,
+)
 from hicached.state.pool import GEN_GRANULE
 from hicached.wire import protocol as p
 from hicached.wire.arenas import TenantArena
@@ -83,6 +93,41 @@ class Clients:
             pool_base=base,
         )
 
+    def handlers(self) -> Handlers:
+        return {p.GatherReport: self.gather}
+
+    def gather(self, session: Session, msg: p.GatherReport) -> p.Ok:
+        """Keep the client process's gather report (the last one) for stats."""
+        _check_gather(msg)
+        session.gather = msg
+        return p.Ok(id=msg.id)
+
+    def gather_clients(self) -> list[p.GatherClient]:
+        """The sessions' gather reports, in session order (for stats)."""
+        out = []
+        for session in sorted(self.sessions.values(), key=_session_id):
+            g = session.gather
+            if g is not None:
+                out.append(
+                    p.GatherClient(
+                        session=session.id,
+                        client=session.client,
+                        pid=session.pid,
+                        how=g.how,
+                        read=g.read,
+                        write=g.write,
+                        read_numpy_gbps=g.read_numpy_gbps,
+                        read_torch_gbps=g.read_torch_gbps,
+                        write_numpy_gbps=g.write_numpy_gbps,
+                        write_torch_gbps=g.write_torch_gbps,
+                        page_bytes=g.page_bytes,
+                        sample_pages=g.sample_pages,
+                        rounds=g.rounds,
+                        seconds=g.seconds,
+                    )
+                )
+        return out
+
     def _make_room(self) -> None:
         """The session table is full: the longest idle session without a lease
         (one without namespaces first) makes way; with none, the newcomer is refused."""
@@ -148,3 +193,24 @@ def _same_peer(session: Session, peer: str | None) -> None:
             "this client id belongs to a session of another peer: connect again "
             "without setting a routing id"
         )
+
+
+def _session_id(session: Session) -> int:
+    return session.id
+
+
+def _check_gather(msg: p.GatherReport) -> None:
+    """Names the daemon knows, and a report that agrees with itself: the
+    decoder bounded every number and the names' lengths already."""
+    if msg.how not in p.GATHER_HOWS:
+        raise BadRequest(f"gather report: how {msg.how!r} is none of {', '.join(p.GATHER_HOWS)}")
+    for way, kernel in (("read", msg.read), ("write", msg.write)):
+        if kernel not in p.GATHER_KERNELS:
+            raise BadRequest(
+                f"gather report: {way} kernel {kernel!r} is none of {', '.join(p.GATHER_KERNELS)}"
+            )
+    rates = (msg.read_numpy_gbps, msg.read_torch_gbps, msg.write_numpy_gbps, msg.write_torch_gbps)
+    if msg.how == "no_torch" and (msg.read != "numpy" or msg.write != "numpy" or any(rates)):
+        raise BadRequest("gather report: without torch both ways are numpy's, unmeasured")
+    if msg.how == "forced" and any(rates):
+        raise BadRequest("gather report: kernels named by HICACHED_GATHER come with no rates")

@@ -10,7 +10,8 @@ declaring the requests it answers (``handlers()``); the dispatch table is
 their union, built once, and a request type two rooms claim is a bug found
 at construction:
 
-- cache/clients.py: sessions, from hello to goodbye;
+- cache/clients.py: sessions, from hello to goodbye, and the gather reports
+  their clients send;
 - cache/namespaces.py: namespaces, their kinds (cache/kinds.py) and the
   checks of the pages a request names;
 - cache/leasing.py: leases, their renewal, end and quarantine;
@@ -144,7 +145,8 @@ class Cache:
         self._handlers: Handlers = {
             p.Stats: lambda _, msg: p.StatsOk(id=msg.id, stats=self.stats())
         }
-        for room in (self.names, self.leasing, self.reads, self.writes, self.prefetches):
+        rooms = (self.clients, self.names, self.leasing, self.reads, self.writes, self.prefetches)
+        for room in rooms:
             table = room.handlers()
             twice = table.keys() & self._handlers.keys()
             if twice:
@@ -425,4 +427,5 @@ class Cache:
             metrics_endpoint=self.metrics_endpoint,
             adopted_pages=self.adopted.pages if self.adopted else 0,
             adoption_dropped=dict(self.adopted.dropped) if self.adopted else {},
+            gather_clients=self.clients.gather_clients(),
         )

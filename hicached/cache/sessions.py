@@ -30,6 +30,7 @@ from hicached.state.index import PageIndex
 from hicached.state.keyindex import KeyIndex
 from hicached.state.l2 import Index, TenantBook
 from hicached.wire.namespace import NamespaceSpec
+from hicached.wire.protocol import GatherReport
 
 
 @dataclass(slots=True, eq=False)
@@ -73,6 +74,9 @@ class Session:
     peer: str | None = None
     namespaces: set[int] = field(default_factory=set)
     leases: set[int] = field(default_factory=set)
+    # the client process's scattered-copy kernels, as it last reported them
+    # (a fixed set of checked fields: bounded; None: not reported)
+    gather: GatherReport | None = None
 
 
 @dataclass(slots=True)

@@ -94,7 +94,11 @@ class AsyncClient(_Core):
             except msgspec.MsgspecError:
                 continue  # not a reply this client understands
             future = self._pending.pop(reply.id, None)
-            if future is not None and not future.done():
+            if future is None:
+                self._reporter.answered(
+                    reply, self.endpoint
+                )  # the gather report's, which no call waits for
+            elif not future.done():
                 future.set_result(reply)
 
     async def _roundtrip(self, request: p.Request) -> p.AnyReply:
@@ -157,7 +161,9 @@ class AsyncClient(_Core):
     async def _do(self, gen: Exchange) -> Any:
         if self._hello is None:
             await self.connect()  # one hello at a time, not one inside each exchange
-        return await self._drive(gen)
+        result = await self._drive(gen)
+        self._report_gather(self._sock)  # once a session, when the process has a pick
+        return result
 
     async def _drive(self, gen: Exchange) -> Any:
         try:
@@ -182,6 +188,7 @@ class AsyncClient(_Core):
         async with self._lock:
             if self._hello is None:
                 await self._drive(self._handshake())
+                self._report_gather(self._sock)
         return self
 
     async def register(self, spec: NamespaceSpec | None = None, **fields: Any) -> Namespace:

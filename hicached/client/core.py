@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import os
 import time
@@ -49,6 +50,7 @@ from hicached.client.handles import (
 )
 from hicached.client.mapping import At, PendingCopy, PoolMapping, check_empty, lease_margin
 from hicached.client.poolview import PoolView
+from hicached.client.report import GatherReporter
 from hicached.config import check_endpoint, default_endpoint
 from hicached.errors import (
     BadRequest,
@@ -66,6 +68,8 @@ from hicached.wire.hashing import pack_tokens
 from hicached.wire.namespace import NamespaceSpec
 
 __all__ = ["CurveKeys", "Exchange"]
+
+log = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=p.Reply)
 # Tries of a request whose session the daemon forgot (restart, or a full session
@@ -136,6 +140,7 @@ class _Core:
         self._namespaces: list[Namespace] = []
         self._instance = 0
         self._margin = 1.0  # seconds before a lease's deadline that copies stop
+        self._reporter = GatherReporter()  # this process's gather pick, told the daemon
 
     # -- exchanges ------------------------------------------------------------
 
@@ -175,6 +180,7 @@ class _Core:
             self._pool.hello(reply, prefault=self.prefault)
         self._instance = reply.instance
         self._margin = lease_margin(reply.lease_ttl_s)
+        self._reporter.new_session()
         # The namespaces again, before the session counts as open (``_hello``):
         # until then no other request goes out (an AsyncClient's other tasks
         # wait in connect), and none ever carries an id of the daemon before.
@@ -395,6 +401,19 @@ class _Core:
                 f"max_message_bytes ({hello.max_message_bytes}): send fewer tokens or keys"
             )
         return raw
+
+    def _report_gather(self, sock: zmq.Socket[Any]) -> None:
+        """Tell the daemon this process's scattered-copy kernels if this session
+        lacks them (client/report.py): after a call, without waiting."""
+        report = self._reporter.due(self._hello) if self.map_pool else None
+        if report is None:
+            return
+        try:
+            zmq.Socket.send(sock, self._stamp(report), _NOBLOCK)  # the plain send, even on asyncio
+        except (zmq.ZMQError, HicachedError) as exc:
+            log.debug("gather report not sent to %s: %s", self.endpoint, exc)
+            return
+        self._reporter.sent(report.id)
 
     def _unavailable(self) -> DaemonUnavailable:
         what = "" if self._hello else " (is it running?)"

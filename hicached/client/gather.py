@@ -32,8 +32,8 @@ not assumed:
   ``measure``, the default, measures.
 
 The pick and both rates are this process's figures (``gather_choice()``,
-``hicached bench data --json``): the daemon never sees them, since each
-engine process makes its own after its hello.
+``hicached bench data --json``); each client of the process tells its daemon
+(client/report.py), so that ``hicached status`` shows every engine process's.
 """
 
 from __future__ import annotations

@@ -114,10 +114,14 @@ class Client(_Core):
                 continue  # not a reply this client understands: keep waiting
             if reply.id == request_id:
                 return reply
-            # else: the late reply of a request that timed out; drop it
+            # else: the late reply of a request that timed out, or of the
+            # gather report, which no call waits for; drop it
+            self._reporter.answered(reply, self.endpoint)
 
     def _do(self, gen: Exchange) -> Any:
-        return _run(gen, self._roundtrip)
+        result = _run(gen, self._roundtrip)
+        self._report_gather(self._sock)  # once a session, when the process has a pick
+        return result
 
     def _call(self, make: Callable[[], p.Request], expect: type[R]) -> R:
         """``_exchange`` without a generator to drive: the path of the operations

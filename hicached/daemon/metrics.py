@@ -154,6 +154,19 @@ class _Snapshot(Collector):
             "Pages clients committed into L2 (prefetched pages aside).",
             s.committed_pages,
         )
+        gather = GaugeMetricFamily(
+            "hicached_gather_clients",
+            "Client sessions by the scattered-copy kernels their process reported, each "
+            "way, and how it picked them (measured, forced by HICACHED_GATHER, no_torch).",
+            labels=["read", "write", "how"],
+        )
+        picks: dict[tuple[str, str, str], int] = {}
+        for c in s.gather_clients:  # labels of checked names only: a few series at most
+            key = (c.read, c.write, c.how)
+            picks[key] = picks.get(key, 0) + 1
+        for key, n in sorted(picks.items()):
+            gather.add_metric(list(key), n)
+        yield gather
         if s.l3_backend:
             up = GaugeMetricFamily(
                 "hicached_l3_up",

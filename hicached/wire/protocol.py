@@ -9,15 +9,19 @@ docs/protocol.md.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 from hicached.errors import HicachedError, error_from_code
 from hicached.wire.namespace import NamespaceSpec
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 4
+PROTOCOL_MINOR = 5
 # the first minor version whose clients map a tenant's arena (HelloOk.pool_base)
 ARENAS_MINOR = 4
+# the first minor version whose daemons take a client's gather report
+GATHER_MINOR = 5
 
 
 class Request(msgspec.Struct, tag_field="op", kw_only=True, forbid_unknown_fields=True):
@@ -144,6 +148,43 @@ class Stats(Request, tag="stats"):
     pass
 
 
+# What a gather report may say (client/gather.py makes it): kernel and way
+# names are checked against these by the daemon, which answers a name it does
+# not know with the names it does; a name is short, so that no error echoes a
+# long one back.
+GATHER_KERNELS = ("numpy", "torch")
+# "measured": both kernels timed both ways; "forced": HICACHED_GATHER named one;
+# "no_torch": torch is not loaded in the process, so numpy copies, unmeasured
+GATHER_HOWS = ("measured", "forced", "no_torch")
+MAX_GATHER_GBPS = 10_000.0  # far above any host's memory; a rate past it is garbage
+Name = Annotated[str, msgspec.Meta(max_length=16)]
+Gbps = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_GATHER_GBPS)]  # NaN fails it too
+
+
+class GatherReport(Request, tag="gather"):
+    """The kernels the client's process picked for scattered slot copies
+    (client/gather.py) and the rates that decided, for ``hicached status``.
+    A client sends it once its process has a pick, after the call that follows
+    its hello, and again only if the pick changes (a process that loads torch
+    after its hello measures at its next scattered copy), without waiting for
+    the answer (``ok``); a daemon older than 1.5 is sent none. The daemon keeps
+    the last one per session and forgets it with the session. Rates are GB/s
+    of the sample (0.0: not measured); ``page_bytes`` x ``sample_pages`` is
+    the bytes a kernel moved a round."""
+
+    how: Name  # one of GATHER_HOWS
+    read: Name  # the gather's kernel (slots -> pages), one of GATHER_KERNELS
+    write: Name  # the scatter's (pages -> slots)
+    read_numpy_gbps: Gbps = 0.0
+    read_torch_gbps: Gbps = 0.0
+    write_numpy_gbps: Gbps = 0.0
+    write_torch_gbps: Gbps = 0.0
+    page_bytes: Annotated[int, msgspec.Meta(ge=0, le=1 << 32)] = 0
+    sample_pages: Annotated[int, msgspec.Meta(ge=0, le=1 << 20)] = 0
+    rounds: Annotated[int, msgspec.Meta(ge=0, le=1000)] = 0
+    seconds: Annotated[float, msgspec.Meta(ge=0.0, le=3600.0)] = 0.0  # the measurement took
+
+
 AnyRequest = (
     Hello
     | RegisterNamespace
@@ -160,6 +201,7 @@ AnyRequest = (
     | Renew
     | Goodbye
     | Stats
+    | GatherReport
 )
 
 
@@ -277,6 +319,25 @@ class Ok(Reply, tag="ok"):
     pass
 
 
+class GatherClient(msgspec.Struct, kw_only=True):
+    """One client session's gather report (GatherReport), in stats."""
+
+    session: int
+    client: str
+    pid: int
+    how: str
+    read: str
+    write: str
+    read_numpy_gbps: float = 0.0
+    read_torch_gbps: float = 0.0
+    write_numpy_gbps: float = 0.0
+    write_torch_gbps: float = 0.0
+    page_bytes: int = 0
+    sample_pages: int = 0
+    rounds: int = 0
+    seconds: float = 0.0
+
+
 class DaemonStats(msgspec.Struct, kw_only=True):
     instance: int
     uptime_s: float
@@ -319,6 +380,10 @@ class DaemonStats(msgspec.Struct, kw_only=True):
     # and those it dropped, by reason (stale, orphan, geometry, ...; docs/operations.md)
     adopted_pages: int = 0
     adoption_dropped: dict[str, int] = {}
+    # the scattered-copy kernels of the client sessions that reported theirs (1.5),
+    # in session order; sessions of older clients, and of processes that made no
+    # pick yet, are not there
+    gather_clients: list[GatherClient] = []
 
 
 class StatsOk(Reply, tag="stats_ok"):
