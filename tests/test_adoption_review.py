@@ -26,7 +26,7 @@ from hicached.wire.arena import arena_path
 from hicached.wire.journal import AllocRecord, frame
 from tests import adoption_review_worker as w
 from tests.adoption_worker import PAGES, SPEC, pattern, tokens
-from tests.l3util import FILE_STORE
+from tests.l3util import FILE_STORE, l3_count, storage, wait_for, wait_prefetch
 from tests.support import Daemon
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -209,4 +209,45 @@ def test_kill9_under_keyed_masks_prefetches_and_write_back_loses_and_lies_about_
                 proc.wait()
         for err in errs:
             err.close()
+        d.cleanup()
+
+
+def test_adopted_pages_whose_l3_writes_a_kill_cut_short_reach_l3_after_the_restart() -> None:
+    """Under write_through every committed page goes to L3. Fault injection: the
+    faulty backend delays every write (``write_delay_s``), so a kill -9 right
+    after the commits leaves their writes unfinished. The restart adopts the
+    pages and, once L3's listing has ended, writes those L3 lacks; a start
+    without the pool (L2 empty) then reads every page back from L3, byte for
+    byte."""
+    d = adopting(
+        storage=storage("faulty"),
+        tail='[storage.extra]\ninner = "file"\nwrite_delay_s = 1.0\n'
+        "[storage.extra.inner_options]\ncapacity_mib = 32\nsegment_mib = 4\nio_threads = 2\n",
+    )
+    seqs = range(3)
+    try:
+        d.start()
+        with d.client() as c:
+            ns = c.register(**SPEC)
+            for s in seqs:
+                c.store(ns, tokens(s), pattern(s))
+            assert l3_count(c, "written") == 0  # every write still waits out its delay
+        d.kill()
+        d.start()
+        with d.client() as c:
+            c.register(**SPEC)
+            assert c.stats().adopted_pages == len(seqs) * PAGES
+            wait_for(lambda: l3_count(c, "written") == len(seqs) * PAGES, timeout=60)
+        assert d.stop() == 0
+        d.fresh = True  # a new pool: whatever is read now comes from L3
+        d.start()
+        with d.client() as c:
+            ns = c.register(**SPEC)
+            for s in seqs:
+                assert c.match(ns, tokens(s), lease=False).hits == 0
+                pf = c.prefetch(ns, tokens(s))
+                assert wait_prefetch(c, pf, timeout=60).completed == PAGES
+                c.commit(pf)
+                assert np.array_equal(c.load(ns, tokens(s)), pattern(s))
+    finally:
         d.cleanup()

@@ -258,6 +258,15 @@ class Cache:
     def write_back(self, pages: list[tuple[NamespaceState, bytes, int, int]]) -> int:
         return self.tiering.write_back(pages)
 
+    def adopted_unwritten(self) -> list[tuple[NamespaceState, bytes, int, int]]:
+        """Once L3's listing ended, after a start that adopted pages: the L2 pages
+        L3 lacks and no write carries, where the write policy writes adopted
+        pages (write_through: their writes were queued or under way when the
+        daemon before stopped); none otherwise."""
+        if self.adopted is None or not self.adopted.pages or not self.policy.writes_adopted:
+            return []
+        return self.tiering.unwritten_pages()
+
     def prefetch_started(self, lease: Lease) -> None:
         self.prefetches.started(lease)
 

@@ -9,7 +9,10 @@ wherever one matters:
 - ``writes_back``: whether a page that leaves L2 unwritten is written then
   (and at a graceful stop, whatever L3 lacks);
 - ``rewrites``: whether a page L3 lets go of while it stays in L2 is written
-  again (bounded in cache/tiering.py's ``forget_l3``).
+  again (bounded in cache/tiering.py's ``forget_l3``);
+- ``writes_adopted``: whether the pages adopted from the daemon before
+  (docs/restarts.md) that L3 lacks are written once L3's listing ended (their
+  writes were queued or under way when that daemon stopped).
 
 A new policy is a class here and its name in config.WRITE_POLICIES.
 """
@@ -29,6 +32,7 @@ class WritePolicy:
     name: ClassVar[str]
     writes_back: ClassVar[bool] = False
     rewrites: ClassVar[bool] = False
+    writes_adopted: ClassVar[bool] = False
 
     def committed(
         self, tiering: Tiering, ns: NamespaceState, keys: list[bytes], slots: list[int]
@@ -46,6 +50,7 @@ class WriteThrough(WritePolicy):
 
     name = "write_through"
     rewrites = True
+    writes_adopted = True  # every committed page goes to L3, those of the daemon before too
 
     def committed(
         self, tiering: Tiering, ns: NamespaceState, keys: list[bytes], slots: list[int]

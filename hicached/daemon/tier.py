@@ -100,6 +100,7 @@ class Tier:
         self._lookup_counts = {"lookups": 0, "lookups_skipped": 0, "lookups_late": 0}
         self.lookup_pages = 0  # pages lookups found that the cache did not know
         self._scan: asyncio.Task[None] | None = None
+        self._adopted: asyncio.Task[None] | None = None  # writes of adopted pages L3 lacks
         self.scanning = False
         self.scan_pages = 0  # pages the startup scan has found so far
         self._flush: FlushCounts | None = None  # while a write-back flush counts its pages
@@ -175,9 +176,32 @@ class Tier:
             log.info(
                 "L3 holds %d pages (scanned in %.2fs)", self.scan_pages, time.monotonic() - started
             )
+            pages = cache.adopted_unwritten()
+            if pages:
+                self._adopted = asyncio.get_running_loop().create_task(self._write_adopted(pages))
         finally:
             announce()  # what was found before a stop or a failure is in L3 all the same
             self.scanning = False
+
+    async def _write_adopted(self, pages: list[tuple[NamespaceState, bytes, int, int]]) -> None:
+        """Queue writes of adopted pages L3 lacks as the write queue has room (none
+        is dropped for lack of it), until all are queued or the daemon stops."""
+        dispatcher = self.dispatcher
+        queued = i = 0
+        try:
+            while i < len(pages):
+                room = dispatcher.room
+                if room <= 0 or dispatcher.cooling:
+                    await dispatcher.wait_room(0.05)
+                    continue
+                step = pages[i : i + room]
+                i += len(step)
+                queued += self.cache.write_back(step)  # skips pages written or freed meanwhile
+                await asyncio.sleep(0)
+        except Exception:  # a bug here must not stop the daemon's stop
+            log.exception("writing adopted pages L3 lacked failed after %d of %d", i, len(pages))
+            return
+        log.info("adopted pages L3 lacked: %d, %d writes queued", len(pages), queued)
 
     async def stop(self) -> None:
         """Stop within storage.flush_deadline_s, all steps together: end the scan
@@ -185,11 +209,12 @@ class Tier:
         queue drains), finish queued writes, close the backend."""
         end = time.monotonic() + self.config.flush_deadline_s
         self.dispatcher.stop_by = end
-        if self._scan is not None:
-            self._scan.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._scan
-            self._scan = None
+        for started in (self._scan, self._adopted):
+            if started is not None:
+                started.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await started
+        self._scan = self._adopted = None
         running: set[asyncio.Future[Any]] = {*self._prefetches, *self._lookups}
         for task in running:
             task.cancel()  # a lookup cancelled is answered from the index at once
