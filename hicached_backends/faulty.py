@@ -7,7 +7,8 @@ Options (in ``[storage.extra]``): ``inner`` names the real backend and
 of it; ``readable_pages`` maps a namespace digest to how many pages of it may
 be read in total before every further read fails; ``write_delay_s`` is added
 to every write (a backend that hangs past ``storage.op_timeout_s``);
-``scan_delay_s`` is added per page the startup scan lists (a slow listing).
+``scan_delay_s`` is added per page the startup scan lists (a slow listing);
+``exists_delay_s`` is added to every existence check (a slow L3 lookup).
 
 Its stats add ``calls_running`` and ``peak_calls``: the backend calls inside
 it at once, now and at most, so a test can see the dispatcher's bound hold.
@@ -31,6 +32,7 @@ class FaultyOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     readable_pages: dict[str, int] = {}
     write_delay_s: float = 0.0
     scan_delay_s: float = 0.0
+    exists_delay_s: float = 0.0
 
 
 def _inner_options(options: FaultyOptions) -> tuple[type[Backend], Any]:
@@ -81,6 +83,8 @@ class FaultyBackend(Backend):
     async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int:
         self._enter()
         try:
+            if self.options.exists_delay_s:
+                await asyncio.sleep(self.options.exists_delay_s)
             return await self.inner.exists(ns, keys)
         finally:
             self.calls -= 1

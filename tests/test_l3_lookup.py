@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from hicached import Client, Namespace
+from hicached.errors import DeadlineExceeded
 from hicached.hashing import engine_page_keys, pack_tokens, page_keys
 from hicached.testing import scrape
 from tests.l3util import l3_count, settle_writes, storage, wait_for
@@ -278,3 +279,40 @@ def test_the_cache_asks_only_what_it_does_not_know() -> None:
     cache.l3.listed(True)  # the scan ended: what the record does not know is absent
     hit = cache.handle(b"a", p.Match(id=6, ns=reg.ns, tokens=toks, lease=False))
     assert isinstance(hit, p.MatchOk) and (hit.hits, hit.l3_hits) == (2, 5)
+
+
+def test_a_lookup_that_ends_past_the_clients_deadline_leaves_no_lease(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """A leased match that waits on an L3 lookup longer than its client waits:
+    the client gives up (DeadlineExceeded) and would drop the late reply, so
+    the lease that reply carries ends when the lookup does, instead of pinning
+    the L2 pages until the lease's TTL. Fault injection: the faulty backend
+    sleeps ``exists_delay_s`` in every existence check, and no startup scan
+    lists the store, so the key after the L2 pages is asked of it."""
+    d = daemon_factory(
+        size_mib=16,
+        slab_mib=1,
+        storage=storage("faulty", more="scan_on_start = false\n" + LOOKUPS),
+        tail='[storage.extra]\ninner = "file"\nexists_delay_s = 1.5\n'
+        "[storage.extra.inner_options]\ncapacity_mib = 32\nsegment_mib = 4\nio_threads = 2\n",
+    )
+    toks = token_seqs()[0]
+    with d.client(timeout=30.0) as c:
+        ns = c.register(**NS)
+        c.store(ns, toks[: 4 * PAGE_TOKENS], np.full((4, PAGE_BYTES), 7, np.uint8))
+        settle_writes(c)
+        with d.client(timeout=0.3) as quick:
+            qns = quick.register(**NS)
+            with pytest.raises(DeadlineExceeded):
+                quick.match(qns, toks)  # 4 pages in L2; the 5th is asked of the store
+            assert c.stats().leases == 1  # granted, the reply waits on the lookup
+            wait_for(lambda: c.stats().dropped.get("past_deadline", 0) == 1, timeout=10)
+            s = c.stats()
+            assert s.leases == 0 and s.pinned_pages == 0
+        # a client that waits gets its answer and its lease, as before
+        hit = c.match(ns, toks)
+        try:
+            assert hit.hits == 4 and len(hit.offsets) == 4
+        finally:
+            c.release(hit)

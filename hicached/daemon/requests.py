@@ -164,18 +164,24 @@ class RequestLoop:
             reply = cache.handle(routing_id, request, peer)
             self.metrics.observe_request(OP_NAMES[type(request)], time.perf_counter() - started)
         if isinstance(reply, L3Lookup):  # L3's record is incomplete: the backend is asked
-            self._lookup(routing_id, reply)
+            self._lookup(routing_id, reply, request.deadline_ms)
             return
         self._send(routing_id, reply)
 
-    def _lookup(self, routing_id: bytes, lookup: L3Lookup) -> None:
+    def _lookup(self, routing_id: bytes, lookup: L3Lookup, deadline_ms: int) -> None:
         """Send a reply that waits on L3 once the tier has asked the backend (or
-        at its deadline); a lease it carries ends if it cannot be sent."""
+        at its deadline); a lease it carries ends if it cannot be sent, or if
+        the request's own deadline passed meanwhile (its client gave up on it
+        and would drop the reply: the lease would pin its pages until its TTL)."""
         cache, tier = self.cache, self.tier
 
         def answer(found: int) -> None:
             if self.sock.closed:  # stopping: nobody reads it
                 cache.count_drop("unroutable")
+                cache.undelivered(routing_id, lookup)
+                return
+            if deadline_ms and deadline_ms < time.time() * 1000:
+                cache.count_drop("past_deadline")
                 cache.undelivered(routing_id, lookup)
                 return
             try:
