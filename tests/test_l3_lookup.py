@@ -25,7 +25,7 @@ from hicached import Client, Namespace
 from hicached.errors import DeadlineExceeded
 from hicached.hashing import engine_page_keys, pack_tokens, page_keys
 from hicached.testing import scrape
-from tests.l3util import l3_count, settle_writes, storage, wait_for
+from tests.l3util import l3_count, settle_writes, storage, wait_for, wait_prefetch
 from tests.services import S3Server
 from tests.support import NS, PAGE_BYTES, PAGE_TOKENS, Daemon
 
@@ -316,3 +316,37 @@ def test_a_lookup_that_ends_past_the_clients_deadline_leaves_no_lease(
             assert hit.hits == 4 and len(hit.offsets) == 4
         finally:
             c.release(hit)
+
+
+def test_a_store_that_cannot_tell_fails_a_prefetch_and_forgets_nothing(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """A prefetch first asks the store how many of its pages it holds; a store
+    that cannot tell in time (down, or too slow) is not a store that holds
+    none: the prefetch fails, and the pages L3 is known to hold stay known (no
+    BlockRemoved for pages still there, no lost hits until a restart). Fault
+    injection: the faulty backend sleeps ``exists_delay_s`` past
+    ``op_timeout_s`` in every existence check."""
+    d = daemon_factory(
+        size_mib=16,
+        slab_mib=1,
+        storage=storage("faulty", more="op_timeout_s = 0.3\nretries = 0\n"),
+        tail='[storage.extra]\ninner = "file"\nexists_delay_s = 1.0\n'
+        "[storage.extra.inner_options]\ncapacity_mib = 32\nsegment_mib = 4\nio_threads = 2\n",
+    )
+    toks = token_seqs()[0]
+    with d.client(timeout=30.0) as c:
+        c.store(c.register(**NS), toks, np.full((SEQ_PAGES, PAGE_BYTES), 7, np.uint8))
+        settle_writes(c)
+    assert d.stop() == 0
+    d.start()  # a new pool: the pages are in L3 alone, known from the scan
+    with d.client(timeout=30.0) as c:
+        ns = c.register(**NS)
+        wait_for(lambda: c.stats().l3_state == "up")
+        assert c.match(ns, toks, lease=False).l3_hits == SEQ_PAGES
+        pf = c.prefetch(ns, toks)
+        done = wait_prefetch(c, pf)
+        assert done.failed and done.completed == 0
+        c.release(pf)
+        assert l3_count(c, "prefetch_store_silent") == 1
+        assert c.match(ns, toks, lease=False).l3_hits == SEQ_PAGES  # still known

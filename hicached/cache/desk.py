@@ -270,7 +270,7 @@ class Cache:
     def prefetch_started(self, lease: Lease) -> None:
         self.prefetches.started(lease)
 
-    def prefetch_planned(self, lease: Lease, available: int) -> list[int]:
+    def prefetch_planned(self, lease: Lease, available: int | None) -> list[int]:
         return self.prefetches.planned(lease, available)
 
     def prefetch_progress(self, lease: Lease, results: list[bool]) -> bool:

@@ -8,7 +8,9 @@ means is decided here:
 
 - ``started``: what the record of L3 knows of the keys as the tier asks;
 - ``planned``: the store holds ``available`` leading pages: what it no
-  longer holds is forgotten, and slots are taken for as many as fit;
+  longer holds is forgotten, and slots are taken for as many as fit; a store
+  that could not tell (down, too late) fails the prefetch and makes it forget
+  nothing, since the pages may well be there;
 - ``progress``: a batch was read; a gap ends the prefetch, since nothing
   after it may ever be committed; a page L3 held unknown is announced;
 - ``finished``: the reader is done with the slots (freed here if the lease
@@ -147,13 +149,19 @@ class Prefetches:
             known += 1
         pf.known = known
 
-    def planned(self, lease: Lease, available: int) -> list[int]:
+    def planned(self, lease: Lease, available: int | None) -> list[int]:
         """The store holds ``available`` leading pages: those it was known to
-        hold past them it no longer does; take slots for as many as fit."""
+        hold past them it no longer does; take slots for as many as fit. None:
+        the store could not tell; the prefetch fails, forgetting nothing."""
         desk = self.desk
         pf = lease.prefetch
         assert pf is not None
         ns = lease.ns
+        if available is None:
+            pf.failed = True
+            pf.planned = 0
+            desk.tiering.count("prefetch_store_silent")
+            return []
         if available < pf.known:
             desk.tiering.forget_l3(pf.keys[available : pf.known], ns.digest)
         if pf.ended:

@@ -372,14 +372,15 @@ class Dispatcher:
             await asyncio.sleep(max(0.0, self._down_until - time.monotonic()))
             await self._probe()
 
-    async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int:
-        """Leading keys held by the backend; 0 when it cannot tell now."""
+    async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int | None:
+        """Leading keys held by the backend; None when it cannot tell now (down,
+        or too late): not the same as 0, which says it holds none."""
         try:
             return await self.call(self.backend.exists, ns, keys)
         except Unavailable:
-            return 0
+            return None
         except _Late:
-            return 0
+            return None
 
     async def get(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
         """Read pages into their slots; all False when the backend fails.

@@ -96,7 +96,7 @@ class Tier:
         self.backend = backend
         self.dispatcher = Dispatcher(backend, self.config, f"backend {self.config.backend!r}")
         self._prefetches: set[asyncio.Task[None]] = set()
-        self._lookups: set[asyncio.Future[int]] = set()  # backend calls of lookups in flight
+        self._lookups: set[asyncio.Future[int | None]] = set()  # backend calls of lookups in flight
         self._lookup_counts = {"lookups": 0, "lookups_skipped": 0, "lookups_late": 0}
         self.lookup_pages = 0  # pages lookups found that the cache did not know
         self._scan: asyncio.Task[None] | None = None
@@ -346,7 +346,7 @@ class Tier:
 
         timer = loop.call_later(self.config.lookup_timeout_s, late)
 
-        def ended(call: asyncio.Future[int]) -> None:
+        def ended(call: asyncio.Future[int | None]) -> None:
             self._lookups.discard(call)
             timer.cancel()
             found = 0
@@ -355,7 +355,7 @@ class Tier:
                 if exc is not None:
                     log.error("L3 lookup failed", exc_info=exc)
                 else:
-                    found = min(call.result(), len(keys))
+                    found = min(call.result() or 0, len(keys))  # could not tell: a miss
             if found and self.cache.l3_drops == drops:
                 self.lookup_pages += self.cache.learn_l3(ns, keys[:found])
             reply(found)
