@@ -105,6 +105,9 @@ class ServerConfig(msgspec.Struct, **_Section):
     drain_batch: int = 256
     # Page keys remembered for recently seen token sequences (0 = off); ~100 bytes each.
     key_cache_pages: int = 262144
+    # Token ids (MiB) of recent sequences kept so that one which extends or shares a
+    # prefix with them (a conversation's next turn) hashes only its other pages; 0 = off.
+    key_cache_token_mib: int = 16
 
     def __post_init__(self) -> None:
         if self.endpoint:
@@ -118,6 +121,8 @@ class ServerConfig(msgspec.Struct, **_Section):
         positive(self, "max_pages_per_request", "max_clients", "hwm", "drain_batch", "queue_mib")
         if self.key_cache_pages < 0:
             raise ValueError("key_cache_pages must be 0 (off) or positive")
+        if self.key_cache_token_mib < 0:
+            raise ValueError("key_cache_token_mib must be 0 (off) or positive")
         if self.session_idle_s <= 0:
             raise ValueError("session_idle_s must be positive")
 

@@ -138,3 +138,46 @@ def test_key_cache_returns_the_same_chains_and_stays_bounded() -> None:
     )
     assert cache.keys(other, a, 4) == page_keys(other, a, 4) != page_keys(seed, a, 4)
     assert KeyCache(0).keys(seed, a, 4) == page_keys(seed, a, 4)
+
+
+def test_key_cache_reuses_a_shared_prefix_only_as_far_as_the_tokens_agree() -> None:
+    from hicached.hashing import KeyCache
+
+    cache = KeyCache(max_keys=1000, prefix_bytes=1 << 20)
+    seed = namespace_digest(SPEC)
+    base = list(range(64))  # 16 pages of 4 tokens
+    first = pack_tokens(base)
+    assert cache.keys(seed, first, 4) == page_keys(seed, first, 4)
+    assert cache.prefix_pages == 0
+    # the next turn: the same 16 pages and 4 more
+    longer = pack_tokens([*base, *range(500, 516)])
+    assert cache.keys(seed, longer, 4) == page_keys(seed, longer, 4)
+    assert cache.prefix_pages == 16
+    # the same length, its last page other: 19 pages shared, the last hashed
+    near = pack_tokens([*base, *range(500, 512), 7, 7, 7, 7])
+    assert cache.keys(seed, near, 4) == page_keys(seed, near, 4)
+    assert cache.prefix_pages == 16 + 19
+    # parted inside page 5 (a token of page 5 differs): 5 pages shared, no more
+    parted = pack_tokens([*base[:21], 999, *base[22:]])
+    assert cache.keys(seed, parted, 4) == page_keys(seed, parted, 4)
+    assert cache.prefix_pages == 16 + 19 + 5
+    # shorter than the kept one, and a tail that is not a whole page
+    short = pack_tokens([*base[:29], 1])
+    assert cache.keys(seed, short, 4) == page_keys(seed, short, 4)
+    assert cache.prefix_pages == 16 + 19 + 5 + 5
+    # another namespace with the same tokens shares nothing
+    other = namespace_digest(
+        NamespaceSpec(**{**{f: getattr(SPEC, f) for f in SPEC.__struct_fields__}, "tenant": "b"})
+    )
+    assert cache.keys(other, longer, 4) == page_keys(other, longer, 4)
+    assert cache.prefix_pages == 16 + 19 + 5 + 5
+    # the kept token ids stay within their bound, the oldest going first
+    small = KeyCache(max_keys=1000, prefix_bytes=3 * 64)
+    for start in range(0, 5000, 1000):
+        small.keys(seed, pack_tokens(range(start, start + 16)), 4)
+    assert small.prefix_held == 3 * 64
+    small.keys(seed, pack_tokens([*range(0, 16), 1, 2, 3, 4]), 4)
+    assert small.prefix_pages == 0  # its prefix (start 0) went first
+    small.keys(seed, pack_tokens([*range(4000, 4016), 1, 2, 3, 4]), 4)
+    assert small.prefix_pages == 4
+    assert KeyCache(1000, 0).keys(seed, longer, 4) == page_keys(seed, longer, 4)

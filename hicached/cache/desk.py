@@ -112,7 +112,8 @@ class Cache:
             self.l2.on_free = self.journal.freed
         self.adopted: Adopted | None = None  # what this daemon took over at start
         self._set_quotas(config)
-        self.key_cache = KeyCache(config.server.key_cache_pages)
+        server = config.server
+        self.key_cache = KeyCache(server.key_cache_pages, server.key_cache_token_mib << 20)
         self.events = EventLog(config.events.queue_events, enabled=bool(config.events.endpoint))
         self.events.add(Cleared())  # a new daemon's L2 starts empty; L3 is announced by its scan
         # the L3 port (daemon/tier.py), once its store is open (``use_tier``)

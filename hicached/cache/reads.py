@@ -78,7 +78,7 @@ class Reads:
                 # hashing the rest (a store of it hashes them, as it would anyway);
                 # while L3's record is incomplete, L3 is asked about them all
                 return self._match(session, ns, [], msg.lease, msg.id, asked=pages)
-            keys = desk.key_cache.compute(tag, seed, tokens, page_tokens)
+            keys = desk.key_cache.compute(tag, seed, tokens, page_tokens, first)
         return self._match(session, ns, keys, msg.lease, msg.id)
 
     def match_keys(self, session: Session, msg: p.MatchKeys) -> p.MatchOk | L3Lookup:

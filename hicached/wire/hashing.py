@@ -50,13 +50,28 @@ class KeyCache:
     hashes what its match just hashed. Bounded by the total number of keys
     held; least recently used chains go first. A 128-bit digest names each
     buffer, the same strength as the keys themselves.
+
+    A sequence that extends or shares a prefix with one seen lately (a
+    conversation's next turn, a scheduler's sequence that grew by a page)
+    hashes only the pages after the prefix they share: the token ids of the
+    latest sequence to start with each first page are kept (``prefix_bytes``
+    of them at most, least recently kept go first; 0 = off), and a chain is
+    reused only as far as its tokens compare equal, byte for byte, to the new
+    sequence's. Where the two part, hashing goes on from the last shared key,
+    so the keys are exactly ``page_keys``'s.
     """
 
-    def __init__(self, max_keys: int) -> None:
+    def __init__(self, max_keys: int, prefix_bytes: int = 0) -> None:
         self.max_keys = max_keys
         self.size = 0
         self.hits = 0
         self._chains: OrderedDict[Tag, list[bytes]] = OrderedDict()
+        self.prefix_bytes = prefix_bytes
+        self.prefix_held = 0  # token bytes kept for prefix reuse
+        self.prefix_pages = 0  # pages whose keys were taken from a kept prefix
+        # first page's key -> (seed, token ids, their chain): the latest sequence
+        # that started there; a dict in the order entries were kept
+        self._prefixes: dict[bytes, tuple[bytes, bytes, list[bytes]]] = {}
 
     def keys(self, seed: bytes, tokens: bytes, page_tokens: int) -> list[bytes]:
         """``page_keys(seed, tokens, page_tokens)``, from the cache when it can; do not mutate."""
@@ -75,11 +90,53 @@ class KeyCache:
             self.hits += 1
         return tag, chain
 
-    def compute(self, tag: Tag | None, seed: bytes, tokens: bytes, page_tokens: int) -> list[bytes]:
-        """``page_keys(seed, tokens, page_tokens)``, kept under ``tag`` (``cached``'s)."""
-        chain = page_keys(seed, tokens, page_tokens)
+    def compute(
+        self,
+        tag: Tag | None,
+        seed: bytes,
+        tokens: bytes,
+        page_tokens: int,
+        first: list[bytes] | None = None,
+    ) -> list[bytes]:
+        """``page_keys(seed, tokens, page_tokens)``, kept under ``tag`` (``cached``'s).
+        ``first``: the first page's key (``page_keys(..., max_pages=1)``), when the
+        caller has it already."""
+        if tag is None or self.prefix_bytes <= 0:
+            chain = page_keys(seed, tokens, page_tokens)
+        else:
+            chain = self._extend(seed, tokens, page_tokens, first)
         if tag is not None:
             self._keep(tag, chain)
+        return chain
+
+    def _extend(
+        self, seed: bytes, tokens: bytes, page_tokens: int, first: list[bytes] | None
+    ) -> list[bytes]:
+        """The chain of ``tokens``, hashed from the end of the prefix it shares
+        with the latest kept sequence that starts with the same page; keeps it."""
+        step = page_tokens * TOKEN_BYTES
+        if len(tokens) < step:
+            return []
+        if first is None:
+            first = page_keys(seed, tokens, page_tokens, max_pages=1)
+        prefixes = self._prefixes
+        held = prefixes.pop(first[0], None)
+        shared = 0
+        if held is not None:
+            self.prefix_held -= len(held[1])
+            if held[0] == seed:
+                shared = _shared_pages(tokens, held[1], step)
+        if shared:
+            chain = held[2][:shared]  # type: ignore[index]
+            chain += page_keys(chain[-1], tokens[shared * step :], page_tokens)
+            self.prefix_pages += shared
+        else:
+            chain = first + page_keys(first[0], tokens[step:], page_tokens)
+        if len(tokens) <= self.prefix_bytes:
+            prefixes[first[0]] = (seed, tokens, chain)
+            self.prefix_held += len(tokens)
+            while self.prefix_held > self.prefix_bytes:
+                self.prefix_held -= len(prefixes.pop(next(iter(prefixes)))[1])
         return chain
 
     def engine_keys(self, seed: bytes, keys: list[bytes], sizes: bytes) -> list[bytes]:
@@ -104,6 +161,23 @@ class KeyCache:
             while self.size > self.max_keys:
                 _, old = self._chains.popitem(last=False)
                 self.size -= len(old)
+
+
+def _shared_pages(tokens: bytes, kept: bytes, step: int) -> int:
+    """How many leading pages of ``step`` bytes ``tokens`` and ``kept`` share, byte
+    for byte (memcmp through ``startswith`` over views: nothing is copied)."""
+    pages = min(len(tokens), len(kept)) // step
+    view = memoryview(kept)
+    if tokens.startswith(view[: pages * step]):
+        return pages
+    low, high = 0, pages - 1  # low pages are shared for sure, at most high are
+    while low < high:
+        mid = (low + high + 1) // 2
+        if tokens.startswith(view[: mid * step]):
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 def page_keys(
