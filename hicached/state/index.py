@@ -29,13 +29,16 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import operator
 from collections.abc import Iterator, Mapping, Sequence
+
+_ne = operator.ne
 
 
 class Node:
     """A run of pages: ``keys[i]`` is stored in slot ``slots[i]``."""
 
-    __slots__ = ("alive", "children", "keys", "owner", "parent", "slots", "tick")
+    __slots__ = ("alive", "children", "keys", "owner", "parent", "queued", "slots", "tick")
 
     def __init__(
         self, keys: list[bytes], slots: list[int], parent: Node | None, tick: int, owner: int = 0
@@ -47,6 +50,9 @@ class Node:
         self.tick = tick
         self.owner = owner
         self.alive = True
+        # the tick of this node's entry in the eviction heap, 0 when it has none:
+        # an unpin that finds its entry still there pushes nothing
+        self.queued = 0
 
     def __repr__(self) -> str:
         return f"Node(pages={len(self.keys)}, children={len(self.children)}, tick={self.tick})"
@@ -55,13 +61,12 @@ class Node:
 def _common(run: list[bytes], keys: Sequence[bytes], start: int) -> int:
     """Length of the common prefix of ``run`` and ``keys[start:]``."""
     n = len(run)
-    if run == keys[start : start + n]:
+    other = keys[start : start + n]
+    if run == other:
         return n
-    m = 0
-    limit = min(n, len(keys) - start)
-    while m < limit and run[m] == keys[start + m]:
-        m += 1
-    return m
+    # where they part, found at C speed: a flag per pair, then its first True
+    differ = list(map(_ne, run, other))
+    return differ.index(True) if True in differ else len(differ)
 
 
 class PageIndex:
@@ -209,6 +214,7 @@ class PageIndex:
             tick, _, node = heapq.heappop(self._heap)
             if not node.alive or node.children or node.tick != tick:
                 continue  # stale entry
+            node.queued = 0  # its entry is out of the heap; pushed again below if due
             first = node.keys[0]
             while node.slots and len(out) < count:
                 slot = node.slots[-1]
@@ -291,12 +297,21 @@ class PageIndex:
             return
         slot = slots[-1]
         node = self.node_of.get(slot)
-        if node is not None and not node.children and node.slots[-1] == slot:
+        if (
+            node is not None
+            and not node.children
+            and node.slots[-1] == slot
+            and node.queued != node.tick  # eviction found it pinned and dropped its entry
+        ):
             self._push(node)
 
     def _push(self, node: Node) -> None:
         heap = self._heap
+        node.queued = node.tick
         heapq.heappush(heap, (node.tick, next(self._seq), node))
         if len(heap) > 2 * self.pages + 1024:
-            self._heap = [(n.tick, next(self._seq), n) for n in self.nodes() if not n.children]
+            leaves = [n for n in self.nodes() if not n.children]
+            for n in leaves:
+                n.queued = n.tick
+            self._heap = [(n.tick, next(self._seq), n) for n in leaves]
             heapq.heapify(self._heap)

@@ -31,7 +31,7 @@ from collections.abc import Iterator, Mapping, Sequence
 class Entry:
     """One page: its slot, its namespace, its parent page and its children in L2."""
 
-    __slots__ = ("alive", "children", "key", "owner", "parent", "slot", "tick")
+    __slots__ = ("alive", "children", "key", "owner", "parent", "queued", "slot", "tick")
 
     def __init__(self, key: bytes, slot: int, owner: int, parent: Entry | None, tick: int) -> None:
         self.key = key
@@ -41,6 +41,9 @@ class Entry:
         self.children = 0
         self.tick = tick
         self.alive = True
+        # the tick of this page's entry in the eviction heap, 0 when it has none:
+        # an unpin that finds its entry still there pushes nothing
+        self.queued = 0
 
 
 class KeyIndex:
@@ -133,7 +136,8 @@ class KeyIndex:
             if not entry.alive or entry.children or entry.tick != tick:
                 continue  # stale entry
             if entry.slot in pins:
-                continue  # unpinned() pushes it again
+                entry.queued = 0  # out of the heap: unpinned() pushes it again
+                continue
             parent = entry.parent  # _remove unlinks it
             self._remove(entry)
             out.append((entry.key, entry.slot, entry.owner))
@@ -164,7 +168,8 @@ class KeyIndex:
         by_slot = self._by_slot
         for slot in slots:
             entry = by_slot.get(slot)
-            if entry is not None and not entry.children:
+            # pushed only if eviction found it pinned and dropped its entry
+            if entry is not None and not entry.children and entry.queued != entry.tick:
                 self._push(entry)
 
     def _remove(self, entry: Entry) -> None:
@@ -178,9 +183,11 @@ class KeyIndex:
 
     def _push(self, entry: Entry) -> None:
         heap = self._heap
+        entry.queued = entry.tick
         heapq.heappush(heap, (entry.tick, next(self._seq), entry))
         if len(heap) > 2 * len(self._entries) + 1024:
-            self._heap = [
-                (e.tick, next(self._seq), e) for e in self._entries.values() if not e.children
-            ]
+            leaves = [e for e in self._entries.values() if not e.children]
+            for e in leaves:
+                e.queued = e.tick
+            self._heap = [(e.tick, next(self._seq), e) for e in leaves]
             heapq.heapify(self._heap)
