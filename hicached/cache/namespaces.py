@@ -39,6 +39,9 @@ if TYPE_CHECKING:
 
 __all__ = ["MAX_SLOTS_PER_SLAB", "Namespaces"]
 
+# the key lengths allowed, for bytes.translate to delete
+_KEY_SIZES = bytes(range(1, MAX_KEY_BYTES + 1))
+
 MAX_SLOTS_PER_SLAB = 1 << 16  # so a page size's slots a slab are listed in bounded memory
 
 
@@ -163,13 +166,17 @@ class Namespaces:
             raise TooLarge(f"{len(keys)} keys, more than {limit} (server.max_pages_per_request)")
         if not keys:
             return []
-        sizes = list(map(len, keys))
-        shortest, longest = min(sizes), max(sizes)
-        if shortest < 1 or longest > MAX_KEY_BYTES:
+        try:
+            sizes = bytes(map(len, keys))  # a byte per key, at C speed
+        except ValueError:  # a length past 255
+            sizes = b"\x00"
+        if sizes.translate(None, _KEY_SIZES):  # a length outside 1..MAX_KEY_BYTES is left
+            lengths = list(map(len, keys))
+            shortest, longest = min(lengths), max(lengths)
             bad = shortest if shortest < 1 else longest
             raise BadRequest(f"keys must be 1-{MAX_KEY_BYTES} bytes, got one of {bad}")
         # the joined keys name the list (lengths included): a scheduler asks again and again
-        return self.desk.key_cache.engine_keys(ns.digest, keys, bytes(sizes))
+        return self.desk.key_cache.engine_keys(ns.digest, keys, sizes)
 
 
 def _own_spec(session: Session, spec: NamespaceSpec) -> NamespaceSpec:
