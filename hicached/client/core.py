@@ -356,20 +356,25 @@ class _Core:
         return FetchProgress(ok.planned, ok.completed, ok.done, ok.failed)
 
     def _release(self, handle: Reservation | Hit | Fetch) -> Exchange:
-        if not isinstance(handle, Fetch):
-            _own(handle, "release")
-        ours = True
+        send, ours = self._releasing(handle), True  # a view is refused before anything
         try:
-            if handle.lease and handle.instance == self._instance:
+            if send:
                 yield from self._exchange(lambda: p.Release(id=0, lease=handle.lease), p.Ok)
-            # else: nothing held, or it ended with the daemon that granted it
         except ForeignLease:
             ours = False
             raise
         finally:
-            if ours and not isinstance(handle, Fetch):
-                handle.state.closed = True  # ended here, or already ended before
+            if ours:
+                _released(handle)
         return None
+
+    def _releasing(self, handle: Reservation | Hit | Fetch) -> bool:
+        """Whether the daemon must be asked to end ``handle``'s lease (not when it
+        holds none, or when it ended with the daemon that granted it); a view
+        made by select() is refused."""
+        if not isinstance(handle, Fetch):
+            _own(handle, "release")
+        return bool(handle.lease) and handle.instance == self._instance
 
     def _stats(self, session: bool = True) -> Exchange:
         if not session and self._hello is None:  # a probe: answered without a session
@@ -560,6 +565,13 @@ def _own(handle: Reservation | Hit, what: str) -> None:
     """Views made by select() copy; only the handle the daemon gave ends its lease."""
     if handle.view:
         raise BadRequest(f"{what} the handle the daemon gave, not a view made by select()")
+
+
+def _released(handle: Reservation | Hit | Fetch) -> None:
+    """A handle's lease ended here, or had ended before: copies through it stop
+    (unless the daemon said the lease is another client's)."""
+    if not isinstance(handle, Fetch):
+        handle.state.closed = True
 
 
 def _run(gen: Exchange, roundtrip: Callable[[p.Request], p.AnyReply]) -> Any:

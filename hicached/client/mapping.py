@@ -294,7 +294,11 @@ class PoolMapping:
         """The generations of ``offsets`` now (taken when a handle is made)."""
         if not offsets:
             return np.empty(0, dtype=self.arena.gens.dtype)
-        return self.arena.gens[(np.asarray(offsets, dtype=np.int64) - self.base) // self.granule]
+        idx = np.asarray(offsets, dtype=np.int64)  # a new array: changed in place below
+        if self.base:
+            idx -= self.base
+        idx //= self.granule
+        return self.arena.gens.take(idx)
 
     def adopted_by(self, instance: int) -> None:
         """A restarted daemon (``instance``) adopted this pool."""

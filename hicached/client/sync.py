@@ -20,6 +20,7 @@ from hicached.client.core import (
     _Core,
     _decode,
     _keys,
+    _released,
     _run,
 )
 from hicached.client.handles import (
@@ -33,6 +34,7 @@ from hicached.client.handles import (
 )
 from hicached.errors import (
     DeadlineExceeded,
+    ForeignLease,
     SessionLost,
 )
 from hicached.wire import protocol as p
@@ -218,7 +220,17 @@ class Client(_Core):
 
     def release(self, handle: Hit | Reservation | Fetch) -> None:
         """End a handle's lease: unpin a hit, abort a reservation, cancel a prefetch."""
-        self._do(self._release(handle))
+        # ``_release`` without a generator to drive: an engine releases every hit
+        send = self._releasing(handle)  # a view is refused before anything
+        try:
+            if send:
+                self._call(lambda: p.Release(id=0, lease=handle.lease), p.Ok)
+        except ForeignLease:
+            raise  # another client's lease: this handle stays as it was
+        except BaseException:
+            _released(handle)
+            raise
+        _released(handle)
 
     def renew(self, handle: Reservation | Hit) -> None:
         """Push the handle's lease deadline ``leases.ttl_s`` into the future."""
