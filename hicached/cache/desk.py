@@ -166,9 +166,17 @@ class Cache:
         its tenant's name, "!..." for a peer no tenant lists, or None when
         tenants are off. A session stays with the peer that opened it.
         """
-        op = OP_NAMES[type(request)]
-        self.requests[op] = self.requests.get(op, 0) + 1
+        kind = type(request)
+        op = OP_NAMES[kind]
+        requests = self.requests
+        requests[op] = requests.get(op, 0) + 1
         try:
+            handler = self._handlers.get(kind)
+            if handler is not None and kind is not p.Stats:  # a session's request
+                reply: p.AnyReply | L3Lookup = handler(
+                    self.clients.session(routing_id, peer), request
+                )
+                return reply
             if isinstance(request, p.Hello):
                 return self.clients.hello(routing_id, request, peer)
             if isinstance(request, p.Goodbye):
@@ -179,10 +187,9 @@ class Cache:
                 # while every slot is held by clients with leases (crashed ones too)
                 return p.StatsOk(id=request.id, stats=self.stats())
             session = self.clients.session(routing_id, peer)
-            handler = self._handlers.get(type(request))
             if handler is not None:
-                reply: p.AnyReply | L3Lookup = handler(session, request)
-                return reply
+                stats: p.AnyReply = handler(session, request)  # Stats, with a session
+                return stats
             raise BadRequest(f"unhandled request {op}")  # pragma: no cover
         except HicachedError as exc:
             self.count_error(exc.code)
