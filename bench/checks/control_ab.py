@@ -19,10 +19,14 @@ import sys
 FIGURES = (
     "echo_p50_us",
     "match_p50_us",
+    "release_p50_us",
     "match_vs_echo_p50_1c",
     "match_vs_echo_p50_4c",
     "match_cold_prefix_vs_echo_p50_1c",
+    "match_cold_prefix_vs_echo_p50_4c",
     "exists_keys_vs_echo_p50_1c",
+    "exists_keys_vs_echo_p50_4c",
+    "requests_per_s_4c",
 )
 
 
