@@ -392,6 +392,33 @@ def test_a_match_leaves_unlinked_pages_evictable() -> None:
     assert len(table.evict(4, {})) == 4 and table.pages == 0
 
 
+def test_an_unpinned_page_is_evictable_again_whether_or_not_eviction_found_it_pinned() -> None:
+    """An unpin pushes a page into the eviction heap only when eviction dropped
+    its entry: a page unpinned after eviction passed it over, and one unpinned
+    before eviction looked, are both taken, in least recently used order."""
+    table = KeyIndex()
+    for i in range(4):
+        assert table.insert(bytes([i]), i * PAGE, owner=1)
+    pins = {0: 1, PAGE: 1}
+    assert [slot for _, slot, _ in table.evict(4, pins)] == [2 * PAGE, 3 * PAGE]
+    del pins[0]  # dropped after eviction passed it over: it must be pushed again
+    table.unpinned([0])
+    assert [slot for _, slot, _ in table.evict(4, pins)] == [0]
+    for i in range(2, 4):
+        assert table.insert(bytes([i]), i * PAGE, owner=1)
+    pins = {2 * PAGE: 1}
+    del pins[2 * PAGE]  # dropped before eviction looked: its entry is still there
+    table.unpinned([2 * PAGE])
+    assert [slot for _, slot, _ in table.evict(4, {})] == [2 * PAGE, 3 * PAGE]
+    # pinned again and passed over twice, then unpinned: still taken
+    assert table.insert(bytes([5]), 5 * PAGE, owner=1)
+    assert table.evict(4, {5 * PAGE: 1}) == [] and table.evict(4, {5 * PAGE: 1}) == []
+    table.unpinned([5 * PAGE])
+    assert [slot for _, slot, _ in table.evict(4, {})] == [5 * PAGE]
+    table.unpinned([PAGE])  # the first page passed over, its pin dropped last
+    assert table.evict(4, {}) == [(bytes([1]), PAGE, 1)] and table.pages == 0
+
+
 def test_a_chain_is_evicted_tail_first_and_whole() -> None:
     """Each page evicted makes its parent evictable: a chain goes, tail first, all of it."""
     table = KeyIndex()

@@ -66,6 +66,35 @@ def test_pins_count_and_guard_free() -> None:
     assert pool.used_bytes == 0
 
 
+def test_a_leases_slots_pin_and_unpin_together_and_shared_ones_stay() -> None:
+    """Many slots at once (a key-addressed lease): the pins add up with other
+    leases' pins and with a slot named twice; an unpin frees only what no other
+    pin holds, and a slot without a pin is a broken invariant."""
+    pool = SlotPool(MIB, MIB)
+    slots = [pool.alloc(4096) for _ in range(6)]
+    assert None not in slots
+    first = [s for s in slots[:4] if s is not None]
+    second = [s for s in slots[2:] if s is not None]
+    pool.pin(first)
+    pool.pin(second)  # slots[2:4] held twice
+    assert pool.unpin(first) == first[:2]  # the shared two stay pinned
+    assert set(pool.pins) == set(second)
+    with pytest.raises(AssertionError, match="pinned"):
+        pool.free(second[0])
+    assert pool.unpin(second) == second
+    assert pool.pins == {}
+    twice = [first[0], first[1], first[0]]
+    pool.pin(twice)
+    assert pool.pins == {first[0]: 2, first[1]: 1}
+    assert pool.unpin(twice) == [first[1], first[0]]
+    assert pool.pins == {}
+    with pytest.raises(KeyError):
+        pool.unpin(first[:2])
+    for slot in first + second[2:]:
+        pool.free(slot)
+    assert pool.used_bytes == 0
+
+
 # -- arenas (tenant arenas, daemon/arenas.py) ---------------------------------------
 
 

@@ -170,7 +170,9 @@ def _shared_pages(tokens: bytes, kept: bytes, step: int) -> int:
     view = memoryview(kept)
     if tokens.startswith(view[: pages * step]):
         return pages
-    low, high = 0, pages - 1  # low pages are shared for sure, at most high are
+    if pages > 1 and tokens.startswith(view[: (pages - 1) * step]):
+        return pages - 1  # the last page other (a partial page filled since)
+    low, high = 0, pages - 2  # low pages are shared for sure, at most high are
     while low < high:
         mid = (low + high + 1) // 2
         if tokens.startswith(view[: mid * step]):
