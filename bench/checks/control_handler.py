@@ -21,7 +21,8 @@ pages of 4 KiB):
   (a pin on every page), then its release.
 
 Prints one JSON object: per figure, each side's median over the rounds (a
-round's figure is the median of 5 batches), the lowest and highest, and new/base.
+round's figure is the median of 5 batches), the lowest and highest, new/base,
+and the median of each round's new/base (``paired``).
 """
 
 from __future__ import annotations
@@ -182,6 +183,8 @@ def main() -> None:
             "new": statistics.median(n),
             "new_range": [min(n), max(n)],
             "new_vs_base": round(statistics.median(n) / statistics.median(b), 3),
+            # each round's new/base: the two runs of a round share the machine's mood
+            "paired": round(statistics.median(x / y for x, y in zip(n, b, strict=True)), 3),
         }
     print(json.dumps(out))
 

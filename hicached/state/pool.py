@@ -35,16 +35,14 @@ the pool is one arena, the whole of it.
 from __future__ import annotations
 
 import heapq
-from collections import deque
-from collections.abc import Callable, Iterable
-from functools import partial
+import itertools
+from collections.abc import Iterable
 
 import numpy as np
 
 from hicached.wire.arena import GEN_DTYPE, GEN_GRANULE, gen_count
 
-# runs an iterator to its end, keeping nothing
-_consume: Callable[[Iterable[object]], object] = partial(deque, maxlen=0)
+_ZEROS = itertools.repeat(0)  # the default of each pop
 
 try:  # what Counter counts with: mapping[x] = mapping.get(x, 0) + 1 for each x, in C
     from collections import _count_elements  # type: ignore[attr-defined]
@@ -271,14 +269,16 @@ class SlotPool:
         pins = self.pins
         if len(offsets) > 1:
             # the common case, a lease whose slots no other pin holds: every
-            # count is 1, and they all go in one pass. A slot named twice has a
-            # count of 2 at least (both its pins are this caller's), so it takes
-            # the loop below; a KeyError means a slot held no pin, a broken
-            # invariant, as in that loop
-            counts = list(map(pins.__getitem__, offsets))
+            # count is 1, and they all go in one pass at C speed. Otherwise the
+            # counts go back and the loop below runs: a slot named twice came
+            # out whole at its first name (0 at the next), a slot without a
+            # pin (a broken invariant) makes the loop's KeyError
+            counts = list(map(pins.pop, offsets, _ZEROS))
             if counts.count(1) == len(counts):
-                _consume(map(pins.__delitem__, offsets))
                 return list(offsets)
+            for offset, count in zip(offsets, counts, strict=True):
+                if count:
+                    pins[offset] = count
         freed = []
         for offset in offsets:
             count = pins[offset] - 1
