@@ -105,8 +105,8 @@ class ServerConfig(msgspec.Struct, **_Section):
     drain_batch: int = 256
     # Page keys remembered for recently seen token sequences (0 = off); ~100 bytes each.
     key_cache_pages: int = 262144
-    # Token ids (MiB) of recent sequences kept so that one which extends or shares a
-    # prefix with them (a conversation's next turn) hashes only its other pages; 0 = off.
+    # MiB of recent sequences' token ids and keys kept so that one which extends or shares
+    # a prefix with them (a conversation's next turn) hashes only its other pages; 0 = off.
     key_cache_token_mib: int = 16
 
     def __post_init__(self) -> None:

@@ -141,7 +141,7 @@ def test_key_cache_returns_the_same_chains_and_stays_bounded() -> None:
 
 
 def test_key_cache_reuses_a_shared_prefix_only_as_far_as_the_tokens_agree() -> None:
-    from hicached.hashing import KeyCache
+    from hicached.hashing import KEPT_KEY_BYTES, KeyCache
 
     cache = KeyCache(max_keys=1000, prefix_bytes=1 << 20)
     seed = namespace_digest(SPEC)
@@ -172,10 +172,11 @@ def test_key_cache_reuses_a_shared_prefix_only_as_far_as_the_tokens_agree() -> N
     assert cache.keys(other, longer, 4) == page_keys(other, longer, 4)
     assert cache.prefix_pages == 16 + 19 + 5 + 5
     # the kept token ids stay within their bound, the oldest going first
-    small = KeyCache(max_keys=1000, prefix_bytes=3 * 64)
+    kept = 64 + 4 * KEPT_KEY_BYTES  # 16 token ids and their 4 keys
+    small = KeyCache(max_keys=1000, prefix_bytes=3 * kept)
     for start in range(0, 5000, 1000):
         small.keys(seed, pack_tokens(range(start, start + 16)), 4)
-    assert small.prefix_held == 3 * 64
+    assert small.prefix_held == 3 * kept
     small.keys(seed, pack_tokens([*range(0, 16), 1, 2, 3, 4]), 4)
     assert small.prefix_pages == 0  # its prefix (start 0) went first
     small.keys(seed, pack_tokens([*range(4000, 4016), 1, 2, 3, 4]), 4)

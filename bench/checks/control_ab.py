@@ -5,7 +5,7 @@ costs the control path, measured where both sides share the machine's noise.
 
 BASE_DIR and NEW_DIR are checkouts (``git worktree add /tmp/base COMMIT``);
 each run imports hicached from its own. Prints one JSON object: the median of
-each figure per side and new/base.
+each figure per side, new/base, and each side's lowest and highest.
 """
 
 from __future__ import annotations
@@ -53,9 +53,16 @@ def main() -> None:
         runs["new"].append(run(new))
     out: dict[str, object] = {"pairs": pairs}
     for key in FIGURES:
-        b = statistics.median(r[key] for r in runs["base"])
-        n = statistics.median(r[key] for r in runs["new"])
-        out[key] = {"base": round(b, 3), "new": round(n, 3), "new_vs_base": round(n / b, 3)}
+        bs = [r[key] for r in runs["base"]]
+        ns = [r[key] for r in runs["new"]]
+        b, n = statistics.median(bs), statistics.median(ns)
+        out[key] = {
+            "base": round(b, 3),
+            "new": round(n, 3),
+            "new_vs_base": round(n / b, 3),
+            "base_range": [min(bs), max(bs)],
+            "new_range": [min(ns), max(ns)],
+        }
     print(json.dumps(out))
 
 

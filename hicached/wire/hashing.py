@@ -19,6 +19,8 @@ TOKEN_BYTES = 4
 Tag = tuple[bytes, int, bytes]  # what names a cached chain: seed, length and digest
 
 _digest = xxhash.xxh3_128_digest
+# what a kept key costs: a 16-byte bytes object (49 bytes) and its slot in a list
+KEPT_KEY_BYTES = 57
 
 
 def pack_tokens(tokens: bytes | bytearray | memoryview | Iterable[int] | np.ndarray) -> bytes:
@@ -54,8 +56,10 @@ class KeyCache:
     A sequence that extends or shares a prefix with one seen lately (a
     conversation's next turn, a scheduler's sequence that grew by a page)
     hashes only the pages after the prefix they share: the token ids of the
-    latest sequence to start with each first page are kept (``prefix_bytes``
-    of them at most, least recently kept go first; 0 = off), and a chain is
+    latest sequence to start with each first page are kept with its keys
+    (``prefix_bytes`` of both at most, least recently kept go first; 0 = off;
+    ``KEPT_KEY_BYTES`` counted a key, so pages of few tokens stay bounded
+    too), and a chain is
     reused only as far as its tokens compare equal, byte for byte, to the new
     sequence's. Where the two part, hashing goes on from the last shared key,
     so the keys are exactly ``page_keys``'s.
@@ -67,7 +71,7 @@ class KeyCache:
         self.hits = 0
         self._chains: OrderedDict[Tag, list[bytes]] = OrderedDict()
         self.prefix_bytes = prefix_bytes
-        self.prefix_held = 0  # token bytes kept for prefix reuse
+        self.prefix_held = 0  # bytes kept for prefix reuse (token ids and keys)
         self.prefix_pages = 0  # pages whose keys were taken from a kept prefix
         # first page's key -> (seed, token ids, their chain): the latest sequence
         # that started there; a dict in the order entries were kept
@@ -123,7 +127,7 @@ class KeyCache:
         held = prefixes.pop(first[0], None)
         shared = 0
         if held is not None:
-            self.prefix_held -= len(held[1])
+            self.prefix_held -= _kept_bytes(held)
             if held[0] == seed:
                 shared = _shared_pages(tokens, held[1], step)
         if shared:
@@ -132,11 +136,13 @@ class KeyCache:
             self.prefix_pages += shared
         else:
             chain = first + page_keys(first[0], tokens[step:], page_tokens)
-        if len(tokens) <= self.prefix_bytes:
-            prefixes[first[0]] = (seed, tokens, chain)
-            self.prefix_held += len(tokens)
+        kept = (seed, tokens, chain)
+        cost = _kept_bytes(kept)
+        if cost <= self.prefix_bytes:
+            prefixes[first[0]] = kept
+            self.prefix_held += cost
             while self.prefix_held > self.prefix_bytes:
-                self.prefix_held -= len(prefixes.pop(next(iter(prefixes)))[1])
+                self.prefix_held -= _kept_bytes(prefixes.pop(next(iter(prefixes))))
         return chain
 
     def engine_keys(self, seed: bytes, keys: list[bytes], sizes: bytes) -> list[bytes]:
@@ -161,6 +167,11 @@ class KeyCache:
             while self.size > self.max_keys:
                 _, old = self._chains.popitem(last=False)
                 self.size -= len(old)
+
+
+def _kept_bytes(kept: tuple[bytes, bytes, list[bytes]]) -> int:
+    """What a kept sequence counts against ``KeyCache.prefix_bytes``."""
+    return len(kept[1]) + KEPT_KEY_BYTES * len(kept[2])
 
 
 def _shared_pages(tokens: bytes, kept: bytes, step: int) -> int:
