@@ -493,6 +493,10 @@ def test_views_copy_but_only_their_handle_ends_the_lease(daemon: Daemon) -> None
             c.write_pages(part, page_bytes_for(toks)[[3, 1]])  # the view ended with it
         hit = c.match(ns, toks)
         assert np.array_equal(c.read_pages(hit.select([1])), page_bytes_for(toks)[[1]])
+        view = hit.select([0])
+        with pytest.raises(hicached.HicachedError, match="not a view"):
+            c.release(view)  # refused before anything: the lease stays open
+        assert np.array_equal(c.read_pages(view), page_bytes_for(toks)[[0]])
         c.release(hit)
         with pytest.raises(StaleHandle, match="closed"):
             c.read_pages(hit.select([0]))
