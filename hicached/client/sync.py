@@ -231,6 +231,7 @@ class Client(_Core):
             _released(handle)
             raise
         _released(handle)
+        self._report_gather(self._sock)  # as after every call through _do
 
     def renew(self, handle: Reservation | Hit) -> None:
         """Push the handle's lease deadline ``leases.ttl_s`` into the future."""
