@@ -27,6 +27,7 @@ from hicached.wire.arena import arena_path
 from hicached.wire.events import BlockStored, batch_decoder, block_hash
 from hicached.wire.hashing import pack_tokens, page_keys
 from hicached.wire.journal import JOURNAL_VERSION, header_bytes, read_header
+from hicached.wire.namespace import EventMeta
 from tests.adoption_worker import PAGES, SPEC, pattern, tokens
 from tests.l3util import FILE_STORE
 from tests.support import Daemon
@@ -361,4 +362,50 @@ def test_a_damaged_or_foreign_journal_is_never_trusted(damage: str) -> None:
             why = "not a hicached pool journal" if damage == "garbage" else "not this daemon's own"
             assert why in log and "making a new one" in log
     finally:
+        d.cleanup()
+
+
+def test_adopted_key_addressed_pages_keep_their_group_and_spec_kind(tmp_path: Path) -> None:
+    """A vLLM-keyed page's KV cache group and its namespace's event metadata
+    are journaled: the adopting daemon's BlockStored says both again."""
+    events = tmp_path / "ev"
+    events.mkdir(mode=0o700)
+    tail = (
+        f'[events]\nendpoint = "ipc://{events}/events.sock"\n'
+        f'replay_endpoint = "ipc://{events}/replay.sock"\n'
+    )
+    d = adopting(tail=tail)
+    d.start()
+    ctx = zmq.Context()
+    spec = {**SPEC, "key_scheme": "vllm-sha256", "layout": "vllm_g3"}
+    block = [bytes([i]) * 32 for i in (5, 6)]
+    try:
+        with d.client() as c:
+            meta = EventMeta(kind="sliding_window", sliding_window=48)
+            ns = c.register(**spec, events=meta)
+            res = c.reserve_keys(ns, [h + (3).to_bytes(4, "big") for h in block])
+            c.write_pages(res, np.stack([pattern(1)[0], pattern(2)[0]]))
+            c.commit(res)
+        d.kill()
+        d.start()
+        replay = ctx.socket(zmq.DEALER)
+        replay.setsockopt(zmq.LINGER, 0)
+        replay.connect(f"ipc://{events}/replay.sock")
+        replay.send_multipart([b"", (0).to_bytes(8, "big")])
+        got = []
+        while True:
+            assert replay.poll(5000), "no replay"
+            _, _topic, seq, payload = replay.recv_multipart()
+            if seq == END_SEQ:
+                break
+            got.extend(batch_decoder.decode(payload).events)
+        (event,) = [e for e in got if isinstance(e, BlockStored)]
+        assert event.block_hashes == [block_hash(h) for h in block]
+        assert event.group_idx == 3
+        assert (event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window) == (
+            "sliding_window",
+            48,
+        )
+    finally:
+        ctx.destroy(linger=0)
         d.cleanup()

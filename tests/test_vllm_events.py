@@ -32,6 +32,7 @@ import zmq
 from hicached import Namespace
 from hicached.events import END_SEQ, block_hash, decode_batch
 from hicached.hashing import pack_tokens, page_keys
+from hicached.wire.namespace import EventMeta
 from tests.engines import venv
 from tests.l3util import FILE_STORE, evict_everything, l3_count, settle_writes, wait_for
 from tests.support import NS, PAGE_BYTES, PAGE_TOKENS, Daemon
@@ -416,3 +417,71 @@ def test_the_older_array_layout_is_what_array_like_vllm_classes_read(
     assert {b["topic"] for b in batches} == {"kv@node-1@test/model"}
     event = stored(batches, "CPU")[0]
     assert event["block_hashes"] == hashes(keys) and event["token_ids"] == toks.tolist()
+
+
+def test_vllm_reads_each_pages_kv_cache_group_and_spec_kind(
+    vllm_python: Path, daemon_factory: Callable[..., Daemon], events_dir: Path
+) -> None:
+    """Two groups of a hybrid model under one block hash: vLLM's classes read
+    group_idx (from the offload keys), kv_cache_spec_kind and the window (from
+    the namespaces' event metadata) back, on BlockStored and BlockRemoved."""
+    d = daemon_factory(size_mib=1, tail=events_toml(events_dir))
+    cap = Capture(f"ipc://{events_dir}/events.sock")
+    spec = dict(
+        model=MODEL,
+        kv_dtype="bfloat16",
+        page_tokens=PAGE_TOKENS,
+        page_bytes=PAGE_BYTES,
+        key_scheme="vllm-sha256",
+    )
+    block = [bytes([i]) * 32 for i in (1, 2)]
+    want = [int(block_hash(h)) for h in block]
+    try:
+        with d.client() as c:
+            metas = [
+                EventMeta(kind="full_attention"),
+                EventMeta(kind="sliding_window", sliding_window=64),
+            ]
+            spaces = [
+                c.register(**spec, layout=f"vllm_g{g}", events=meta) for g, meta in enumerate(metas)
+            ]
+            for g, ns in enumerate(spaces):
+                res = c.reserve_keys(ns, [h + g.to_bytes(4, "big") for h in block])
+                c.write_pages(res, np.zeros((2, PAGE_BYTES), np.uint8))
+                c.commit(res)
+            cap.until(lambda ev: sum(type(e).__name__ == "BlockStored" for e in ev) >= 2)
+            filler = [bytes([9, i % 256, i // 256]) * 11 + b"\0\0\0\0" for i in range(300)]
+            for i in range(0, 300, 50):
+                res = c.reserve_keys(spaces[0], filler[i : i + 50])
+                c.write_pages(res, np.zeros((len(res.indices), PAGE_BYTES), np.uint8))
+                c.commit(res)
+            gone = {1: set(want), 0: set(want)}
+            cap.until(
+                lambda ev: all(
+                    gone[g]
+                    <= {
+                        h
+                        for e in ev
+                        if type(e).__name__ == "BlockRemoved" and e.group_idx == g
+                        for h in e.block_hashes
+                    }
+                    for g in gone
+                )
+            )
+    finally:
+        cap.close()
+    batches = vllm_decode(vllm_python, cap.frames)
+    l2 = [e for e in stored(batches, "CPU") if e["block_hashes"] == want]
+    assert [
+        (e["group_idx"], e["kv_cache_spec_kind"], e["kv_cache_spec_sliding_window"]) for e in l2
+    ] == [
+        (0, "full_attention", None),
+        (1, "sliding_window", 64),
+    ]
+    removed = [
+        e
+        for b in batches
+        for e in b["events"]
+        if e["type"] == "BlockRemoved" and e["medium"] == "CPU"
+    ]
+    assert {e["group_idx"] for e in removed if set(want) & set(e["block_hashes"])} == {0, 1}

@@ -34,7 +34,7 @@ from hicached.cache.sessions import KeyedPage, NamespaceState
 from hicached.state.index import PageIndex
 from hicached.state.keyindex import KeyIndex
 from hicached.wire.arena import GEN_GRANULE
-from hicached.wire.events import MEDIUM_L2
+from hicached.wire.events import MEDIUM_L2, name_of
 from hicached.wire.journal import (
     AllocRecord,
     FreeRecord,
@@ -145,7 +145,7 @@ def adopt(desk: Cache, records: list[Record], quarantine_until: float) -> Adopte
         digest = namespace_digest(spec)
         if digest in desk.names.by_digest:  # two ids for one spec: only the first
             continue
-        ns = NamespaceState(ns_id, spec, digest, index, book, kind)
+        ns = NamespaceState(ns_id, spec, digest, index, book, kind, events=record.events)
         desk.names.by_id[ns_id] = ns
         desk.names.by_digest[digest] = ns
         states[ns_id] = ns
@@ -192,7 +192,7 @@ def adopt(desk: Cache, records: list[Record], quarantine_until: float) -> Adopte
     journal = desk.journal
     for record in namespaces.values():
         if record.ns in states and states[record.ns].pages:
-            journal.namespace(record.ns, record.tenant, record.spec)
+            journal.namespace(record.ns, record.tenant, record.spec, record.events)
     journal.adopted(kept)
     for (size, tenant, end), slots in groups.items():
         journal.alloc(slots, size, tenant, end)
@@ -274,7 +274,9 @@ def _keyed(desk: Cache, ns: NamespaceState, pages: list[PageRecord]) -> list[Pag
     for page in pages:
         if table.insert(page.key, page.slot, ns.id, page.parent):
             kept.append(page)
-            stored.append(KeyedPage(page.key, page.parent, page.ekey, page.eparent))
+            group = None if page.egroup < 0 else page.egroup
+            eparent = name_of(page.eparent, group) if page.eparent else b""
+            stored.append(KeyedPage(page.key, page.parent, name_of(page.ekey, group), eparent))
     if stored:
         desk.keyed.remember(stored)
         desk.keyed.stored(ns, stored, MEDIUM_L2)

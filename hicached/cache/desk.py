@@ -125,7 +125,7 @@ class Cache:
         self.metrics_endpoint = ""  # where metrics are served, for stats ("": nowhere)
         # the rooms
         self.tiering = Tiering(self)
-        self.tokens = TokenKind()
+        self.tokens = TokenKind(self.events)
         self.keyed = KeyedKind(self.events, self.tiering.bound_for_l3)
         self.clients = Clients(self)
         self.names = Namespaces(self)
@@ -246,7 +246,7 @@ class Cache:
             else:
                 self.l2.free(slot, ns.spec.page_bytes)  # which tells the journal
         for ns, keys in owners.items():
-            self.events.removed(ns.kind.left_l2(keys), MEDIUM_L2, ns.spec.model)
+            ns.kind.removed(ns.kind.left_l2(keys), MEDIUM_L2, ns.spec.model)
             self.names.forget_if_unused(ns)
 
     # -- what the tier calls (daemon/tier.py) ----------------------------------------

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import collections
 
-from hicached.wire.events import AnyEvent, Removed, Stored
+from hicached.wire.events import AnyEvent, Removed, Stored, split_name
+from hicached.wire.namespace import EventMeta
 
 # Reason under which events the full queue refused are counted in ``dropped``.
 QUEUE_DROPS = "events_queue"
@@ -70,6 +71,34 @@ class EventLog:
         if self.enabled and keys:
             self.add(Removed(list(keys), medium, model))
 
+    def stored_named(
+        self,
+        names: list[bytes],
+        parent: bytes | None,
+        page_tokens: int,
+        medium: str,
+        model: str,
+        meta: EventMeta | None,
+    ) -> None:
+        """BlockStored of consecutive key-addressed pages given by event names
+        (wire/events.py: key || group), ``parent`` the name of the page before
+        the first: one event per run of one group, each with its group, and
+        the group's kind and window where ``meta`` gives them."""
+        if not (self.enabled and names):
+            return
+        kind, window = (meta.kind, meta.sliding_window) if meta is not None else (None, None)
+        up = split_name(parent)[0] if parent else None
+        for keys, group in _runs(names):
+            self.add(Stored(keys, up, [], page_tokens, medium, model, group, kind, window))
+            up = keys[-1]
+
+    def removed_named(self, names: list[bytes], medium: str, model: str = "") -> None:
+        """BlockRemoved of key-addressed pages given by event names: one event per
+        run of one group."""
+        if self.enabled and names:
+            for keys, group in _runs(names):
+                self.add(Removed(keys, medium, model, group))
+
     def take(self, n: int) -> tuple[list[AnyEvent], bool]:
         """Up to ``n`` events, oldest first, never across a gap; the flag says
         that events were dropped right after these (the gap is then consumed)."""
@@ -89,3 +118,20 @@ class EventLog:
     def gaps(self) -> int:
         """Runs of dropped events not yet passed to the publisher."""
         return len(self._gaps)
+
+
+def _runs(names: list[bytes]) -> list[tuple[list[bytes], int | None]]:
+    """Event names as runs of one group, in order: (event keys, group)."""
+    runs: list[tuple[list[bytes], int | None]] = []
+    keys: list[bytes] = []
+    group: int | None = None
+    for name in names:
+        key, g = split_name(name)
+        if keys and g != group:
+            runs.append((keys, group))
+            keys = []
+        group = g
+        keys.append(key)
+    if keys:
+        runs.append((keys, group))
+    return runs

@@ -21,7 +21,7 @@ from hicached.wire.journal import (
     PagesRecord,
     frame,
 )
-from hicached.wire.namespace import NamespaceSpec
+from hicached.wire.namespace import EventMeta, NamespaceSpec
 
 __all__ = ["NoRecorder", "Recorder"]
 
@@ -48,8 +48,10 @@ class Recorder:
         self.page_bytes = 64
         self.written = 0  # bytes the journal file holds since its last snapshot
 
-    def namespace(self, ns: int, tenant: str, spec: NamespaceSpec) -> None:
-        record = frame(NsRecord(ns, tenant, spec))
+    def namespace(
+        self, ns: int, tenant: str, spec: NamespaceSpec, events: EventMeta | None = None
+    ) -> None:
+        record = frame(NsRecord(ns, tenant, spec, events))
         self.namespaces[ns] = record
         self._add(record)
 
@@ -140,7 +142,9 @@ class NoRecorder(Recorder):
 
     on = False
 
-    def namespace(self, ns: int, tenant: str, spec: NamespaceSpec) -> None:
+    def namespace(
+        self, ns: int, tenant: str, spec: NamespaceSpec, events: EventMeta | None = None
+    ) -> None:
         pass
 
     def alloc(self, slots: list[int], page_bytes: int, tenant: str, until: float = 0.0) -> None:

@@ -10,7 +10,8 @@ of a branch on ``spec.keyed`` at each place:
   last of a token path (its pages form a path from the root of the radix
   tree and eviction takes a leaf's pages from its tail, so a pinned page
   keeps every page before it);
-- what events call its pages: the daemon's keys, or the engine's keys, which
+- what events call its pages: the daemon's keys, or the engine's keys (with
+  their KV cache group: event names, wire/events.py), which
   the daemon remembers while a page is in L2 and, once it left L2, while L3
   holds it (or a write carries it there), so that the BlockRemoved of either
   tier names it as the engine does;
@@ -35,6 +36,7 @@ __all__ = ["KeyedKind", "NamespaceKind", "TokenKind"]
 class NamespaceKind:
     """What differs between the two kinds of namespace."""
 
+    events: EventLog
     keyed: ClassVar[bool]
     announces_scan: ClassVar[bool]  # the L3 startup scan announces its pages
 
@@ -60,12 +62,32 @@ class NamespaceKind:
         """What the L3 BlockStored of L2 page ``key`` names (None: not known)."""
         raise NotImplementedError
 
+    def removed(self, names: list[bytes], medium: str, model: str) -> None:
+        """The BlockRemoved of pages that events call ``names``."""
+        raise NotImplementedError
+
+    def stored_one(
+        self,
+        ns: NamespaceState,
+        name: bytes,
+        parent: bytes | None,
+        tokens: list[int],
+        medium: str,
+    ) -> None:
+        """The BlockStored of one page outside L2 (an L3 write, a prefetch's
+        find), as events call it and its parent."""
+        spec = ns.spec
+        self.events.stored([name], parent, tokens, spec.page_tokens, medium, spec.model)
+
 
 class TokenKind(NamespaceKind):
     """Pages named by the daemon's chained keys over token ids (a radix tree)."""
 
     keyed = False
     announces_scan = True
+
+    def __init__(self, events: EventLog) -> None:
+        self.events = events
 
     def by_keys(self, ns: NamespaceState) -> None:
         raise BadRequest(
@@ -81,6 +103,9 @@ class TokenKind(NamespaceKind):
 
     def l3_name(self, key: bytes) -> bytes | None:
         return key
+
+    def removed(self, names: list[bytes], medium: str, model: str) -> None:
+        self.events.removed(names, medium, model)
 
 
 class KeyedKind(NamespaceKind):
@@ -146,19 +171,34 @@ class KeyedKind(NamespaceKind):
                     l3_ekeys.pop(page.key, None)
 
     def stored(self, ns: NamespaceState, pages: list[KeyedPage], medium: str) -> None:
-        """BlockStored events for ``pages``, one per run that follows on."""
-        spec, events = ns.spec, self.events
+        """BlockStored events for ``pages``, one per run that follows on (and is
+        of one KV cache group)."""
+        spec, events, meta = ns.spec, self.events, ns.events
         run: list[bytes] = []
         parent = b""
         for page in pages:
             if run and page.eparent != run[-1]:
-                events.stored(run, parent or None, [], spec.page_tokens, medium, spec.model)
+                events.stored_named(run, parent, spec.page_tokens, medium, spec.model, meta)
                 run = []
             if not run:
                 parent = page.eparent
             run.append(page.ekey)
         if run:
-            events.stored(run, parent or None, [], spec.page_tokens, medium, spec.model)
+            events.stored_named(run, parent, spec.page_tokens, medium, spec.model, meta)
+
+    def removed(self, names: list[bytes], medium: str, model: str) -> None:
+        self.events.removed_named(names, medium, model)
+
+    def stored_one(
+        self,
+        ns: NamespaceState,
+        name: bytes,
+        parent: bytes | None,
+        tokens: list[int],
+        medium: str,
+    ) -> None:
+        spec = ns.spec
+        self.events.stored_named([name], parent, spec.page_tokens, medium, spec.model, ns.events)
 
     def l3_let_go(self, keys: Iterable[bytes]) -> list[bytes]:
         """The engine's keys of pages outside L2 that L3 let go of (forgotten here)."""

@@ -32,7 +32,13 @@ from hicached.errors import (
 from hicached.state.l2 import DEFAULT_TENANT, TenantBook
 from hicached.wire import protocol as p
 from hicached.wire.hashing import TOKEN_BYTES
-from hicached.wire.namespace import MAX_KEY_BYTES, NamespaceSpec, namespace_digest, validate_spec
+from hicached.wire.namespace import (
+    MAX_KEY_BYTES,
+    NamespaceSpec,
+    namespace_digest,
+    validate_event_meta,
+    validate_spec,
+)
 
 if TYPE_CHECKING:
     from hicached.cache.desk import Cache
@@ -71,8 +77,22 @@ class Namespaces:
                 f"(at most {MAX_SLOTS_PER_SLAB} pages a slab)"
             )
         spec = _own_spec(session, spec)
+        meta = msg.events
+        if meta is not None:
+            validate_event_meta(spec, meta)
         digest = namespace_digest(spec)
         ns = self.by_digest.get(digest)
+        if ns is not None and meta is not None and meta != ns.events:
+            if ns.events is not None:
+                raise InvalidNamespace(
+                    f"namespace {ns.id} is registered with event metadata kind="
+                    f"{ns.events.kind!r} sliding_window={ns.events.sliding_window}, not "
+                    f"kind={meta.kind!r} sliding_window={meta.sliding_window}: the same "
+                    "namespace describes one KV cache group (register it without event "
+                    "metadata, or with the same)"
+                )
+            ns.events = meta  # the first registration that gives it
+            desk.journal.namespace(ns.id, ns.book.name, spec, meta)
         if ns is None:
             book = desk.l2.book(spec.tenant if session.peer is not None else DEFAULT_TENANT)
             limit = config.pool.max_namespaces
@@ -87,10 +107,10 @@ class Namespaces:
             ns_id = next(self._ids)
             while ns_id in self.by_id:  # an id adopted from the daemon before
                 ns_id = next(self._ids)
-            ns = NamespaceState(ns_id, spec, digest, index, book, kind)
+            ns = NamespaceState(ns_id, spec, digest, index, book, kind, events=meta)
             self.by_id[ns.id] = ns
             self.by_digest[digest] = ns
-            desk.journal.namespace(ns.id, book.name, spec)
+            desk.journal.namespace(ns.id, book.name, spec, meta)
         if ns.id not in session.namespaces:
             session.namespaces.add(ns.id)
             ns.sessions += 1

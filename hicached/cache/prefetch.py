@@ -203,9 +203,7 @@ class Prefetches:
         medium = desk.tiering.medium
         if lease.chain is not None:
             page = lease.chain[j]
-            desk.events.stored(
-                [page.ekey], page.eparent or None, [], spec.page_tokens, medium, spec.model
-            )
+            lease.ns.kind.stored_one(lease.ns, page.ekey, page.eparent or None, [], medium)
             return
         i = len(lease.keys) - pf.planned + j  # its place in the sequence
         parent = lease.keys[i - 1] if i else None

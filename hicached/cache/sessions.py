@@ -29,7 +29,7 @@ from hicached.cache.kinds import NamespaceKind
 from hicached.state.index import PageIndex
 from hicached.state.keyindex import KeyIndex
 from hicached.state.l2 import Index, TenantBook
-from hicached.wire.namespace import NamespaceSpec
+from hicached.wire.namespace import EventMeta, NamespaceSpec
 from hicached.wire.protocol import GatherReport
 
 
@@ -44,6 +44,9 @@ class NamespaceState:
     sessions: int = 0  # sessions that registered it
     pages: int = 0  # its pages in L2
     open: int = 0  # its open leases and L3 writes
+    # what its events say of its pages beyond their keys (vLLM's KV cache spec
+    # kind and window), from the first registration that gave it
+    events: EventMeta | None = None
 
     @property
     def unused(self) -> bool:
@@ -98,8 +101,8 @@ class KeyedPage(NamedTuple):
 
     key: bytes  # the daemon's key
     parent: bytes  # the daemon's key of the page before it in its sequence (b"": none)
-    ekey: bytes  # the key its events carry (the engine's)
-    eparent: bytes  # the event key of its parent (b"": none)
+    ekey: bytes  # its event name (wire/events.py: the engine's event key and KV group)
+    eparent: bytes  # the event name of its parent (b"": none)
 
 
 @dataclass(slots=True, eq=False)

@@ -27,7 +27,6 @@ from hicached.cache.sessions import KeyedPage, Lease, NamespaceState
 from hicached.cache.writes import token_ids
 from hicached.state.pool import GEN_GRANULE
 from hicached.wire.hashing import TOKEN_BYTES
-from hicached.wire.namespace import NamespaceSpec
 
 if TYPE_CHECKING:
     from hicached.cache.desk import Cache
@@ -64,8 +63,7 @@ class HeldEvent(NamedTuple):
     key: bytes  # what events call the page
     parent: bytes | None
     tokens: list[int]
-    page_tokens: int
-    model: str
+    ns: NamespaceState
 
 
 @dataclass(slots=True)
@@ -248,7 +246,7 @@ class Tiering:
                 if not evicted:
                     self.both[key] = InBoth(ns, slot, self.taken, rewrite)
                 if named is not None:
-                    self._stored(key, named, origin, spec)
+                    self._stored(key, named, origin, ns)
             else:
                 self.order.orphan(key)  # those waiting for it go out as they are
                 if evicted:
@@ -272,7 +270,7 @@ class Tiering:
         self.order.orphan(key)
         return False
 
-    def _stored(self, key: bytes, named: bytes, origin: Origin | None, spec: NamespaceSpec) -> None:
+    def _stored(self, key: bytes, named: bytes, origin: Origin | None, ns: NamespaceState) -> None:
         """The L3 BlockStored of page ``key``: now, or once its parent's went out
         when the parent's write is in flight (write_back sends a page's
         ancestors ahead of it, ``_write_ancestors``), so a chain's events go out
@@ -280,18 +278,15 @@ class Tiering:
         longest waiting go out as they are."""
         if not self.desk.events.enabled:
             return
-        tokens = token_ids(origin.tokens, 0, spec.page_tokens) if origin else []
-        event = HeldEvent(
-            named, origin.eparent if origin else None, tokens, spec.page_tokens, spec.model
-        )
+        tokens = token_ids(origin.tokens, 0, ns.spec.page_tokens) if origin else []
+        event = HeldEvent(named, origin.eparent if origin else None, tokens, ns)
         up = origin.up if origin is not None else None
         coming = up is not None and (up in self.writing or self.order.holds(up))
         self.order.add(key, up, event, coming=coming)
 
     def _publish(self, event: HeldEvent) -> None:
-        self.desk.events.stored(
-            [event.key], event.parent, event.tokens, event.page_tokens, self.medium, event.model
-        )
+        ns = event.ns
+        ns.kind.stored_one(ns, event.key, event.parent, event.tokens, self.medium)
 
     # -- what L3 holds -------------------------------------------------------------------
 
@@ -322,11 +317,14 @@ class Tiering:
         for key in gone:
             l3.discard(key)
         ns_of = desk.names.by_digest.get(ns_digest)
-        named = ns_of.kind.event_keys(gone) if ns_of is not None else gone
-        left = desk.keyed.l3_let_go(gone)
-        if left:
-            named = [*named, *left]
-        desk.events.removed(named, self.medium, desk.names.model_of(ns_digest))
+        kind = ns_of.kind if ns_of is not None else desk.tokens  # unknown: the keys as they are
+        named = kind.event_keys(gone)
+        left = desk.keyed.l3_let_go(gone)  # event names of key-addressed pages outside L2
+        if left and kind is desk.keyed:
+            named, left = [*named, *left], []
+        model = desk.names.model_of(ns_digest)
+        kind.removed(named, self.medium, model)
+        desk.keyed.removed(left, self.medium, model)
         if not gone or desk.tier is None:
             return
         both = self.both

@@ -22,7 +22,7 @@ from hicached.cache.sessions import Handlers, KeyedPage, Lease, NamespaceState, 
 from hicached.errors import BadRequest
 from hicached.wire import protocol as p
 from hicached.wire.arena import GEN_GRANULE
-from hicached.wire.events import MEDIUM_L2, event_key
+from hicached.wire.events import MEDIUM_L2, event_name, split_name
 from hicached.wire.hashing import TOKEN_BYTES, engine_page_keys
 from hicached.wire.journal import PageRecord
 from hicached.wire.namespace import MAX_KEY_BYTES
@@ -218,22 +218,7 @@ class Writes:
             for slot in slots:
                 desk.pool.bump(slot)
         if stored and desk.journal.on:
-            gens = desk.pool.gens
-            desk.journal.publish(
-                [
-                    PageRecord(
-                        ns.id,
-                        page.key,
-                        page.parent,
-                        slot,
-                        int(gens[slot // GEN_GRANULE]),
-                        b"",
-                        page.ekey,
-                        page.eparent,
-                    )
-                    for page, slot in zip(stored, slots, strict=True)
-                ]
-            )
+            desk.journal.publish(_keyed_records(desk.pool.gens, ns, stored, slots))
         desk.leasing.end(lease)
         if stored:
             desk.keyed.remember(stored)
@@ -251,15 +236,41 @@ class Writes:
         return p.CommitOk(id=msg.id, published=len(stored), duplicates=len(chosen) - len(stored))
 
 
+def _keyed_records(
+    gens: np.ndarray, ns: NamespaceState, stored: list[KeyedPage], slots: list[int]
+) -> list[PageRecord]:
+    """Journal records of a key-addressed commit: each page's event key and KV
+    group apart (PageRecord.egroup), as daemons that know no group read them."""
+    records = []
+    for page, slot in zip(stored, slots, strict=True):
+        ekey, group = split_name(page.ekey)
+        eparent = split_name(page.eparent)[0] if page.eparent else b""
+        records.append(
+            PageRecord(
+                ns.id,
+                page.key,
+                page.parent,
+                slot,
+                int(gens[slot // GEN_GRANULE]),
+                b"",
+                ekey,
+                eparent,
+                -1 if group is None else group,
+            )
+        )
+    return records
+
+
 def chain(
     ns: NamespaceState, keys: list[bytes], ekeys: list[bytes], parent: bytes
 ) -> list[KeyedPage]:
     """Each key of a key-addressed namespace with its parent (the key before it;
-    ``parent`` for the first), as the daemon and as events name them."""
+    ``parent`` for the first), as the daemon and as events name them (their
+    event names: wire/events.py)."""
     scheme = ns.spec.key_scheme
-    events = [event_key(scheme, k) for k in ekeys]
+    events = [event_name(scheme, k) for k in ekeys]
     up = engine_page_keys(ns.digest, [parent])[0] if parent else b""
-    eup = event_key(scheme, parent) if parent else b""
+    eup = event_name(scheme, parent) if parent else b""
     out = []
     for key, ekey in zip(keys, events, strict=True):
         out.append(KeyedPage(key, up, ekey, eup))

@@ -37,7 +37,7 @@ from hicached.errors import (
 )
 from hicached.wire import protocol as p
 from hicached.wire.hashing import pack_tokens
-from hicached.wire.namespace import NamespaceSpec
+from hicached.wire.namespace import EventMeta, NamespaceSpec
 
 
 class AsyncClient(_Core):
@@ -191,8 +191,13 @@ class AsyncClient(_Core):
                 self._report_gather(self._sock)
         return self
 
-    async def register(self, spec: NamespaceSpec | None = None, **fields: Any) -> Namespace:
-        return await self._do(self._register(spec, fields))
+    async def register(
+        self, spec: NamespaceSpec | None = None, *, events: EventMeta | None = None, **fields: Any
+    ) -> Namespace:
+        """Register a namespace (``spec``, or its fields); ``events``: what its KV
+        events say of its pages (EventMeta; protocol 1.6, not sent to older
+        daemons)."""
+        return await self._do(self._register(spec, fields, events))
 
     async def reserve(self, ns: Namespace, tokens: Any) -> Reservation:
         return await self._do(self._reserve(ns, tokens))

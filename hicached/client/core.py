@@ -65,7 +65,7 @@ from hicached.errors import (
 )
 from hicached.wire import protocol as p
 from hicached.wire.hashing import pack_tokens
-from hicached.wire.namespace import NamespaceSpec
+from hicached.wire.namespace import EventMeta, NamespaceSpec
 
 __all__ = ["CurveKeys", "Exchange"]
 
@@ -190,7 +190,7 @@ class _Core:
             ns.id = 0
         refused: p.Error | None = None
         for ns in self._namespaces:
-            ok = yield p.RegisterNamespace(id=0, spec=ns.spec)
+            ok = yield _register_msg(ns.spec, ns.events, reply.minor)
             if isinstance(ok, p.Error):
                 refused = refused or ok
                 continue
@@ -200,7 +200,9 @@ class _Core:
         if refused is not None:
             raise refused.to_exception()
 
-    def _register(self, spec: NamespaceSpec | None, fields: dict[str, Any]) -> Exchange:
+    def _register(
+        self, spec: NamespaceSpec | None, fields: dict[str, Any], events: EventMeta | None = None
+    ) -> Exchange:
         if spec is None:
             try:
                 spec = msgspec.convert(fields, NamespaceSpec)
@@ -208,12 +210,16 @@ class _Core:
                 raise BadRequest(f"namespace: {exc}") from None
         elif fields:
             raise TypeError("pass either a NamespaceSpec or its fields, not both")
-        ok = yield from self._exchange(lambda: p.RegisterNamespace(id=0, spec=spec), p.NamespaceOk)
+        ok = yield from self._exchange(
+            lambda: _register_msg(spec, events, self._hello.minor if self._hello else 0),
+            p.NamespaceOk,
+        )
         for ns in self._namespaces:
             if ns.digest == ok.digest:
                 ns.id = ok.ns
+                ns.events = events or ns.events
                 return ns
-        ns = Namespace(spec, ok.ns, ok.digest)
+        ns = Namespace(spec, ok.ns, ok.digest, events)
         self._namespaces.append(ns)
         return ns
 
@@ -585,3 +591,12 @@ def _run(gen: Exchange, roundtrip: Callable[[p.Request], p.AnyReply]) -> Any:
             request = gen.send(roundtrip(request))
     except StopIteration as stop:
         return stop.value
+
+
+def _register_msg(spec: NamespaceSpec, events: EventMeta | None, minor: int) -> p.RegisterNamespace:
+    """The registration of ``spec``: with its event metadata for a daemon of
+    protocol 1.6 or later, without for an older one, which refuses fields it
+    does not know (its events then name no KV cache spec kind)."""
+    if minor < p.EVENT_META_MINOR:
+        events = None
+    return p.RegisterNamespace(id=0, spec=spec, events=events)

@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 
 from hicached.errors import BadRequest
-from hicached.wire.namespace import NamespaceSpec
+from hicached.wire.namespace import EventMeta, NamespaceSpec
 
 # over an immutable buffer: it cannot be made writeable again, or resized
 _NO_GENS = np.frombuffer(b"", dtype=np.uint32)
@@ -38,11 +38,13 @@ def _no_gens() -> np.ndarray:
 
 @dataclass(slots=True, eq=False)
 class Namespace:
-    """A registered namespace; ``id`` is updated if the daemon restarts."""
+    """A registered namespace; ``id`` is updated if the daemon restarts.
+    ``events``: its event metadata, registered again with it."""
 
     spec: NamespaceSpec
     id: int
     digest: bytes
+    events: EventMeta | None = None
 
     @property
     def page_tokens(self) -> int:

@@ -39,7 +39,7 @@ from hicached.errors import (
 )
 from hicached.wire import protocol as p
 from hicached.wire.hashing import pack_tokens
-from hicached.wire.namespace import NamespaceSpec
+from hicached.wire.namespace import EventMeta, NamespaceSpec
 
 
 class Client(_Core):
@@ -143,8 +143,13 @@ class Client(_Core):
             self._do(self._handshake())
         return self
 
-    def register(self, spec: NamespaceSpec | None = None, **fields: Any) -> Namespace:
-        return self._do(self._register(spec, fields))
+    def register(
+        self, spec: NamespaceSpec | None = None, *, events: EventMeta | None = None, **fields: Any
+    ) -> Namespace:
+        """Register a namespace (``spec``, or its fields); ``events``: what its KV
+        events say of its pages (EventMeta; protocol 1.6, not sent to older
+        daemons)."""
+        return self._do(self._register(spec, fields, events))
 
     def reserve(self, ns: Namespace, tokens: Any) -> Reservation:
         return self._do(self._reserve(ns, tokens))

@@ -41,6 +41,11 @@ class Stored(msgspec.Struct, gc=False):
     block_size: int  # the namespace's page_tokens; 0 where not known
     medium: str
     model: str = ""  # the namespace's model ("" where not known): the topic's {model}
+    # vLLM's KV cache group of every page (from vLLM keys' 4-byte suffix), and the
+    # group's spec kind and sliding window (the namespace's EventMeta); None: not known
+    group: int | None = None
+    kind: str | None = None
+    window: int | None = None
 
 
 class Removed(msgspec.Struct, gc=False):
@@ -49,6 +54,7 @@ class Removed(msgspec.Struct, gc=False):
     keys: list[bytes]
     medium: str
     model: str = ""
+    group: int | None = None
 
 
 class Cleared(msgspec.Struct, gc=False):
@@ -84,8 +90,9 @@ class BlockStored(KVCacheEvent):
     medium: str | None
     lora_name: str | None
     # vLLM's optional fields (0.32, then 0.33's lookahead_token_ids). hicached
-    # leaves them at None, which a map omits: the bytes are those vLLM 0.32 and
-    # 0.33 both send for such an event, and each decodes them.
+    # fills group_idx and the KV cache spec's kind and window for vLLM-keyed
+    # namespaces (docs/events.md) and leaves the rest at None, which a map omits:
+    # vLLM 0.32 and 0.33 both decode these bytes.
     extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
@@ -165,6 +172,34 @@ def event_key(scheme: str, key: bytes) -> bytes:
     return key
 
 
+# A key-addressed page's *event name*, as the cache keeps it: the key its events
+# carry (event_key) followed by its KV cache group index, 4 bytes big-endian, or
+# NO_GROUP. A vLLM offload key is its own event name (block hash || group index),
+# so naming it costs nothing; other schemes' keys get NO_GROUP appended. The name
+# says its group wherever it travels (L2, L3 writes and drops, prefetches,
+# adoption), and no event mixes two groups (EventLog splits runs).
+NO_GROUP = b"\xff\xff\xff\xff"
+GROUP_BYTES = 4
+
+
+def event_name(scheme: str, key: bytes) -> bytes:
+    """The event name of engine key ``key`` of a namespace of ``scheme``."""
+    if scheme.startswith("vllm-") and len(key) > GROUP_BYTES:
+        return key
+    return key + NO_GROUP
+
+
+def name_of(ekey: bytes, group: int | None) -> bytes:
+    """The event name of the event key ``ekey`` of a page of KV group ``group``."""
+    return ekey + (NO_GROUP if group is None else group.to_bytes(GROUP_BYTES, "big"))
+
+
+def split_name(name: bytes) -> tuple[bytes, int | None]:
+    """An event name's event key and group index (None: no group)."""
+    suffix = name[-GROUP_BYTES:]
+    return name[:-GROUP_BYTES], None if suffix == NO_GROUP else int.from_bytes(suffix, "big")
+
+
 def block_hash(key: bytes, form: str = "int") -> BlockHash:
     """The wire form of a page key: vLLM's 64-bit integer (the key's last 8 bytes,
     big-endian, unsigned; vLLM's ``int.from_bytes(h, "big") & (2**64 - 1)``), or
@@ -177,11 +212,9 @@ class WireFormat:
     ``events.block_hashes``, ``events.data_parallel_rank``)."""
 
     def __init__(self, config: EventsConfig) -> None:
-        array = config.format == "array"
-        self._stored = ArrayBlockStored if array else BlockStored
-        self._removed = ArrayBlockRemoved if array else BlockRemoved
-        self._cleared = ArrayAllBlocksCleared() if array else AllBlocksCleared()
-        self._batch = ArrayKVEventBatch if array else KVEventBatch
+        self._array = config.format == "array"
+        self._cleared: Any = ArrayAllBlocksCleared() if self._array else AllBlocksCleared()
+        self._batch = ArrayKVEventBatch if self._array else KVEventBatch
         self._ints = config.block_hashes == "int"
         self.rank = config.data_parallel_rank
         self._encode = msgspec.msgpack.Encoder().encode
@@ -197,17 +230,27 @@ class WireFormat:
             parent: BlockHash | None = event.parent
             if event.parent is not None and self._ints:
                 parent = int.from_bytes(event.parent[-8:], "big")
-            return self._stored(
-                self._hashes(event.keys),
+            hashes = self._hashes(event.keys)
+            if self._array:  # the positional layout: vLLM's required fields only
+                return ArrayBlockStored(
+                    hashes, parent, event.tokens, event.block_size, None, event.medium, None
+                )
+            return BlockStored(
+                hashes,
                 parent,
                 event.tokens,
                 event.block_size,
                 None,
                 event.medium,
                 None,
+                group_idx=event.group,
+                kv_cache_spec_kind=event.kind,
+                kv_cache_spec_sliding_window=event.window,
             )
         if isinstance(event, Removed):
-            return self._removed(self._hashes(event.keys), event.medium)
+            if self._array:
+                return ArrayBlockRemoved(self._hashes(event.keys), event.medium)
+            return BlockRemoved(self._hashes(event.keys), event.medium, group_idx=event.group)
         return self._cleared
 
     def encode(self, events: list[AnyEvent]) -> bytes:

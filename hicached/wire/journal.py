@@ -40,7 +40,7 @@ import struct
 import msgspec
 import xxhash
 
-from hicached.wire.namespace import NamespaceSpec
+from hicached.wire.namespace import EventMeta, NamespaceSpec
 
 __all__ = [
     "JOURNAL_VERSION",
@@ -84,9 +84,14 @@ class JournalHeader(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
 
 class NsRecord(msgspec.Struct, tag="ns", array_like=True):
+    """A namespace; ``events``: its event metadata (a trailing field, which a
+    daemon that does not know it skips). A later record of the same ``ns``
+    replaces an earlier one (metadata given after the first registration)."""
+
     ns: int
     tenant: str
     spec: NamespaceSpec
+    events: EventMeta | None = None
 
 
 class AllocRecord(msgspec.Struct, tag="alloc", array_like=True):
@@ -101,7 +106,11 @@ class AllocRecord(msgspec.Struct, tag="alloc", array_like=True):
 
 class PageRecord(msgspec.Struct, tag="page", array_like=True):
     """One published page. ``tokens`` (packed uint32 LE) are a token page's ids
-    for its events; ``ekey``/``eparent`` the event keys of a key-addressed page."""
+    for its events; ``ekey``/``eparent`` the event keys of a key-addressed page
+    (wire/events.py ``event_key``: vLLM's block hash without its group index),
+    ``egroup`` its KV cache group (-1: none, or a record of a daemon that did
+    not write it: its events then name no group). A trailing field, so daemons
+    that do not know it read these records as before."""
 
     ns: int
     key: bytes
@@ -111,6 +120,7 @@ class PageRecord(msgspec.Struct, tag="page", array_like=True):
     tokens: bytes = b""
     ekey: bytes = b""
     eparent: bytes = b""
+    egroup: int = -1
 
 
 class PagesRecord(msgspec.Struct, tag="pages", array_like=True):

@@ -25,6 +25,8 @@ MAX_KEY_BYTES = 64  # longest engine key of a key-addressed namespace
 MAX_SHARDS = 1024
 
 MAX_PAGE_TOKENS = 1 << 16
+MAX_SLIDING_WINDOW = 1 << 31  # tokens; vLLM's windows are far smaller
+_KIND_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 
 class NamespaceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -69,6 +71,46 @@ class NamespaceSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     def keyed(self) -> bool:
         """Pages are named by the engine's keys, not by token ids."""
         return self.key_scheme != TOKENS
+
+
+class EventMeta(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What a namespace's KV events say of its pages beyond their keys: vLLM's
+    ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window`` of the KV cache
+    group the namespace holds (``get_kv_cache_spec_kind(spec).value``, e.g.
+    ``full_attention``, ``sliding_window``, ``mamba``, and
+    ``get_kv_cache_spec_sliding_window(spec)``: the window in tokens, or None).
+
+    Registered beside the spec, not in it: it describes the pages to routers
+    and makes no two caches' bytes incompatible, so it stays out of the digest
+    (``canonical_text``), and the pages a namespace stored before keep their
+    keys. Only for namespaces of vLLM's key schemes (``vllm-*``), whose events
+    name each page's KV cache group (docs/events.md)."""
+
+    kind: str
+    sliding_window: int | None = None
+
+
+def validate_event_meta(spec: NamespaceSpec, meta: EventMeta) -> None:
+    """Raise InvalidNamespace with an actionable sentence if ``meta`` is unusable
+    for a namespace of ``spec``."""
+    if not spec.key_scheme.startswith("vllm-"):
+        raise InvalidNamespace(
+            f"event metadata (kv_cache_spec_kind) describes a vLLM KV cache group, but "
+            f"the namespace's key_scheme is {spec.key_scheme!r}: register it without "
+            "event metadata, or with a vllm-* key_scheme"
+        )
+    if not _KIND_RE.fullmatch(meta.kind):
+        raise InvalidNamespace(
+            f"event metadata kind {meta.kind[:40]!r} is not allowed: use 1-32 lower-case "
+            "letters, digits or '_', starting with a letter (vLLM's KVCacheSpecKind "
+            "values, such as full_attention or sliding_window)"
+        )
+    window = meta.sliding_window
+    if window is not None and not 1 <= window <= MAX_SLIDING_WINDOW:
+        raise InvalidNamespace(
+            f"event metadata sliding_window must be in 1..{MAX_SLIDING_WINDOW} tokens "
+            f"or null, got {window}"
+        )
 
 
 def validate_spec(spec: NamespaceSpec, max_page_bytes: int) -> None:

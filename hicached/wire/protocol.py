@@ -14,14 +14,16 @@ from typing import Annotated
 import msgspec
 
 from hicached.errors import HicachedError, error_from_code
-from hicached.wire.namespace import NamespaceSpec
+from hicached.wire.namespace import EventMeta, NamespaceSpec
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 5
+PROTOCOL_MINOR = 6
 # the first minor version whose clients map a tenant's arena (HelloOk.pool_base)
 ARENAS_MINOR = 4
 # the first minor version whose daemons take a client's gather report
 GATHER_MINOR = 5
+# the first minor version whose daemons take a namespace's event metadata
+EVENT_META_MINOR = 6
 
 
 class Request(msgspec.Struct, tag_field="op", kw_only=True, forbid_unknown_fields=True):
@@ -43,8 +45,15 @@ class Hello(Request, tag="hello"):
     pid: int = 0
 
 
-class RegisterNamespace(Request, tag="register"):
+class RegisterNamespace(Request, tag="register", omit_defaults=True):
+    """``events`` (1.6): what the namespace's KV events say of its pages beyond
+    their keys (EventMeta), kept from the first registration that gives it; a
+    later one that gives other metadata is refused. Left out of the message
+    when None (``omit_defaults``), and sent only to a daemon of 1.6 or later:
+    an older one refuses fields it does not know."""
+
     spec: NamespaceSpec
+    events: EventMeta | None = None
 
 
 class Reserve(Request, tag="reserve"):

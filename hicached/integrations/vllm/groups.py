@@ -42,7 +42,7 @@ from hicached.integrations.vllm.layouts import (
     page_layout,
 )
 from hicached.integrations.vllm.settings import Settings, key_scheme
-from hicached.wire.namespace import NamespaceSpec
+from hicached.wire.namespace import EventMeta, NamespaceSpec
 
 __all__ = ["KVGroup", "engine_groups"]
 
@@ -53,7 +53,9 @@ class KVGroup:
     every transfer's ``group_sizes``), ``group_id`` vLLM's index, the last four
     bytes of its keys; ``block_bytes`` one worker's bytes of one block;
     ``layout`` the engine's offload layout; ``canonical`` (canonical layout
-    only) the bytes of each layer's canonical page of one block."""
+    only) the bytes of each layer's canonical page of one block; ``events``
+    what the namespace's KV events say of the group (vLLM's spec kind and
+    sliding window; None for a group built outside vLLM's connector)."""
 
     index: int
     group_id: int
@@ -62,6 +64,7 @@ class KVGroup:
     spec: NamespaceSpec
     layout: PageLayout = DIRECT
     canonical: tuple[int, ...] = ()
+    events: EventMeta | None = None
 
 
 def engine_groups(config: OffloadingConfig, settings: Settings) -> list[KVGroup]:
@@ -84,12 +87,14 @@ def engine_groups(config: OffloadingConfig, settings: Settings) -> list[KVGroup]
     groups = []
     for index, group in enumerate(config.groups):
         tokens = group.tokens_per_block * chunk
+        events: EventMeta | None = None
         if kv_config is None:  # one group, built outside vLLM: full attention, as always
             kind: Kind = Prefix()
             block_bytes = config.worker_kv_bytes_per_block
         else:
             vllm_group = kv_config.kv_cache_groups[group.group_id]
             kind = kind_of(vllm_group.kv_cache_spec, tokens)
+            events = event_meta(vllm_group.kv_cache_spec)
             block_bytes = (
                 config.worker_kv_bytes_per_block
                 if len(config.groups) == 1
@@ -109,8 +114,25 @@ def engine_groups(config: OffloadingConfig, settings: Settings) -> list[KVGroup]
         world = config.parallel.world_size
         page_bytes = layout.page_bytes(block_bytes, canonical, chunk, world)
         spec = _spec(config, settings, layout, name, tokens, page_bytes)
-        groups.append(KVGroup(index, group.group_id, kind, block_bytes, spec, layout, canonical))
+        groups.append(
+            KVGroup(index, group.group_id, kind, block_bytes, spec, layout, canonical, events)
+        )
     return groups
+
+
+def event_meta(spec: Any) -> EventMeta:
+    """What the KV events of a group of vLLM KV cache spec ``spec`` say of it, as
+    vLLM's own events say it (``kv_cache_spec_kind``,
+    ``kv_cache_spec_sliding_window``: vLLM's KVCacheManager.take_events)."""
+    from vllm.v1.kv_cache_interface import (
+        get_kv_cache_spec_kind,
+        get_kv_cache_spec_sliding_window,
+    )
+
+    return EventMeta(
+        kind=get_kv_cache_spec_kind(spec).value,
+        sliding_window=get_kv_cache_spec_sliding_window(spec),
+    )
 
 
 def kind_of(spec: Any, tokens_per_chunk: int) -> Kind:

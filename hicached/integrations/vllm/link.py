@@ -26,7 +26,7 @@ from hicached.client.handles import Hit, Namespace, Reservation
 from hicached.errors import HicachedError
 from hicached.integrations.vllm.settings import UNREACHABLE, Settings
 from hicached.integrations.vllm.specs import Ack
-from hicached.wire.namespace import NamespaceSpec
+from hicached.wire.namespace import EventMeta, NamespaceSpec
 
 __all__ = ["Link"]
 
@@ -43,10 +43,13 @@ class Link:
     """
 
     def __init__(
-        self, settings: Settings, specs: list[NamespaceSpec], writers: frozenset[int]
+        self,
+        settings: Settings,
+        specs: list[tuple[NamespaceSpec, EventMeta | None]],
+        writers: frozenset[int],
     ) -> None:
         self.settings = settings
-        self.specs = specs  # one namespace per KV cache group
+        self.specs = specs  # one namespace per KV cache group, with its event metadata
         self.writers = writers  # the workers whose word a store waits for
         self.down_until = 0.0  # monotonic; calls wait until then after a failure
         self._dir = Path(tempfile.mkdtemp(prefix="hicached-vllm-"))  # 0700: only us
@@ -126,7 +129,9 @@ class Link:
         assert self._client is not None, "the link is not started"
         try:
             if self._ns is None:
-                self._ns = [await self._client.register(spec) for spec in self.specs]
+                self._ns = [
+                    await self._client.register(spec, events=events) for spec, events in self.specs
+                ]
             return self._client, self._ns
         except UNREACHABLE:
             self.failed()

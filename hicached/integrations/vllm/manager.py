@@ -145,7 +145,7 @@ class HicachedManager(OffloadingManager):
         self._tokens = [g.spec.page_tokens for g in groups]  # tokens a chunk, per group
         self._index = {g.group_id.to_bytes(4, "big"): g.index for g in groups}
         writers = groups[0].layout.writers(world_size)  # the workers that write a store
-        self._link = Link(settings, [g.spec for g in groups], writers)
+        self._link = Link(settings, [(g.spec, g.events) for g in groups], writers)
         # hands answers from the loop thread to the scheduler's; never ``lock``
         self._lock = threading.Lock()
         self._answered = threading.Condition(self._lock)  # an answer was left
