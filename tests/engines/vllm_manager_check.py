@@ -68,6 +68,14 @@ def waits(endpoint: str, daemon_pid: int, keys: list[bytes]) -> dict[str, Any]:
             ctx = context(name, keys, groups[0].spec.page_tokens)
             stopped = name == "stopped" and daemon_pid > 0
             if stopped:
+                # the link's session first (hello, namespaces), with the daemon up: a
+                # daemon that cannot be reached at all is a miss, not a wait
+                warm = context("warm", keys, groups[0].spec.page_tokens)
+                with manager.lock:
+                    for k in keys:
+                        manager.lookup(k, warm)
+                    manager.on_schedule_end(None)
+                    manager.on_request_finished(warm)  # its answer's lease ends
                 os.kill(daemon_pid, signal.SIGSTOP)  # fault injection: a daemon that hangs
             try:
                 with manager.lock:
