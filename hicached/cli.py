@@ -133,7 +133,7 @@ def _gather_lines(clients: list[p.GatherClient]) -> list[str]:
     measured = [c for c in clients if c.how == "measured"]
     for c in measured[:_GATHER_SHOWN]:
         lines.append(
-            f"            #{c.session} {c.client} (pid {c.pid}): read {c.read} "
+            f"            #{c.session} {_shown(c.client)} (pid {c.pid}): read {c.read} "
             f"(numpy {c.read_numpy_gbps:.1f}, torch {c.read_torch_gbps:.1f} GB/s), write "
             f"{c.write} (numpy {c.write_numpy_gbps:.1f}, torch {c.write_torch_gbps:.1f} GB/s); "
             f"{c.sample_pages} x {c.page_bytes >> 10} KiB a round, "
@@ -142,6 +142,13 @@ def _gather_lines(clients: list[p.GatherClient]) -> list[str]:
     if len(measured) > _GATHER_SHOWN:
         lines.append(f"            and {len(measured) - _GATHER_SHOWN} more measured (--json)")
     return lines
+
+
+def _shown(name: str) -> str:
+    """A name a client chose (its hello's), as a terminal may print it: control
+    and other unprintable characters escaped, so that it can neither add lines
+    to the status nor move the cursor or clear the screen."""
+    return name if name.isprintable() else name.encode("unicode_escape").decode("ascii")
 
 
 def _cmd_events(args: argparse.Namespace) -> int:

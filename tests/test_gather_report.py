@@ -403,3 +403,28 @@ def test_a_daemon_without_the_report_costs_a_client_nothing(
     else:
         assert not stats.errors and "gather" not in err
         assert "gather" not in stats.requests  # never sent
+
+
+def test_status_prints_a_client_name_with_control_characters_escaped(daemon: Daemon) -> None:
+    """The name a client gives in its hello is its own to choose: one with a
+    newline or a terminal escape must not add lines to, or rewrite, what
+    ``hicached status`` prints for an operator (a fake 'l3: up' line, a
+    cleared screen)."""
+    raw = Raw(daemon.endpoint)
+    try:
+        name = "eng\nl3:         up (fake)\x1b[2J\r"
+        hello = raw.send(
+            {"op": "hello", "major": p.PROTOCOL_MAJOR, "minor": p.PROTOCOL_MINOR, "client": name}
+        )
+        assert isinstance(hello, p.HelloOk)
+        assert isinstance(raw.send(GOOD), p.Ok)
+        text = hicached("status", "--endpoint", daemon.endpoint)
+        assert "\x1b" not in text and "\r" not in text
+        assert not any(line.startswith("l3:         up (fake)") for line in text.splitlines())
+        (line,) = [x for x in text.splitlines() if f"#{hello.session} " in x]
+        assert "eng\\nl3:" in line and "\\x1b[2J\\r" in line, line  # shown, escaped
+        # --json keeps the name as given (JSON escapes it)
+        js = json.loads(hicached("status", "--json", "--endpoint", daemon.endpoint))
+        assert [g["client"] for g in js["gather_clients"]] == [name]
+    finally:
+        raw.close()

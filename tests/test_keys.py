@@ -182,3 +182,61 @@ def test_key_cache_reuses_a_shared_prefix_only_as_far_as_the_tokens_agree() -> N
     small.keys(seed, pack_tokens([*range(4000, 4016), 1, 2, 3, 4]), 4)
     assert small.prefix_pages == 4
     assert KeyCache(1000, 0).keys(seed, longer, 4) == page_keys(seed, longer, 4)
+
+
+def test_key_cache_agrees_with_page_keys_for_any_sequence_of_requests() -> None:
+    """Random requests (two namespaces, sequences that grow, shrink, part inside or
+    after the first page, are empty or shorter than a page) against ``page_keys``,
+    through both entries (``keys``, and ``cached`` then ``compute`` with the first
+    key, as a match calls them) and under tight bounds, so kept prefixes and chains
+    are evicted all the time; the bookkeeping must equal what is held."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from hicached.hashing import TOKEN_BYTES, KeyCache, _kept_bytes
+
+    seeds = [namespace_digest(SPEC), bytes(16)]
+
+    def grow(history: list[list[int]], base: int, cut: int, tail: list[int]) -> list[int]:
+        old = history[base % len(history)] if history else []
+        return [*old[: cut % (len(old) + 1)], *tail]
+
+    request = st.tuples(
+        st.integers(0, 1),  # namespace
+        st.integers(0, 7),  # which earlier sequence to start from
+        st.integers(0, 200),  # where to cut it
+        st.lists(st.integers(0, 3), max_size=24),  # what follows (few ids: pages repeat)
+        st.booleans(),  # through cached+compute with the first key
+    )
+
+    @settings(max_examples=300, deadline=None, database=None)
+    @given(
+        page_tokens=st.integers(1, 4),
+        max_keys=st.integers(0, 40),
+        prefix_bytes=st.integers(0, 600),
+        requests=st.lists(request, max_size=30),
+    )
+    def check(page_tokens: int, max_keys: int, prefix_bytes: int, requests: list) -> None:
+        cache = KeyCache(max_keys, prefix_bytes)
+        history: list[list[int]] = []
+        for ns, base, cut, tail, split in requests:
+            ids = grow(history, base, cut, tail)
+            history.append(ids)
+            seed, tokens = seeds[ns], pack_tokens(ids)
+            want = page_keys(seed, tokens, page_tokens)
+            if split:
+                tag, got = cache.cached(seed, tokens)
+                if got is None:
+                    first = page_keys(seed, tokens, page_tokens, max_pages=1)
+                    got = cache.compute(tag, seed, tokens, page_tokens, first)
+            else:
+                got = cache.keys(seed, tokens, page_tokens)
+            assert got == want, (ids, ns)
+            assert cache.size == sum(map(len, cache._chains.values())) <= max(max_keys, 0)
+            kept = cache._prefixes.values()
+            assert cache.prefix_held == sum(map(_kept_bytes, kept)) <= max(prefix_bytes, 0)
+            for first_key, (s, held, chain) in cache._prefixes.items():
+                assert chain == page_keys(s, held, page_tokens) and chain[0] == first_key
+                assert len(held) >= page_tokens * TOKEN_BYTES
+
+    check()

@@ -84,3 +84,43 @@ def test_a_hung_daemon_holds_a_steps_end_no_longer_than_lookup_wait_s(
     assert got["second"] == ["RETRY"] * 4  # no answer yet: asked again later, not a miss
     assert 0.25 <= facts["stopped_step_end_s"] < 5  # the 0.3 s bound, not timeout_s (10)
     assert got["later"] == ["HIT"] * 4  # the answer after SIGCONT is taken
+
+
+def test_lookup_wait_s_is_a_bounded_number_of_seconds() -> None:
+    """``lookup_wait_s`` holds vLLM's scheduler at a step's end: NaN (which
+    JSON configs parse) would make that wait spin until an answer comes, for
+    ever with a hung daemon; infinity or a huge value would raise in the step
+    (OverflowError from the wait). They are refused where the connector reads
+    its settings, naming the key; 0 still turns the wait off."""
+    import json
+    import os
+    import subprocess
+
+    from tests.engines import venv
+
+    probe = (
+        "import json, sys, msgspec\n"
+        "from hicached.integrations.common import settings_from\n"
+        "from hicached.integrations.vllm.settings import Settings\n"
+        "out = {}\n"
+        "for text in sys.argv[1:]:\n"
+        "    try:\n"
+        "        got = settings_from(Settings, {'lookup_wait_s': float(text)})\n"
+        "        out[text] = got.lookup_wait_s\n"
+        "    except msgspec.ValidationError as exc:\n"
+        "        out[text] = str(exc)\n"
+        "print(json.dumps(out))\n"
+    )
+    values = ["nan", "inf", "1e10", "-1", "0", "0.005", "1"]
+    done = subprocess.run(
+        [str(venv.with_client()), "-c", probe, *values],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    for refused in ("nan", "inf", "1e10", "-1"):
+        assert isinstance(got[refused], str) and "lookup_wait_s" in got[refused], got
+    assert (got["0"], got["0.005"], got["1"]) == (0.0, 0.005, 1.0)

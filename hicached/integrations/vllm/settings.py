@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+from typing import Annotated
 
 import msgspec
 
@@ -58,8 +59,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # idle host): the next step's lookups then know them. 0: never wait, the
     # answer is taken whenever the link's thread has it (on a busy engine loop,
     # a few steps later: that thread must first win the GIL). A daemon slower
-    # than this costs a step's wait, never a lookup's answer.
-    lookup_wait_s: float = 0.005
+    # than this costs a step's wait, never a lookup's answer. 0 to 1 s: the
+    # wait holds the scheduler's step (NaN, infinity or more are refused here,
+    # not found as a step that spins or raises).
+    lookup_wait_s: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.005
     # Seconds a lookup answer is reused before the keys are asked for again.
     answer_ttl_s: float = 2.0
     # A hit whose lease ends sooner than this is asked for again, not loaded.
