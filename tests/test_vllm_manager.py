@@ -103,15 +103,19 @@ def test_lookup_wait_s_is_a_bounded_number_of_seconds() -> None:
         "from hicached.integrations.common import settings_from\n"
         "from hicached.integrations.vllm.settings import Settings\n"
         "out = {}\n"
-        "for text in sys.argv[1:]:\n"
+        "for arg in sys.argv[1:]:\n"
+        "    key, _, text = arg.rpartition('=')\n"
+        "    key = key or 'lookup_wait_s'\n"
         "    try:\n"
-        "        got = settings_from(Settings, {'lookup_wait_s': float(text)})\n"
-        "        out[text] = got.lookup_wait_s\n"
+        "        got = settings_from(Settings, {key: float(text)})\n"
+        "        out[arg] = getattr(got, key)\n"
         "    except msgspec.ValidationError as exc:\n"
-        "        out[text] = str(exc)\n"
+        "        out[arg] = str(exc)\n"
         "print(json.dumps(out))\n"
     )
-    values = ["nan", "inf", "1e10", "-1", "0", "0.005", "1"]
+    # every other time setting too: finite, never negative, timeouts above 0
+    others = ["timeout_s=nan", "timeout_s=0", "answer_ttl_s=inf", "retry_s=-1", "retry_s=0"]
+    values = ["nan", "inf", "1e10", "-1", "0", "0.005", "1", *others]
     done = subprocess.run(
         [str(venv.with_client()), "-c", probe, *values],
         capture_output=True,
@@ -124,3 +128,7 @@ def test_lookup_wait_s_is_a_bounded_number_of_seconds() -> None:
     for refused in ("nan", "inf", "1e10", "-1"):
         assert isinstance(got[refused], str) and "lookup_wait_s" in got[refused], got
     assert (got["0"], got["0.005"], got["1"]) == (0.0, 0.005, 1.0)
+    for refused in others[:4]:
+        key = refused.split("=")[0]
+        assert isinstance(got[refused], str) and key in got[refused], got
+    assert got["retry_s=0"] == 0.0

@@ -13,7 +13,7 @@ import hashlib
 import os
 import re
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
@@ -37,6 +37,13 @@ def default_revision(name: str) -> str:
         return "main"
     path = os.path.realpath(os.path.expanduser(name))
     return "path-" + hashlib.sha256(path.encode()).hexdigest()[:16]
+
+
+# Seconds an engine's extra config may set: finite (JSON configs parse NaN and
+# Infinity, which no wait or deadline survives), never negative, at most a day.
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=86400.0)]
+# A timeout, which a zero would turn into an instant failure of every call.
+Timeout = Annotated[float, msgspec.Meta(gt=0.0, le=86400.0)]
 
 
 def settings_from(cls: type[S], extra: Mapping[str, Any] | None) -> S:

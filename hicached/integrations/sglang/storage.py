@@ -21,7 +21,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from hicached.client import Client
 from hicached.client.handles import Hit, Reservation
 from hicached.errors import StaleHandle
-from hicached.integrations.common import settings_from
+from hicached.integrations.common import Seconds, Timeout, settings_from
 from hicached.integrations.sglang import moves
 from hicached.integrations.sglang.hits import check_policy, fold
 from hicached.integrations.sglang.link import Link, Session
@@ -56,11 +56,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     revision: str = ""
     tenant: str = "default"
     # Seconds one request to the daemon may take.
-    timeout_s: float = 5.0
+    timeout_s: Timeout = 5.0
     # Seconds after the daemon was found unreachable before a thread tries it again.
-    retry_s: float = 2.0
+    retry_s: Seconds = 2.0
     # Seconds a read waits for pages coming back from L3; those loaded by then are served.
-    prefetch_timeout_s: float = 10.0
+    prefetch_timeout_s: Seconds = 10.0
 
 
 @dataclass(slots=True)

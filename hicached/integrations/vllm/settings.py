@@ -13,6 +13,7 @@ from typing import Annotated
 import msgspec
 
 from hicached.errors import DaemonUnavailable, DeadlineExceeded
+from hicached.integrations.common import Seconds, Timeout
 from hicached.wire.namespace import NamespaceSpec
 
 # Hash algorithms whose keys are the same in every process, and those that are
@@ -47,13 +48,13 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     hash_algo: str = "sha256"
     # Seconds one request to the daemon may take (a store's reserve holds up the
     # scheduler that long at most).
-    timeout_s: float = 1.0
+    timeout_s: Timeout = 1.0
     # Seconds after the daemon was found unreachable before it is tried again.
-    retry_s: float = 10.0
+    retry_s: Seconds = 10.0
     # Seconds a finished store waits for every worker's word before it gives up.
-    ack_timeout_s: float = 5.0
+    ack_timeout_s: Timeout = 5.0
     # Seconds an L3 load may take; the pages loaded by then are served.
-    prefetch_timeout_s: float = 10.0
+    prefetch_timeout_s: Seconds = 10.0
     # Seconds the scheduler waits, at the end of a step that asked the daemon
     # about new keys, for the answer (one round trip, under a millisecond on an
     # idle host): the next step's lookups then know them. 0: never wait, the
@@ -64,9 +65,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # not found as a step that spins or raises).
     lookup_wait_s: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.005
     # Seconds a lookup answer is reused before the keys are asked for again.
-    answer_ttl_s: float = 2.0
+    answer_ttl_s: Timeout = 2.0
     # A hit whose lease ends sooner than this is asked for again, not loaded.
-    lease_slack_s: float = 5.0
+    lease_slack_s: Seconds = 5.0
     # Transfers start on a thread of their own (true) or in the submit call
     # (false); unset: a thread for KV on a GPU, so that adopting a handle (after
     # a daemon restart, a hello to the new one) stays off the engine's thread,
