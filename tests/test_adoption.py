@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -302,17 +303,7 @@ def test_adopted_pages_are_announced_after_all_blocks_cleared(tmp_path: Path) ->
             }
         d.kill()
         d.start()
-        replay = ctx.socket(zmq.DEALER)
-        replay.setsockopt(zmq.LINGER, 0)
-        replay.connect(f"ipc://{events}/replay.sock")
-        replay.send_multipart([b"", (0).to_bytes(8, "big")])
-        got = []
-        while True:
-            assert replay.poll(5000), "no replay"
-            _, _topic, seq, payload = replay.recv_multipart()
-            if seq == END_SEQ:
-                break
-            got.extend(batch_decoder.decode(payload).events)
+        got = _replayed(ctx, events)
         assert type(got[0]).__name__ == "AllBlocksCleared"
         stored = [e for e in got[1:] if isinstance(e, BlockStored)]
         assert all(e.medium == "CPU" for e in stored)
@@ -388,17 +379,7 @@ def test_adopted_key_addressed_pages_keep_their_group_and_spec_kind(tmp_path: Pa
             c.commit(res)
         d.kill()
         d.start()
-        replay = ctx.socket(zmq.DEALER)
-        replay.setsockopt(zmq.LINGER, 0)
-        replay.connect(f"ipc://{events}/replay.sock")
-        replay.send_multipart([b"", (0).to_bytes(8, "big")])
-        got = []
-        while True:
-            assert replay.poll(5000), "no replay"
-            _, _topic, seq, payload = replay.recv_multipart()
-            if seq == END_SEQ:
-                break
-            got.extend(batch_decoder.decode(payload).events)
+        got = _replayed(ctx, events)
         (event,) = [e for e in got if isinstance(e, BlockStored)]
         assert event.block_hashes == [block_hash(h) for h in block]
         assert event.group_idx == 3
@@ -409,3 +390,20 @@ def test_adopted_key_addressed_pages_keep_their_group_and_spec_kind(tmp_path: Pa
     finally:
         ctx.destroy(linger=0)
         d.cleanup()
+
+
+def _replayed(ctx: zmq.Context[Any], events: Path) -> list[Any]:
+    """Every event the daemon's replay socket (in ``events``) keeps, from the start."""
+    replay = ctx.socket(zmq.DEALER)
+    replay.setsockopt(zmq.LINGER, 0)
+    replay.connect(f"ipc://{events}/replay.sock")
+    replay.send_multipart([b"", (0).to_bytes(8, "big")])
+    got: list[Any] = []
+    while True:
+        assert replay.poll(5000), "no replay"
+        _, _topic, seq, payload = replay.recv_multipart()
+        if seq == END_SEQ:
+            break
+        got.extend(batch_decoder.decode(payload).events)
+    replay.close()
+    return got
