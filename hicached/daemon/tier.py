@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -186,22 +187,34 @@ class Tier:
     async def _write_adopted(self, pages: list[tuple[NamespaceState, bytes, int, int]]) -> None:
         """Queue writes of adopted pages L3 lacks as the write queue has room (none
         is dropped for lack of it), until all are queued or the daemon stops."""
-        dispatcher = self.dispatcher
-        queued = i = 0
+        counts = FlushCounts(pages=len(pages))
         try:
-            while i < len(pages):
-                room = dispatcher.room
-                if room <= 0 or dispatcher.cooling:
-                    await dispatcher.wait_room(0.05)
-                    continue
-                step = pages[i : i + room]
-                i += len(step)
-                queued += self.cache.write_back(step)  # skips pages written or freed meanwhile
-                await asyncio.sleep(0)
+            await self._queue_writes(pages, math.inf, counts)
         except Exception:  # a bug here must not stop the daemon's stop
-            log.exception("writing adopted pages L3 lacked failed after %d of %d", i, len(pages))
+            log.exception("writing adopted pages L3 lacked failed after %d", counts.queued)
             return
-        log.info("adopted pages L3 lacked: %d, %d writes queued", len(pages), queued)
+        log.info("adopted pages L3 lacked: %d, %d writes queued", len(pages), counts.queued)
+
+    async def _queue_writes(
+        self, pages: list[tuple[NamespaceState, bytes, int, int]], end: float, counts: FlushCounts
+    ) -> None:
+        """Queue writes of ``pages`` (``Cache.unwritten_pages``'s) as many at a time
+        as the write queue has room for, and more as it drains, until all are
+        queued or ``end``; ``counts`` counts them. No page is dropped for lack
+        of room; one written meanwhile, or gone from L2, is skipped."""
+        dispatcher = self.dispatcher
+        i = 0
+        while i < len(pages) and (now := time.monotonic()) < end:
+            room = dispatcher.room
+            if room <= 0 or dispatcher.cooling:
+                await dispatcher.wait_room(min(0.05, end - now))
+                continue
+            step = pages[i : i + room]
+            i += len(step)
+            queued = self.cache.write_back(step)
+            counts.queued += queued
+            counts.skipped += len(step) - queued
+            await asyncio.sleep(0)  # let the writers take what was queued
 
     async def stop(self) -> None:
         """Stop within storage.flush_deadline_s, all steps together: end the scan
@@ -245,18 +258,7 @@ class Tier:
         pages = self.cache.unwritten_pages()
         counts = self._flush = FlushCounts(pages=len(pages))
         try:
-            i = 0
-            while i < len(pages) and (now := time.monotonic()) < end:
-                room = dispatcher.room
-                if room <= 0 or dispatcher.cooling:
-                    await dispatcher.wait_room(min(0.05, end - now))
-                    continue
-                step = pages[i : i + room]
-                i += len(step)
-                queued = self.cache.write_back(step)
-                counts.queued += queued
-                counts.skipped += len(step) - queued  # written meanwhile, or gone from L2
-                await asyncio.sleep(0)  # let the writers take what was queued
+            await self._queue_writes(pages, end, counts)
             while counts.written + counts.failed < counts.queued and (
                 (now := time.monotonic()) < end
             ):
