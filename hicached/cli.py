@@ -67,6 +67,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
             stats = client.stats()
         except ResourceExhausted:  # every client slot holds leases: ask without a session
             stats = client.stats(session=False)
+        protocol = client.protocol  # the session's, before close() forgets it
     finally:
         client.close()
     if args.json:
@@ -104,7 +105,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
             + "; "
             + _pairs(stats.l3)
         )
-    lines.extend(_gather_lines(stats.gather_clients))
+    lines.extend(_gather_lines(stats.gather_clients, protocol))
     lines.append(f"metrics:    {stats.metrics_endpoint or 'off'}")
     print("\n".join(lines))
     return 0
@@ -114,9 +115,18 @@ _GATHER_SHOWN = 8  # measured clients given a line each; --json has them all
 _HOW = {"measured": "measured", "forced": "set by HICACHED_GATHER", "no_torch": "without torch"}
 
 
-def _gather_lines(clients: list[p.GatherClient]) -> list[str]:
+def _gather_lines(clients: list[p.GatherClient], protocol: tuple[int, int] | None) -> list[str]:
     """Clients' scattered-copy kernels (client/gather.py): a summary, then one
-    line per measured client with the rates that decided."""
+    line per measured client with the rates that decided. ``protocol``: the
+    daemon's version where known; one older than 1.5 keeps no reports, which
+    is not the same as none reported."""
+    from hicached.wire.protocol import GATHER_MINOR, PROTOCOL_MAJOR
+
+    if protocol is not None and protocol < (PROTOCOL_MAJOR, GATHER_MINOR):
+        return [
+            f"gather:     not kept by this daemon (protocol {protocol[0]}.{protocol[1]}; "
+            f"{PROTOCOL_MAJOR}.{GATHER_MINOR} and later keep them)"
+        ]
     if not clients:
         return ["gather:     none reported"]
     picks: dict[str, int] = {}

@@ -403,6 +403,12 @@ def test_a_daemon_without_the_report_costs_a_client_nothing(
     else:
         assert not stats.errors and "gather" not in err
         assert "gather" not in stats.requests  # never sent
+    # the status tells a daemon that keeps no reports from one that heard none
+    out = hicached("status", "--endpoint", d.endpoint)
+    if refusal:
+        assert "gather:     none reported" in out
+    else:
+        assert f"gather:     not kept by this daemon (protocol 1.{minor};" in out
 
 
 def test_status_prints_a_client_name_with_control_characters_escaped(daemon: Daemon) -> None:

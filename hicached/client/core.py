@@ -307,6 +307,14 @@ class _Core:
         """The daemon instance this client last spoke to (0 before it connected)."""
         return self._instance
 
+    @property
+    def protocol(self) -> tuple[int, int] | None:
+        """The protocol version (major, minor) of the daemon this client's session
+        is open with; None without a session (before it connected, or where only
+        a probe was answered)."""
+        hello = self._hello
+        return None if hello is None else (hello.major, hello.minor)
+
     def adopt(self, handle: PortableHandle) -> Reservation | Hit:
         """A copy-only handle from another process's ``portable()`` (same host, same
         daemon): write_pages/read_pages through it, while the process that holds
