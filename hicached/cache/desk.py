@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import get_args
 
 import numpy as np
@@ -266,14 +266,17 @@ class Cache:
     def write_back(self, pages: list[tuple[NamespaceState, bytes, int, int]]) -> int:
         return self.tiering.write_back(pages)
 
-    def adopted_unwritten(self) -> list[tuple[NamespaceState, bytes, int, int]]:
+    def adopted_unwritten(
+        self, most: int
+    ) -> Iterator[list[tuple[NamespaceState, bytes, int, int]]] | None:
         """Once L3's listing ended, after a start that adopted pages: the L2 pages
-        L3 lacks and no write carries, where the write policy writes adopted
+        L3 lacks and no write carries, in batches of at most ``most``
+        (``Tiering.unwritten_batches``), where the write policy writes adopted
         pages (write_through: their writes were queued or under way when the
-        daemon before stopped); none otherwise."""
+        daemon before stopped); None otherwise."""
         if self.adopted is None or not self.adopted.pages or not self.policy.writes_adopted:
-            return []
-        return self.tiering.unwritten_pages()
+            return None
+        return self.tiering.unwritten_batches(most)
 
     def prefetch_started(self, lease: Lease) -> None:
         self.prefetches.started(lease)

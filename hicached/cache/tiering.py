@@ -18,7 +18,7 @@ The cache decides *what* moves; the tier (daemon/tier.py, behind the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
@@ -368,16 +368,32 @@ class Tiering:
 
     def unwritten_pages(self) -> list[tuple[NamespaceState, bytes, int, int]]:
         """Every L2 page that L3 lacks and no write is carrying: (namespace, key,
-        slot, the slot's generation now)."""
+        slot, the slot's generation now), in one go."""
+        return [page for batch in self.unwritten_batches(1 << 62) for page in batch]
+
+    def unwritten_batches(
+        self, most: int
+    ) -> Iterator[list[tuple[NamespaceState, bytes, int, int]]]:
+        """``unwritten_pages`` in batches of at most ``most`` pages, for a caller
+        that lets requests run between them (a million pages take about half a
+        second to list). Each index's slots are taken first; each batch is read
+        from the index when it is asked for, a page's key, slot and generation
+        together, so ``write_back`` of it writes a slot's bytes under their own
+        key. Pages stored after the start are not listed, pages gone since are
+        left out, an index gone since ends its part. A batch may be empty."""
         desk = self.desk
-        out = []
-        l3, writing, namespaces = desk.l3, self.writing, desk.names.by_id
-        gens = desk.pool.gens
-        for index in desk.l2.indexes():
-            for key, slot, owner in index.items():
-                if key not in l3 and key not in writing:
-                    out.append((namespaces[owner], key, slot, int(gens[slot // GEN_GRANULE])))
-        return out
+        for index in list(desk.l2.indexes()):
+            slots = index.slots()
+            for start in range(0, len(slots), most):
+                if not any(live is index for live in desk.l2.indexes()):
+                    break
+                l3, writing, namespaces = desk.l3, self.writing, desk.names.by_id
+                gens = desk.pool.gens
+                yield [
+                    (namespaces[owner], key, slot, int(gens[slot // GEN_GRANULE]))
+                    for key, slot, owner in index.pages_at(slots[start : start + most])
+                    if key not in l3 and key not in writing
+                ]
 
     def write_back(self, pages: list[tuple[NamespaceState, bytes, int, int]]) -> int:
         """Queue writes of ``pages`` (from ``unwritten_pages``) that are still in L2

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,8 @@ from hicached_backends import Backend, BackendEnv, PageRef, load_backend_class
 log = logging.getLogger("hicached.storage")
 
 _SCAN_YIELD_PAGES = 4096  # the startup scan lets requests in after this many pages
+# pages of L2 listed at once for the writes of adopted pages L3 lacks (about 3 ms)
+_LIST_BATCH_PAGES = 4096
 
 
 def backend_options(config: Config, cls: type[Backend]) -> Any:
@@ -177,23 +179,30 @@ class Tier:
             log.info(
                 "L3 holds %d pages (scanned in %.2fs)", self.scan_pages, time.monotonic() - started
             )
-            pages = cache.adopted_unwritten()
-            if pages:
-                self._adopted = asyncio.get_running_loop().create_task(self._write_adopted(pages))
+            batches = cache.adopted_unwritten(_LIST_BATCH_PAGES)
+            if batches is not None:
+                self._adopted = asyncio.get_running_loop().create_task(self._write_adopted(batches))
         finally:
             announce()  # what was found before a stop or a failure is in L3 all the same
             self.scanning = False
 
-    async def _write_adopted(self, pages: list[tuple[NamespaceState, bytes, int, int]]) -> None:
+    async def _write_adopted(
+        self, batches: Iterator[list[tuple[NamespaceState, bytes, int, int]]]
+    ) -> None:
         """Queue writes of adopted pages L3 lacks as the write queue has room (none
-        is dropped for lack of it), until all are queued or the daemon stops."""
-        counts = FlushCounts(pages=len(pages))
+        is dropped for lack of it), until all are queued or the daemon stops;
+        requests are served between two batches of the listing."""
+        counts = FlushCounts()
         try:
-            await self._queue_writes(pages, math.inf, counts)
+            for pages in batches:
+                counts.pages += len(pages)
+                await self._queue_writes(pages, math.inf, counts)
+                await asyncio.sleep(0)  # a batch L3 has whole queues nothing: yield all the same
         except Exception:  # a bug here must not stop the daemon's stop
             log.exception("writing adopted pages L3 lacked failed after %d", counts.queued)
             return
-        log.info("adopted pages L3 lacked: %d, %d writes queued", len(pages), counts.queued)
+        if counts.pages:
+            log.info("adopted pages L3 lacked: %d, %d writes queued", counts.pages, counts.queued)
 
     async def _queue_writes(
         self, pages: list[tuple[NamespaceState, bytes, int, int]], end: float, counts: FlushCounts

@@ -119,6 +119,27 @@ class PageIndex:
         node = self.node_of.get(slot)
         return node is not None and node.keys[node.slots.index(slot)] == key
 
+    def slots(self) -> list[int]:
+        """Every page's slot, now (a list: the index may change while it is used)."""
+        return list(self.node_of)
+
+    def pages_at(self, slots: Sequence[int]) -> list[tuple[bytes, int, int]]:
+        """(key, slot, owner) of the pages in ``slots`` now; slots no page holds
+        are left out. Each node's pages are read once per call, however many of
+        its slots are asked for."""
+        out: list[tuple[bytes, int, int]] = []
+        node_of = self.node_of
+        keys_of: dict[Node, dict[int, bytes]] = {}  # a node's slot -> key
+        for slot in slots:
+            node = node_of.get(slot)
+            if node is None:
+                continue
+            keys = keys_of.get(node)
+            if keys is None:
+                keys = keys_of[node] = dict(zip(node.slots, node.keys, strict=True))
+            out.append((keys[slot], slot, node.owner))
+        return out
+
     def items(self) -> Iterator[tuple[bytes, int, int]]:
         """Every page as (key, slot, owner)."""
         for node in self.nodes():

@@ -95,6 +95,20 @@ class KeyIndex:
         entry = self._by_slot.get(slot)
         return entry is not None and entry.key == key
 
+    def slots(self) -> list[int]:
+        """Every page's slot, now (a list: the index may change while it is used)."""
+        return list(self._by_slot)
+
+    def pages_at(self, slots: Sequence[int]) -> list[tuple[bytes, int, int]]:
+        """(key, slot, owner) of the pages in ``slots`` now; slots no page holds
+        are left out."""
+        by_slot = self._by_slot
+        return [
+            (entry.key, slot, entry.owner)
+            for slot in slots
+            if (entry := by_slot.get(slot)) is not None
+        ]
+
     def items(self) -> Iterator[tuple[bytes, int, int]]:
         """Every page as (key, slot, owner)."""
         for entry in self._entries.values():
