@@ -204,6 +204,37 @@ def test_commit_of_a_read_lease_and_overlong_commit(small_daemon: Daemon) -> Non
         assert c.stats().reserved_pages == 0  # the lease was aborted, its slots freed
 
 
+def test_a_negative_page_count_other_than_minus_one_is_refused(small_daemon: Daemon) -> None:
+    """-1 is "all" for a commit's pages and a prefetch's max_pages; another negative
+    count (a caller's arithmetic gone below zero, such as an agreed length less the
+    L2 hits) is refused, not read as "all": that would publish pages the ranks did
+    not agree on. The lease stays open, and nothing is published."""
+    with small_daemon.client() as c:
+        ns = c.register(**NS)
+        keyed = c.register(**{**NS, "key_scheme": "sglang"})
+        toks = np.arange(500, 500 + 3 * PAGE_TOKENS, dtype=np.uint32)
+        res = c.reserve(ns, toks)
+        c.write_pages(res, page_bytes_for(toks))
+        reply = c._roundtrip(p.Commit(id=0, lease=res.lease, pages=-2))
+        assert isinstance(reply, p.Error) and reply.code == "bad_request", reply
+        assert "-2" in reply.message
+        keys = [bytes([i]) * 32 for i in range(1, 4)]
+        kres = c.reserve_keys(keyed, keys)
+        reply = c._roundtrip(p.Commit(id=0, lease=kres.lease, pages=-5))
+        assert isinstance(reply, p.Error) and reply.code == "bad_request", reply
+        stats = c.stats()
+        assert stats.pages == 0 and stats.leases == 2  # nothing published, both still open
+        for request in (
+            p.Prefetch(id=0, ns=ns.id, tokens=toks.tobytes(), max_pages=-3),
+            p.PrefetchKeys(id=0, ns=keyed.id, keys=keys, max_pages=-3),
+        ):
+            reply = c._roundtrip(request)
+            assert isinstance(reply, p.Error) and reply.code == "bad_request", reply
+        assert c.commit(res).published == 3  # -1, the client's "all", still is
+        c.release(kres)
+    still_serving(small_daemon)
+
+
 def test_garbage_over_tcp_does_not_hurt(daemon_factory: Callable[..., Daemon]) -> None:
     import socket
 

@@ -29,7 +29,7 @@ from hicached.cache.sessions import (
     PrefetchState,
     Session,
 )
-from hicached.cache.writes import chain, token_ids
+from hicached.cache.writes import chain, check_count, token_ids
 from hicached.errors import BadRequest, ForeignLease, UnknownLease
 from hicached.wire import protocol as p
 
@@ -54,6 +54,7 @@ class Prefetches:
 
     def prefetch(self, session: Session, msg: p.Prefetch) -> p.PrefetchOk:
         desk = self.desk
+        check_count("prefetch max_pages", msg.max_pages)
         ns = desk.names.of(session, msg.ns)
         keys = desk.names.token_keys(ns, msg.tokens)
         present = ns.index.match(keys)
@@ -69,6 +70,7 @@ class Prefetches:
 
     def prefetch_keys(self, session: Session, msg: p.PrefetchKeys) -> p.PrefetchOk:
         desk = self.desk
+        check_count("prefetch max_pages", msg.max_pages)
         ns = desk.names.of(session, msg.ns)
         keys = desk.names.engine_keys(ns, msg.keys)
         present = ns.index.match(keys)

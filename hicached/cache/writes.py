@@ -30,7 +30,7 @@ from hicached.wire.namespace import MAX_KEY_BYTES
 if TYPE_CHECKING:
     from hicached.cache.desk import Cache
 
-__all__ = ["Writes", "chain", "token_ids"]
+__all__ = ["Writes", "chain", "check_count", "token_ids"]
 
 
 class Writes:
@@ -111,6 +111,7 @@ class Writes:
         lease = desk.leases.get(msg.lease)
         if lease is not None and lease.session is session and not lease.writing:
             raise BadRequest(f"lease {msg.lease} is a read lease; release it instead")
+        check_count("commit pages", msg.pages)
         lease = desk.leasing.take(session, msg.lease)
         fresh = lease.fresh
         pf = lease.prefetch
@@ -276,6 +277,14 @@ def chain(
         out.append(KeyedPage(key, up, ekey, eup))
         up, eup = key, ekey
     return out
+
+
+def check_count(what: str, count: int) -> None:
+    """A count of pages where -1 means "all": another negative is refused, never
+    read as "all", since a caller's count that went below zero (an agreed length
+    less the L2 hits) would otherwise publish or read pages nobody agreed on."""
+    if count < -1:
+        raise BadRequest(f"{what} must be -1 (all) or a count of pages, got {count}")
 
 
 def token_ids(tokens: bytes, start: int, end: int) -> list[int]:
