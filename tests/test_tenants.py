@@ -106,6 +106,52 @@ def test_a_namespace_takes_the_connections_tenant_and_another_is_refused() -> No
     assert cache.errors["foreign_tenant"] == 3
 
 
+def test_status_names_a_tenant_only_its_own_clients() -> None:
+    """A gather report names its client and pid (``hicached status``): with
+    tenants on, a peer's stats list its own tenant's sessions only, whether it
+    asks with a session or as a probe; a peer no tenant lists sees none; the
+    counts stay daemon-wide, and without tenants every report is listed."""
+    report = p.GatherReport(
+        id=9,
+        how="measured",
+        read="numpy",
+        write="numpy",
+        read_numpy_gbps=1.0,
+        read_torch_gbps=1.0,
+        write_numpy_gbps=1.0,
+        write_torch_gbps=1.0,
+        page_bytes=PAGE,
+        sample_pages=8,
+        rounds=1,
+        seconds=0.01,
+    )
+
+    def listed(cache: Cache, rid: bytes, peer: str | None) -> set[str]:
+        ok = _call(cache, rid, peer, p.Stats(id=1))
+        assert isinstance(ok, p.StatsOk)
+        return {c.client for c in ok.stats.gather_clients}
+
+    for tenants in (True, False):
+        cache = _cache(alpha=TenantConfig(), beta=TenantConfig()) if tenants else _cache()
+        peers = {b"a1": "alpha", b"a2": "alpha", b"b1": "beta"}
+        for rid, peer in peers.items():
+            hello = msgspec.structs.replace(HELLO, client=f"engine-{peer}-{rid.decode()}")
+            assert isinstance(_call(cache, rid, peer if tenants else None, hello), p.HelloOk)
+            ok = _call(cache, rid, peer if tenants else None, report)
+            assert not isinstance(ok, p.Error), ok
+        everyone = {"engine-alpha-a1", "engine-alpha-a2", "engine-beta-b1"}
+        if not tenants:
+            assert listed(cache, b"a1", None) == listed(cache, b"x", None) == everyone
+            continue
+        assert listed(cache, b"a1", "alpha") == {"engine-alpha-a1", "engine-alpha-a2"}
+        assert listed(cache, b"b1", "beta") == {"engine-beta-b1"}
+        assert listed(cache, b"probe", "beta") == {"engine-beta-b1"}  # without a session
+        assert listed(cache, b"n", "!uid 7, gid 7, pid 1") == set()
+        ok = _call(cache, b"b1", "beta", p.Stats(id=1))
+        assert isinstance(ok, p.StatsOk) and ok.stats.clients == 3
+        assert {c.client for c in cache.stats().gather_clients} == everyone  # the metrics'
+
+
 def test_without_tenants_a_namespace_names_its_own_tenant() -> None:
     cache = _cache()
     spec = msgspec.structs.replace(SPEC, tenant="anything")

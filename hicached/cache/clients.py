@@ -102,12 +102,15 @@ class Clients:
         session.gather = msg
         return p.Ok(id=msg.id)
 
-    def gather_clients(self) -> list[p.GatherClient]:
-        """The sessions' gather reports, in session order (for stats)."""
+    def gather_clients(self, viewer: str | None = None) -> list[p.GatherClient]:
+        """The sessions' gather reports, in session order (for stats); with
+        tenants on (``viewer`` not None: the asking peer), those of the viewer's
+        own sessions only: a report names its client and pid, which another
+        tenant is not to see."""
         out = []
         for session in sorted(self.sessions.values(), key=_session_id):
             g = session.gather
-            if g is not None:
+            if g is not None and (viewer is None or session.peer == viewer):
                 out.append(
                     p.GatherClient(
                         session=session.id,

@@ -144,7 +144,7 @@ class Cache:
         self.writing = self.tiering.writing
         # what answers each request of a session (hello and goodbye come before one)
         self._handlers: Handlers = {
-            p.Stats: lambda _, msg: p.StatsOk(id=msg.id, stats=self.stats())
+            p.Stats: lambda session, msg: p.StatsOk(id=msg.id, stats=self.stats(session.peer))
         }
         rooms = (self.clients, self.names, self.leasing, self.reads, self.writes, self.prefetches)
         for room in rooms:
@@ -185,7 +185,7 @@ class Cache:
             if isinstance(request, p.Stats) and routing_id not in self.sessions:
                 # a probe takes no client slot: `hicached status` answers even
                 # while every slot is held by clients with leases (crashed ones too)
-                return p.StatsOk(id=request.id, stats=self.stats())
+                return p.StatsOk(id=request.id, stats=self.stats(peer))
             session = self.clients.session(routing_id, peer)
             if handler is not None:
                 stats: p.AnyReply = handler(session, request)  # Stats, with a session
@@ -393,7 +393,10 @@ class Cache:
             for book in sorted(self.l2.books.values(), key=lambda b: b.name)
         ]
 
-    def stats(self) -> p.DaemonStats:
+    def stats(self, viewer: str | None = None) -> p.DaemonStats:
+        """The daemon's figures, as ``viewer`` (the asking peer, ``handle``'s
+        ``peer``) may see them: with tenants on, the clients listed by name
+        (``gather_clients``) are its own tenant's only; the rest are counts."""
         pool = self.pool
         used = pool.used_bytes
         reserved = sum(len(lease.fresh) for lease in self.leases)
@@ -447,5 +450,5 @@ class Cache:
             metrics_endpoint=self.metrics_endpoint,
             adopted_pages=self.adopted.pages if self.adopted else 0,
             adoption_dropped=dict(self.adopted.dropped) if self.adopted else {},
-            gather_clients=self.clients.gather_clients(),
+            gather_clients=self.clients.gather_clients(viewer),
         )
