@@ -232,6 +232,11 @@ def test_a_negative_page_count_other_than_minus_one_is_refused(small_daemon: Dae
             assert isinstance(reply, p.Error) and reply.code == "bad_request", reply
         assert c.commit(res).published == 3  # -1, the client's "all", still is
         c.release(kres)
+        # keys twice in one prefetch: refused without L3 and with every page in L2
+        twice = [keys[0], keys[1], keys[0]]
+        reply = c._roundtrip(p.PrefetchKeys(id=0, ns=keyed.id, keys=twice, max_pages=-1))
+        assert isinstance(reply, p.Error) and reply.code == "bad_request", reply
+        assert "must differ" in reply.message
     still_serving(small_daemon)
 
 

@@ -72,6 +72,8 @@ class Prefetches:
         desk = self.desk
         check_count("prefetch max_pages", msg.max_pages)
         ns = desk.names.of(session, msg.ns)
+        if len(set(msg.keys)) != len(msg.keys):  # refused alike, whatever L2 and L3 hold
+            raise BadRequest("keys of one prefetch must differ: they follow one another")
         keys = desk.names.engine_keys(ns, msg.keys)
         present = ns.index.match(keys)
         n = len(present)
@@ -79,8 +81,6 @@ class Prefetches:
         if desk.tier is None or not wanted:
             held = self._l2_only(session, ns, present, keys[:n], [])
             return p.PrefetchOk(id=msg.id, lease=held, l2_hits=n)
-        if len(set(msg.keys)) != len(msg.keys):
-            raise BadRequest("keys of one prefetch must differ: they follow one another")
         lease = desk.leasing.new(session, ns, present)
         lease.keys = keys[:n]
         parent = msg.keys[n - 1] if n else b""
