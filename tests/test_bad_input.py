@@ -154,6 +154,12 @@ def test_too_many_pages_and_bad_tokens(small_daemon: Daemon, raw: Raw) -> None:
     assert isinstance(odd, p.Error) and odd.code == "bad_request"
     unsafe = raw.call(p.RegisterNamespace(id=4, spec=p.NamespaceSpec(**{**NS, "tenant": "../x"})))
     assert isinstance(unsafe, p.Error) and unsafe.code == "invalid_namespace"
+    # a refused name is quoted in part: the reply is not as long as the request
+    for field in ("model", "kv_dtype", "key_scheme"):
+        spec = p.NamespaceSpec(**{**NS, field: "x/y/" + "A" * 20_000})
+        long = raw.call(p.RegisterNamespace(id=5, spec=spec))
+        assert isinstance(long, p.Error) and long.code == "invalid_namespace"
+        assert len(long.message) < 400 and "AAA'..." in long.message, long.message
 
 
 def test_unknown_namespace(small_daemon: Daemon, raw: Raw) -> None:

@@ -90,18 +90,24 @@ class EventMeta(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     sliding_window: int | None = None
 
 
+def quoted(value: str, most: int = 80) -> str:
+    """A value a client sent, as an error quotes it: at most ``most`` characters
+    (a refused name may be as long as a message), marked where cut."""
+    return repr(value[:most]) + ("..." if len(value) > most else "")
+
+
 def validate_event_meta(spec: NamespaceSpec, meta: EventMeta) -> None:
     """Raise InvalidNamespace with an actionable sentence if ``meta`` is unusable
     for a namespace of ``spec``."""
     if not spec.key_scheme.startswith("vllm-"):
         raise InvalidNamespace(
             f"event metadata (kv_cache_spec_kind) describes a vLLM KV cache group, but "
-            f"the namespace's key_scheme is {spec.key_scheme!r}: register it without "
+            f"the namespace's key_scheme is {quoted(spec.key_scheme)}: register it without "
             "event metadata, or with a vllm-* key_scheme"
         )
     if not _KIND_RE.fullmatch(meta.kind):
         raise InvalidNamespace(
-            f"event metadata kind {meta.kind[:40]!r} is not allowed: use 1-32 lower-case "
+            f"event metadata kind {quoted(meta.kind)} is not allowed: use 1-32 lower-case "
             "letters, digits or '_', starting with a letter (vLLM's KVCacheSpecKind "
             "values, such as full_attention or sliding_window)"
         )
@@ -117,21 +123,21 @@ def validate_spec(spec: NamespaceSpec, max_page_bytes: int) -> None:
     """Raise InvalidNamespace with an actionable sentence if ``spec`` is unusable."""
     if not _MODEL_RE.fullmatch(spec.model) or ".." in spec.model:
         raise InvalidNamespace(
-            f"model {spec.model!r} is not allowed: use letters, digits, '.', '_', '-' "
+            f"model {quoted(spec.model)} is not allowed: use letters, digits, '.', '_', '-' "
             "and at most one '/' (like 'org/name'), 128 characters a part"
         )
     for name in ("revision", "tenant"):
         value = getattr(spec, name)
         if not _TOKEN_RE.fullmatch(value) or ".." in value:
             raise InvalidNamespace(
-                f"{name} {value!r} is not allowed: use 1-64 letters, digits, '.', '_' or '-', "
-                "starting with a letter or digit"
+                f"{name} {quoted(value)} is not allowed: use 1-64 letters, digits, '.', '_' "
+                "or '-', starting with a letter or digit"
             )
     for name in ("kv_dtype", "layout"):
         value = getattr(spec, name)
         if not _LOWER_RE.fullmatch(value):
             raise InvalidNamespace(
-                f"{name} {value!r} is not allowed: use 1-64 lower-case letters, digits or '_'"
+                f"{name} {quoted(value)} is not allowed: use 1-64 lower-case letters, digits or '_'"
             )
     if not 1 <= spec.page_tokens <= MAX_PAGE_TOKENS:
         raise InvalidNamespace(
@@ -144,7 +150,7 @@ def validate_spec(spec: NamespaceSpec, max_page_bytes: int) -> None:
         )
     if not _SCHEME_RE.fullmatch(spec.key_scheme):
         raise InvalidNamespace(
-            f"key_scheme {spec.key_scheme!r} is not allowed: use 1-64 lower-case letters, "
+            f"key_scheme {quoted(spec.key_scheme)} is not allowed: use 1-64 lower-case letters, "
             "digits, '_' or '-' (tokens, or the engine's scheme such as vllm-sha256)"
         )
     if not 1 <= spec.shards <= MAX_SHARDS or spec.page_bytes % spec.shards:
