@@ -25,9 +25,9 @@ from hicached import Client, Namespace
 from hicached.errors import DeadlineExceeded
 from hicached.hashing import engine_page_keys, pack_tokens, page_keys
 from hicached.testing import scrape
-from tests.l3util import l3_count, settle_writes, storage, wait_for, wait_prefetch
+from tests.l3util import l3_count, record_offset, settle_writes, storage, wait_for, wait_prefetch
 from tests.services import S3Server
-from tests.support import NS, PAGE_BYTES, PAGE_TOKENS, Daemon
+from tests.support import NS, PAGE_BYTES, PAGE_TOKENS, Daemon, page_bytes_for
 
 SEQS = 24  # sequences of each kind (tokens, keys)
 SEQ_PAGES = 8  # at most storage.s3.threads: S3's bisecting exists asks each key, so counts exactly
@@ -176,6 +176,53 @@ def test_file_pages_are_found_while_the_scan_runs(
         assert metrics[("hicached_l3_state", (("what", "scanning"),))] == 1
         assert metrics[("hicached_l3_state", (("what", "index_complete"),))] == 0
         assert metrics[("hicached_l3_total", (("what", "lookups"),))] > 0
+
+
+def test_a_page_the_store_drops_during_the_scan_is_not_learned_from_its_listing(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """The file store lists a snapshot of its keys, slowly here. A page whose
+    record turns out damaged is dropped by the store while the scan runs, before
+    the listing reaches it: once the scan has ended (the index complete, unknown
+    is absent), the page must not be said to be in L3 because the listing named
+    it, and the pages after it are no hit either."""
+    d = daemon_factory(
+        size_mib=16,
+        storage=storage("faulty", more=LOOKUPS),
+        tail='[storage.extra]\ninner = "file"\nscan_delay_s = 0.03\n'
+        "[storage.extra.inner_options]\ncapacity_mib = 32\nsegment_mib = 8\nio_threads = 2\n",
+    )
+    seqs = [np.arange(k * 1000, k * 1000 + 2 * PAGE_TOKENS, dtype=np.uint32) for k in range(60)]
+    target = seqs[-1]  # written last: the listing names it last
+    with d.client() as c:
+        ns = c.register(**NS)
+        for toks in seqs:
+            c.store(ns, toks, page_bytes_for(toks))
+        wait_for(lambda: l3_count(c, "written") == 2 * len(seqs))
+        settle_writes(c)
+    assert d.stop() == 0
+    segment, header = record_offset(d.dir / "data" / "pages", ns.digest, target, 0)
+    with open(segment, "r+b") as f:  # flip one byte of the target's first page
+        f.seek(header + 64 + 100)
+        byte = f.read(1)
+        f.seek(header + 64 + 100)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    d.start()
+    with d.client(timeout=30.0) as c:
+        ns = c.register(**NS)
+        assert c.stats().l3["scanning"] == 1
+        pf = c.prefetch(ns, target)  # reads the damaged record: the store drops it
+        done = wait_prefetch(c, pf)
+        assert done.completed == 0 and done.failed
+        c.cancel(pf)
+        s = c.stats()
+        assert s.l3["store_bad_records"] == 1
+        assert s.l3["scanning"] == 1 and s.l3["scan_pages"] < 2 * len(seqs) - 2
+        wait_for(lambda: c.stats().l3["scanning"] == 0, timeout=60.0)
+        s = c.stats()
+        assert s.l3["index_complete"] == 1 and s.l3["scan_pages"] == 2 * len(seqs)
+        assert c.match(ns, target, lease=False).l3_hits == 0  # the listing named it: not held
+        assert c.match(ns, seqs[0], lease=False).l3_hits == 2  # the others are
 
 
 def test_pages_forgotten_by_the_bound_are_found(daemon_factory: Callable[..., Daemon]) -> None:
@@ -350,3 +397,35 @@ def test_a_store_that_cannot_tell_fails_a_prefetch_and_forgets_nothing(
         c.release(pf)
         assert l3_count(c, "prefetch_store_silent") == 1
         assert c.match(ns, toks, lease=False).l3_hits == SEQ_PAGES  # still known
+
+
+def test_the_scan_remembers_what_the_store_let_go_of_within_a_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cache alone: while a scan runs, keys the store let go of are not
+    learned from the listing; past the bound on what it remembers, nothing more
+    is (the tier then stops the scan and leaves the index incomplete, so the
+    store is asked); after the scan, what it lets go of is not remembered."""
+    from hicached.cache import Cache, tiering
+    from hicached.config import Config, PoolConfig, StorageConfig
+
+    monkeypatch.setattr(tiering, "SCAN_FORGOTTEN_MAX", 3)
+    config = Config(
+        pool=PoolConfig(size_mib=1, slab_mib=1, max_page_bytes=PAGE_BYTES),
+        storage=StorageConfig(backend="x"),
+    )
+    t = Cache(config, pool_path="x").tiering
+    keys = [bytes([i]) * 16 for i in range(8)]
+    assert t.scan_may_learn(keys[0])  # no scan runs
+    t.scan_begins()
+    t.forget_l3(keys[:2])
+    assert not t.scan_may_learn(keys[0]) and not t.scan_may_learn(keys[1])
+    assert t.scan_may_learn(keys[2]) and not t.scan_overflow
+    t.forget_l3(keys[2:4])  # 4 > 3 remembered
+    assert t.scan_overflow and not t.scan_may_learn(keys[5])
+    t.scan_ends()
+    t.scan_begins()  # a scan starts afresh
+    assert not t.scan_overflow and t.scan_may_learn(keys[0])
+    t.scan_ends()
+    t.forget_l3(keys[4:6])
+    assert t.scan_may_learn(keys[4])

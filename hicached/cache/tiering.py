@@ -31,6 +31,10 @@ from hicached.wire.hashing import TOKEN_BYTES
 if TYPE_CHECKING:
     from hicached.cache.desk import Cache
 
+# keys let go of during the startup scan that it remembers (16-32 bytes each);
+# past this the scan stops learning, and lookups ask the store
+SCAN_FORGOTTEN_MAX = 1 << 20
+
 __all__ = ["HeldEvent", "InBoth", "Origin", "TierPort", "Tiering"]
 
 
@@ -99,6 +103,10 @@ class Tiering:
         # L2 pages L3 let go of that are not written again in this stay in L2
         self.let_go: set[bytes] = set()
         self.drops = 0  # calls that told of pages L3 let go of (lookups compare)
+        # while the startup scan lists L3: the keys L3 let go of meanwhile, which
+        # the listing may still name (``scan_may_learn``); None when no scan runs
+        self._scan_forgotten: set[bytes] | None = None
+        self.scan_overflow = False  # more let go of during the scan than it remembers
 
     def count(self, what: str, n: int = 1) -> None:
         self.counters[what] = self.counters.get(what, 0) + n
@@ -307,6 +315,12 @@ class Tiering:
         desk = self.desk
         self.drops += 1
         keys = list(keys)
+        forgotten = self._scan_forgotten
+        if forgotten is not None:
+            if len(forgotten) + len(keys) > SCAN_FORGOTTEN_MAX:
+                self.scan_overflow = True
+            else:
+                forgotten.update(keys)
         order = self.order
         if order:
             writing = self.writing
@@ -365,6 +379,21 @@ class Tiering:
             return
         size, model = (ns.spec.page_tokens, ns.spec.model) if ns is not None else (0, "")
         self.desk.events.stored(keys, None, [], size, self.medium, model)
+
+    def scan_begins(self) -> None:
+        """The startup scan starts listing L3: remember what L3 lets go of from now."""
+        self._scan_forgotten, self.scan_overflow = set(), False
+
+    def scan_may_learn(self, key: bytes) -> bool:
+        """Whether the scan may add ``key`` to what L3 holds: not if L3 let go of
+        it since the scan began (a listing may name a page dropped after it was
+        listed, and L3 would then be said to hold a page it lacks), and nothing
+        more once more keys were let go of than are remembered."""
+        forgotten = self._scan_forgotten
+        return not self.scan_overflow and (forgotten is None or key not in forgotten)
+
+    def scan_ends(self) -> None:
+        self._scan_forgotten = None
 
     def unwritten_pages(self) -> list[tuple[NamespaceState, bytes, int, int]]:
         """Every L2 page that L3 lacks and no write is carrying: (namespace, key,

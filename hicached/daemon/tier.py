@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 
 from hicached.cache import Cache, Lease, NamespaceState
+from hicached.cache.tiering import SCAN_FORGOTTEN_MAX
 from hicached.config import Config, data_dir
 from hicached.daemon.dispatcher import Dispatcher, WriteJob
 from hicached.errors import ConfigError
@@ -148,7 +149,7 @@ class Tier:
         the start's AllBlocksCleared); yields to requests every few thousand pages."""
         started = time.monotonic()
         cache = self.cache
-        l3 = cache.l3
+        l3, tiering = cache.l3, cache.tiering
         found: dict[bytes, list[bytes]] = {}  # namespace -> keys not yet announced
 
         def announce() -> None:
@@ -157,11 +158,16 @@ class Tier:
                 cache.announce_l3(ns, [key for key in keys if key in l3])
             found.clear()
 
+        tiering.scan_begins()
         try:
             async for ns, key in self.backend.scan():
-                if key not in l3:  # not written (and announced) since the start
+                # not written (and announced) since the start, nor let go of since the
+                # scan began: the listing may name a page dropped after it was listed
+                if key not in l3 and tiering.scan_may_learn(key):
                     l3.add(key)
                     found.setdefault(ns, []).append(key)
+                elif tiering.scan_overflow:
+                    break  # what it names can no longer be told from what was let go of
                 self.scan_pages += 1
                 if self.scan_pages % _SCAN_YIELD_PAGES == 0:
                     announce()
@@ -175,6 +181,15 @@ class Tier:
             self.dispatcher.counters["scan_failed"] += 1
             log.exception("L3 scan failed after %d pages", self.scan_pages)
         else:
+            if tiering.scan_overflow:  # as a failed scan: what L3 lacks stays unknown
+                self.dispatcher.counters["scan_cut"] += 1
+                log.warning(
+                    "L3 scan stopped after %d pages: the store let go of more than %d pages "
+                    "while it was listed; keys not learned are asked of the store",
+                    self.scan_pages,
+                    SCAN_FORGOTTEN_MAX,
+                )
+                return
             l3.listed(True)
             log.info(
                 "L3 holds %d pages (scanned in %.2fs)", self.scan_pages, time.monotonic() - started
@@ -183,6 +198,7 @@ class Tier:
             if batches is not None:
                 self._adopted = asyncio.get_running_loop().create_task(self._write_adopted(batches))
         finally:
+            tiering.scan_ends()
             announce()  # what was found before a stop or a failure is in L3 all the same
             self.scanning = False
 
