@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
+from hicached.hashing import pack_tokens, page_keys
 from hicached.testing import scrape
 from tests.faults import FaultProxy
 from tests.l3util import (
@@ -196,3 +197,42 @@ def test_a_stop_keeps_its_deadline_while_s3_hangs(
     finally:
         proxy.hang.clear()
     assert "storage calls still running" in d.log.read_text()
+
+
+def test_a_bad_object_is_forgotten_and_written_again(
+    daemon_factory: Callable[..., Daemon], s3: S3Server, bucket: str
+) -> None:
+    """An object whose bytes were replaced (here: by another page's record) is a
+    miss, and the daemon forgets it: the next store of that page writes it
+    again, so L3 serves the sequence whole once more instead of ending every
+    prefetch at the bad object for good."""
+    d = daemon_factory(
+        size_mib=1, slab_mib=1, storage=storage("s3"), tail=s3_tail(s3.endpoint, bucket)
+    )
+    toks = seq(0, 8)
+    client = s3.client()
+    with d.client() as c:
+        ns = c.register(**NS)
+        c.store(ns, toks, page_bytes_for(toks))
+        wait_for(lambda: l3_count(c, "written") == 8)
+        keys = page_keys(ns.digest, pack_tokens(toks), PAGE_TOKENS)
+        name = [f"hicached/{k.hex()[:2]}/{ns.digest.hex()}/{k.hex()}" for k in keys]
+        other = client.get_object(Bucket=bucket, Key=name[4])["Body"].read()  # type: ignore[attr-defined]
+        client.put_object(Bucket=bucket, Key=name[3], Body=other)  # type: ignore[attr-defined]
+        evict_everything(c, ns)
+        pf = c.prefetch(ns, toks)
+        done = wait_prefetch(c, pf)
+        assert (done.completed, done.failed) == (3, True)
+        assert c.commit(pf).published == 3
+        assert np.array_equal(c.load(ns, toks), page_bytes_for(toks)[:3])
+        assert c.stats().l3["store_bad_objects"] == 1
+        # the engine computes the rest again and stores the sequence: page 3 goes
+        # to S3 again, as L3 no longer holds it
+        c.store(ns, toks, page_bytes_for(toks))
+        settle_writes(c)
+        evict_everything(c, ns, salt=8)
+        pf = c.prefetch(ns, toks)
+        done = wait_prefetch(c, pf)
+        assert (done.completed, done.failed) == (8, False), "the bad object was never written again"
+        c.commit(pf)
+        assert np.array_equal(c.load(ns, toks), page_bytes_for(toks))
