@@ -99,6 +99,11 @@ class Tiering:
         # L2 pages L3 let go of that are not written again in this stay in L2
         self.let_go: set[bytes] = set()
         self.drops = 0  # calls that told of pages L3 let go of (lookups compare)
+        # keys L3 told of letting go while a write of them was in flight: that
+        # write's acknowledgement may come after the store let go of what it wrote
+        # (a store that answers a call before the call's waiter runs: the memory
+        # store evicting it for a later call), so it does not make them known
+        self.lost_writing: set[bytes] = set()
 
     def count(self, what: str, n: int = 1) -> None:
         self.counters[what] = self.counters.get(what, 0) + n
@@ -240,6 +245,12 @@ class Tiering:
         def done(ok: bool) -> None:
             self.writing.discard(key)
             self.count("written" if ok else "write_failed")
+            if key in self.lost_writing:
+                self.lost_writing.discard(key)
+                if ok:  # the store let go of it before this acknowledgement came
+                    self.count("written_let_go")
+                    self.taken += spec.page_bytes
+                    ok = False
             if ok:
                 desk.l3.add(key)
                 self.taken += spec.page_bytes
@@ -313,6 +324,7 @@ class Tiering:
             for key in keys:  # known or not: an event still held must not follow the drop
                 order.drop(key, coming=key in writing)
         l3 = desk.l3
+        self.lost_writing.update(key for key in keys if key in self.writing)
         gone = [key for key in keys if key in l3]
         for key in gone:
             l3.discard(key)
