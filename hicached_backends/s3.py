@@ -262,11 +262,10 @@ class S3Backend(Backend):
             kwargs: dict[str, Any] = {"Bucket": self.options.bucket, "Prefix": self.prefix + "/"}
             if token:
                 kwargs["ContinuationToken"] = token
-            try:
-                resp = await self._run(self._client.list_objects_v2, **kwargs)
-            except BackendError as exc:
-                log.warning("S3 scan stopped: %s", exc.message)
-                return
+            # A listing S3 broke off raises (BackendError): ended quietly, it would
+            # pass for all the store holds, and the daemon would stop asking the
+            # store about keys it does not know (docs/storage.md, Unknown is not absent).
+            resp = await self._run(self._client.list_objects_v2, **kwargs)
             for item in (resp or {}).get("Contents", []):
                 parts = item["Key"].split("/")
                 try:

@@ -236,3 +236,35 @@ def test_a_bad_object_is_forgotten_and_written_again(
         assert (done.completed, done.failed) == (8, False), "the bad object was never written again"
         c.commit(pf)
         assert np.array_equal(c.load(ns, toks), page_bytes_for(toks))
+
+
+def test_a_listing_that_fails_leaves_the_index_incomplete(
+    daemon_factory: Callable[..., Daemon], s3: S3Server, bucket: str, proxy: FaultProxy
+) -> None:
+    """S3 fails the startup listing (here every request answers 500 while the
+    daemon starts): the scan failed, so the daemon does not take what it knows
+    for all the store holds; once S3 answers again a match asks it about the
+    keys it does not know and finds the pages another daemon wrote."""
+    a = daemon_factory(
+        size_mib=1, slab_mib=1, storage=storage("s3"), tail=s3_tail(s3.endpoint, bucket)
+    )
+    toks = seq(0, 8)
+    with a.client() as ca:
+        ns = ca.register(**NS)
+        ca.store(ns, toks, page_bytes_for(toks))
+        wait_for(lambda: l3_count(ca, "written") == 8)
+    proxy.rates = {"error": 1.0}
+    b = daemon_factory(
+        size_mib=1,
+        slab_mib=1,
+        storage=storage("s3", more="breaker_failures = 1000\n"),
+        tail=s3_tail(proxy.endpoint, bucket, max_attempts=1),
+    )
+    with b.client() as cb:
+        wait_for(lambda: cb.stats().l3_state != "scanning")
+        proxy.rates = {}
+        stats = cb.stats()
+        assert stats.l3["scan_failed"] == 1, "a listing S3 broke off counted as complete"
+        assert stats.l3["index_complete"] == 0
+        ns = cb.register(**NS)
+        assert cb.match(ns, toks, lease=False).l3_hits == 8
