@@ -40,17 +40,30 @@ class MemoryBackend(Backend):
                 buf[:] = record[HEADER_BYTES:]
             else:
                 del self.records[(ns, key)]  # a bad record is dropped
+                self.forgot(ns, [key])
             out.append(ok)
         return out
 
     async def put(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
+        evicted: dict[tuple[bytes, bytes], None] = {}
         for key, buf in pages:
             self.records.pop((ns, key), None)
             self.records[(ns, key)] = pack_header(ns, key, buf) + bytes(buf)
+            evicted.pop((ns, key), None)
             limit = self.options.max_pages
             while limit and len(self.records) > limit:
-                del self.records[next(iter(self.records))]
-        return [True] * len(pages)
+                old = next(iter(self.records))
+                del self.records[old]
+                evicted[old] = None
+        # The daemon is told what the store let go of, as the file store tells it of
+        # a recycled segment (else it reports them as L3 hits no prefetch can read),
+        # and a page of this call pushed out by a later one is not stored.
+        by_ns: dict[bytes, list[bytes]] = {}
+        for old_ns, old_key in evicted:
+            by_ns.setdefault(old_ns, []).append(old_key)
+        for old_ns, keys in by_ns.items():
+            self.forgot(old_ns, keys)
+        return [(ns, key) in self.records for key, _ in pages]
 
     async def delete(self, ns: bytes, keys: Sequence[bytes]) -> None:
         for key in keys:

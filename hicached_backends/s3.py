@@ -219,7 +219,8 @@ class S3Backend(Backend):
         return self._settle(await self._each(put_one, pages))
 
     async def get(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
-        def get_one(page: PageRef) -> bool:
+        def get_one(page: PageRef) -> bool | None:
+            """True: read and verified; False: no such object; None: a bad object."""
             resp = self._call(
                 self._client.get_object,
                 {"Bucket": self.options.bucket, "Key": self.object_name(ns, page.key)},
@@ -234,11 +235,17 @@ class S3Backend(Backend):
                 body[:HEADER_BYTES], memoryview(body)[HEADER_BYTES:], ns, page.key
             ):
                 self.counters["bad_objects"] += 1
-                return False
+                return None
             page.buf[:] = memoryview(body)[HEADER_BYTES:]
             return True
 
-        return self._settle(await self._each(get_one, pages, reads=True))
+        results = await self._each(get_one, pages, reads=True)
+        # A bad object is a miss, and the daemon forgets it (as the file store drops
+        # a bad record): else it stays known, is never written again, and every
+        # prefetch through it ends there for good. The object is left in place: a
+        # write of the page (from here or another host) replaces it.
+        self.forgot(ns, [page.key for page, r in zip(pages, results, strict=True) if r is None])
+        return self._settle(results)
 
     async def delete(self, ns: bytes, keys: Sequence[bytes]) -> None:
         for start in range(0, len(keys), 1000):
@@ -255,11 +262,10 @@ class S3Backend(Backend):
             kwargs: dict[str, Any] = {"Bucket": self.options.bucket, "Prefix": self.prefix + "/"}
             if token:
                 kwargs["ContinuationToken"] = token
-            try:
-                resp = await self._run(self._client.list_objects_v2, **kwargs)
-            except BackendError as exc:
-                log.warning("S3 scan stopped: %s", exc.message)
-                return
+            # A listing S3 broke off raises (BackendError): ended quietly, it would
+            # pass for all the store holds, and the daemon would stop asking the
+            # store about keys it does not know (docs/storage.md, Unknown is not absent).
+            resp = await self._run(self._client.list_objects_v2, **kwargs)
             for item in (resp or {}).get("Contents", []):
                 parts = item["Key"].split("/")
                 try:

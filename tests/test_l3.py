@@ -586,3 +586,30 @@ def test_startup_scan_runs_in_the_background_while_serving(
         assert s.l3["scan_pages"] == 3000 and s.l3_pages_known == 3000
         assert s.l3["scanning"] == 0
         assert [c.match(ns, toks, lease=False).l3_hits for toks in chunks] == [500] * 6
+
+
+def test_pages_the_memory_store_evicts_are_forgotten(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """The memory store beyond max_pages lets go of its oldest pages: the daemon
+    is told, so match does not report as held in L3 pages no prefetch can read."""
+    d = daemon_factory(
+        size_mib=1,
+        slab_mib=1,
+        storage=storage("memory"),
+        tail="[storage.memory]\nmax_pages = 4\n",
+    )
+    with d.client() as c:
+        ns = c.register(**NS)
+        toks = seq(0, 8)
+        c.store(ns, toks, page_bytes_for(toks))
+        evict_everything(c, ns)  # its writes push every page of toks out of the store
+        stats = c.stats()
+        assert stats.l3["store_pages"] == 4 and stats.l3_pages_known <= 4
+        held = c.match(ns, toks, lease=False).l3_hits
+        assert held <= 4, "L3 hits beyond what the store can hold"
+        pf = c.prefetch(ns, toks)
+        done = wait_prefetch(c, pf)
+        assert (done.completed, done.failed) == (held, False)
+        c.commit(pf)
+        assert np.array_equal(c.load(ns, toks), page_bytes_for(toks)[:held])

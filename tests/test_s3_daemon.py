@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
+from hicached.hashing import pack_tokens, page_keys
 from hicached.testing import scrape
 from tests.faults import FaultProxy
 from tests.l3util import (
@@ -196,3 +197,74 @@ def test_a_stop_keeps_its_deadline_while_s3_hangs(
     finally:
         proxy.hang.clear()
     assert "storage calls still running" in d.log.read_text()
+
+
+def test_a_bad_object_is_forgotten_and_written_again(
+    daemon_factory: Callable[..., Daemon], s3: S3Server, bucket: str
+) -> None:
+    """An object whose bytes were replaced (here: by another page's record) is a
+    miss, and the daemon forgets it: the next store of that page writes it
+    again, so L3 serves the sequence whole once more instead of ending every
+    prefetch at the bad object for good."""
+    d = daemon_factory(
+        size_mib=1, slab_mib=1, storage=storage("s3"), tail=s3_tail(s3.endpoint, bucket)
+    )
+    toks = seq(0, 8)
+    client = s3.client()
+    with d.client() as c:
+        ns = c.register(**NS)
+        c.store(ns, toks, page_bytes_for(toks))
+        wait_for(lambda: l3_count(c, "written") == 8)
+        keys = page_keys(ns.digest, pack_tokens(toks), PAGE_TOKENS)
+        name = [f"hicached/{k.hex()[:2]}/{ns.digest.hex()}/{k.hex()}" for k in keys]
+        other = client.get_object(Bucket=bucket, Key=name[4])["Body"].read()  # type: ignore[attr-defined]
+        client.put_object(Bucket=bucket, Key=name[3], Body=other)  # type: ignore[attr-defined]
+        evict_everything(c, ns)
+        pf = c.prefetch(ns, toks)
+        done = wait_prefetch(c, pf)
+        assert (done.completed, done.failed) == (3, True)
+        assert c.commit(pf).published == 3
+        assert np.array_equal(c.load(ns, toks), page_bytes_for(toks)[:3])
+        assert c.stats().l3["store_bad_objects"] == 1
+        # the engine computes the rest again and stores the sequence: page 3 goes
+        # to S3 again, as L3 no longer holds it
+        c.store(ns, toks, page_bytes_for(toks))
+        settle_writes(c)
+        evict_everything(c, ns, salt=8)
+        pf = c.prefetch(ns, toks)
+        done = wait_prefetch(c, pf)
+        assert (done.completed, done.failed) == (8, False), "the bad object was never written again"
+        c.commit(pf)
+        assert np.array_equal(c.load(ns, toks), page_bytes_for(toks))
+
+
+def test_a_listing_that_fails_leaves_the_index_incomplete(
+    daemon_factory: Callable[..., Daemon], s3: S3Server, bucket: str, proxy: FaultProxy
+) -> None:
+    """S3 fails the startup listing (here every request answers 500 while the
+    daemon starts): the scan failed, so the daemon does not take what it knows
+    for all the store holds; once S3 answers again a match asks it about the
+    keys it does not know and finds the pages another daemon wrote."""
+    a = daemon_factory(
+        size_mib=1, slab_mib=1, storage=storage("s3"), tail=s3_tail(s3.endpoint, bucket)
+    )
+    toks = seq(0, 8)
+    with a.client() as ca:
+        ns = ca.register(**NS)
+        ca.store(ns, toks, page_bytes_for(toks))
+        wait_for(lambda: l3_count(ca, "written") == 8)
+    proxy.rates = {"error": 1.0}
+    b = daemon_factory(
+        size_mib=1,
+        slab_mib=1,
+        storage=storage("s3", more="breaker_failures = 1000\n"),
+        tail=s3_tail(proxy.endpoint, bucket, max_attempts=1),
+    )
+    with b.client() as cb:
+        wait_for(lambda: cb.stats().l3_state != "scanning")
+        proxy.rates = {}
+        stats = cb.stats()
+        assert stats.l3["scan_failed"] == 1, "a listing S3 broke off counted as complete"
+        assert stats.l3["index_complete"] == 0
+        ns = cb.register(**NS)
+        assert cb.match(ns, toks, lease=False).l3_hits == 8

@@ -107,6 +107,11 @@ class Tiering:
         # the listing may still name (``scan_may_learn``); None when no scan runs
         self._scan_forgotten: set[bytes] | None = None
         self.scan_overflow = False  # more let go of during the scan than it remembers
+        # keys L3 told of letting go while a write of them was in flight: that
+        # write's acknowledgement may come after the store let go of what it wrote
+        # (a store that answers a call before the call's waiter runs: the memory
+        # store evicting it for a later call), so it does not make them known
+        self.lost_writing: set[bytes] = set()
 
     def count(self, what: str, n: int = 1) -> None:
         self.counters[what] = self.counters.get(what, 0) + n
@@ -248,6 +253,12 @@ class Tiering:
         def done(ok: bool) -> None:
             self.writing.discard(key)
             self.count("written" if ok else "write_failed")
+            if key in self.lost_writing:
+                self.lost_writing.discard(key)
+                if ok:  # the store let go of it before this acknowledgement came
+                    self.count("written_let_go")
+                    self.taken += spec.page_bytes
+                    ok = False
             if ok:
                 desk.l3.add(key)
                 self.taken += spec.page_bytes
@@ -327,6 +338,7 @@ class Tiering:
             for key in keys:  # known or not: an event still held must not follow the drop
                 order.drop(key, coming=key in writing)
         l3 = desk.l3
+        self.lost_writing.update(key for key in keys if key in self.writing)
         gone = [key for key in keys if key in l3]
         for key in gone:
             l3.discard(key)
