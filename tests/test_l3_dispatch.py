@@ -69,8 +69,9 @@ def job(i: int, done: list[bool]) -> WriteJob:
 
 async def test_hung_calls_keep_their_slots_and_pages_in_flight_count(tmp_path: Path) -> None:
     backend = GatedBackend(tmp_path)
-    # 3 call slots: writes may hold 2 of them, one stays free for reads
-    d = Dispatcher(backend, config(concurrency=3), "gated")
+    # 4 call slots: writes may hold 2 of them, one stays free for reads and one
+    # for existence checks
+    d = Dispatcher(backend, config(concurrency=4), "gated")
     await d.start()
     done: list[bool] = []
     accepted = sum(d.submit_write(job(i, done)) for i in range(30))
