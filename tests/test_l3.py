@@ -445,13 +445,13 @@ def test_hung_backend_keeps_its_call_slots_and_the_queue_bound(
 ) -> None:
     """Fault injection: the faulty backend makes every write take 2 s, ten times
     op_timeout_s. Timed-out calls keep their slots, so no more than
-    ``concurrency`` - 1 write calls reach the store (one slot stays for reads),
-    and pages queued plus in flight (pinned in L2) stay within ``queue_pages``;
-    the rest is refused and counted."""
+    ``concurrency`` - 2 write calls reach the store (one slot stays for reads,
+    one for existence checks), and pages queued plus in flight (pinned in L2)
+    stay within ``queue_pages``; the rest is refused and counted."""
     d = daemon_factory(
         storage=storage(
             "faulty",
-            more="queue_pages = 8\nbatch_pages = 2\nconcurrency = 3\nop_timeout_s = 0.2\n"
+            more="queue_pages = 8\nbatch_pages = 2\nconcurrency = 4\nop_timeout_s = 0.2\n"
             "retries = 0\nbreaker_failures = 1000000\n",
         ),
         tail="[storage.extra]\nwrite_delay_s = 2.0\n",
