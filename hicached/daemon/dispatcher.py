@@ -20,9 +20,11 @@
 - From three slots on, one slot is kept for checks: held by one, or free.
   Reads and writes take a slot only if one stays free for a check while no
   check holds one (writes then leave two: a read's and a check's). So a check
-  finds a slot at once however many slow reads run and queue; it costs reads
-  one slot of parallelism only while no check runs, and each read is a batch
-  (``prefetch_batch_pages``) spread over the backend's own threads. It is
+  finds a slot at once however many slow reads run and queue. The price is
+  one call of read parallelism while no check runs (each read is a batch of
+  ``prefetch_batch_pages`` spread over the backend's own threads, so less
+  than a slot's share; raise ``concurrency`` by one to win it back), against
+  a lookup past ``lookup_timeout_s``, which loses a whole L3 hit. It is
   not a floor on free slots: checks that hang keep no read from the slots
   left. With one or two slots nothing is kept (a write could never run).
 - Reads cannot starve behind checks: while a read waits that could take a
