@@ -227,8 +227,10 @@ class StorageConfig(msgspec.Struct, **_Section):
     queue_pages: int = 65536
     # Pages per backend call.
     batch_pages: int = 64
-    # Backend calls in flight at once. Reads (prefetch) are served first, and writes
-    # leave one of these free for reads when there are two or more.
+    # Backend calls of reads and writes in flight at once, plus one kept for
+    # existence checks (L3 lookups, a prefetch's first step). Checks are served
+    # first, then reads (prefetch), then writes; writes leave one of these free
+    # for reads when there are two or more.
     concurrency: int = 4
     # Seconds one backend call may take before it counts as failed.
     op_timeout_s: float = 30.0

@@ -445,9 +445,10 @@ def test_hung_backend_keeps_its_call_slots_and_the_queue_bound(
 ) -> None:
     """Fault injection: the faulty backend makes every write take 2 s, ten times
     op_timeout_s. Timed-out calls keep their slots, so no more than
-    ``concurrency`` - 1 write calls reach the store (one slot stays for reads),
-    and pages queued plus in flight (pinned in L2) stay within ``queue_pages``;
-    the rest is refused and counted."""
+    ``concurrency`` - 1 write calls reach the store (one slot stays for reads,
+    and one beyond ``concurrency`` for existence checks), and pages queued plus
+    in flight (pinned in L2) stay within ``queue_pages``; the rest is refused
+    and counted."""
     d = daemon_factory(
         storage=storage(
             "faulty",

@@ -1,14 +1,17 @@
-"""The dispatcher's bounds with a backend that hangs past op_timeout_s.
+"""The dispatcher's bounds with a backend that hangs past op_timeout_s, and
+the order it hands call slots out in (checks, then reads, then writes).
 
 In process, on one event loop: a backend whose calls wait on a gate stands
-in for a hung store (fault injection), so the test decides when calls end.
+in for a hung or slow store (fault injection), so the test decides when
+calls end, and the order of calls, not their timing, is asserted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import msgspec
@@ -69,7 +72,8 @@ def job(i: int, done: list[bool]) -> WriteJob:
 
 async def test_hung_calls_keep_their_slots_and_pages_in_flight_count(tmp_path: Path) -> None:
     backend = GatedBackend(tmp_path)
-    # 3 call slots: writes may hold 2 of them, one stays free for reads
+    # 3 call slots (and one for existence checks): writes may hold 2 of them,
+    # one stays free for reads
     d = Dispatcher(backend, config(concurrency=3), "gated")
     await d.start()
     done: list[bool] = []
@@ -235,4 +239,241 @@ async def test_the_breaker_reports_down_until_one_probe_passes(tmp_path: Path) -
         assert await d.get(NS, page) == [False]
         assert d.state == "down", "one failure after a passed probe reopens it"
     finally:
+        await d.stop(time.monotonic() + 1.0)
+
+
+class Turns(MemoryBackend):
+    """Fault injection: a memory backend whose calls of the kinds in ``held``
+    wait until the test lets them end, one at a time (``let``), as slow store
+    calls would; ``started`` logs every call's start in order ("get3": a get
+    whose first key is 3), so a test sees which call the dispatcher let in."""
+
+    def __init__(self, tmp: Path, held: set[str]) -> None:
+        super().__init__(MemoryOptions(), BackendEnv(data_dir=tmp))
+        self.held = held
+        self.gates = {what: asyncio.Semaphore(0) for what in ("exists", "get", "put")}
+        self.started: list[str] = []
+        self.running: collections.Counter[str] = collections.Counter()
+
+    def let(self, what: str, n: int = 1) -> None:
+        for _ in range(n):
+            self.gates[what].release()
+
+    async def _turn(self, what: str, key: bytes) -> None:
+        self.started.append(f"{what}{int.from_bytes(key, 'big')}")
+        if what not in self.held:
+            return
+        self.running[what] += 1
+        try:
+            await self.gates[what].acquire()
+        finally:
+            self.running[what] -= 1
+
+    async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int:
+        await self._turn("exists", keys[0])
+        return await super().exists(ns, keys)
+
+    async def get(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
+        await self._turn("get", pages[0].key)
+        return await super().get(ns, pages)
+
+    async def put(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
+        await self._turn("put", pages[0].key)
+        return await super().put(ns, pages)
+
+
+def page(i: int) -> list[PageRef]:
+    return [PageRef(i.to_bytes(16, "big"), memoryview(bytearray(64)))]
+
+
+def key(i: int) -> list[bytes]:
+    return [i.to_bytes(16, "big")]
+
+
+async def until(what: Callable[[], object], timeout: float = 5.0) -> None:
+    """Wait (generously) until ``what()`` holds: a deadline, not a measurement."""
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, "timed out waiting for the dispatcher"
+        await asyncio.sleep(0.005)
+
+
+async def queued() -> None:
+    """Let tasks just created run up to their wait for a call slot."""
+    for _ in range(3):
+        await asyncio.sleep(0)
+
+
+async def test_existence_checks_go_before_queued_reads(tmp_path: Path) -> None:
+    """A slow check holds the slot kept for checks, two slow reads hold both
+    call slots and three more wait: a second check, issued after them, takes
+    the first slot that comes free, before every queued read (which still go
+    in the order they came)."""
+    backend = Turns(tmp_path, held={"get", "exists"})
+    d = Dispatcher(backend, config(op_timeout_s=30.0, concurrency=2), "turns")
+    await d.start()
+    try:
+        first = asyncio.ensure_future(d.exists(NS, key(8)))
+        await until(lambda: backend.running["exists"] == 1)
+        reads = [asyncio.ensure_future(d.get(NS, page(i))) for i in range(5)]
+        await until(lambda: backend.running["get"] == 2)
+        check = asyncio.ensure_future(d.exists(NS, key(9)))
+        await queued()
+        assert backend.started == ["exists8", "get0", "get1"]  # the check waits too
+        backend.let("get")  # the first read ends
+        await until(lambda: backend.running["exists"] == 2)
+        assert backend.started[:4] == ["exists8", "get0", "get1", "exists9"]
+        backend.let("exists", 2)  # not stored: both say none
+        assert await asyncio.wait_for(asyncio.gather(first, check), 5.0) == [0, 0]
+        backend.let("get", 4)
+        assert await asyncio.wait_for(asyncio.gather(*reads), 5.0) == [[False]] * 5
+        assert backend.started[4:] == ["get2", "get3", "get4"]
+    finally:
+        backend.let("get", 10)
+        backend.let("exists", 10)
+        await d.stop(time.monotonic() + 1.0)
+
+
+async def test_a_check_finds_its_slot_however_many_reads_run(tmp_path: Path) -> None:
+    """Two call slots: slow reads take both however many queue, never the one
+    kept for checks, so a check runs at once; checks that hang keep no read
+    from the slots left."""
+    backend = Turns(tmp_path, held={"get", "exists"})
+    d = Dispatcher(backend, config(op_timeout_s=30.0, concurrency=2), "turns")
+    await d.start()
+    try:
+        reads = [asyncio.ensure_future(d.get(NS, page(i))) for i in range(4)]
+        await until(lambda: backend.running["get"] == 2)
+        await queued()
+        assert backend.running["get"] == 2  # reads have their two slots, no more
+        check = asyncio.ensure_future(d.exists(NS, key(9)))
+        await until(lambda: backend.running["exists"] == 1)  # no read has ended
+        assert backend.started == ["get0", "get1", "exists9"]
+        backend.let("exists")
+        assert await asyncio.wait_for(check, 5.0) == 0
+        backend.let("get", 2)  # the two queued reads take their places
+        await until(lambda: len(backend.started) == 5)
+        assert backend.started[3:] == ["get2", "get3"] and backend.running["get"] == 2
+        backend.let("get", 2)
+        await asyncio.wait_for(asyncio.gather(*reads), 5.0)
+        # checks hold the kept slot and one of the two others, and hang: a read
+        # still takes the last
+        checks = [asyncio.ensure_future(d.exists(NS, key(i))) for i in (10, 11)]
+        await until(lambda: backend.running["exists"] == 2)
+        read = asyncio.ensure_future(d.get(NS, page(5)))
+        await until(lambda: backend.running["get"] == 1)
+        backend.let("get")
+        assert await asyncio.wait_for(read, 5.0) == [False]
+        backend.let("exists", 2)
+        assert await asyncio.wait_for(asyncio.gather(*checks), 5.0) == [0, 0]
+    finally:
+        backend.let("get", 10)
+        backend.let("exists", 10)
+        await d.stop(time.monotonic() + 1.0)
+
+
+async def test_reads_do_not_starve_behind_existence_checks(tmp_path: Path) -> None:
+    """Two slots, slow reads and slow checks: with a read and several checks
+    waiting, a check goes first, and then the read, not the next check."""
+    backend = Turns(tmp_path, held={"get", "exists"})
+    d = Dispatcher(backend, config(op_timeout_s=30.0, concurrency=2), "turns")
+    await d.start()
+    try:
+        reads = [asyncio.ensure_future(d.get(NS, page(i))) for i in range(3)]
+        await until(lambda: backend.running["get"] == 2)
+        checks = [asyncio.ensure_future(d.exists(NS, key(i))) for i in (10, 11, 12)]
+        await until(lambda: backend.running["exists"] == 1)  # the kept slot
+        await queued()
+        backend.let("get")  # a read's slot: the first check waiting takes it
+        await until(lambda: backend.running["exists"] == 2)
+        backend.let("exists")  # this slot goes to the read, which waited longer
+        await until(lambda: backend.running["get"] == 2)
+        assert backend.started == ["get0", "get1", "exists10", "exists11", "get2"]
+        backend.let("get", 3)
+        backend.let("exists", 2)
+        await asyncio.wait_for(asyncio.gather(*reads, *checks), 5.0)
+        assert backend.started[5:] == ["exists12"]
+    finally:
+        backend.let("get", 10)
+        backend.let("exists", 10)
+        await d.stop(time.monotonic() + 1.0)
+
+
+async def test_a_cancelled_existence_check_gives_its_slot_on(tmp_path: Path) -> None:
+    """A check cancelled while it waits leaves the queue; one cancelled just as
+    a slot is handed to it gives that slot to the next waiter; no slot is lost."""
+    backend = Turns(tmp_path, held={"get", "exists"})
+    d = Dispatcher(backend, config(op_timeout_s=30.0, concurrency=2), "turns")
+    await d.start()
+    try:
+        kept = asyncio.ensure_future(d.exists(NS, key(8)))  # holds the slot kept for checks
+        await until(lambda: backend.running["exists"] == 1)
+        reads = [asyncio.ensure_future(d.get(NS, page(i))) for i in range(2)]
+        await until(lambda: backend.running["get"] == 2)
+        check = asyncio.ensure_future(d.exists(NS, key(9)))
+        reads.append(asyncio.ensure_future(d.get(NS, page(2))))
+        await queued()
+        check.cancel()  # while it waits
+        backend.let("get")
+        await until(lambda: "get2" in backend.started)
+        assert backend.started == ["exists8", "get0", "get1", "get2"] and check.cancelled()
+
+        check = asyncio.ensure_future(d.exists(NS, key(10)))
+        reads.append(asyncio.ensure_future(d.get(NS, page(3))))
+        await queued()
+
+        def cancel_the_check(what: str, seconds: float) -> None:
+            if what == "get":  # a read ended and handed its slot to the check
+                d.on_call = None
+                check.cancel()  # before the check could run
+
+        d.on_call = cancel_the_check
+        backend.let("get")
+        await until(lambda: "get3" in backend.started)
+        assert backend.started == ["exists8", "get0", "get1", "get2", "get3"]
+        assert await asyncio.gather(check, return_exceptions=True) != [0]
+        assert check.cancelled()
+        backend.let("get", 2)
+        await asyncio.wait_for(asyncio.gather(*reads), 5.0)
+        backend.let("exists")
+        assert await asyncio.wait_for(kept, 5.0) == 0
+        assert d.running == 0
+        # both slots are free again: two reads run at once
+        reads = [asyncio.ensure_future(d.get(NS, page(i))) for i in (4, 5)]
+        await until(lambda: backend.running["get"] == 2)
+        backend.let("get", 2)
+        await asyncio.wait_for(asyncio.gather(*reads), 5.0)
+        assert d.counters["slot_timeouts"] == 0
+    finally:
+        backend.let("get", 10)
+        backend.let("exists", 10)
+        await d.stop(time.monotonic() + 1.0)
+
+
+async def test_writes_leave_a_slot_for_reads_and_checks_keep_theirs(tmp_path: Path) -> None:
+    """Three slots and hung writes: writes hold two, a slow read takes the
+    third; a second read waits, and a check runs in the slot kept for it."""
+    backend = Turns(tmp_path, held={"put", "get"})
+    d = Dispatcher(backend, config(op_timeout_s=30.0, concurrency=3, queue_pages=64), "turns")
+    await d.start()
+    done: list[bool] = []
+    try:
+        assert all(d.submit_write(job(i, done)) for i in range(40))
+        await until(lambda: backend.running["put"] == 2)
+        first = asyncio.ensure_future(d.get(NS, page(100)))
+        await until(lambda: backend.running["get"] == 1)
+        second = asyncio.ensure_future(d.get(NS, page(101)))
+        assert await asyncio.wait_for(d.exists(NS, key(9)), 5.0) == 0
+        assert backend.running == {"put": 2, "get": 1} and "get101" not in backend.started
+        backend.let("get", 2)
+        assert await asyncio.wait_for(asyncio.gather(first, second), 5.0) == [[False]] * 2
+        assert backend.running["put"] == 2  # no write took the slots the reads left
+        backend.held = set()
+        backend.let("put", 2)
+        await until(lambda: len(done) == 40)
+        assert done == [True] * 40
+    finally:
+        backend.held = set()
+        backend.let("put", 10)
+        backend.let("get", 10)
         await d.stop(time.monotonic() + 1.0)

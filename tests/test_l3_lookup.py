@@ -24,6 +24,7 @@ import pytest
 from hicached import Client, Namespace
 from hicached.errors import DeadlineExceeded
 from hicached.hashing import engine_page_keys, pack_tokens, page_keys
+from hicached.namespace import NamespaceSpec, namespace_digest
 from hicached.testing import scrape
 from tests.l3util import l3_count, record_offset, settle_writes, storage, wait_for, wait_prefetch
 from tests.services import S3Server
@@ -429,3 +430,49 @@ def test_the_scan_remembers_what_the_store_let_go_of_within_a_bound(
     t.scan_ends()
     t.forget_l3(keys[4:6])
     assert t.scan_may_learn(keys[4])
+
+
+def test_a_lookup_is_answered_while_slow_prefetch_reads_queue(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """Prefetch reads hold the store's call slots and more wait behind them,
+    each taking seconds: a match that asks the store about pages the daemon
+    does not know still gets every page in its answer, not a miss at
+    ``lookup_timeout_s``, since existence checks take a slot before reads,
+    and one beyond the reads' and writes' is kept for them. Fault injection:
+    the faulty backend sleeps ``read_delay_s`` in every read of the namespace,
+    and no startup scan lists the store, so the matched pages are asked of it."""
+    digest = namespace_digest(NamespaceSpec(**NS)).hex()
+    d = daemon_factory(
+        size_mib=16,
+        slab_mib=1,
+        storage=storage(
+            "faulty",
+            more="scan_on_start = false\nconcurrency = 3\nprefetch_batch_pages = 1\n"
+            "lookup_timeout_s = 2.0\n",
+        ),
+        tail='[storage.extra]\ninner = "file"\n'
+        f'[storage.extra.read_delay_s]\n"{digest}" = 3.0\n'
+        "[storage.extra.inner_options]\ncapacity_mib = 32\nsegment_mib = 4\nio_threads = 2\n",
+    )
+    seqs = token_seqs()[:5]
+    with d.client(timeout=30.0) as c:
+        ns = c.register(**NS)
+        for toks in seqs:
+            c.store(ns, toks, np.full((SEQ_PAGES, PAGE_BYTES), 7, np.uint8))
+        settle_writes(c)
+    assert d.stop() == 0
+    d.start()  # a new pool: the pages are in L3 alone, and the daemon knows none
+    with d.client(timeout=30.0) as c:
+        ns = c.register(**NS)
+        fetches = [c.prefetch(ns, toks, max_pages=1) for toks in seqs[:4]]
+        # three reads hold the three call slots, one waits; the slot kept for checks is free
+        wait_for(lambda: c.stats().l3["store_calls_running"] >= 3, timeout=30)
+        assert c.match(ns, seqs[4], lease=False).l3_hits == SEQ_PAGES
+        s = c.stats()
+        assert s.l3["lookups"] == 1 and s.l3["lookups_late"] == 0
+        assert s.l3["lookup_pages"] == SEQ_PAGES
+        for pf in fetches:  # and the reads all went through
+            done = wait_prefetch(c, pf, timeout=60)
+            assert done.completed == 1 and not done.failed
+            c.release(pf)

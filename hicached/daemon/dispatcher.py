@@ -5,10 +5,28 @@
   ``storage.queue_pages``, so a hung backend pins at most that many L2 slots;
   beyond it a write is dropped and counted. Writers take batches of up to
   ``batch_pages`` pages of one namespace.
-- ``concurrency`` call slots bound the backend calls running at once. A call
-  keeps its slot until it really ends, even past its timeout; a call that
-  finds no free slot within ``op_timeout_s`` fails (and counts toward the
-  breaker), so a hung backend holds at most ``concurrency`` calls.
+- ``concurrency`` call slots bound the backend calls running at once, and
+  one more is kept for existence checks. A call keeps its slot until it
+  really ends, even past its timeout; a call that finds no free slot within
+  ``op_timeout_s`` fails (and counts toward the breaker), so a hung backend
+  holds at most ``concurrency`` + 1 calls.
+- Slots go to three classes of waiters in order, each first in, first out:
+  existence checks (``exists``: a request's L3 lookup, a prefetch's first
+  step), then reads (``get``: a prefetch's pages), then writes (``put``).
+  Checks sit on a new request's time to first token and are cheap; a read
+  batch can take many milliseconds, so a check queued behind reads would
+  often run past ``lookup_timeout_s`` and turn an L3 hit into a miss.
+- The slot kept for checks is held by one or free: while no check holds a
+  slot, reads and writes leave one free, so a check finds a slot at once
+  however many slow reads run and queue; reads and writes still have
+  ``concurrency`` slots between them, as without it. Checks that hang do not
+  keep reads from the slots left.
+- Writes never take the last of the slots reads and writes share when there
+  are two or more, so a read never waits behind background writes, even hung
+  ones.
+- Reads cannot starve behind checks: while a read waits that could take a
+  slot, at most ``concurrency - 1`` checks in a row (one, with one or two
+  slots) take one before that read does.
 - A retriable failure (or a timeout) is retried with exponential backoff,
   ``retries`` times; then the call fails.
 - A circuit breaker: ``breaker_failures`` failed calls in a row mark the
@@ -52,6 +70,15 @@ class WriteJob:
     done: Callable[[bool], None]
 
 
+#: Classes of calls waiting for a slot, in the order they are served.
+_CHECK, _READ, _WRITE = _CLASSES = (0, 1, 2)
+
+
+def _class_of(what: str) -> int:
+    """A backend call's class by its name: exists, put, and reads (the rest)."""
+    return _CHECK if what == "exists" else _WRITE if what == "put" else _READ
+
+
 class Unavailable(Exception):
     """The backend is down (breaker open) or the call ran out of attempts."""
 
@@ -66,13 +93,18 @@ class Dispatcher:
         self._queue: collections.deque[WriteJob] = collections.deque()
         self._wake = asyncio.Event()
         self._room = asyncio.Event()  # set when written pages leave the bound
-        self._free_slots = config.concurrency
-        # Reads (prefetch, exists) sit on an engine's time to first token; writes
-        # are background work. Reads are served first, and writes never take the
-        # last free slot when there are two or more: a read always finds one.
-        self._reserved = 1 if config.concurrency > 1 else 0
-        self._slot_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-        self._write_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        # ``concurrency`` slots, and one kept for existence checks (the module docstring)
+        self._keep_for_checks = 1  # left by reads and writes while no check holds a slot
+        self._free_slots = config.concurrency + self._keep_for_checks
+        # Call slots by class (_CHECK, _READ, _WRITE; the module docstring says why):
+        # waiters in the order they are served, and slots each class holds.
+        self._waiters: tuple[collections.deque[asyncio.Future[None]], ...] = tuple(
+            collections.deque() for _ in _CLASSES
+        )
+        self._held = [0] * len(_CLASSES)
+        self._keep_for_reads = 1 if config.concurrency > 1 else 0  # left by writes
+        self._checks_max = max(1, config.concurrency - 1)  # in a row past a waiting read
+        self._checks_in_a_row = 0
         self._hung: set[asyncio.Future[Any]] = set()  # calls past their timeout, still running
         self._tasks: list[asyncio.Task[None]] = []
         self._accepting = False
@@ -217,21 +249,50 @@ class Dispatcher:
 
     # -- call slots ------------------------------------------------------------------
 
-    async def _take_slot(self, write: bool) -> bool:
-        """One of ``concurrency`` call slots, waiting at most ``op_timeout_s``;
-        reads first, and writes leave one slot for reads."""
-        floor = self._reserved if write else 0
-        waiters = self._write_waiters if write else self._slot_waiters
-        if self._free_slots > floor and not self._slot_waiters and not waiters:
-            self._free_slots -= 1
+    def _can_take(self, kind: int) -> bool:
+        """Whether a call of class ``kind`` may take a free slot now (waiters of
+        the classes before it aside)."""
+        free = self._free_slots
+        keep = self._keep_for_checks if self._held[_CHECK] == 0 else 0
+        if kind == _WRITE:
+            return free > self._keep_for_reads + keep
+        if kind == _READ:
+            return free > keep
+        return free > 0 and not self._read_due()
+
+    def _read_due(self) -> bool:
+        """A waiting read could take a slot, and checks took enough in a row."""
+        return (
+            self._checks_in_a_row >= self._checks_max
+            and bool(self._waiters[_READ])
+            and self._can_take(_READ)
+        )
+
+    def _take(self, kind: int) -> None:
+        if kind == _CHECK:
+            if not self._waiters[_READ]:
+                self._checks_in_a_row = 0
+            elif self._can_take(_READ):
+                self._checks_in_a_row += 1  # a waiting read could have had this slot
+        elif kind == _READ:
+            self._checks_in_a_row = 0
+        self._free_slots -= 1
+        self._held[kind] += 1
+
+    async def _take_slot(self, kind: int) -> bool:
+        """A call slot, waiting at most ``op_timeout_s``, in class order (the
+        module docstring)."""
+        if self._can_take(kind) and not any(self._waiters[k] for k in range(kind + 1)):
+            self._take(kind)
             return True
+        waiters = self._waiters[kind]
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         waiters.append(waiter)
         try:
             await asyncio.wait({waiter}, timeout=self.config.op_timeout_s)
         except BaseException:
             if waiter.done() and not waiter.cancelled():
-                self._give_slot()  # handed over just as we were cancelled
+                self._give_slot(kind)  # handed over just as we were cancelled
             else:
                 self._drop_waiter(waiter, waiters)
             raise
@@ -240,29 +301,35 @@ class Dispatcher:
         self._drop_waiter(waiter, waiters)
         return False
 
-    @staticmethod
     def _drop_waiter(
-        waiter: asyncio.Future[None], waiters: collections.deque[asyncio.Future[None]]
+        self, waiter: asyncio.Future[None], waiters: collections.deque[asyncio.Future[None]]
     ) -> None:
         waiter.cancel()
         with contextlib.suppress(ValueError):
             waiters.remove(waiter)
+        self._hand_over()  # a later waiter may take what this one was kept from
 
-    def _give_slot(self) -> None:
+    def _give_slot(self, kind: int) -> None:
         self._free_slots += 1
-        for waiters, floor in ((self._slot_waiters, 0), (self._write_waiters, self._reserved)):
-            while waiters and self._free_slots > floor:
-                waiter = waiters.popleft()
-                if not waiter.done():
-                    self._free_slots -= 1
-                    waiter.set_result(None)
-                    return
+        self._held[kind] -= 1
+        self._hand_over()
+
+    def _hand_over(self) -> None:
+        """Free slots to waiters: the first class, in order, that may take one."""
+        while True:
+            kind = next((k for k in _CLASSES if self._waiters[k] and self._can_take(k)), None)
+            if kind is None:
+                return
+            waiter = self._waiters[kind].popleft()
+            if not waiter.done():
+                self._take(kind)
+                waiter.set_result(None)
 
     def _ended(self, what: str, started: float, task: asyncio.Future[Any]) -> None:
         """A backend task ended (in time or not): its slot is free only now."""
         self.running -= 1
         self._hung.discard(task)
-        self._give_slot()
+        self._give_slot(_class_of(what))
         if not task.cancelled():
             task.exception()  # retrieved here; the caller or _Late reads it too
         if self.on_call is not None:
@@ -277,7 +344,8 @@ class Dispatcher:
     ) -> asyncio.Future[T]:
         """Start ``fn(*args)`` in a call slot and wait up to ``op_timeout_s``; the
         returned task may still be running (then it is hung and keeps its slot)."""
-        if not await self._take_slot(write=what == "put"):
+        kind = _class_of(what)
+        if not await self._take_slot(kind):
             self.counters["slot_timeouts"] += 1
             self._failed(f"{what}: no call slot came free within op_timeout_s")
             raise Unavailable(f"{self.name}: every call slot is busy")
@@ -287,7 +355,7 @@ class Dispatcher:
             task = asyncio.ensure_future(fn(*args))
         except BaseException:
             self.running -= 1
-            self._give_slot()
+            self._give_slot(kind)
             raise
         task.add_done_callback(functools.partial(self._ended, what, started))
         try:
