@@ -94,8 +94,9 @@ class S3Options(msgspec.Struct, **_Table):
     # Credentials; "" = the standard chain (environment, files, instance role).
     access_key_id: str = ""
     secret_access_key: str = ""
-    # Threads (and HTTP connections) for reads (GET, HEAD), and as many again for
-    # writes and deletes, so that prefetch reads never queue behind writes.
+    # Threads (and HTTP connections) for reads (GET), as many again for existence
+    # checks (HEAD) and as many for writes and deletes: prefetch reads never queue
+    # behind writes, nor L3 lookups behind prefetch reads.
     threads: int = 16
     # Attempts per request in botocore's standard retry mode (1 = no retry).
     max_attempts: int = 3

@@ -46,7 +46,10 @@ class S3Backend(Backend):
             raise BackendError("storage.s3.bucket is empty: name the bucket that holds the pages")
         self.prefix = options.prefix.strip("/")
         self._pool: ThreadPoolExecutor | None = None  # writes and deletes
-        self._reads: ThreadPoolExecutor | None = None  # GETs, HEADs: never behind writes
+        self._reads: ThreadPoolExecutor | None = None  # GETs: never behind writes
+        # HEADs (existence checks, the bucket's probe): never behind GETs either, since
+        # an engine's L3 lookup waits on them and a prefetch's GETs may queue for long
+        self._heads: ThreadPoolExecutor | None = None
         self._client: Any = None
         self.counters = {"requests": 0, "errors": 0, "bad_objects": 0}
 
@@ -56,7 +59,7 @@ class S3Backend(Backend):
         o = self.options
         config = botocore.config.Config(
             retries={"mode": "standard", "max_attempts": o.max_attempts},
-            max_pool_connections=2 * o.threads,  # reads and writes each have their own
+            max_pool_connections=3 * o.threads,  # writes, reads and HEADs each have their own
             connect_timeout=o.connect_timeout_s,
             read_timeout=o.read_timeout_s,
             s3={"addressing_style": o.addressing_style} if o.addressing_style else None,
@@ -69,6 +72,7 @@ class S3Backend(Backend):
         self._client = session.client("s3", endpoint_url=o.endpoint_url or None, config=config)
         self._pool = ThreadPoolExecutor(o.threads, thread_name_prefix="hicached-s3")
         self._reads = ThreadPoolExecutor(o.threads, thread_name_prefix="hicached-s3-read")
+        self._heads = ThreadPoolExecutor(o.threads, thread_name_prefix="hicached-s3-head")
         try:
             await self._bucket(retriable=False)
         except BackendError as exc:
@@ -79,8 +83,8 @@ class S3Backend(Backend):
             log.warning("S3 at %s not reachable at start: %s", o.endpoint_url or "AWS", exc.message)
 
     async def close(self) -> None:
-        let_go(self._pool, self._reads)  # a call ends within the client's timeouts
-        self._pool = self._reads = None
+        let_go(self._pool, self._reads, self._heads)  # a call ends within the client's timeouts
+        self._pool = self._reads = self._heads = None
         self._client = None
 
     async def health(self) -> None:
@@ -90,7 +94,7 @@ class S3Backend(Backend):
         """The bucket must exist: a store without one fails every write."""
         bucket = self.options.bucket
         try:
-            found = await self._run(self._client.head_bucket, reads=True, Bucket=bucket)
+            found = await self._run(self._client.head_bucket, lane="head", Bucket=bucket)
         except BackendError as exc:
             if exc.retriable:
                 raise
@@ -104,8 +108,13 @@ class S3Backend(Backend):
         k = key.hex()
         return f"{self.prefix}/{k[:2]}/{ns.hex()}/{k}"
 
-    async def _run(self, fn: Any, *, reads: bool = False, **kwargs: Any) -> Any:
-        pool = self._reads if reads else self._pool
+    def _lane(self, lane: str) -> ThreadPoolExecutor | None:
+        """The threads of a kind of call: "write" (PUTs, DELETEs), "read" (GETs),
+        "head" (HEADs)."""
+        return {"write": self._pool, "read": self._reads, "head": self._heads}[lane]
+
+    async def _run(self, fn: Any, *, lane: str = "write", **kwargs: Any) -> Any:
+        pool = self._lane(lane)
         if pool is None:
             raise BackendError("S3 backend is closed", retriable=True)
         return await asyncio.get_running_loop().run_in_executor(
@@ -129,10 +138,10 @@ class S3Backend(Backend):
             self.counters["errors"] += 1
             raise BackendError(f"S3 unreachable: {exc}", retriable=True) from None
 
-    async def _each(self, fn: Any, items: Sequence[Any], *, reads: bool = False) -> list[Any]:
-        """``fn(item)`` for every item, on the read or the write threads; exceptions
-        are returned, not raised."""
-        pool = self._reads if reads else self._pool
+    async def _each(self, fn: Any, items: Sequence[Any], *, lane: str = "write") -> list[Any]:
+        """``fn(item)`` for every item, on the threads of ``lane`` (``_lane``);
+        exceptions are returned, not raised."""
+        pool = self._lane(lane)
         if pool is None:
             raise BackendError("S3 backend is closed", retriable=True)
         loop = asyncio.get_running_loop()
@@ -177,7 +186,7 @@ class S3Backend(Backend):
             span = hi - lo
             probes = sorted({lo + span * k // width for k in range(width)} | {lo})
             probes = [i for i in probes if i < hi]
-            found = await self._each(lambda i: self._head(ns, keys[i]), probes, reads=True)
+            found = await self._each(lambda i: self._head(ns, keys[i]), probes, lane="head")
             errors = [hit for hit in found if isinstance(hit, BaseException)]
             if errors:
                 if lo == 0 and len(errors) == len(found):
@@ -239,7 +248,7 @@ class S3Backend(Backend):
             page.buf[:] = memoryview(body)[HEADER_BYTES:]
             return True
 
-        results = await self._each(get_one, pages, reads=True)
+        results = await self._each(get_one, pages, lane="read")
         # A bad object is a miss, and the daemon forgets it (as the file store drops
         # a bad record): else it stays known, is never written again, and every
         # prefetch through it ends there for good. The object is left in place: a

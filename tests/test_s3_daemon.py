@@ -39,8 +39,8 @@ def s3_tail(endpoint: str, bucket: str, **more: object) -> str:
         'access_key_id = "testing"',
         'secret_access_key = "testing"',
         'region = "us-east-1"',
-        "threads = 8",
     ]
+    more = {"threads": 8, **more}
     lines += [f"{k} = {v!r}".replace("'", '"') for k, v in more.items()]
     return "\n".join(lines) + "\n"
 
@@ -268,3 +268,40 @@ def test_a_listing_that_fails_leaves_the_index_incomplete(
         assert stats.l3["index_complete"] == 0
         ns = cb.register(**NS)
         assert cb.match(ns, toks, lease=False).l3_hits == 8
+
+
+def test_a_lookup_is_answered_while_prefetch_gets_queue(
+    daemon_factory: Callable[..., Daemon], s3: S3Server, bucket: str, proxy: FaultProxy
+) -> None:
+    """S3 answers every GET after 1.5 s (the proxy's delay: fault injection in
+    front of the real server) and four prefetches queue 32 of them on two read
+    threads: a match that asks S3 about pages the daemon does not know still
+    gets every page within its lookup's 3 s, since existence checks (HEADs)
+    run on threads of their own."""
+    d = daemon_factory(
+        size_mib=16,
+        slab_mib=1,
+        storage=storage("s3", more="scan_on_start = false\nlookup_timeout_s = 3.0\n"),
+        tail=s3_tail(proxy.endpoint, bucket, threads=2),
+    )
+    seqs = [seq(k * 10**5, 8) for k in range(5)]
+    with d.client(timeout=30.0) as c:
+        ns = c.register(**NS)
+        for toks in seqs:
+            c.store(ns, toks, page_bytes_for(toks))
+        wait_for(lambda: l3_count(c, "written") == 40, timeout=30)
+    assert d.stop() == 0
+    d.start()  # a new pool: the pages are in S3 alone, and the daemon knows none
+    proxy.delay = {"GET": 1.5}
+    try:
+        with d.client(timeout=30.0) as c:
+            ns = c.register(**NS)
+            fetches = [c.prefetch(ns, toks) for toks in seqs[:4]]
+            wait_for(lambda: sum(n for k, n in proxy.seen.items() if k.startswith("GET")) >= 2)
+            assert c.match(ns, seqs[4], lease=False).l3_hits == 8
+            s = c.stats()
+            assert s.l3["lookups"] == 1 and s.l3["lookups_late"] == 0
+            for pf in fetches:
+                c.cancel(pf)
+    finally:
+        proxy.delay = {}
