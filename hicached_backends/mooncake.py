@@ -53,6 +53,10 @@ def _address(buf: memoryview) -> int:
 _PROBE = "hc/health-probe"  # an object name no page has (pages: hc/<ns hex>/<key hex>)
 
 
+# threads of existence checks (L3 lookups): short calls, two so one seldom waits for another
+_CHECK_THREADS = 2
+
+
 class MooncakeBackend(Backend):
     options_type = MooncakeOptions
 
@@ -64,6 +68,9 @@ class MooncakeBackend(Backend):
         super().__init__(options, env)
         self._store: Any = None
         self._pool: ThreadPoolExecutor | None = None
+        # existence checks (L3 lookups) and the health probe: never queued behind
+        # the batch reads and writes that hold every thread of ``_pool``
+        self._checks: ThreadPoolExecutor | None = None
         self._hashers: ThreadPoolExecutor | None = None
         self._parts = 1  # slices of one put batch's checksums (MooncakeOptions.hash_parts)
         self._headers = np.zeros((HEADER_SLOTS, HEADER_BYTES), dtype=np.uint8)
@@ -77,6 +84,9 @@ class MooncakeBackend(Backend):
     async def open(self) -> None:
         o = self.options
         self._pool = ThreadPoolExecutor(o.threads, thread_name_prefix="hicached-mooncake")
+        self._checks = ThreadPoolExecutor(
+            _CHECK_THREADS, thread_name_prefix="hicached-mooncake-exists"
+        )
         self._parts = o.hash_parts()
         if o.verify_threads:
             self._hashers = ThreadPoolExecutor(
@@ -109,17 +119,17 @@ class MooncakeBackend(Backend):
         if self._store is not None:
             store, self._store = self._store, None
             await self._blocking(store.close)
-        let_go(self._pool, self._hashers)
-        self._pool = self._hashers = None
+        let_go(self._pool, self._checks, self._hashers)
+        self._pool = self._checks = self._hashers = None
 
     async def health(self) -> None:
         if self._store is None:
             raise BackendError("Mooncake store is not open", retriable=True)
-        rc = await self._blocking(self._store.health_check)
+        rc = await self._blocking(self._store.health_check, checks=True)
         if rc != 0:
             raise BackendError(f"Mooncake health check failed (code {rc})", retriable=True)
         # the client's own check passes with the master gone: ask the master
-        found = await self._blocking(self._store.batch_is_exist, [_PROBE])
+        found = await self._blocking(self._store.batch_is_exist, [_PROBE], checks=True)
         if all(code < 0 for code in found):
             raise BackendError(
                 f"Mooncake master at {self.options.master} does not answer (codes {found})",
@@ -128,10 +138,12 @@ class MooncakeBackend(Backend):
 
     # -- helpers -------------------------------------------------------------------
 
-    async def _blocking(self, fn: Any, *args: Any) -> Any:
-        if self._pool is None:
+    async def _blocking(self, fn: Any, *args: Any, checks: bool = False) -> Any:
+        """``fn(*args)`` on a thread: of ``_checks`` for existence checks, else ``_pool``."""
+        pool = self._checks if checks else self._pool
+        if pool is None:
             raise BackendError("Mooncake backend is closed", retriable=True)
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     async def _register(self, address: int, size: int) -> None:
         rc = await self._blocking(self._store.register_buffer, address, size)
@@ -220,7 +232,7 @@ class MooncakeBackend(Backend):
             return 0
         if self._store is None:
             raise BackendError("Mooncake store is not open", retriable=True)
-        found = await self._blocking(self._store.batch_is_exist, self.names(ns, keys))
+        found = await self._blocking(self._store.batch_is_exist, self.names(ns, keys), checks=True)
         if all(f < 0 for f in found):
             raise BackendError("Mooncake exists failed", retriable=True)
         n = 0

@@ -143,7 +143,8 @@ class MooncakeOptions(msgspec.Struct, **_Table):
     global_segment_mib: int = 512
     # The client's local transfer buffer, in MiB.
     local_buffer_mib: int = 64
-    # Threads issuing blocking store calls.
+    # Threads issuing blocking store calls (existence checks, which L3 lookups wait
+    # on, have two more of their own).
     threads: int = 4
     # Threads that checksum the pages of one batch in parallel (read or written, of
     # 8 MiB or more), beside the thread that calls the store (0 = that thread alone).

@@ -276,6 +276,43 @@ def test_mooncake_backend(mooncake: MooncakeMaster) -> None:
     run_machine(machine, 8)
 
 
+def test_mooncake_existence_checks_do_not_wait_for_busy_threads(mooncake: MooncakeMaster) -> None:
+    """Every store thread is held by a call that hangs (fault injection: the
+    test parks them, as batch reads of a slow store would): an existence check,
+    which an engine's L3 lookup waits on, still answers at once."""
+    import threading
+
+    from hicached_backends.mooncake import MooncakeBackend
+
+    options = MooncakeOptions(
+        master=mooncake.master,
+        metadata_server=mooncake.metadata,
+        global_segment_mib=32,
+        local_buffer_mib=16,
+        threads=2,
+    )
+    backend = MooncakeBackend(options, BackendEnv(Path("/nonexistent")))
+    loop = asyncio.new_event_loop()
+    release = threading.Event()
+    try:
+        loop.run_until_complete(backend.open())
+        parked = [
+            loop.run_in_executor(backend._pool, release.wait, 30.0)
+            for _ in range(options.threads + 2)
+        ]
+        found = loop.run_until_complete(
+            asyncio.wait_for(backend.exists(NAMESPACES[0], KEYS[:3]), 10.0)
+        )
+        assert found == 0
+        loop.run_until_complete(asyncio.wait_for(backend.health(), 10.0))
+        release.set()
+        loop.run_until_complete(asyncio.gather(*parked))
+    finally:
+        release.set()
+        loop.run_until_complete(backend.close())
+        loop.close()
+
+
 def test_registry_names_and_errors() -> None:
     from hicached.errors import ConfigError
     from hicached_backends import available, load_backend_class
