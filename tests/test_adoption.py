@@ -303,7 +303,7 @@ def test_adopted_pages_are_announced_after_all_blocks_cleared(tmp_path: Path) ->
             }
         d.kill()
         d.start()
-        got = _replayed(ctx, events)
+        got = _replayed(ctx, events, stored=2)
         assert type(got[0]).__name__ == "AllBlocksCleared"
         stored = [e for e in got[1:] if isinstance(e, BlockStored)]
         assert all(e.medium == "CPU" for e in stored)
@@ -379,7 +379,7 @@ def test_adopted_key_addressed_pages_keep_their_group_and_spec_kind(tmp_path: Pa
             c.commit(res)
         d.kill()
         d.start()
-        got = _replayed(ctx, events)
+        got = _replayed(ctx, events, stored=1)
         (event,) = [e for e in got if isinstance(e, BlockStored)]
         assert event.block_hashes == [block_hash(h) for h in block]
         assert event.group_idx == 3
@@ -392,18 +392,25 @@ def test_adopted_key_addressed_pages_keep_their_group_and_spec_kind(tmp_path: Pa
         d.cleanup()
 
 
-def _replayed(ctx: zmq.Context[Any], events: Path) -> list[Any]:
-    """Every event the daemon's replay socket (in ``events``) keeps, from the start."""
-    replay = ctx.socket(zmq.DEALER)
-    replay.setsockopt(zmq.LINGER, 0)
-    replay.connect(f"ipc://{events}/replay.sock")
-    replay.send_multipart([b"", (0).to_bytes(8, "big")])
-    got: list[Any] = []
+def _replayed(ctx: zmq.Context[Any], events: Path, stored: int) -> list[Any]:
+    """Every event the daemon's replay socket (in ``events``) keeps, from the
+    start, once it holds ``stored`` BlockStored events: the publisher sends what
+    the daemon logged every ``events.flush_interval_s``, so right after READY
+    the adopted pages' events may not be out yet (asked again, for 10 s)."""
+    deadline = time.monotonic() + 10.0
     while True:
-        assert replay.poll(5000), "no replay"
-        _, _topic, seq, payload = replay.recv_multipart()
-        if seq == END_SEQ:
-            break
-        got.extend(batch_decoder.decode(payload).events)
-    replay.close()
-    return got
+        replay = ctx.socket(zmq.DEALER)
+        replay.setsockopt(zmq.LINGER, 0)
+        replay.connect(f"ipc://{events}/replay.sock")
+        replay.send_multipart([b"", (0).to_bytes(8, "big")])
+        got: list[Any] = []
+        while True:
+            assert replay.poll(5000), "no replay"
+            _, _topic, seq, payload = replay.recv_multipart()
+            if seq == END_SEQ:
+                break
+            got.extend(batch_decoder.decode(payload).events)
+        replay.close()
+        if sum(isinstance(e, BlockStored) for e in got) >= stored or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
