@@ -747,6 +747,8 @@ def test_a_number_is_refused_as_a_key_never_taken_as_zero_bytes(
             c.exists_keys(ns, [zeros, number])  # type: ignore[list-item]
         with pytest.raises(BadRequest, match="not numbers"):
             c.reserve_keys(ns, [number])  # type: ignore[list-item]
+        with pytest.raises(BadRequest, match="not a number"):
+            c.reserve_keys(ns, engine_keys(1, salt=40), parent=number)  # type: ignore[arg-type]
         # bytes-like keys are taken as their bytes, as before
         assert c.exists_keys(ns, [bytearray(zeros), memoryview(zeros)]).in_l2 == [True, True]
         assert c.stats().pages == 1

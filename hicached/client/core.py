@@ -285,6 +285,8 @@ class _Core:
 
     def _reserve_keys(self, ns: Namespace, keys: Sequence[bytes], parent: bytes | None) -> Exchange:
         wire = _keys(keys)
+        if _number(parent):
+            raise BadRequest("parent is a key's bytes, not a number (bytes(n) is n zero bytes)")
         up = bytes(parent or b"")
         sent = time.monotonic()
         ok = yield from self._exchange(
