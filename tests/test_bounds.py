@@ -15,7 +15,7 @@ import zmq
 
 import hicached
 from hicached import protocol as p
-from hicached.errors import DaemonUnavailable, DeadlineExceeded
+from hicached.errors import BadRequest, DaemonUnavailable, DeadlineExceeded
 from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
 
 
@@ -131,6 +131,17 @@ async def test_a_call_queued_behind_max_in_flight_keeps_its_own_deadline(
             os.kill(daemon.proc.pid, signal.SIGCONT)
         assert all(isinstance(r, DeadlineExceeded) for r in results), results
         assert waited < 1.5, f"queued calls waited {waited:.2f}s (one after another: 2.0s)"
+
+
+@pytest.mark.parametrize("bound", [0, -1, 1.5, True])
+async def test_max_in_flight_is_a_whole_number_of_requests(daemon: Daemon, bound: object) -> None:
+    """max_in_flight = 0 made every call wait out its timeout and fail with
+    "0 requests stayed in flight" (no call could ever be sent); -1 failed at
+    the first call with asyncio's ValueError. Refused where it is given."""
+    with pytest.raises(BadRequest, match="max_in_flight"):
+        hicached.AsyncClient(daemon.endpoint, timeout=0.4, max_in_flight=bound)  # type: ignore[arg-type]
+    async with hicached.AsyncClient(daemon.endpoint, timeout=0.4, max_in_flight=1) as c:
+        assert (await c.stats()).clients >= 1  # the bound itself serves
 
 
 def test_replies_ignore_fields_a_newer_daemon_adds() -> None:

@@ -726,3 +726,29 @@ def test_segment_places_that_are_not_integers_are_refused(daemon: Daemon, at: ob
         hit = c.match_keys(ns, keys)
         assert np.array_equal(c.read_pages(hit)[0], np.full(PAGE, 7, np.uint8))  # untouched
         c.release(hit)
+
+
+@pytest.mark.parametrize("number", [32, np.int64(32), np.array(32, np.uint64), True])
+def test_a_number_is_refused_as_a_key_never_taken_as_zero_bytes(
+    daemon: Daemon, number: object
+) -> None:
+    """``bytes(n)`` is n zero bytes: a number passed as a key (a 64-bit block hash
+    as an int, a numpy integer) found the page stored under 32 zero bytes and
+    read its bytes as its own; a large one made the client allocate that many
+    bytes before the daemon refused it. A number is refused, and the daemon
+    serves on."""
+    zeros = bytes(32)
+    with daemon.client() as c:
+        ns = c.register(**SPEC)
+        store(c, ns, [zeros], np.full((1, PAGE), 9, np.uint8))
+        with pytest.raises(BadRequest, match="not numbers"):
+            c.match_keys(ns, [number])  # type: ignore[list-item]
+        with pytest.raises(BadRequest, match="not numbers"):
+            c.exists_keys(ns, [zeros, number])  # type: ignore[list-item]
+        with pytest.raises(BadRequest, match="not numbers"):
+            c.reserve_keys(ns, [number])  # type: ignore[list-item]
+        with pytest.raises(BadRequest, match="not a number"):
+            c.reserve_keys(ns, engine_keys(1, salt=40), parent=number)  # type: ignore[arg-type]
+        # bytes-like keys are taken as their bytes, as before
+        assert c.exists_keys(ns, [bytearray(zeros), memoryview(zeros)]).in_l2 == [True, True]
+        assert c.stats().pages == 1

@@ -31,6 +31,7 @@ from hicached.client.handles import (
     Reservation,
 )
 from hicached.errors import (
+    BadRequest,
     DaemonUnavailable,
     DeadlineExceeded,
     SessionLost,
@@ -56,6 +57,11 @@ class AsyncClient(_Core):
         max_in_flight: int = 64,
         prefault: bool = False,
     ) -> None:
+        # 0 would let no call out (each waits out its timeout); checked before any socket
+        if type(max_in_flight) is not int or max_in_flight < 1:
+            raise BadRequest(
+                f"max_in_flight must be a whole number of requests >= 1, got {max_in_flight!r}"
+            )
         super().__init__(endpoint, timeout, name, curve, map_pool, connect_timeout, prefault)
         self.max_in_flight = max_in_flight  # requests awaiting replies; more wait here
         self._slots: asyncio.Semaphore | None = None

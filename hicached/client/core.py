@@ -27,6 +27,7 @@ import contextlib
 import itertools
 import logging
 import math
+import numbers
 import os
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -284,6 +285,8 @@ class _Core:
 
     def _reserve_keys(self, ns: Namespace, keys: Sequence[bytes], parent: bytes | None) -> Exchange:
         wire = _keys(keys)
+        if _number(parent):
+            raise BadRequest("parent is a key's bytes, not a number (bytes(n) is n zero bytes)")
         up = bytes(parent or b"")
         sent = time.monotonic()
         ok = yield from self._exchange(
@@ -571,7 +574,17 @@ def _keys(keys: Sequence[bytes]) -> list[bytes]:
         return wire
     if any(isinstance(key, str) for key in wire):
         raise BadRequest("keys are bytes: encode text keys (bytes.fromhex for hex digests)")
+    if any(_number(key) for key in wire):
+        # bytes(n) is n zero bytes: the page of another key, or gigabytes of zeros
+        raise BadRequest(
+            "keys are bytes, not numbers: encode a numeric hash (n.to_bytes(8, 'big'))"
+        )
     return [bytes(key) for key in wire]
+
+
+def _number(key: object) -> bool:
+    """An integer (Python's, numpy's, or a 0-d numpy array): no key's bytes."""
+    return isinstance(key, numbers.Integral) or (isinstance(key, np.ndarray) and key.ndim == 0)
 
 
 def _own(handle: Reservation | Hit, what: str) -> None:
