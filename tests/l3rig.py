@@ -37,6 +37,7 @@ class HeldTier:
         self.pending: dict[bytes, tuple[NamespaceState, int, Callable[[bool], None]]] = {}
         self.limit = limit
         self.written: list[bytes] = []
+        self.asked: list[list[bytes]] = []
 
     def write(
         self, ns: NamespaceState, key: bytes, slot: int, done: Callable[[bool], None]
@@ -55,6 +56,12 @@ class HeldTier:
 
     def prefetch(self, lease: Lease) -> None:  # pragma: no cover
         raise AssertionError("not used")
+
+    def lookup(self, ns: bytes, keys: list[bytes], answer: Callable[[int], None]) -> None:
+        """The store is the test's: asked (after a write acknowledged once the store
+        told of letting its key go), it holds none."""
+        self.asked.append(keys)
+        answer(0)
 
 
 class Harness:

@@ -51,6 +51,11 @@ class TierPort(Protocol):
         """Start reading ``lease.prefetch.keys`` into slots the cache will plan."""
         ...
 
+    def lookup(self, ns: bytes, keys: list[bytes], answer: Callable[[int], None]) -> None:
+        """Ask the store how many leading ``keys`` it holds; those it holds are
+        learned (unless it let go of pages meanwhile), and ``answer`` is told."""
+        ...
+
 
 class Origin(NamedTuple):
     """What the L3 BlockStored of an L2 page names besides the page itself."""
@@ -253,12 +258,13 @@ class Tiering:
         def done(ok: bool) -> None:
             self.writing.discard(key)
             self.count("written" if ok else "write_failed")
+            doubt = False
             if key in self.lost_writing:
                 self.lost_writing.discard(key)
                 if ok:  # the store let go of it before this acknowledgement came
                     self.count("written_let_go")
                     self.taken += spec.page_bytes
-                    ok = False
+                    ok, doubt = False, True
             if ok:
                 desk.l3.add(key)
                 self.taken += spec.page_bytes
@@ -276,6 +282,12 @@ class Tiering:
                 ns.index.unpinned(desk.pool.unpin([slot]))
             ns.open -= 1
             desk.names.forget_if_unused(ns)
+            if doubt:
+                # What the store let go of may have been an older copy (a recycled
+                # segment, a damaged record read meanwhile), and then it holds the
+                # page this write stored: not known, a complete index would answer
+                # it as absent for good. The store is asked; what it holds is learned.
+                tier.lookup(ns.digest, [key], _unheard)
 
         if tier.write(ns, key, slot, done):
             return True
@@ -448,3 +460,7 @@ class Tiering:
                 continue  # freed since (or a neighbour in its granule was), perhaps reused
             queued += self.write(ns, key, slot)
         return queued
+
+
+def _unheard(found: int) -> None:
+    """The answer of a lookup nobody waits on (what it found is learned already)."""
