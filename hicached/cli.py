@@ -241,6 +241,7 @@ def _cmd_events(args: argparse.Namespace) -> int:
         finally:
             sock.close()
 
+    live_last = -1  # the last batch number the live stream showed
     sub = socket(zmq.SUB, endpoint)
     try:
         sub.setsockopt(zmq.SUBSCRIBE, args.topic.encode())
@@ -256,7 +257,18 @@ def _cmd_events(args: argparse.Namespace) -> int:
             idle_since = time.monotonic()
             topic, seq_frame, payload = sub.recv_multipart()
             seq = int.from_bytes(seq_frame, "big")
-            if last >= 0 and seq > last + 1:
+            restarted = seq <= live_last  # the live stream only goes up, within one start
+            if restarted:
+                # a new daemon numbers from 0 again: what it sends is new, and what
+                # it sent before this (its AllBlocksCleared first) is a gap
+                print(
+                    f"hicached events: the daemon started again (batch {seq} after "
+                    f"{live_last}); its batches are numbered from 0",
+                    file=sys.stderr,
+                )
+                last = -1
+            live_last = seq
+            if (last >= 0 or restarted) and seq > last + 1:
                 print(f"hicached events: batches {last + 1}..{seq - 1} missed", file=sys.stderr)
                 if replay_at:
                     replay(last + 1)
