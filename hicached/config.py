@@ -498,6 +498,7 @@ class Config(msgspec.Struct, **_Section):
 
     def __post_init__(self) -> None:
         self._check_tenants()
+        self._check_addresses()
         if self.curve.secret_key_file:
             return  # every tcp:// socket authenticates its peers
         for key, value in (
@@ -510,6 +511,31 @@ class Config(msgspec.Struct, **_Section):
                     check_endpoint(value)
                 except ValueError as exc:
                     raise ValueError(f"{key}: {exc}") from None
+
+    def _check_addresses(self) -> None:
+        """No two of the daemon's sockets on one address. A second ipc bind takes
+        the path from the first without an error (ZeroMQ replaces the socket
+        file), so the first would be left unreachable while the daemon runs."""
+        server = self.server.endpoint
+        if not server and self.server.runtime_dir:
+            server = f"ipc://{self.server.runtime_dir}/hicached.sock"
+        seen: dict[str, str] = {}
+        for key, value in (
+            ("server.endpoint", server),
+            ("events.endpoint", self.events.endpoint),
+            ("events.replay_endpoint", self.events.replay_endpoint),
+        ):
+            if not value:
+                continue
+            address = value
+            if value.startswith("ipc://"):
+                address = "ipc://" + os.path.normpath(value[len("ipc://") :])
+            first = seen.setdefault(address, key)
+            if first != key:
+                raise ValueError(
+                    f"{key}: {value!r} is the same address as {first}'s; give each "
+                    "socket an address of its own"
+                )
 
     def _check_tenants(self) -> None:
         seen: dict[tuple[str, object], str] = {}

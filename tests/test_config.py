@@ -132,6 +132,50 @@ def test_check_config_knows_the_backends(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
 
 
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        (
+            "[events]\nendpoint = 'ipc:///run/h/ev.sock'\nreplay_endpoint = 'ipc:///run/h/ev.sock'\n",
+            "events.replay_endpoint",
+        ),
+        (
+            "[server]\nendpoint = 'ipc:///run/h/h.sock'\n"
+            "[events]\nendpoint = 'ipc:///run/h//h.sock'\n",
+            "events.endpoint",
+        ),
+        (
+            "[server]\nruntime_dir = '/run/h'\n[events]\nendpoint = 'ipc:///run/h/hicached.sock'\n",
+            "events.endpoint",
+        ),
+        (
+            "[server]\nendpoint = 'tcp://127.0.0.1:5555'\n"
+            "[events]\nendpoint = 'tcp://127.0.0.1:5555'\n",
+            "events.endpoint",
+        ),
+    ],
+)
+def test_two_sockets_on_one_address_are_refused(text: str, key: str) -> None:
+    """A second ipc bind takes the path from the first without an error (ZeroMQ
+    replaces the socket file): two of the daemon's sockets on one address would
+    leave one of them unreachable, and the daemon would start all the same."""
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, "x.toml")
+    assert str(info.value).startswith(f"x.toml: {key}: "), str(info.value)
+    assert "same address" in str(info.value)
+
+
+def test_a_daemon_refuses_its_events_and_replay_on_one_path(tmp_path: Path) -> None:
+    from tests.l3util import refused_start
+    from tests.support import Daemon
+
+    endpoint = f"ipc://{tmp_path}/events.sock"
+    d = Daemon(
+        size_mib=1, tail=f'[events]\nendpoint = "{endpoint}"\nreplay_endpoint = "{endpoint}"\n'
+    )
+    refused_start(d, "events.replay_endpoint")
+
+
 def test_auto_readers_follow_the_io_threads_and_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
     """read_processes = "auto": twice io_threads, at most half the CPUs, at least 2."""
     import os
