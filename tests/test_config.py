@@ -176,6 +176,31 @@ def test_a_daemon_refuses_its_events_and_replay_on_one_path(tmp_path: Path) -> N
     refused_start(d, "events.replay_endpoint")
 
 
+@pytest.mark.parametrize(
+    ("tenants", "hint"),
+    [
+        ("[tenants.a]\nuids = [1001]\narena_mib = 6\n", "tenants.a.arena_mib"),
+        ("[tenants.a]\nuids = [1001]\narena_mib = 64\n", "does not hold an arena"),
+    ],
+)
+def test_check_config_refuses_what_serve_refuses_of_tenant_arenas(
+    tmp_path: Path, tenants: str, hint: str
+) -> None:
+    """Tenant arenas are sized from the config alone: a layout the daemon refuses
+    at start, check-config refuses too."""
+    from tests.l3util import refused_start
+    from tests.support import Daemon
+
+    d = Daemon(size_mib=16, tail=tenants)
+    out = subprocess.run(
+        [sys.executable, "-m", "hicached", "check-config", str(d.config)],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and hint in out.stderr, (out.stdout, out.stderr)
+    refused_start(d, hint)
+
+
 def test_auto_readers_follow_the_io_threads_and_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
     """read_processes = "auto": twice io_threads, at most half the CPUs, at least 2."""
     import os
