@@ -33,6 +33,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 MIB = 1 << 20
+# The largest high-water mark ZeroMQ takes (a C int).
+MAX_HWM = (1 << 31) - 1
 
 _Section = {"kw_only": True, "forbid_unknown_fields": True}
 
@@ -119,6 +121,8 @@ class ServerConfig(msgspec.Struct, **_Section):
         if self.max_message_bytes < 4096:
             raise ValueError("max_message_bytes must be at least 4096")
         positive(self, "max_pages_per_request", "max_clients", "hwm", "drain_batch", "queue_mib")
+        if self.hwm > MAX_HWM:
+            raise ValueError(f"hwm must be at most {MAX_HWM} (ZeroMQ's limit)")
         if self.key_cache_pages < 0:
             raise ValueError("key_cache_pages must be 0 (off) or positive")
         if self.key_cache_token_mib < 0:
@@ -358,6 +362,10 @@ class EventsConfig(msgspec.Struct, **_Section):
             raise ValueError("data_parallel_rank must not be negative")
         positive(self, "queue_events", "batch_events", "flush_interval_s", "replay_batches", "hwm")
         positive(self, "replay_timeout_s")
+        if self.hwm > MAX_HWM:
+            raise ValueError(f"hwm must be at most {MAX_HWM} (ZeroMQ's limit)")
+        if self.replay_batches >= MAX_HWM:  # the replay socket queues them and an end marker
+            raise ValueError(f"replay_batches must be at most {MAX_HWM - 1} (ZeroMQ's limit)")
         if self.close_linger_s < 0:
             raise ValueError("close_linger_s must not be negative")
         if self.stall_s < 0:

@@ -201,6 +201,32 @@ def test_check_config_refuses_what_serve_refuses_of_tenant_arenas(
     refused_start(d, hint)
 
 
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("[events]\nhwm = 2147483648\n", "events.hwm"),
+        ("[events]\nreplay_batches = 2147483647\n", "events.replay_batches"),
+        ("[server]\nhwm = 2147483648\n", "server.hwm"),
+    ],
+)
+def test_high_water_marks_fit_zeromq(text: str, key: str) -> None:
+    """ZeroMQ takes a high-water mark as a C int."""
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, "x.toml")
+    assert str(info.value).startswith(f"x.toml: {key}: "), str(info.value)
+    assert "at most 214748364" in str(info.value)
+
+
+def test_an_events_hwm_zeromq_cannot_take_is_a_config_error_not_a_hung_start(
+    tmp_path: Path,
+) -> None:
+    from tests.l3util import refused_start
+    from tests.support import Daemon
+
+    events = f'[events]\nendpoint = "ipc://{tmp_path}/events.sock"\nhwm = 3000000000\n'
+    refused_start(Daemon(size_mib=1, tail=events), "events.hwm")
+
+
 def test_auto_readers_follow_the_io_threads_and_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
     """read_processes = "auto": twice io_threads, at most half the CPUs, at least 2."""
     import os
