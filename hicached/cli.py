@@ -35,6 +35,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _cmd_check_config(args: argparse.Namespace) -> int:
     config = load_config(args.path)
+    from hicached.config import endpoint, runtime_dir
+    from hicached.daemon.arenas import arena_layout
+
+    # tenant arenas are sized from the config alone: what serve refuses of them
+    # (sizes that are not whole slabs, a pool too small for them) fails here too
+    arena_layout(config, endpoint(config), runtime_dir(config))
     if config.storage.backend:
         # the backend must be installed, and its options valid as a whole: what
         # its start would refuse (a missing bucket, ...) fails here already
@@ -241,6 +247,7 @@ def _cmd_events(args: argparse.Namespace) -> int:
         finally:
             sock.close()
 
+    live_last = -1  # the last batch number the live stream showed
     sub = socket(zmq.SUB, endpoint)
     try:
         sub.setsockopt(zmq.SUBSCRIBE, args.topic.encode())
@@ -256,7 +263,18 @@ def _cmd_events(args: argparse.Namespace) -> int:
             idle_since = time.monotonic()
             topic, seq_frame, payload = sub.recv_multipart()
             seq = int.from_bytes(seq_frame, "big")
-            if last >= 0 and seq > last + 1:
+            restarted = seq <= live_last  # the live stream only goes up, within one start
+            if restarted:
+                # a new daemon numbers from 0 again: what it sends is new, and what
+                # it sent before this (its AllBlocksCleared first) is a gap
+                print(
+                    f"hicached events: the daemon started again (batch {seq} after "
+                    f"{live_last}); its batches are numbered from 0",
+                    file=sys.stderr,
+                )
+                last = -1
+            live_last = seq
+            if (last >= 0 or restarted) and seq > last + 1:
                 print(f"hicached events: batches {last + 1}..{seq - 1} missed", file=sys.stderr)
                 if replay_at:
                     replay(last + 1)

@@ -33,6 +33,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 MIB = 1 << 20
+# The largest high-water mark ZeroMQ takes (a C int).
+MAX_HWM = (1 << 31) - 1
 
 _Section = {"kw_only": True, "forbid_unknown_fields": True}
 
@@ -119,6 +121,8 @@ class ServerConfig(msgspec.Struct, **_Section):
         if self.max_message_bytes < 4096:
             raise ValueError("max_message_bytes must be at least 4096")
         positive(self, "max_pages_per_request", "max_clients", "hwm", "drain_batch", "queue_mib")
+        if self.hwm > MAX_HWM:
+            raise ValueError(f"hwm must be at most {MAX_HWM} (ZeroMQ's limit)")
         if self.key_cache_pages < 0:
             raise ValueError("key_cache_pages must be 0 (off) or positive")
         if self.key_cache_token_mib < 0:
@@ -358,6 +362,10 @@ class EventsConfig(msgspec.Struct, **_Section):
             raise ValueError("data_parallel_rank must not be negative")
         positive(self, "queue_events", "batch_events", "flush_interval_s", "replay_batches", "hwm")
         positive(self, "replay_timeout_s")
+        if self.hwm > MAX_HWM:
+            raise ValueError(f"hwm must be at most {MAX_HWM} (ZeroMQ's limit)")
+        if self.replay_batches >= MAX_HWM:  # the replay socket queues them and an end marker
+            raise ValueError(f"replay_batches must be at most {MAX_HWM - 1} (ZeroMQ's limit)")
         if self.close_linger_s < 0:
             raise ValueError("close_linger_s must not be negative")
         if self.stall_s < 0:
@@ -498,6 +506,7 @@ class Config(msgspec.Struct, **_Section):
 
     def __post_init__(self) -> None:
         self._check_tenants()
+        self._check_addresses()
         if self.curve.secret_key_file:
             return  # every tcp:// socket authenticates its peers
         for key, value in (
@@ -510,6 +519,31 @@ class Config(msgspec.Struct, **_Section):
                     check_endpoint(value)
                 except ValueError as exc:
                     raise ValueError(f"{key}: {exc}") from None
+
+    def _check_addresses(self) -> None:
+        """No two of the daemon's sockets on one address. A second ipc bind takes
+        the path from the first without an error (ZeroMQ replaces the socket
+        file), so the first would be left unreachable while the daemon runs."""
+        server = self.server.endpoint
+        if not server and self.server.runtime_dir:
+            server = f"ipc://{self.server.runtime_dir}/hicached.sock"
+        seen: dict[str, str] = {}
+        for key, value in (
+            ("server.endpoint", server),
+            ("events.endpoint", self.events.endpoint),
+            ("events.replay_endpoint", self.events.replay_endpoint),
+        ):
+            if not value:
+                continue
+            address = value
+            if value.startswith("ipc://"):
+                address = "ipc://" + os.path.normpath(value[len("ipc://") :])
+            first = seen.setdefault(address, key)
+            if first != key:
+                raise ValueError(
+                    f"{key}: {value!r} is the same address as {first}'s; give each "
+                    "socket an address of its own"
+                )
 
     def _check_tenants(self) -> None:
         seen: dict[tuple[str, object], str] = {}

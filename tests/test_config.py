@@ -132,6 +132,101 @@ def test_check_config_knows_the_backends(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
 
 
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        (
+            "[events]\nendpoint = 'ipc:///run/h/ev.sock'\nreplay_endpoint = 'ipc:///run/h/ev.sock'\n",
+            "events.replay_endpoint",
+        ),
+        (
+            "[server]\nendpoint = 'ipc:///run/h/h.sock'\n"
+            "[events]\nendpoint = 'ipc:///run/h//h.sock'\n",
+            "events.endpoint",
+        ),
+        (
+            "[server]\nruntime_dir = '/run/h'\n[events]\nendpoint = 'ipc:///run/h/hicached.sock'\n",
+            "events.endpoint",
+        ),
+        (
+            "[server]\nendpoint = 'tcp://127.0.0.1:5555'\n"
+            "[events]\nendpoint = 'tcp://127.0.0.1:5555'\n",
+            "events.endpoint",
+        ),
+    ],
+)
+def test_two_sockets_on_one_address_are_refused(text: str, key: str) -> None:
+    """A second ipc bind takes the path from the first without an error (ZeroMQ
+    replaces the socket file): two of the daemon's sockets on one address would
+    leave one of them unreachable, and the daemon would start all the same."""
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, "x.toml")
+    assert str(info.value).startswith(f"x.toml: {key}: "), str(info.value)
+    assert "same address" in str(info.value)
+
+
+def test_a_daemon_refuses_its_events_and_replay_on_one_path(tmp_path: Path) -> None:
+    from tests.l3util import refused_start
+    from tests.support import Daemon
+
+    endpoint = f"ipc://{tmp_path}/events.sock"
+    d = Daemon(
+        size_mib=1, tail=f'[events]\nendpoint = "{endpoint}"\nreplay_endpoint = "{endpoint}"\n'
+    )
+    refused_start(d, "events.replay_endpoint")
+
+
+@pytest.mark.parametrize(
+    ("tenants", "hint"),
+    [
+        ("[tenants.a]\nuids = [1001]\narena_mib = 6\n", "tenants.a.arena_mib"),
+        ("[tenants.a]\nuids = [1001]\narena_mib = 64\n", "does not hold an arena"),
+    ],
+)
+def test_check_config_refuses_what_serve_refuses_of_tenant_arenas(
+    tmp_path: Path, tenants: str, hint: str
+) -> None:
+    """Tenant arenas are sized from the config alone: a layout the daemon refuses
+    at start, check-config refuses too."""
+    from tests.l3util import refused_start
+    from tests.support import Daemon
+
+    d = Daemon(size_mib=16, tail=tenants)
+    out = subprocess.run(
+        [sys.executable, "-m", "hicached", "check-config", str(d.config)],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2 and hint in out.stderr, (out.stdout, out.stderr)
+    refused_start(d, hint)
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ("[events]\nhwm = 2147483648\n", "events.hwm"),
+        ("[events]\nreplay_batches = 2147483647\n", "events.replay_batches"),
+        ("[server]\nhwm = 2147483648\n", "server.hwm"),
+    ],
+)
+def test_high_water_marks_fit_zeromq(text: str, key: str) -> None:
+    """ZeroMQ takes a high-water mark as a C int."""
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, "x.toml")
+    assert str(info.value).startswith(f"x.toml: {key}: "), str(info.value)
+    assert "at most 214748364" in str(info.value)
+
+
+def test_an_events_hwm_zeromq_cannot_take_is_a_config_error_not_a_hung_start(
+    tmp_path: Path,
+) -> None:
+    from tests.l3util import refused_start
+    from tests.support import Daemon
+
+    events = f'[events]\nendpoint = "ipc://{tmp_path}/events.sock"\nhwm = 3000000000\n'
+    refused_start(Daemon(size_mib=1, tail=events), "events.hwm")
+
+
 def test_auto_readers_follow_the_io_threads_and_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
     """read_processes = "auto": twice io_threads, at most half the CPUs, at least 2."""
     import os

@@ -477,6 +477,51 @@ def test_hicached_events_prints_the_stream_from_a_sequence_number(
     assert line["seq"] == 2 and line["events"][0]["medium"] == "CPU"
 
 
+def test_hicached_events_follows_a_daemon_restart(
+    daemon_factory: Callable[..., Daemon], events_dir: Path
+) -> None:
+    """A restarted daemon numbers its batches from 0 again: the command must show
+    them (its AllBlocksCleared first, fetched by replay if the live stream missed
+    it), not take them for batches it has shown already."""
+    d, pub, replay = events_daemon(daemon_factory, events_dir, size_mib=1)
+    command = [sys.executable, "-m", "hicached", "events", "--endpoint", pub]
+    live = subprocess.Popen(
+        [*command, "--replay-endpoint", replay, "--json", "--idle-exit", "20"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(1.5)  # it has subscribed
+        with d.client() as c:
+            ns = c.register(**NS)
+            store_one_page_each(c, ns, 3)  # seq 1 and on
+            wait_for(lambda: c.stats().events_pending == 0)
+        time.sleep(0.5)
+        d.stop()
+        d.start()  # seq 0 (AllBlocksCleared) again, then 1
+        time.sleep(1.0)  # it has subscribed again (seq 0 went out before: a gap to replay)
+        with d.client() as c:
+            ns = c.register(**NS)
+            keys = store_one_page_each(c, ns, 1, first=10)
+            wait_for(lambda: c.stats().events_pending == 0)
+        time.sleep(1.0)
+        live.send_signal(signal.SIGINT)
+        out, err = live.communicate(timeout=30)
+    finally:
+        live.kill()
+    lines = [json.loads(x) for x in out.splitlines()]
+    seqs = [x["seq"] for x in lines]
+    assert seqs and seqs[0] == 1, (out, err)  # the first daemon's commits
+    restart = next((i for i in range(1, len(seqs)) if seqs[i] <= seqs[i - 1]), None)
+    assert restart is not None, f"nothing shown after the restart: {seqs}\n{err}"
+    after = lines[restart:]
+    assert [x["seq"] for x in after] == list(range(len(after))), (out, err)
+    assert after[0]["events"] == [{"type": "AllBlocksCleared"}]
+    stored = [e for x in after for e in x["events"] if e["type"] == "BlockStored"]
+    assert [e["block_hashes"] for e in stored] == [hk(keys)]
+
+
 def _cli(*args: str) -> str:
     done = subprocess.run(
         [sys.executable, "-m", "hicached", *args],

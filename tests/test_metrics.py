@@ -168,3 +168,18 @@ def test_loop_histogram_reports_cumulative_buckets() -> None:
     assert 't_seconds_count{op="match"} 4.0' in text
     assert 't_seconds_sum{op="match"} 0.5065' in text
     assert 't_seconds_bucket{le="0.01",op="commit"} 0.0' in text
+
+
+def test_the_file_stores_live_readers_are_a_gauge(daemon_factory: Callable[..., Daemon]) -> None:
+    """Readers alive goes down when one dies: as a counter, Prometheus would take
+    the drop for a reset (rate() and increase() turn it into a rise)."""
+    d = daemon_factory(
+        size_mib=1, slab_mib=1, storage=storage("file"), tail=FILE_STORE + "read_processes = 1\n"
+    )
+    with d.client() as c:
+        endpoint = c.stats().metrics_endpoint
+    metrics = scrape(endpoint)
+    alive = (("what", "store_readers_alive"),)
+    assert metrics[("hicached_l3_state", alive)] == 1
+    assert ("hicached_l3_total", alive) not in metrics
+    assert ("hicached_l3_total", (("what", "store_readers_lost"),)) in metrics

@@ -253,6 +253,7 @@ _L3_GAUGES = {
     "lookups_in_flight",
     "store_pages",
     "store_bytes_used",
+    "store_readers_alive",  # the file store's reader processes (read_processes)
 }
 
 

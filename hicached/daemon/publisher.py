@@ -203,12 +203,12 @@ class Publisher:
     def _open_pub(self) -> zmq.Socket[bytes]:
         assert self._ctx is not None and self._bind is not None
         pub = self._ctx.socket(zmq.XPUB)
+        self._pub = pub  # closed by close() whatever fails below: the context waits for it
         pub.setsockopt(zmq.LINGER, 0)
         pub.setsockopt(zmq.SNDHWM, self.config.hwm)
         # A subscriber's full queue refuses the send (zmq.Again), so the drop is ours
         # to count; a PUB socket would drop the batch for that subscriber unseen.
         pub.setsockopt(zmq.XPUB_NODROP, 1)
-        self._pub = pub  # closed by close() even if its bind fails: the context waits for it
         self._bind(pub, self.config.endpoint, "events.endpoint")
         return pub
 
