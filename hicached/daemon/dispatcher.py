@@ -18,8 +18,9 @@
   often run past ``lookup_timeout_s`` and turn an L3 hit into a miss.
 - The slot kept for checks is held by one or free: while no check holds a
   slot, reads and writes leave one free, so a check finds a slot at once
-  however many slow reads run and queue; reads and writes still have
-  ``concurrency`` slots between them, as without it. Checks that hang do not
+  however many slow reads run and queue; reads and writes may still run
+  ``concurrency`` calls between them, as without it (a check may also take
+  one of their slots that is free when it comes). Checks that hang do not
   keep reads from the slots left.
 - Writes never take the last of the slots reads and writes share when there
   are two or more, so a read never waits behind background writes, even hung

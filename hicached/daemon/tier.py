@@ -102,6 +102,7 @@ class Tier:
         self._prefetches: set[asyncio.Task[None]] = set()
         self._lookups: set[asyncio.Future[int | None]] = set()  # backend calls of lookups in flight
         self._lookup_counts = {"lookups": 0, "lookups_skipped": 0, "lookups_late": 0}
+        self._stopping = False
         self.lookup_pages = 0  # pages lookups found that the cache did not know
         self._scan: asyncio.Task[None] | None = None
         self._adopted: asyncio.Task[None] | None = None  # writes of adopted pages L3 lacks
@@ -246,6 +247,7 @@ class Tier:
         and prefetches, under write_back write what L3 lacks (in steps as the
         queue drains), finish queued writes, close the backend."""
         end = time.monotonic() + self.config.flush_deadline_s
+        self._stopping = True  # no lookup starts from now: none would be waited for
         self.dispatcher.stop_by = end
         for started in (self._scan, self._adopted):
             if started is not None:
@@ -344,12 +346,17 @@ class Tier:
         holds, for a request the cache could not answer from what it knows;
         ``answer(found)`` runs once: with the count when the backend tells it
         within ``storage.lookup_timeout_s``, else with 0 at that deadline (and
-        at once past ``storage.lookups_in_flight`` lookups, or while the backend
-        is down). A lookup past its deadline still runs to its end, and counts
-        in flight until then: what it finds the cache knows from then on, unless
-        the store told of pages it let go of meanwhile (the answer may predate it)."""
+        at once past ``storage.lookups_in_flight`` lookups, while the backend
+        is down, or once the tier is stopping). A lookup past its deadline still
+        runs to its end, and counts in flight until then: what it finds the cache
+        knows from then on, unless the store told of pages it let go of meanwhile
+        (the answer may predate it)."""
         counts = self._lookup_counts
-        if len(self._lookups) >= self.config.lookups_in_flight or self.dispatcher.cooling:
+        if (
+            self._stopping
+            or len(self._lookups) >= self.config.lookups_in_flight
+            or self.dispatcher.cooling
+        ):
             counts["lookups_skipped"] += 1
             answer(0)
             return
