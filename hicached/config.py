@@ -14,10 +14,10 @@ import re
 import sys
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import msgspec
 
+from hicached.endpoints import check_distinct, check_endpoint
 from hicached.errors import ConfigError
 from hicached_backends.options import (
     FileOptions,
@@ -37,44 +37,6 @@ MIB = 1 << 20
 MAX_HWM = (1 << 31) - 1
 
 _Section = {"kw_only": True, "forbid_unknown_fields": True}
-
-
-def check_endpoint(endpoint: str, *, remote: bool = False) -> None:
-    """Accept ipc:// with an absolute path, or tcp:// on a loopback address
-    (on any address with ``remote``, i.e. when CURVE guards it)."""
-    if endpoint.startswith("ipc://"):
-        path = endpoint[len("ipc://") :]
-        if path.startswith("@"):
-            raise ValueError(
-                f"endpoint {endpoint!r}: abstract ipc sockets accept any local user; "
-                "use a path inside a private directory"
-            )
-        if not path.startswith("/"):
-            raise ValueError(f"endpoint {endpoint!r}: the ipc path must be absolute")
-        return
-    if endpoint.startswith("tcp://"):
-        parts = urlsplit(endpoint)
-        host = parts.hostname or ""
-        try:
-            port = parts.port
-        except ValueError:
-            port = None
-        if port is None or port == 0:
-            raise ValueError(
-                f"endpoint {endpoint!r}: give an explicit port, like tcp://127.0.0.1:5557"
-            )
-        if host != "localhost" and not remote:
-            try:
-                loopback = ipaddress.ip_address(host).is_loopback
-            except ValueError:
-                loopback = False
-            if not loopback:
-                raise ValueError(
-                    f"endpoint {endpoint!r}: tcp is allowed on loopback only "
-                    "(127.0.0.0/8, ::1 or localhost) unless [curve] keys are configured"
-                )
-        return
-    raise ValueError(f"endpoint {endpoint!r}: use ipc:///absolute/path or tcp://127.0.0.1:PORT")
 
 
 class ServerConfig(msgspec.Struct, **_Section):
@@ -521,29 +483,16 @@ class Config(msgspec.Struct, **_Section):
                     raise ValueError(f"{key}: {exc}") from None
 
     def _check_addresses(self) -> None:
-        """No two of the daemon's sockets on one address. A second ipc bind takes
-        the path from the first without an error (ZeroMQ replaces the socket
-        file), so the first would be left unreachable while the daemon runs."""
         server = self.server.endpoint
         if not server and self.server.runtime_dir:
             server = f"ipc://{self.server.runtime_dir}/hicached.sock"
-        seen: dict[str, str] = {}
-        for key, value in (
-            ("server.endpoint", server),
-            ("events.endpoint", self.events.endpoint),
-            ("events.replay_endpoint", self.events.replay_endpoint),
-        ):
-            if not value:
-                continue
-            address = value
-            if value.startswith("ipc://"):
-                address = "ipc://" + os.path.normpath(value[len("ipc://") :])
-            first = seen.setdefault(address, key)
-            if first != key:
-                raise ValueError(
-                    f"{key}: {value!r} is the same address as {first}'s; give each "
-                    "socket an address of its own"
-                )
+        check_distinct(
+            [
+                ("server.endpoint", server),
+                ("events.endpoint", self.events.endpoint),
+                ("events.replay_endpoint", self.events.replay_endpoint),
+            ]
+        )
 
     def _check_tenants(self) -> None:
         seen: dict[tuple[str, object], str] = {}

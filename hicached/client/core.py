@@ -284,10 +284,7 @@ class _Core:
         return KeysFound(ok.l2, ok.leading, _flags(l2), _flags(l3))
 
     def _reserve_keys(self, ns: Namespace, keys: Sequence[bytes], parent: bytes | None) -> Exchange:
-        wire = _keys(keys)
-        if _number(parent):
-            raise BadRequest("parent is a key's bytes, not a number (bytes(n) is n zero bytes)")
-        up = bytes(parent or b"")
+        wire, up = _keys(keys), _parent(parent)
         sent = time.monotonic()
         ok = yield from self._exchange(
             lambda: p.ReserveKeys(id=0, ns=ns.id, keys=wire, parent=up), p.ReserveKeysOk
@@ -312,11 +309,9 @@ class _Core:
 
     @property
     def protocol(self) -> tuple[int, int] | None:
-        """The protocol version (major, minor) of the daemon this client's session
-        is open with; None without a session (before it connected, or where only
-        a probe was answered)."""
-        hello = self._hello
-        return None if hello is None else (hello.major, hello.minor)
+        """The (major, minor) protocol of the daemon this client's session is open
+        with; None without a session (not connected, or only a probe answered)."""
+        return None if self._hello is None else (self._hello.major, self._hello.minor)
 
     def adopt(self, handle: PortableHandle) -> Reservation | Hit:
         """A copy-only handle from another process's ``portable()`` (same host, same
@@ -580,6 +575,13 @@ def _keys(keys: Sequence[bytes]) -> list[bytes]:
             "keys are bytes, not numbers: encode a numeric hash (n.to_bytes(8, 'big'))"
         )
     return [bytes(key) for key in wire]
+
+
+def _parent(parent: bytes | None) -> bytes:
+    """A reservation's parent key as sent (none: empty); a number is refused."""
+    if _number(parent):
+        raise BadRequest("parent is a key's bytes, not a number (bytes(n) is n zero bytes)")
+    return bytes(parent or b"")
 
 
 def _number(key: object) -> bool:
