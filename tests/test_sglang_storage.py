@@ -219,3 +219,24 @@ def test_a_daemon_killed_under_the_backend_costs_misses(report: dict[str, Facts]
     assert got["set"] == [False] * 2
     assert got["get"] == [False] * 4
     assert got["calls_s"] < 3.0
+
+
+def test_a_relative_model_directory_tagged_by_sglang_is_still_told_by_its_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLang gives storage backends its model path with the host pool's page
+    format added ("models/llama-unified-token-major"), which names no directory:
+    two hosts' different directories of one relative name must not share a
+    namespace (as a hub id's "main" revision would make them), while a hub id
+    stays "main"."""
+    from hicached.integrations.common import default_revision
+
+    tag = "-unified-token-major"  # hicached/integrations/sglang/pages.py FORMAT_TAGS
+    revisions = []
+    for host in ("a", "b"):
+        (tmp_path / host / "models" / "llama").mkdir(parents=True)
+        monkeypatch.chdir(tmp_path / host)
+        revisions.append(default_revision("models/llama" + tag, (tag,)))
+    assert all(r.startswith("path-") for r in revisions) and revisions[0] != revisions[1]
+    assert default_revision("meta-llama/Llama-3-8B" + tag, (tag,)) == "main"
+    assert default_revision("models/llama" + tag) == "main"  # without the tag: a hub id

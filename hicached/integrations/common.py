@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, TypeVar
 
 import msgspec
@@ -30,10 +30,16 @@ def safe_model(name: str) -> str:
     return "/".join(p for p in safe if _MODEL_PART.fullmatch(p)) or "model"
 
 
-def default_revision(name: str) -> str:
+def default_revision(name: str, tags: Sequence[str] = ()) -> str:
     """A local directory's path, digested: two directories never share pages
-    because their last parts have the same names."""
-    if not (name.startswith(("/", ".", "~")) or os.path.isdir(name)):
+    because their last parts have the same names. ``tags``: suffixes an engine
+    may have added to the path it was given (SGLang's ``-{page format}``), with
+    which a relative directory's name names no directory."""
+    local = name
+    for tag in tags:
+        if name.endswith(tag) and os.path.isdir(name[: -len(tag)]):
+            local = name[: -len(tag)]
+    if not (name.startswith(("/", ".", "~")) or os.path.isdir(local)):
         return "main"
     path = os.path.realpath(os.path.expanduser(name))
     return "path-" + hashlib.sha256(path.encode()).hexdigest()[:16]

@@ -262,6 +262,10 @@ def _check_against_meta(pool: Any, segments: list[torch.Tensor]) -> None:
 
 # -- namespaces ---------------------------------------------------------------------------
 
+# What SGLang adds to the model path it gives storage backends, for a host pool
+# with a page format of its own (cache_controller.storage_model_name: "{path}-{tag}")
+FORMAT_TAGS = ("-unified-token-major",)
+
 
 def base_fields(config: HiCacheStorageConfig, settings: Settings) -> dict[str, Any]:
     """What every namespace of this rank shares: the model, the tenant, the
@@ -271,7 +275,7 @@ def base_fields(config: HiCacheStorageConfig, settings: Settings) -> dict[str, A
         raise ValueError('SGLang gave no model name: set "model" in the extra config')
     return dict(
         model=settings.model or safe_model(name),
-        revision=settings.revision or default_revision(name),
+        revision=settings.revision or default_revision(name, FORMAT_TAGS),
         tenant=settings.tenant,
         key_scheme=KEY_SCHEME,
         tp_rank=config.tp_rank,
