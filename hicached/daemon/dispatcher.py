@@ -71,6 +71,9 @@ class WriteJob:
     done: Callable[[bool], None]
 
 
+#: Call slots beyond ``concurrency`` kept for existence checks: reads and writes
+#: leave them free while no check holds a slot.
+_KEPT_FOR_CHECKS = 1
 #: Classes of calls waiting for a slot, in the order they are served.
 _CHECK, _READ, _WRITE = _CLASSES = (0, 1, 2)
 
@@ -95,8 +98,7 @@ class Dispatcher:
         self._wake = asyncio.Event()
         self._room = asyncio.Event()  # set when written pages leave the bound
         # ``concurrency`` slots, and one kept for existence checks (the module docstring)
-        self._keep_for_checks = 1  # left by reads and writes while no check holds a slot
-        self._free_slots = config.concurrency + self._keep_for_checks
+        self._free_slots = config.concurrency + _KEPT_FOR_CHECKS
         # Call slots by class (_CHECK, _READ, _WRITE; the module docstring says why):
         # waiters in the order they are served, and slots each class holds.
         self._waiters: tuple[collections.deque[asyncio.Future[None]], ...] = tuple(
@@ -254,7 +256,7 @@ class Dispatcher:
         """Whether a call of class ``kind`` may take a free slot now (waiters of
         the classes before it aside)."""
         free = self._free_slots
-        keep = self._keep_for_checks if self._held[_CHECK] == 0 else 0
+        keep = _KEPT_FOR_CHECKS if self._held[_CHECK] == 0 else 0
         if kind == _WRITE:
             return free > self._keep_for_reads + keep
         if kind == _READ:
