@@ -218,6 +218,10 @@ class StorageConfig(msgspec.Struct, **_Section):
     # are found; status shows state "scanning" and scan_pages); false = scan
     # before READY.
     scan_in_background: bool = True
+    # Seconds before a failed scan (or one cut short) is tried again, doubled
+    # each time up to 600 s, until one ends (0 = never again: unknown keys are
+    # then asked of the store for good).
+    scan_retry_s: float = 30.0
     # While the daemon does not know every key the store holds (the scan runs,
     # did not end, or keys were forgotten to stay within known_keys), a match
     # or exists_keys whose L3 part stops at a key it does not know asks the
@@ -251,6 +255,10 @@ class StorageConfig(msgspec.Struct, **_Section):
         positive(self, "lookup_timeout_s")
         if self.retries < 0 or self.retry_backoff_s < 0 or self.flush_deadline_s < 0:
             raise ValueError("retries, retry_backoff_s and flush_deadline_s must not be negative")
+        if self.scan_retry_s < 0:
+            raise ValueError(
+                "scan_retry_s must not be negative (0 = a failed scan is not tried again)"
+            )
 
 
 EVENT_FORMATS = ("map", "array")

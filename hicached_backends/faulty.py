@@ -8,7 +8,9 @@ of it; ``readable_pages`` maps a namespace digest to how many pages of it may
 be read in total before every further read fails; ``write_delay_s`` is added
 to every write (a backend that hangs past ``storage.op_timeout_s``);
 ``scan_delay_s`` is added per page the startup scan lists (a slow listing);
-``exists_delay_s`` is added to every existence check (a slow L3 lookup).
+``exists_delay_s`` is added to every existence check (a slow L3 lookup);
+the first ``scan_failures`` listings fail after their first page, if any (a
+store that breaks off a listing), the later ones run whole.
 
 Its stats add ``calls_running`` and ``peak_calls``: the backend calls inside
 it at once, now and at most, so a test can see the dispatcher's bound hold.
@@ -22,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from hicached_backends.base import Backend, BackendEnv, PageRef
+from hicached_backends.base import Backend, BackendEnv, BackendError, PageRef
 
 
 class FaultyOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -33,6 +35,7 @@ class FaultyOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     write_delay_s: float = 0.0
     scan_delay_s: float = 0.0
     exists_delay_s: float = 0.0
+    scan_failures: int = 0
 
 
 def _inner_options(options: FaultyOptions) -> tuple[type[Backend], Any]:
@@ -63,6 +66,7 @@ class FaultyBackend(Backend):
         cls, inner_options = _inner_options(options)
         self.inner = cls(inner_options, env)
         self.read_left = dict(options.readable_pages)
+        self.scans_to_fail = options.scan_failures
         self.calls = 0
         self.peak_calls = 0
 
@@ -122,10 +126,15 @@ class FaultyBackend(Backend):
             self.calls -= 1
 
     async def scan(self) -> AsyncIterator[tuple[bytes, bytes]]:
+        fail, self.scans_to_fail = self.scans_to_fail > 0, self.scans_to_fail - 1
         async for item in self.inner.scan():
             if self.options.scan_delay_s:
                 await asyncio.sleep(self.options.scan_delay_s)
             yield item
+            if fail:
+                break
+        if fail:
+            raise BackendError("the listing broke off (fault injected)", retriable=True)
 
     def stats(self) -> dict[str, int]:
         return {

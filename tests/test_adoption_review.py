@@ -212,16 +212,22 @@ def test_kill9_under_keyed_masks_prefetches_and_write_back_loses_and_lies_about_
         d.cleanup()
 
 
-def test_adopted_pages_whose_l3_writes_a_kill_cut_short_reach_l3_after_the_restart() -> None:
+@pytest.mark.parametrize("failed_scans", [0, 1], ids=["scan", "scan-failed-once"])
+def test_adopted_pages_whose_l3_writes_a_kill_cut_short_reach_l3_after_the_restart(
+    failed_scans: int,
+) -> None:
     """Under write_through every committed page goes to L3. Fault injection: the
     faulty backend delays every write (``write_delay_s``), so a kill -9 right
-    after the commits leaves their writes unfinished. The restart adopts the
-    pages and, once L3's listing has ended, writes those L3 lacks; a start
+    after the commits leaves their writes unfinished; with ``scan_failures``
+    the restart's first listing breaks off after one page. The restart adopts
+    the pages and, once L3's listing has ended (a scan tried again after
+    ``scan_retry_s`` where the first failed), writes those L3 lacks; a start
     without the pool (L2 empty) then reads every page back from L3, byte for
     byte."""
     d = adopting(
-        storage=storage("faulty"),
+        storage=storage("faulty", more="scan_retry_s = 0.5\n"),
         tail='[storage.extra]\ninner = "file"\nwrite_delay_s = 1.0\n'
+        f"scan_failures = {failed_scans}\n"
         "[storage.extra.inner_options]\ncapacity_mib = 32\nsegment_mib = 4\nio_threads = 2\n",
     )
     seqs = range(3)
@@ -238,6 +244,8 @@ def test_adopted_pages_whose_l3_writes_a_kill_cut_short_reach_l3_after_the_resta
             c.register(**SPEC)
             assert c.stats().adopted_pages == len(seqs) * PAGES
             wait_for(lambda: l3_count(c, "written") == len(seqs) * PAGES, timeout=60)
+            l3 = c.stats().l3
+            assert l3["scan_failed"] == failed_scans and l3["index_complete"] == 1
         assert d.stop() == 0
         d.fresh = True  # a new pool: whatever is read now comes from L3
         d.start()

@@ -589,6 +589,50 @@ def test_startup_scan_runs_in_the_background_while_serving(
         assert [c.match(ns, toks, lease=False).l3_hits for toks in chunks] == [500] * 6
 
 
+@pytest.mark.parametrize("retry", ["0.2", "0"], ids=["tried-again", "never-again"])
+def test_a_failed_scan_is_tried_again_until_a_listing_ends(
+    daemon_factory: Callable[..., Daemon], retry: str
+) -> None:
+    """Fault injection: the faulty backend breaks off the first two listings
+    after one page (``scan_failures``). With ``scan_in_background = false`` the
+    first scan runs before READY and fails; the daemon serves all the same, and
+    tries again in the background after ``scan_retry_s`` (then twice that) until
+    a listing ends: every page stored before the restart is known and the index
+    is complete. ``scan_retry_s = 0`` leaves it at the one failure: keys stay
+    unknown, and are asked of the store."""
+    d = daemon_factory(
+        size_mib=16,
+        slab_mib=1,
+        storage=storage("faulty", more=f"scan_in_background = false\nscan_retry_s = {retry}\n"),
+        tail='[storage.extra]\ninner = "file"\nscan_failures = 2\n'
+        "[storage.extra.inner_options]\ncapacity_mib = 32\nsegment_mib = 4\nio_threads = 2\n",
+    )
+    chunks = [seq(k * 10**6, 50) for k in range(4)]
+    with d.client() as c:
+        ns = c.register(**NS)
+        for k, toks in enumerate(chunks):
+            c.store(ns, toks, np.full((50, 4096), k, np.uint8))
+        wait_for(lambda: l3_count(c, "written") == 200)
+    assert d.stop() == 0
+    before = len(d.log.read_text())  # the first start's (empty) listings failed too
+    d.start()
+    with d.client() as c:
+        if retry == "0":
+            time.sleep(1.0)  # as long as the retries below take
+            s = c.stats()
+            assert s.l3["scan_failed"] == 1 and s.l3["index_complete"] == 0
+            assert s.l3_pages_known <= 1  # the page the broken listing named
+            return
+        wait_for(lambda: c.stats().l3["index_complete"] == 1, timeout=30)
+        s = c.stats()
+        assert s.l3["scan_failed"] == 2 and s.l3["scan_pages"] == 200
+        assert s.l3_pages_known == 200 and s.l3["lookups"] == 0
+        ns = c.register(**NS)
+        assert [c.match(ns, toks, lease=False).l3_hits for toks in chunks] == [50] * 4
+    log = d.log.read_text()[before:]
+    assert log.count("L3 scan failed after") == 2 and "L3 scan again in 0.4s" in log
+
+
 def test_pages_the_memory_store_evicts_are_forgotten(
     daemon_factory: Callable[..., Daemon],
 ) -> None:

@@ -35,6 +35,8 @@ from hicached_backends import Backend, BackendEnv, PageRef, load_backend_class
 log = logging.getLogger("hicached.storage")
 
 _SCAN_YIELD_PAGES = 4096  # the startup scan lets requests in after this many pages
+# a failed scan is tried again after storage.scan_retry_s, doubled each time up to this
+_SCAN_RETRY_MAX_S = 600.0
 # pages of L2 listed at once for the writes of adopted pages L3 lacks (about 3 ms)
 _LIST_BATCH_PAGES = 4096
 
@@ -139,16 +141,36 @@ class Tier:
         if not self.config.scan_on_start:
             return
         self.scanning = True
-        if self.config.scan_in_background:
-            self._scan = asyncio.get_running_loop().create_task(self._scan_store())
-        else:
-            await self._scan_store()
+        if self.config.scan_in_background or not await self._scan_store():
+            self._scan = asyncio.get_running_loop().create_task(
+                self._scan_until_listed(tried=not self.config.scan_in_background)
+            )
 
-    async def _scan_store(self) -> None:
+    async def _scan_until_listed(self, *, tried: bool) -> None:
+        """Scan, and scan again after a failure (or a scan cut short) every
+        ``storage.scan_retry_s``, doubled each time up to ten minutes, until a
+        listing ends (0: never again): a store that failed one listing (a
+        network error, a throttled bucket) is not left unknown for good, with
+        every unknown key asked of it and adopted pages L3 lacks never written.
+        ``tried``: the first scan ran already (before READY) and failed."""
+        wait = self.config.scan_retry_s
+        if not tried and await self._scan_store():
+            return
+        while wait > 0:
+            log.info("L3 scan again in %.1fs", wait)
+            await asyncio.sleep(wait)
+            self.scanning = True
+            if await self._scan_store():
+                return
+            wait = min(2 * wait, _SCAN_RETRY_MAX_S)
+
+    async def _scan_store(self) -> bool:
         """Add every key the store lists to the cache's L3 set as it is found, so
         matches see it at once, and announce it (BlockStored, per namespace, after
-        the start's AllBlocksCleared); yields to requests every few thousand pages."""
+        the start's AllBlocksCleared); yields to requests every few thousand pages.
+        Whether the listing ended (False: it failed or was cut short)."""
         started = time.monotonic()
+        self.scan_pages = 0  # of this listing: one tried again counts anew
         cache = self.cache
         l3, tiering = cache.l3, cache.tiering
         found: dict[bytes, list[bytes]] = {}  # namespace -> keys not yet announced
@@ -181,6 +203,7 @@ class Tier:
         except Exception:
             self.dispatcher.counters["scan_failed"] += 1
             log.exception("L3 scan failed after %d pages", self.scan_pages)
+            return False
         else:
             if tiering.scan_overflow:  # as a failed scan: what L3 lacks stays unknown
                 self.dispatcher.counters["scan_cut"] += 1
@@ -190,7 +213,7 @@ class Tier:
                     self.scan_pages,
                     SCAN_FORGOTTEN_MAX,
                 )
-                return
+                return False
             l3.listed(True)
             log.info(
                 "L3 holds %d pages (scanned in %.2fs)", self.scan_pages, time.monotonic() - started
@@ -198,6 +221,7 @@ class Tier:
             batches = cache.adopted_unwritten(_LIST_BATCH_PAGES)
             if batches is not None:
                 self._adopted = asyncio.get_running_loop().create_task(self._write_adopted(batches))
+            return True
         finally:
             tiering.scan_ends()
             announce()  # what was found before a stop or a failure is in L3 all the same
@@ -310,6 +334,8 @@ class Tier:
             "in_flight_pages": d.writing,
             "hung_calls": d.hung_calls,
             "scan_pages": self.scan_pages,
+            "scan_failed": d.counters["scan_failed"],  # 0 until one fails, shown all the same
+            "scan_cut": d.counters["scan_cut"],
             "scanning": int(self.scanning),
             "index_complete": int(self.cache.l3.complete),
             "known_forgotten": self.cache.l3.forgotten,
