@@ -12,17 +12,21 @@ from __future__ import annotations
 import json
 import os
 import pwd
+import shutil
 import signal
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 import zmq
 
-from hicached import Client
+from hicached import Client, CurveKeys
+from hicached.config import parse_config
+from hicached.errors import ConfigError
 from hicached.wire.events import BlockStored, decode_batch
-from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
+from tests.support import NS, PAGE_TOKENS, Daemon, free_tcp_port, page_bytes_for
 from tests.test_client_group import as_user, become
 from tests.test_tenants import Users, users
 
@@ -43,7 +47,9 @@ def _stored_tokens(payload: bytes) -> set[int]:
     return {t for e in batch.events if isinstance(e, BlockStored) for t in e.token_ids}
 
 
-def _listen(events: str, replay: str, seconds: float) -> Callable[[], dict[str, object]]:
+def _listen(
+    events: str, replay: str, seconds: float, curve: CurveKeys | None = None
+) -> Callable[[], dict[str, object]]:
     """Subscribe to the events socket for ``seconds``, then ask the replay socket
     for every batch from 0: which of alpha's token ids were seen each way."""
 
@@ -51,19 +57,27 @@ def _listen(events: str, replay: str, seconds: float) -> Callable[[], dict[str, 
         ctx = zmq.Context()
         seen_live: set[int] = set()
         seen_replay: set[int] = set()
+
+        def socket(kind: int, where: str) -> zmq.Socket[bytes]:
+            sock = ctx.socket(kind)
+            sock.setsockopt(zmq.LINGER, 0)
+            if curve is not None:
+                sock.curve_serverkey = curve.server_public
+                sock.curve_publickey = curve.public
+                sock.curve_secretkey = curve.secret
+            if kind == zmq.SUB:
+                sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.connect(where)
+            return sock
+
         try:
-            sub = ctx.socket(zmq.SUB)
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.SUBSCRIBE, b"")
-            sub.connect(events)
+            sub = socket(zmq.SUB, events)
             deadline = time.monotonic() + seconds
             while time.monotonic() < deadline:
                 if sub.poll(100):
                     _, _, payload = sub.recv_multipart()
                     seen_live |= _stored_tokens(payload)
-            dealer = ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.connect(replay)
+            dealer = socket(zmq.DEALER, replay)
             dealer.send_multipart([b"", (0).to_bytes(8, "big")], zmq.NOBLOCK)
             while dealer.poll(1500):
                 frames = dealer.recv_multipart()
@@ -166,3 +180,76 @@ def test_a_tenants_process_reads_no_other_tenants_kv_events(
     seen_by_daemon_user = mine.result()
     assert seen_by_daemon_user == {"live": 4 * PAGE_TOKENS, "replay": 4 * PAGE_TOKENS}
     assert beta.result() == {"live": 0, "replay": 0}
+
+
+# -- KV events over tcp ----------------------------------------------------------------
+
+
+def _keygen(directory: Path, name: str) -> tuple[Path, Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(str(directory), name)
+    return Path(public), Path(secret)
+
+
+@pytest.mark.timeout(120)
+def test_a_tenants_curve_key_subscribes_to_no_kv_events(tmp_path: Path) -> None:
+    """Over tcp every tenant's CURVE key is authorized, for its requests: it must
+    not open the events sockets too, which carry every tenant's pages. A key
+    that no tenant lists (a router's) does."""
+    server_public, server_secret = _keygen(tmp_path / "server", "daemon")
+    authorized = tmp_path / "authorized"
+    authorized.mkdir()
+    made = {name: _keygen(tmp_path / "clients", name) for name in ("a1", "b1", "router")}
+    for name, (public, _) in made.items():
+        shutil.copy(public, authorized / f"{name}.key")
+    events, replay = (f"tcp://127.0.0.1:{free_tcp_port()}" for _ in range(2))
+    keys = {n: CurveKeys.load(str(server_public), str(secret)) for n, (_, secret) in made.items()}
+    d = Daemon(
+        tcp=True,
+        curve=keys["a1"],
+        tail=(
+            f'[curve]\nsecret_key_file = "{server_secret}"\n'
+            f'authorized_keys_dir = "{authorized}"\n'
+            '[tenants.alpha]\ncurve_keys = ["a1.key"]\n'
+            '[tenants.beta]\ncurve_keys = ["b1.key"]\n'
+            f'[events]\nendpoint = "{events}"\nreplay_endpoint = "{replay}"\n'
+            "flush_interval_s = 0.05\n"
+        ),
+    )
+    try:
+        d.start()
+        beta = _Forked(_pw(os.getuid()), _listen(events, replay, 4.0, keys["b1"]))
+        router = _Forked(_pw(os.getuid()), _listen(events, replay, 4.0, keys["router"]))
+        time.sleep(1.0)  # both subscriptions reach the daemon
+        with Client(d.endpoint, timeout=5.0, curve=keys["a1"]) as alpha:
+            ns = alpha.register(**NS)
+            alpha.store(ns, _tokens(), page_bytes_for(_tokens()))
+        assert router.result() == {"live": 4 * PAGE_TOKENS, "replay": 4 * PAGE_TOKENS}
+        assert beta.result() == {"live": 0, "replay": 0}
+    finally:
+        d.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (  # no CURVE: every local process reaches a loopback port
+            '[tenants.a]\nuids = [1001]\n[events]\nendpoint = "tcp://127.0.0.1:5560"\n',
+            "events.endpoint: with [tenants]",
+        ),
+        (
+            '[tenants.a]\nuids = [1001]\n[events]\nendpoint = "ipc:///tmp/e.sock"\n'
+            'replay_endpoint = "tcp://127.0.0.1:5561"\n',
+            "events.replay_endpoint: with [tenants]",
+        ),
+        (  # with CURVE, an others tenant over tcp takes every key a router could have
+            '[server]\nendpoint = "tcp://127.0.0.1:5557"\n'
+            '[curve]\nsecret_key_file = "/k/d.key_secret"\nauthorized_keys_dir = "/k"\n'
+            '[tenants.a]\nothers = true\n[events]\nendpoint = "tcp://127.0.0.1:5560"\n',
+            "events.endpoint: tenants.a takes every CURVE key",
+        ),
+    ],
+)
+def test_tenants_refuse_kv_events_on_tcp_that_tenants_reach(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        parse_config(text)

@@ -16,7 +16,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from hicached.config import Config
-from hicached.daemon.tenants import PeerAuthenticator, TenantMap
+from hicached.daemon.tenants import EVENTS_DOMAIN, PeerAuthenticator, TenantMap
 from hicached.errors import ConfigError
 
 log = logging.getLogger("hicached")
@@ -175,7 +175,10 @@ class Access:
         (0600 in a directory the clients' group may pass): the events name every
         tenant's pages and their token ids, and every tenant's users are in the
         clients' group, so an operator's router subscribes as the daemon's user
-        or root (docs/events.md)."""
+        or root (docs/events.md). Over tcp (CURVE: Config) a key that a tenant
+        lists is refused (``PeerAuthenticator``)."""
+        if where.startswith("tcp://") and self.tenants is not None:
+            sock.setsockopt(zmq.ZAP_DOMAIN, EVENTS_DOMAIN)
         if where.startswith("ipc://"):
             path = Path(where[len("ipc://") :])
             ensure_private_dir(path.parent, self.client_gid)
