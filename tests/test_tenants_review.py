@@ -28,6 +28,7 @@ from hicached.errors import ConfigError
 from hicached.wire.events import BlockStored, decode_batch
 from tests.support import NS, PAGE_TOKENS, Daemon, free_tcp_port, page_bytes_for
 from tests.test_client_group import as_user, become
+from tests.test_reload import _sighup
 from tests.test_tenants import Users, users
 
 _ = (users,)  # a fixture, used by name
@@ -253,3 +254,36 @@ def test_a_tenants_curve_key_subscribes_to_no_kv_events(tmp_path: Path) -> None:
 def test_tenants_refuse_kv_events_on_tcp_that_tenants_reach(text: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         parse_config(text)
+
+
+# -- SIGHUP while a tenant holds leases -------------------------------------------------
+
+
+def test_sighup_that_removes_a_tenant_or_moves_its_uid_changes_no_ones_tenant(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """A reload that drops alpha and gives its uid to beta, while alpha's client
+    holds a lease and its arena is mapped: refused until a restart, so alpha's
+    handle reads alpha's bytes, and its connection stays alpha's (a register
+    after it still gets alpha's namespace, not beta's)."""
+    me = os.getuid()
+    d = daemon_factory(tail=f"[tenants.alpha]\nuids = [{me}]\n[tenants.beta]\nuids = [65000]\n")
+    base = d.config.read_text()
+    toks = _tokens()
+    with d.client() as c:
+        ns = c.register(**NS)
+        c.store(ns, toks, page_bytes_for(toks))
+        held = c.match(ns, toks)
+        assert held.hits == 4
+        moved = base.replace(f"[tenants.alpha]\nuids = [{me}]\n", "").replace(
+            "uids = [65000]", f"uids = [65000, {me}]"
+        )
+        lines = _sighup(d, moved)
+        assert "tenants.alpha changed" in lines and "tenants.beta.uids changed" in lines, lines
+        assert np.array_equal(c.read_pages(held), page_bytes_for(toks))
+        assert c.register(**NS).digest == ns.digest
+        c.release(held)
+    with d.client() as fresh:  # a new connection: still alpha's, by the running config
+        again = fresh.register(**NS)
+        assert again.digest == ns.digest
+        assert fresh.match(again, toks, lease=False).hits == 4
