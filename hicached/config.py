@@ -268,7 +268,9 @@ BLOCK_HASHES = ("int", "bytes")
 class EventsConfig(msgspec.Struct, **_Section):
     """KV events for cache-aware routers (vLLM's format; docs/events.md)."""
 
-    # PUB endpoint; "" = no events. ipc:// or tcp:// on loopback only.
+    # PUB endpoint; "" = no events. ipc:// or tcp:// on loopback only. With
+    # [tenants] the events are the daemon's user's over ipc, and need CURVE keys no
+    # tenant lists over tcp (docs/events.md).
     endpoint: str = ""
     # ROUTER endpoint for replaying missed batches; "" = no replay.
     replay_endpoint: str = ""
@@ -476,6 +478,8 @@ class Config(msgspec.Struct, **_Section):
 
     def __post_init__(self) -> None:
         self._check_tenants()
+        if self.tenants:
+            self._check_tenant_events()
         self._check_addresses()
         if self.curve.secret_key_file:
             return  # every tcp:// socket authenticates its peers
@@ -489,6 +493,32 @@ class Config(msgspec.Struct, **_Section):
                     check_endpoint(value)
                 except ValueError as exc:
                     raise ValueError(f"{key}: {exc}") from None
+
+    def _check_tenant_events(self) -> None:
+        """With tenants, the KV events (every tenant's pages and token ids) reach
+        no tenant's client: over tcp only CURVE keys no tenant lists subscribe
+        (daemon/tenants.py), so tcp needs CURVE, and no others tenant may take
+        the unlisted keys of a tcp request endpoint."""
+        for key, value in (
+            ("events.endpoint", self.events.endpoint),
+            ("events.replay_endpoint", self.events.replay_endpoint),
+        ):
+            if not value.startswith("tcp://"):
+                continue
+            if not self.curve.secret_key_file:
+                raise ValueError(
+                    f"{key}: with [tenants] the KV events name every tenant's pages, and a "
+                    "tcp:// endpoint without [curve] keys is open to every local process: "
+                    "use an ipc:// endpoint, or set [curve] secret_key_file"
+                )
+            others = next((name for name, t in self.tenants.items() if t.others), "")
+            if others and self.server.endpoint.startswith("tcp://"):
+                raise ValueError(
+                    f"{key}: tenants.{others} takes every CURVE key no tenant lists, so "
+                    "each subscriber would be one of its clients, and the KV events name "
+                    "every tenant's pages: use an ipc:// events endpoint, or list the "
+                    f"keys of tenants.{others} and drop its others = true"
+                )
 
     def _check_addresses(self) -> None:
         server = self.server.endpoint

@@ -16,7 +16,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from hicached.config import Config
-from hicached.daemon.tenants import PeerAuthenticator, TenantMap
+from hicached.daemon.tenants import EVENTS_DOMAIN, PeerAuthenticator, TenantMap
 from hicached.errors import ConfigError
 
 log = logging.getLogger("hicached")
@@ -150,9 +150,10 @@ class Access:
                 keys[public] = name
         return keys
 
-    def bind(self, sock: zmq.Socket[bytes], endpoint: str, key: str) -> None:
+    def bind(self, sock: zmq.Socket[bytes], endpoint: str, key: str, *, share: bool = True) -> None:
         """Bind (tcp:// with CURVE when configured) or close the socket and say
-        which config key names the endpoint."""
+        which config key names the endpoint; an ipc:// socket goes to the
+        clients' group unless not ``share``."""
         if endpoint.startswith("tcp://") and self.curve_keys is not None:
             sock.curve_publickey, sock.curve_secretkey = self.curve_keys
             sock.curve_server = True
@@ -162,12 +163,24 @@ class Access:
             sock.close()
             raise ConfigError(f"{key}: cannot listen on {endpoint}: {exc}") from None
         if endpoint.startswith("ipc://") and self.client_gid is not None:
-            share_with_group(Path(endpoint[len("ipc://") :]), self.client_gid, 0o660)
+            path = Path(endpoint[len("ipc://") :])
+            if share:
+                share_with_group(path, self.client_gid, 0o660)
+            else:
+                os.chmod(path, 0o600)  # whatever the umask: the group passes its directory
 
     def bind_private(self, sock: zmq.Socket[bytes], where: str, key: str) -> None:
-        """Bind like ``bind``, an ipc:// socket in a private directory."""
+        """Bind like ``bind``, an ipc:// socket in a private directory (the KV
+        events' sockets). With tenants the socket stays the daemon's user's
+        (0600 in a directory the clients' group may pass): the events name every
+        tenant's pages and their token ids, and every tenant's users are in the
+        clients' group, so an operator's router subscribes as the daemon's user
+        or root (docs/events.md). Over tcp (CURVE: Config) a key that a tenant
+        lists is refused (``PeerAuthenticator``)."""
+        if where.startswith("tcp://") and self.tenants is not None:
+            sock.setsockopt(zmq.ZAP_DOMAIN, EVENTS_DOMAIN)
         if where.startswith("ipc://"):
             path = Path(where[len("ipc://") :])
             ensure_private_dir(path.parent, self.client_gid)
             path.unlink(missing_ok=True)
-        self.bind(sock, where, key)
+        self.bind(sock, where, key, share=not self.config.tenants)

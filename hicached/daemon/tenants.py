@@ -20,6 +20,9 @@ from zmq.utils import z85
 from hicached.config import TenantConfig
 
 TENANT_DOMAIN = b"hicached-tenants"
+# ZAP domain of the KV events' tcp sockets with tenants: a key that a tenant lists
+# is refused there, since the events name every tenant's pages and token ids
+EVENTS_DOMAIN = b"hicached-events"
 UNIDENTIFIED = "!a peer the daemon could not identify"
 
 
@@ -72,14 +75,17 @@ class PeerAuthenticator(ThreadAuthenticator):
 
     async def handle_zap_message(self, msg: list[bytes]) -> None:
         tenants = self.tenants
-        if tenants is None or len(msg) < 6 or msg[2] != TENANT_DOMAIN:
+        if tenants is None or len(msg) < 6 or msg[2] not in (TENANT_DOMAIN, EVENTS_DOMAIN):
             await super().handle_zap_message(msg)
             return
-        version, request_id, _domain, address, _identity, mechanism = msg[:6]
+        version, request_id, domain, address, _identity, mechanism = msg[:6]
         credentials = msg[6:]
         where = address.decode("utf-8", "replace")
         if version != b"1.0":
             self._send_zap_reply(request_id, b"400", b"Invalid version")
+            return
+        if domain == EVENTS_DOMAIN:
+            self._events_peer(request_id, where, mechanism, credentials)
             return
         if mechanism == b"NULL":
             peer = tenants.of_address(where)
@@ -97,6 +103,30 @@ class PeerAuthenticator(ThreadAuthenticator):
             "peer %s: %s", where, f"tenant {peer}" if peer[0] != "!" else f"no tenant ({peer[1:]})"
         )
         self._send_zap_reply(request_id, b"200", b"OK", peer)
+
+    def _events_peer(
+        self, request_id: bytes, where: str, mechanism: bytes, credentials: list[bytes]
+    ) -> None:
+        """A subscriber of the KV events over tcp, with tenants: an authorized
+        CURVE key that no tenant lists (a router's); a tenant's client reads its
+        own pages through requests, never every tenant's through the events."""
+        assert self.tenants is not None
+        key = z85.encode(credentials[0]) if mechanism == b"CURVE" and len(credentials) == 1 else b""
+        if not key or key not in self.authorized:
+            self._send_zap_reply(request_id, b"400", b"Unknown key")
+            return
+        tenant = self.tenants.by_key.get(key)
+        if tenant is not None:
+            self.log.warning(
+                "KV events: refused %s: its CURVE key %s is tenant %s's, and the events "
+                "name every tenant's pages",
+                where,
+                key.decode(),
+                tenant,
+            )
+            self._send_zap_reply(request_id, b"400", b"A tenant's key")
+            return
+        self._send_zap_reply(request_id, b"200", b"OK", "events")
 
 
 def user_id(frame: zmq.Frame) -> str:
