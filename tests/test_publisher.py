@@ -119,11 +119,14 @@ async def test_a_long_replay_goes_out_in_slices_with_the_loop_free_between(
     assert setup.dropped == {}
 
 
-@pytest.mark.parametrize("setup", [{"replay_batches": 100, "replay_timeout_s": 1.0}], indirect=True)
+# batch_kib 32: the reader's queue (buffer_mib / 32 readers / 32 KiB) holds a whole replay.
+@pytest.mark.parametrize(
+    "setup", [{"replay_batches": 100, "replay_timeout_s": 1.0, "batch_kib": 32}], indirect=True
+)
 async def test_a_reader_that_stops_reading_gets_an_end_marker_where_its_replay_stopped(
     setup: Setup,
 ) -> None:
-    setup.publish(100, tokens=4000)  # ~20 KB each: more than the socket buffers hold
+    setup.publish(100, tokens=4000)  # ~12 KB each: more than the socket buffers hold
     reader = setup.reader(hwm=1)
     reader.send_multipart([b"", (0).to_bytes(8, "big")])
     reader.send_multipart([b"", (0).to_bytes(8, "big")])
