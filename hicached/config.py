@@ -35,6 +35,8 @@ else:  # pragma: no cover
 MIB = 1 << 20
 # The largest high-water mark ZeroMQ takes (a C int).
 MAX_HWM = (1 << 31) - 1
+# events.batch_kib at least: a batch holds a page of 3,000 tokens or more.
+MIN_BATCH_KIB = 16
 
 _Section = {"kw_only": True, "forbid_unknown_fields": True}
 
@@ -291,13 +293,31 @@ class EventsConfig(msgspec.Struct, **_Section):
     queue_events: int = 100000
     # Events per published batch, at most.
     batch_events: int = 64
+    # One batch's payload, at most, in KiB: events that would make a batch
+    # larger go out in several, and an event of many pages is split between
+    # pages (each piece names the page before it as its parent). Sized so
+    # every queue below can be bounded in bytes (ZeroMQ counts messages):
+    # 64 commits of 2,048-token prompts (about 550 KiB) go out as one batch,
+    # and the largest page (65,536 tokens, 321 KiB) fits. A one-page event
+    # larger than this is dropped and counted (events_oversized), a gap.
+    batch_kib: int = 1024
     # How often pending events are published, in seconds.
     flush_interval_s: float = 0.01
-    # Published batches kept for replay.
+    # Published batches kept for replay, at most.
     replay_batches: int = 10000
+    # Memory the replay batches may take, at most, in MiB: the oldest go first
+    # when the newest would take more (replay_batches of 1 MiB could take 10 GB).
+    replay_mib: int = 256
     # Batches queued per subscriber on the events socket, at most: a batch that
     # finds any subscriber's queue full is dropped for all of them and counted.
+    # buffer_mib lowers it to what fits in that memory.
     hwm: int = 100000
+    # Memory the events socket may hold for subscribers that read too slowly,
+    # in MiB, and as much again for replay readers: the socket queues at most
+    # buffer_mib / batch_kib batches per subscriber (when that is below hwm;
+    # the subscribers share one copy of each), the replay socket 1/32 of that
+    # per reader (32 replays at most run at once).
+    buffer_mib: int = 256
     # A replay whose reader reads nothing for this many seconds ends there: the
     # reader gets the batches sent so far, then the end marker.
     replay_timeout_s: float = 5.0
@@ -333,6 +353,13 @@ class EventsConfig(msgspec.Struct, **_Section):
         if self.data_parallel_rank < 0:
             raise ValueError("data_parallel_rank must not be negative")
         positive(self, "queue_events", "batch_events", "flush_interval_s", "replay_batches", "hwm")
+        if self.batch_kib < MIN_BATCH_KIB:
+            raise ValueError(
+                f"batch_kib must be at least {MIN_BATCH_KIB} (a page of a few thousand tokens)"
+            )
+        for name in ("buffer_mib", "replay_mib"):
+            if getattr(self, name) * 1024 < self.batch_kib:
+                raise ValueError(f"{name} must hold one batch at least (batch_kib)")
         positive(self, "replay_timeout_s")
         if self.hwm > MAX_HWM:
             raise ValueError(f"hwm must be at most {MAX_HWM} (ZeroMQ's limit)")

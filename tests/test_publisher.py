@@ -119,11 +119,14 @@ async def test_a_long_replay_goes_out_in_slices_with_the_loop_free_between(
     assert setup.dropped == {}
 
 
-@pytest.mark.parametrize("setup", [{"replay_batches": 100, "replay_timeout_s": 1.0}], indirect=True)
+# batch_kib 32: the reader's queue (buffer_mib / 32 readers / 32 KiB) holds a whole replay.
+@pytest.mark.parametrize(
+    "setup", [{"replay_batches": 100, "replay_timeout_s": 1.0, "batch_kib": 32}], indirect=True
+)
 async def test_a_reader_that_stops_reading_gets_an_end_marker_where_its_replay_stopped(
     setup: Setup,
 ) -> None:
-    setup.publish(100, tokens=4000)  # ~20 KB each: more than the socket buffers hold
+    setup.publish(100, tokens=4000)  # ~12 KB each: more than the socket buffers hold
     reader = setup.reader(hwm=1)
     reader.send_multipart([b"", (0).to_bytes(8, "big")])
     reader.send_multipart([b"", (0).to_bytes(8, "big")])
@@ -276,3 +279,52 @@ async def test_a_subscriber_that_never_reads_is_cut_after_stall_s(setup: Setup) 
     total += 5
     got = [int.from_bytes((await recv(fast))[1], "big") for _ in range(5)]
     assert got == list(range(cut_at, total)), "the live stream did not come back"
+
+
+@pytest.mark.parametrize("setup", [{"replay_mib": 1, "batch_kib": 16}], indirect=True)
+async def test_the_replay_ring_keeps_at_most_replay_mib(setup: Setup) -> None:
+    """200 batches of about 12 KB, more than 1 MiB: the ring lets the oldest go
+    and a replay from 0 gets the newest, none missing between them."""
+    setup.publish(200, tokens=4000)
+    ring = setup.publisher.replay
+    assert sum(len(payload) for _, _, payload in ring.batches) <= ring.bytes <= 1 << 20
+    reader = setup.reader()
+    reader.send_multipart([b"", (0).to_bytes(8, "big")])
+    seqs = await read_replay(reader)
+    assert 50 < len(seqs) < 100 and seqs == list(range(200 - len(seqs), 200))
+    assert setup.dropped == {}
+
+
+@pytest.mark.parametrize("setup", [{"batch_kib": 16}], indirect=True)
+async def test_a_one_page_event_over_batch_kib_is_dropped_and_counted_as_a_gap(
+    setup: Setup,
+) -> None:
+    sub = subscriber(setup)
+    await asyncio.sleep(0.3)  # let the subscription reach the publisher
+    setup.publish(1)
+    big = list(range(100_000, 105_000))  # one page of 5,000 tokens: 25 KB
+    setup.log.stored([b"p" * 16], None, big, len(big), "CPU")
+    setup.publish(1)
+    seqs = [int.from_bytes((await recv(sub))[1], "big") for _ in range(2)]
+    assert seqs == [0, 2]
+    assert setup.dropped == {"events_oversized": 1}
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [{"replay_batches": 1000, "batch_kib": 16, "buffer_mib": 1, "replay_timeout_s": 5.0}],
+    indirect=True,
+)
+async def test_a_replay_in_progress_holds_no_batch_the_ring_let_go_of(setup: Setup) -> None:
+    """The replay reads the ring a slice at a time as it goes. The ring moves on
+    while the reader waits (1,000 batches of about 12 KB: more than the socket
+    buffers hold), and the replay ends at the first batch the ring no longer
+    has, with its end marker, instead of keeping the old ring alive for it."""
+    setup.publish(1000, tokens=4000)
+    reader = setup.reader(hwm=1)
+    reader.send_multipart([b"", (0).to_bytes(8, "big")])
+    await asyncio.sleep(0.3)  # the replay starts and fills every queue on the way
+    setup.publish(1000, tokens=4000)  # the ring now holds 1000..1999 only
+    seqs = await read_replay(reader)
+    assert 0 < len(seqs) < 1000 and seqs == list(range(len(seqs)))
+    assert setup.dropped == {}

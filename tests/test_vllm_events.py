@@ -13,6 +13,7 @@ test that needs it waits for the build.
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import signal
@@ -485,3 +486,46 @@ def test_vllm_reads_each_pages_kv_cache_group_and_spec_kind(
         if e["type"] == "BlockRemoved" and e["medium"] == "CPU"
     ]
     assert {e["group_idx"] for e in removed if set(want) & set(e["block_hashes"])} == {0, 1}
+
+
+def test_a_batch_over_batch_kib_is_split_between_pages_and_vllm_reads_it_in_order(
+    vllm_python: Path, daemon_factory: Callable[..., Daemon], events_dir: Path
+) -> None:
+    """Three commits in one flush, the middle one's event (600 pages, about 54 KB)
+    alone over events.batch_kib (16): it goes out as several batches of at most
+    16 KiB, cut between pages, the commits before and after it whole around it.
+    vLLM's decoder reads them in order, and together they say what the one event
+    said: the same blocks and tokens, each piece's parent the last block of the
+    piece before it."""
+    d = daemon_factory(
+        size_mib=8,
+        tail=events_toml(events_dir, "batch_kib = 16\nflush_interval_s = 0.5\n"),
+    )
+    cap = Capture(f"ipc://{events_dir}/events.sock")
+    # tokens of 5 bytes each (65,536 and more), so the big event is large
+    runs = [sequence(10_000, 3), sequence(20_000, 600), sequence(30_000, 3)]
+    try:
+        with d.client() as c:
+            ns = c.register(**NS)
+            for toks in runs:
+                c.store(ns, toks, np.zeros((len(toks) // PAGE_TOKENS, PAGE_BYTES), np.uint8))
+            keys = [keys_of(ns, toks) for toks in runs]
+            cap.until(has_hashes("CPU", keys[2]))
+    finally:
+        cap.close()
+    assert all(len(payload) <= 16 * 1024 for _, _, payload in cap.frames)
+    batches = vllm_decode(vllm_python, cap.frames)
+    seqs = [b["seq"] for b in batches]
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    events = stored(batches, "CPU")
+    assert len(events) > 4  # the big one was split (3 pieces at least)
+    assert [h for e in events for h in e["block_hashes"]] == hashes([k for ks in keys for k in ks])
+    assert [t for e in events for t in e["token_ids"]] == [t for r in runs for t in r.tolist()]
+    assert events[0]["parent_block_hash"] is None and events[-1]["parent_block_hash"] is None
+    big = events[1:-1]
+    assert big[0]["parent_block_hash"] is None
+    for before, piece in itertools.pairwise(big):
+        assert piece["parent_block_hash"] == before["block_hashes"][-1]
+    for piece in big:
+        assert len(piece["token_ids"]) == len(piece["block_hashes"]) * PAGE_TOKENS
+        assert piece["block_size"] == PAGE_TOKENS and piece["medium"] == "CPU"

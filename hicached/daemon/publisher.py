@@ -17,6 +17,16 @@ batches for a replay ROUTER, which answers as vLLM's does: a client sends
 blocks the daemon: a replay goes out in slices between which the loop runs
 other work, and a subscriber that falls behind catches up through replay.
 
+Memory, in bytes (ZeroMQ counts messages, so bytes are bounded by capping
+both): a batch's payload is at most ``events.batch_kib`` (``encode_within``
+splits a larger one), so a socket queue of ``n`` messages holds at most ``n``
+such batches. The events socket queues ``live_hwm`` of them per subscriber,
+within ``events.buffer_mib`` (the subscribers' queues share one copy of each
+batch); the replay socket ``replay_hwm`` per reader, within ``buffer_mib`` for
+all ``MAX_REPLAYS`` readers together; the replay ring keeps at most
+``events.replay_mib``, and a replay in progress reads the ring a slice at a
+time, so it keeps no batch the ring let go of.
+
 Media: ``CPU`` for L2 (the shared host pool), the backend's name in capitals
 (``FILE``, ``S3``, ``MOONCAKE``, ...) for L3. The cache records events with
 hicached's 16-byte page keys (docs/keys.md); on the wire a block hash is, by
@@ -28,6 +38,7 @@ at the start of a sequence (and where it is not known).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import contextlib
 import functools
@@ -63,6 +74,38 @@ MAX_REPLAYS = 32
 REPLAYS_PER_READER = 2
 # Replay requests read per wake-up before other work gets the loop.
 REPLAY_REQUESTS_PER_WAKE = 64
+# Batches not sent because one page's event alone is larger than events.batch_kib
+# (a gap in the sequence numbers; an event of several pages is split instead).
+OVERSIZED_DROPS = "events_oversized"
+# What libzmq keeps per queued batch beside its payload: three frames of 64
+# bytes in the pipe, the payload's refcounted header and the allocator's own,
+# and a topic longer than 33 bytes (kept apart from the frame).
+MESSAGE_OVERHEAD_BYTES = 512
+# What the replay ring keeps per batch beside its payload: the tuple, the seq
+# and the bytes object's header.
+REPLAY_ENTRY_BYTES = 160
+
+
+def _queue_messages(budget: int, config: EventsConfig) -> int:
+    """Batches of the largest size that fit in ``budget`` bytes (at least one)."""
+    return max(1, budget // (config.batch_kib * 1024 + MESSAGE_OVERHEAD_BYTES))
+
+
+def live_hwm(config: EventsConfig) -> int:
+    """The events socket's high-water mark: ``events.hwm``, lowered so that one
+    subscriber's queue of batches of the largest size fits ``events.buffer_mib``.
+    The queues of several subscribers hold the same batches (libzmq shares a
+    message among them), each adding 192 bytes of frames per batch."""
+    return min(config.hwm, _queue_messages(config.buffer_mib << 20, config))
+
+
+def replay_hwm(config: EventsConfig) -> int:
+    """The replay socket's high-water mark per reader: ``MAX_REPLAYS`` readers'
+    queues of batches of the largest size fit ``events.buffer_mib`` together
+    (each reader's queue holds its own copies), and one whole replay and its
+    end marker are never refused more room than they need."""
+    budget = (config.buffer_mib << 20) // MAX_REPLAYS
+    return min(config.replay_batches + 1, _queue_messages(budget, config))
 
 
 def topic_template(config: EventsConfig) -> Callable[[str], bytes]:
@@ -87,29 +130,55 @@ def _model(event: AnyEvent) -> str:
     return event.model
 
 
-class Replay:
-    """The last published batches, for the replay socket: (seq, topic, payload)."""
+def _seq(batch: tuple[int, bytes, bytes]) -> int:
+    return batch[0]
 
-    def __init__(self, keep: int) -> None:
-        self.batches: collections.deque[tuple[int, bytes, bytes]] = collections.deque(maxlen=keep)
+
+class Replay:
+    """The last published batches, for the replay socket: (seq, topic, payload).
+
+    At most ``keep`` batches and ``max_bytes`` bytes (payloads, plus
+    ``REPLAY_ENTRY_BYTES`` each; the topic frames are shared): the oldest go
+    first. The sequence numbers kept only grow, with gaps where batches were
+    not sent (``skip``)."""
+
+    def __init__(self, keep: int, max_bytes: int) -> None:
+        self.batches: collections.deque[tuple[int, bytes, bytes]] = collections.deque()
+        self.keep = keep
+        self.max_bytes = max_bytes
+        self.bytes = 0  # what the kept batches take, counted as above
         self.seq = -1
 
     def next(self, topic: bytes, payload: bytes) -> bytes:
         """Number a batch and keep it; returns its seq frame."""
         self.seq += 1
-        self.batches.append((self.seq, topic, payload))
+        batches = self.batches
+        batches.append((self.seq, topic, payload))
+        self.bytes += len(payload) + REPLAY_ENTRY_BYTES
+        while len(batches) > self.keep or self.bytes > self.max_bytes:
+            self.bytes -= len(batches.popleft()[2]) + REPLAY_ENTRY_BYTES
         return self.seq.to_bytes(8, "big")
 
     def skip(self) -> None:
         """Use up a sequence number for events that were dropped: a gap."""
         self.seq += 1
 
-    def since(self, start: int) -> list[tuple[int, bytes, bytes]]:
-        """The kept batches numbered ``start`` or later, oldest first (a snapshot)."""
+    def between(self, start: int, last: int, most: int) -> list[tuple[int, bytes, bytes]]:
+        """Up to ``most`` kept batches numbered ``start`` to ``last``, oldest first."""
         batches = self.batches
-        if not batches or start <= batches[0][0]:
-            return list(batches)
-        return [batch for batch in batches if batch[0] >= start]
+        first = bisect.bisect_left(batches, start, key=_seq)
+        return list(
+            itertools.takewhile(
+                lambda b: b[0] <= last, itertools.islice(batches, first, first + most)
+            )
+        )
+
+    def count(self, start: int, last: int) -> int:
+        """How many kept batches are numbered ``start`` to ``last``."""
+        batches = self.batches
+        return bisect.bisect_right(batches, last, key=_seq) - bisect.bisect_left(
+            batches, start, key=_seq
+        )
 
 
 Bind = Callable[["zmq.Socket[bytes]", str, str], None]
@@ -146,9 +215,9 @@ class Publisher:
 
     A replay goes to its reader in slices of ``REPLAY_SLICE`` messages with
     the loop free between them. The ROUTER refuses (never silently drops) a
-    message for a reader whose queue is full; a full replay
-    (``replay_batches`` + the end marker) always fits an empty queue, and
-    otherwise the replay waits for the reader. A reader that reads nothing
+    message for a reader whose queue is full (``replay_hwm`` messages, a whole
+    replay where ``events.buffer_mib`` allows), and the replay waits for the
+    reader. A reader that reads nothing
     for ``replay_timeout_s`` gets the end marker after the last batch sent,
     so it knows where the replay stopped; what was not sent is counted
     (``replay_send``). Replays to one reader run one after the other.
@@ -158,7 +227,8 @@ class Publisher:
         self.config = config
         self.log = log
         self.dropped = dropped
-        self.replay = Replay(config.replay_batches)
+        self.replay = Replay(config.replay_batches, config.replay_mib << 20)
+        self._batch_bytes = config.batch_kib * 1024
         self.wire = WireFormat(config)
         self.topic = topic_template(config)
         self._by_model = "{model}" in config.topic
@@ -195,7 +265,7 @@ class Publisher:
             router.setsockopt(zmq.LINGER, 0)
             # Refuse, never drop: a send beyond the reader's queue raises instead.
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-            router.setsockopt(zmq.SNDHWM, cfg.replay_batches + 1)  # a whole replay + end marker
+            router.setsockopt(zmq.SNDHWM, replay_hwm(cfg))
             bind(router, cfg.replay_endpoint, "events.replay_endpoint")
             loop.add_reader(router.fileno(), self._on_requests)
         self._flusher = loop.create_task(self._flush_loop())
@@ -205,7 +275,7 @@ class Publisher:
         pub = self._ctx.socket(zmq.XPUB)
         self._pub = pub  # closed by close() whatever fails below: the context waits for it
         pub.setsockopt(zmq.LINGER, 0)
-        pub.setsockopt(zmq.SNDHWM, self.config.hwm)
+        pub.setsockopt(zmq.SNDHWM, live_hwm(self.config))
         # A subscriber's full queue refuses the send (zmq.Again), so the drop is ours
         # to count; a PUB socket would drop the batch for that subscriber unseen.
         pub.setsockopt(zmq.XPUB_NODROP, 1)
@@ -316,6 +386,25 @@ class Publisher:
 
     def _publish(self, pub: zmq.Socket[bytes], model: str, events: list[AnyEvent]) -> None:
         topic, payload = self.topic(model), self.wire.encode(events)
+        if len(payload) <= self._batch_bytes:
+            self._send_batch(pub, topic, payload)
+            return
+        # Too large for the queues' bounds: as several batches, each event whole
+        # where it fits, in order (rare: 64 commits of 2,048-token prompts fit 1 MiB).
+        for piece in self.wire.encode_within(events, self._batch_bytes):
+            if piece is not None:
+                self._send_batch(pub, topic, piece)
+                continue
+            self.replay.skip()
+            self._count(OVERSIZED_DROPS)
+            log.warning(
+                "a KV event of one page is larger than events.batch_kib (%d): it is "
+                "dropped (%s); raise batch_kib for pages this large",
+                self.config.batch_kib,
+                OVERSIZED_DROPS,
+            )
+
+    def _send_batch(self, pub: zmq.Socket[bytes], topic: bytes, payload: bytes) -> None:
         seq = self.replay.next(topic, payload)  # kept for replay, sent or not
         try:
             pub.send_multipart([topic, seq, payload], zmq.NOBLOCK)
@@ -408,10 +497,16 @@ class Publisher:
     ) -> None:
         if before is not None:
             await asyncio.wait([before])  # the reader's earlier replay goes first
-        batches = self.replay.since(start)
-        sent = await self._send(envelope, batches)
-        if sent < len(batches):
-            self._count("replay_send", len(batches) - sent)
+        # The batches kept from ``start`` up to the newest now, read from the ring a
+        # slice at a time: one that leaves the ring before its turn is a gap here
+        # too, and a replay in progress holds no more than a slice of them.
+        replay, last = self.replay, self.replay.seq
+        while batches := replay.between(start, last, REPLAY_SLICE):
+            sent = await self._send(envelope, batches)
+            if sent < len(batches):
+                self._count("replay_send", replay.count(batches[sent][0], last))
+                break
+            start = batches[-1][0] + 1
         # The end marker follows the last batch sent: the reader knows where it stopped.
         if not await self._send(envelope, [(-1, b"", b"")]):
             self._count("replay_send")

@@ -207,9 +207,47 @@ def block_hash(key: bytes, form: str = "int") -> BlockHash:
     return int.from_bytes(key, "big") & _LOW64 if form == "int" else key
 
 
+def split_event(event: AnyEvent, parts: int) -> list[AnyEvent] | None:
+    """``event`` as up to ``parts`` events of consecutive pages, in order, that say
+    together what it says; None for an event of one page (or none), which
+    cannot be split. A BlockStored piece names the last page of the piece
+    before it as its parent, as a sequence's next commit would, and keeps the
+    tokens of its own pages."""
+    if isinstance(event, Cleared) or len(event.keys) < 2:
+        return None
+    keys = event.keys
+    step = -(-len(keys) // min(parts, len(keys)))  # pages per piece, rounded up
+    cuts = range(0, len(keys), step)
+    if isinstance(event, Removed):
+        return [Removed(keys[i : i + step], event.medium, event.model, event.group) for i in cuts]
+    tokens, per = event.tokens, len(event.tokens) // len(keys)
+    if tokens and per * len(keys) != len(tokens):
+        return None  # tokens that are not whole pages: where to cut them is not known
+    return [
+        Stored(
+            keys[i : i + step],
+            event.parent if i == 0 else keys[i - 1],
+            tokens[i * per : (i + step) * per],
+            event.block_size,
+            event.medium,
+            event.model,
+            event.group,
+            event.kind,
+            event.window,
+        )
+        for i in cuts
+    ]
+
+
+# What a batch costs beside its events, at most: an array header (1 byte), the
+# float64 timestamp (9), the events' array header (5) and data_parallel_rank (9).
+BATCH_HEAD_BYTES = 24
+
+
 class WireFormat:
     """Turns recorded events into one encoded ``KVEventBatch`` (``events.format``,
-    ``events.block_hashes``, ``events.data_parallel_rank``)."""
+    ``events.block_hashes``, ``events.data_parallel_rank``), or into several no
+    larger than a given size (``encode_within``)."""
 
     def __init__(self, config: EventsConfig) -> None:
         self._array = config.format == "array"
@@ -257,3 +295,42 @@ class WireFormat:
         wire = self.wire
         batch = self._batch(time.time(), [wire(e) for e in events], self.rank)
         return self._encode(batch)
+
+    def encode_within(self, events: list[AnyEvent], limit: int) -> list[bytes | None]:
+        """``events`` as batches of at most ``limit`` bytes each, in order: as many
+        whole events as fit go in one batch, and an event too large for a batch
+        of its own is split between pages (``split_event``). None stands where an
+        event of one page is larger than ``limit`` alone: it cannot be sent.
+
+        Each event is encoded once on its own and its bytes placed in a batch
+        as they are (msgpack encodes an element of an array as it encodes it
+        alone, and ``EventBatch`` lays a batch out as both layouts' batches do);
+        this is the slow path, for what ``encode`` made too large."""
+        room = limit - BATCH_HEAD_BYTES
+        assert room > 0, f"a batch of {limit} bytes holds no event"
+        encode, wire, now, rank = self._encode, self.wire, time.time(), self.rank
+        out: list[bytes | None] = []
+        batch: list[msgspec.Raw] = []
+        size = 0
+        todo = list(reversed(events))
+        while todo:
+            event = todo.pop()
+            raw = encode(wire(event))
+            if len(raw) > room:
+                pieces = split_event(event, -(-len(raw) // room))
+                if pieces is None:
+                    if batch:  # the events before it go first
+                        out.append(encode(EventBatch(now, batch, rank)))
+                        batch, size = [], 0
+                    out.append(None)
+                else:
+                    todo.extend(reversed(pieces))  # each is checked again
+                continue
+            if size + len(raw) > room:
+                out.append(encode(EventBatch(now, batch, rank)))
+                batch, size = [], 0
+            batch.append(msgspec.Raw(raw))
+            size += len(raw)
+        if batch:
+            out.append(encode(EventBatch(now, batch, rank)))
+        return out
