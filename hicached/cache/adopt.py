@@ -259,7 +259,7 @@ def _chains(desk: Cache, ns: NamespaceState, pages: list[PageRecord]) -> list[Pa
                 MEDIUM_L2,
                 spec.model,
             )
-            if desk.events.enabled:
+            if desk.events.enabled and desk.config.storage.backend:
                 whole = b"".join(p.tokens for p in path)
                 desk.tiering.token_origins(keys, slots, new, whole, spec.page_tokens)
     return kept

@@ -131,8 +131,10 @@ class Tiering:
         self, keys: list[bytes], slots: list[int], start: int, tokens: bytes, page_tokens: int
     ) -> None:
         """Keep what the L3 events (and write-backs) of token pages ``start..`` of
-        a sequence stored in ``slots`` will need."""
-        if not self.desk.events.enabled:
+        a sequence stored in ``slots`` will need: nothing without events, or
+        without an L3 store configured (an adopted pool's pages come before
+        the store opens, so the config says, not the tier)."""
+        if not self.desk.events.enabled or not self.desk.config.storage.backend:
             return
         step = page_tokens * TOKEN_BYTES
         origins = self.origins
@@ -142,7 +144,7 @@ class Tiering:
 
     def keyed_origins(self, pages: list[KeyedPage], slots: list[int]) -> None:
         """The same for key-addressed pages: each names its parent."""
-        if not self.desk.events.enabled:
+        if not self.desk.events.enabled or not self.desk.config.storage.backend:
             return
         origins = self.origins
         for page, slot in zip(pages, slots, strict=True):
