@@ -252,8 +252,13 @@ class S3Backend(Backend):
         # A bad object is a miss, and the daemon forgets it (as the file store drops
         # a bad record): else it stays known, is never written again, and every
         # prefetch through it ends there for good. The object is left in place: a
-        # write of the page (from here or another host) replaces it.
-        self.forgot(ns, [page.key for page, r in zip(pages, results, strict=True) if r is None])
+        # write of the page (from here or another host) replaces it. An object
+        # that is gone (deleted by another host or a lifecycle rule) is forgotten
+        # alike: exists bisects, so a prefetch may plan past it.
+        self.forgot(
+            ns,
+            [page.key for page, r in zip(pages, results, strict=True) if r is None or r is False],
+        )
         return self._settle(results)
 
     async def delete(self, ns: bytes, keys: Sequence[bytes]) -> None:

@@ -305,3 +305,45 @@ def test_a_lookup_is_answered_while_prefetch_gets_queue(
                 c.cancel(pf)
     finally:
         proxy.delay = {}
+
+
+def test_an_object_deleted_behind_the_daemons_back_is_forgotten_at_its_read(
+    daemon_factory: Callable[..., Daemon], s3: S3Server, bucket: str
+) -> None:
+    """Another host (or a bucket lifecycle rule) deletes one object of a stored
+    sequence. ``exists`` bisects with 8 HEADs a round and does not probe it, so
+    the prefetch plans the whole run and its read of the deleted object finds
+    no such object: the prefetch ends there, and the daemon forgets the page.
+    Before, it kept it: every match went on reporting the whole run as L3 hits
+    that no read can serve, and the next store of the sequence skipped the page
+    (L3 "held" it), so no prefetch got past it again."""
+    d = daemon_factory(
+        size_mib=1, slab_mib=1, storage=storage("s3"), tail=s3_tail(s3.endpoint, bucket)
+    )
+    toks = seq(0, 16)
+    with d.client() as c:
+        ns = c.register(**NS)
+        c.store(ns, toks, page_bytes_for(toks))
+        wait_for(lambda: l3_count(c, "written") == 16)
+        keys = page_keys(ns.digest, pack_tokens(toks), PAGE_TOKENS)
+        k = keys[5].hex()
+        s3.client().delete_object(Bucket=bucket, Key=f"hicached/{k[:2]}/{ns.digest.hex()}/{k}")  # type: ignore[attr-defined]
+        evict_everything(c, ns)
+        assert c.match(ns, toks, lease=False).l3_hits == 16  # as far as the daemon knows
+        pf = c.prefetch(ns, toks)
+        done = wait_prefetch(c, pf)
+        assert (done.planned, done.completed, done.failed) == (16, 5, True)
+        c.commit(pf)
+        assert c.match(ns, toks, lease=False).l3_hits == 0, "a deleted object is still an L3 hit"
+        evict_everything(c, ns, salt=8)
+        assert c.match(ns, toks, lease=False).l3_hits == 5, "a deleted object is still an L3 hit"
+        # the engine computes the rest again and stores the sequence: page 5 goes
+        # to S3 again, and L3 serves the sequence whole
+        c.store(ns, toks, page_bytes_for(toks))
+        settle_writes(c)
+        evict_everything(c, ns, salt=9)
+        pf = c.prefetch(ns, toks)
+        done = wait_prefetch(c, pf)
+        assert (done.completed, done.failed) == (16, False), "the deleted page was never written"
+        c.commit(pf)
+        assert np.array_equal(c.load(ns, toks), page_bytes_for(toks))
