@@ -347,3 +347,56 @@ def test_an_object_deleted_behind_the_daemons_back_is_forgotten_at_its_read(
         assert (done.completed, done.failed) == (16, False), "the deleted page was never written"
         c.commit(pf)
         assert np.array_equal(c.load(ns, toks), page_bytes_for(toks))
+
+
+def test_a_scan_tried_again_does_not_learn_an_object_a_read_let_go_of(
+    daemon_factory: Callable[..., Daemon], s3: S3Server, bucket: str
+) -> None:
+    """Fault injection: the faulty backend around the real S3 backend breaks off
+    the restart's first listing after one page (``scan_failures``), so the scan
+    is tried again after ``scan_retry_s``. Meanwhile a prefetch reads an object
+    whose bytes were replaced (another page's record): a miss, and the daemon
+    forgets the page. The object stays in the bucket, so the listing tried
+    again names it: it must not make the page known again (L3 hits no read can
+    serve, and the next store of the sequence skipping the page), as a page let
+    go of while one listing runs is not learned from it."""
+    toks = seq(0, 8)
+    d = daemon_factory(
+        size_mib=1, slab_mib=1, storage=storage("s3"), tail=s3_tail(s3.endpoint, bucket)
+    )
+    with d.client() as c:
+        ns = c.register(**NS)
+        c.store(ns, toks, page_bytes_for(toks))
+        wait_for(lambda: l3_count(c, "written") == 8)
+    assert d.stop() == 0
+    client = s3.client()
+    keys = page_keys(ns.digest, pack_tokens(toks), PAGE_TOKENS)
+    name = [f"hicached/{k.hex()[:2]}/{ns.digest.hex()}/{k.hex()}" for k in keys]
+    other = client.get_object(Bucket=bucket, Key=name[4])["Body"].read()  # type: ignore[attr-defined]
+    client.put_object(Bucket=bucket, Key=name[3], Body=other)  # type: ignore[attr-defined]
+    inner = s3_tail(s3.endpoint, bucket).replace("[storage.s3]", "[storage.extra.inner_options]")
+    d = daemon_factory(
+        size_mib=1,
+        slab_mib=1,
+        storage=storage("faulty", more="scan_retry_s = 3.0\n"),
+        tail=f'[storage.extra]\ninner = "s3"\nscan_failures = 1\n{inner}',
+    )
+    with d.client() as c:
+        wait_for(lambda: c.stats().l3["scan_failed"] == 1)
+        ns = c.register(**NS)
+        pf = c.prefetch(ns, toks)
+        done = wait_prefetch(c, pf)
+        assert (done.completed, done.failed) == (3, True)
+        c.cancel(pf)
+        assert c.stats().l3["index_complete"] == 0, "the scan was tried again too soon"
+        wait_for(lambda: c.stats().l3["index_complete"] == 1, timeout=30)
+        assert c.stats().l3["scan_pages"] == 8
+        assert c.match(ns, toks, lease=False).l3_hits == 3, "the bad object is known again"
+        c.store(ns, toks, page_bytes_for(toks))  # page 3 goes to S3 again
+        settle_writes(c)
+        evict_everything(c, ns)
+        pf = c.prefetch(ns, toks)
+        done = wait_prefetch(c, pf)
+        assert (done.completed, done.failed) == (8, False)
+        c.commit(pf)
+        assert np.array_equal(c.load(ns, toks), page_bytes_for(toks))

@@ -31,8 +31,9 @@ from hicached.wire.hashing import TOKEN_BYTES
 if TYPE_CHECKING:
     from hicached.cache.desk import Cache
 
-# keys let go of during the startup scan that it remembers (16-32 bytes each);
-# past this the scan stops learning, and lookups ask the store
+# keys let go of during the startup scan (and between the tries of a failed one)
+# that it remembers (16-32 bytes each); past this the scan stops learning, and
+# lookups ask the store
 SCAN_FORGOTTEN_MAX = 1 << 20
 
 __all__ = ["HeldEvent", "InBoth", "Origin", "TierPort", "Tiering"]
@@ -108,8 +109,9 @@ class Tiering:
         # L2 pages L3 let go of that are not written again in this stay in L2
         self.let_go: set[bytes] = set()
         self.drops = 0  # calls that told of pages L3 let go of (lookups compare)
-        # while the startup scan lists L3: the keys L3 let go of meanwhile, which
-        # the listing may still name (``scan_may_learn``); None when no scan runs
+        # while the startup scan lists L3, and between tries of a failed one: the
+        # keys L3 let go of meanwhile, which a listing may still name
+        # (``scan_may_learn``); None when no scan runs or is to be tried again
         self._scan_forgotten: set[bytes] | None = None
         self.scan_overflow = False  # more let go of during the scan than it remembers
         # keys L3 told of letting go while a write of them was in flight: that
@@ -407,8 +409,12 @@ class Tiering:
         self.desk.events.stored(keys, None, [], size, self.medium, model)
 
     def scan_begins(self) -> None:
-        """The startup scan starts listing L3: remember what L3 lets go of from now."""
-        self._scan_forgotten, self.scan_overflow = set(), False
+        """The startup scan starts listing L3: remember what L3 lets go of from now,
+        on top of what it let go of since an earlier try began (a store may let go
+        of a page and still list it: S3 keeps a bad object in place), unless that
+        overflowed: a try then starts afresh."""
+        if self._scan_forgotten is None or self.scan_overflow:
+            self._scan_forgotten, self.scan_overflow = set(), False
 
     def scan_may_learn(self, key: bytes) -> bool:
         """Whether the scan may add ``key`` to what L3 holds: not if L3 let go of
@@ -419,6 +425,8 @@ class Tiering:
         return not self.scan_overflow and (forgotten is None or key not in forgotten)
 
     def scan_ends(self) -> None:
+        """No scan follows (a listing ended, none is tried again, or the tier
+        stops): what L3 let go of is no longer remembered for it."""
         self._scan_forgotten = None
 
     def unwritten_pages(self) -> list[tuple[NamespaceState, bytes, int, int]]:

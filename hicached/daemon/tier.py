@@ -182,10 +182,12 @@ class Tier:
             found.clear()
 
         tiering.scan_begins()
+        listed = False
         try:
             async for ns, key in self.backend.scan():
                 # not written (and announced) since the start, nor let go of since the
-                # scan began: the listing may name a page dropped after it was listed
+                # first try began: a listing may name a page dropped after it was
+                # listed, or one the store keeps listing (S3 leaves a bad object)
                 if key not in l3 and tiering.scan_may_learn(key):
                     l3.add(key)
                     found.setdefault(ns, []).append(key)
@@ -214,6 +216,7 @@ class Tier:
                     SCAN_FORGOTTEN_MAX,
                 )
                 return False
+            listed = True
             l3.listed(True)
             log.info(
                 "L3 holds %d pages (scanned in %.2fs)", self.scan_pages, time.monotonic() - started
@@ -223,7 +226,8 @@ class Tier:
                 self._adopted = asyncio.get_running_loop().create_task(self._write_adopted(batches))
             return True
         finally:
-            tiering.scan_ends()
+            if listed or not self.config.scan_retry_s or self._stopping:
+                tiering.scan_ends()  # else a page let go of is not learned from the next try
             announce()  # what was found before a stop or a failure is in L3 all the same
             self.scanning = False
 
