@@ -5,7 +5,9 @@ Options (in ``[storage.extra]``): ``inner`` names the real backend and
 ``inner_options`` its options table (its defaults when empty);
 ``read_delay_s`` maps a namespace digest (hex) to seconds added to every read
 of it; ``readable_pages`` maps a namespace digest to how many pages of it may
-be read in total before every further read fails; ``write_delay_s`` is added
+be read in total before every further read fails; ``read_hold_s`` holds
+every read's answer that long after the inner store gave it (what it read may
+be let go of meanwhile); ``write_delay_s`` is added
 to every write (a backend that hangs past ``storage.op_timeout_s``);
 ``scan_delay_s`` is added per page the startup scan lists (a slow listing);
 ``exists_delay_s`` is added to every existence check (a slow L3 lookup);
@@ -31,6 +33,7 @@ class FaultyOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     inner: str = "memory"
     inner_options: dict[str, Any] = {}
     read_delay_s: dict[str, float] = {}
+    read_hold_s: float = 0.0
     readable_pages: dict[str, int] = {}
     write_delay_s: float = 0.0
     scan_delay_s: float = 0.0
@@ -96,18 +99,24 @@ class FaultyBackend(Backend):
     async def get(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
         self._enter()
         try:
-            delay = self.options.read_delay_s.get(ns.hex(), 0.0)
-            if delay:
-                await asyncio.sleep(delay)
-            left = self.read_left.get(ns.hex())
-            if left is None:
-                return await self.inner.get(ns, pages)
-            allowed = list(pages[:left])
-            self.read_left[ns.hex()] = left - len(allowed)
-            got = await self.inner.get(ns, allowed) if allowed else []
-            return got + [False] * (len(pages) - len(allowed))
+            got = await self._get(ns, pages)
+            if self.options.read_hold_s:
+                await asyncio.sleep(self.options.read_hold_s)
+            return got
         finally:
             self.calls -= 1
+
+    async def _get(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
+        delay = self.options.read_delay_s.get(ns.hex(), 0.0)
+        if delay:
+            await asyncio.sleep(delay)
+        left = self.read_left.get(ns.hex())
+        if left is None:
+            return await self.inner.get(ns, pages)
+        allowed = list(pages[:left])
+        self.read_left[ns.hex()] = left - len(allowed)
+        got = await self.inner.get(ns, allowed) if allowed else []
+        return got + [False] * (len(pages) - len(allowed))
 
     async def put(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
         self._enter()

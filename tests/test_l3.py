@@ -658,3 +658,41 @@ def test_pages_the_memory_store_evicts_are_forgotten(
         assert (done.completed, done.failed) == (held, False)
         c.commit(pf)
         assert np.array_equal(c.load(ns, toks), page_bytes_for(toks)[:held])
+
+
+def test_a_page_the_store_lets_go_of_while_a_prefetch_reads_it_is_not_learned(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """Fault injection: the faulty backend around the file store holds every
+    read's answer 3 s after the store gave it (``read_hold_s``). Meanwhile other
+    pages fill the store's two segments, so it recycles the segment the read
+    came from and tells the daemon it let go of those pages. The prefetch still
+    completes (its bytes were read and verified before), but its answer must
+    not make the pages known again: L3 no longer holds them, so a match that
+    counted them would report L3 hits no read can serve, and under write_back
+    their eviction would write nothing (L3 "held" them) and lose them."""
+    d = daemon_factory(
+        size_mib=1,
+        slab_mib=1,
+        storage=storage("faulty"),
+        tail='[storage.extra]\ninner = "file"\nread_hold_s = 3.0\n'
+        "[storage.extra.inner_options]\ncapacity_mib = 2\nsegment_mib = 1\nio_threads = 2\n",
+    )
+    toks = seq(0, 8)
+    with d.client() as c:
+        ns = c.register(**NS)
+        c.store(ns, toks, page_bytes_for(toks))
+        evict_everything(c, ns)  # 8 + 256 pages written: the first segment is full
+        written = l3_count(c, "written")
+        pf = c.prefetch(ns, toks)
+        wait_for(lambda: c.stats().l3["store_calls_running"] == 1)  # read, and held
+        for salt in (2, 3):  # 400 more pages: the ring wraps onto the first segment
+            filler = seq(salt * 10**7, 200)
+            c.store(ns, filler, np.zeros((200, 4096), np.uint8))
+            written += 200
+            wait_for(lambda w=written: l3_count(c, "written") == w)  # type: ignore[misc]
+        assert l3_count(c, "store_recycled_segments") >= 1
+        done = wait_prefetch(c, pf)
+        assert (done.completed, done.failed) == (8, False)
+        assert c.match(ns, toks, lease=False).l3_hits == 0, "pages L3 let go of are L3 hits"
+        c.cancel(pf)

@@ -284,8 +284,8 @@ class Cache:
     def prefetch_planned(self, lease: Lease, available: int | None) -> list[int]:
         return self.prefetches.planned(lease, available)
 
-    def prefetch_progress(self, lease: Lease, results: list[bool]) -> bool:
-        return self.prefetches.progress_of(lease, results)
+    def prefetch_progress(self, lease: Lease, results: list[bool], *, learn: bool = True) -> bool:
+        return self.prefetches.progress_of(lease, results, learn=learn)
 
     def prefetch_finished(self, lease: Lease) -> None:
         self.prefetches.finished(lease)

@@ -12,7 +12,8 @@ means is decided here:
   that could not tell (down, too late) fails the prefetch and makes it forget
   nothing, since the pages may well be there;
 - ``progress``: a batch was read; a gap ends the prefetch, since nothing
-  after it may ever be committed; a page L3 held unknown is announced;
+  after it may ever be committed; a page L3 held unknown is announced
+  (unless the store let pages go during the read);
 - ``finished``: the reader is done with the slots (freed here if the lease
   ended meanwhile).
 """
@@ -178,8 +179,12 @@ class Prefetches:
             desk.tiering.count("prefetch_pool_short")
         return fresh
 
-    def progress_of(self, lease: Lease, results: list[bool]) -> bool:
-        """Record a batch of reads, in order; False when the prefetch should stop."""
+    def progress_of(self, lease: Lease, results: list[bool], *, learn: bool = True) -> bool:
+        """Record a batch of reads, in order; False when the prefetch should stop.
+        ``learn``: a page read that the record of L3 does not know is known from
+        now on; False when the store told of letting pages go during the read (it
+        may have let go of what it had just read: known again, a match would
+        count it as an L3 hit, and write_back would not write it when it leaves L2)."""
         desk = self.desk
         pf = lease.prefetch
         assert pf is not None
@@ -190,7 +195,7 @@ class Prefetches:
                 count("prefetch_truncated")
                 return False
             key = pf.keys[pf.completed]
-            if key not in l3:  # L3 holds a page we did not know of: announce it
+            if learn and key not in l3:  # L3 holds a page we did not know of: announce it
                 l3.add(key)
                 self._announce_read(lease, pf.completed)
             pf.completed += 1

@@ -448,8 +448,9 @@ class Tier:
                     PageRef(pf.keys[i], self._view(ns, slots[i]))
                     for i in range(start, min(start + step, len(slots)))
                 ]
+                drops = cache.l3_drops  # a page let go of during the read is not learned
                 results = await self.dispatcher.get(ns.digest, batch)
-                if not cache.prefetch_progress(lease, results):
+                if not cache.prefetch_progress(lease, results, learn=cache.l3_drops == drops):
                     break
         except asyncio.CancelledError:
             pass  # stopping; dispatcher.get returns only once its reads are finished
