@@ -1,0 +1,149 @@
+"""The interpreter's cyclic garbage collector in a daemon that holds a large index.
+
+Why the daemon tunes it. A full collection traverses every container the
+collector tracks, and the daemon's are large: a million indexed pages are a
+million key-index entries, or a page index whose slot map and its lists hold a
+million references, plus the pool's books. Each full collection of such a heap
+held the event loop for about 0.1 s (bench/checks/gc_pauses.py), and the
+interpreter runs one whenever the objects that survived into the oldest
+generation grew by a quarter since the last: about ten of them while a
+million pages were listed, and more as a pool fills and turns over.
+
+What it does (``server.gc_freeze``, on by default):
+- after the start's work that makes long-lived objects (the pool adopted, the
+  foreground L3 scan) and when a background startup scan ends, one full
+  collection and then ``gc.freeze()``: what survives it moves to the
+  permanent generation, which no collection traverses again;
+- after any full collection that held the loop longer than ``FREEZE_AFTER_S``,
+  its survivors are frozen at once (from the collector's own callback: they
+  were just found alive, so no garbage is frozen, and no second pass is
+  paid). A pool that fills or turns over after the start thus pays for each
+  long-lived object in at most one long collection, and every full
+  collection stays near ``FREEZE_AFTER_S``.
+
+Thresholds stay the interpreter's: young collections cost well under a
+millisecond here (the figures per generation are in the metrics), and larger
+thresholds only make each young collection longer and leave a full one as
+long as it was. Freezing is what bounds a full collection.
+
+What freezing costs, and why it is safe here. A frozen object is never freed
+by the cyclic collector; reference counting still frees it. The index's
+objects are freed by reference counting alone: a radix-tree node is unlinked
+from its parent both ways as it is removed (state/index.py ``_remove``,
+``drop_owner``), key-index entries point to their parent only
+(state/keyindex.py), and the cache's operations make no cyclic garbage at all
+(tests/test_collector.py checks both). What a freeze can keep for good is a
+transient object in a reference cycle that happened to be alive at that
+moment (a task, a future of a call in flight): a few of them for each freeze,
+and a freeze happens at the start and then only after a full collection long
+enough to need one, which takes that many new long-lived objects.
+``hicached_gc_frozen_objects`` shows what is frozen; it follows the index.
+
+Pauses are measured through ``gc.callbacks`` for every generation (count,
+seconds in all, longest, objects found unreachable). The interpreter runs no
+collection while a callback runs, whichever thread triggered it, so the
+figures have one writer at a time.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Callable
+
+from hicached.wire import protocol as p
+
+log = logging.getLogger("hicached.collector")
+
+GENERATIONS = 3
+# A full collection that held the loop longer than this freezes what survived it.
+FREEZE_AFTER_S = 0.01
+
+
+class Collector:
+    """The collector's figures (``figures``) and, with ``freeze``, its tuning.
+
+    ``start()`` hooks ``gc.callbacks`` (once; ``stop()`` unhooks). ``settle(why)``
+    is called when work that made long-lived objects ends. ``on_pause``, when
+    set, hears every collection's (generation, seconds): the metrics' histogram.
+    """
+
+    def __init__(self, freeze: bool) -> None:
+        self.freeze = freeze
+        self.on_pause: Callable[[int, float], None] | None = None
+        self.collections = [0] * GENERATIONS
+        self.pause_s = [0.0] * GENERATIONS
+        self.longest_s = [0.0] * GENERATIONS
+        self.collected = [0] * GENERATIONS  # unreachable objects found
+        self.freezes = 0
+        self._began = 0.0
+        self._hooked = False
+        self._settling = False  # settle's own collection: settle freezes after it
+
+    def start(self) -> None:
+        if not self._hooked:
+            gc.callbacks.append(self._callback)
+            self._hooked = True
+
+    def stop(self) -> None:
+        if self._hooked:
+            gc.callbacks.remove(self._callback)
+            self._hooked = False
+
+    def settle(self, why: str) -> None:
+        """Work that made long-lived objects has ended (``why``, for the log):
+        collect what is garbage now, then freeze the rest. The one full
+        collection is paid once here, instead of in every later one."""
+        if not self.freeze:
+            return
+        started = time.perf_counter()
+        self._settling = True
+        try:
+            gc.collect()
+        finally:
+            self._settling = False
+        gc.freeze()
+        self.freezes += 1
+        log.info(
+            "collector: %s: %d objects frozen (%.3fs)",
+            why,
+            gc.get_freeze_count(),
+            time.perf_counter() - started,
+        )
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._began = now
+            return
+        generation = info["generation"]
+        took = now - self._began
+        self.collections[generation] += 1
+        self.pause_s[generation] += took
+        self.collected[generation] += info["collected"]
+        if took > self.longest_s[generation]:
+            self.longest_s[generation] = took
+        if (
+            self.freeze
+            and generation == GENERATIONS - 1
+            and took > FREEZE_AFTER_S
+            and not self._settling
+        ):
+            # what this collection found alive is frozen before anything else
+            # runs: no garbage goes with it, and it is not traversed again
+            gc.freeze()
+            self.freezes += 1
+        if self.on_pause is not None:
+            self.on_pause(generation, took)
+
+    def figures(self) -> p.CollectorStats:
+        return p.CollectorStats(
+            freeze=self.freeze,
+            frozen_objects=gc.get_freeze_count(),
+            freezes=self.freezes,
+            collections=list(self.collections),
+            pause_s=[round(s, 6) for s in self.pause_s],
+            longest_s=[round(s, 6) for s in self.longest_s],
+            collected=list(self.collected),
+        )
