@@ -14,12 +14,23 @@ What it does (``server.gc_freeze``, on by default):
   foreground L3 scan) and when a background startup scan ends, one full
   collection and then ``gc.freeze()``: what survives it moves to the
   permanent generation, which no collection traverses again;
-- after any full collection that held the loop longer than ``FREEZE_AFTER_S``,
+- after a full collection that held the loop longer than ``FREEZE_AFTER_S``,
   its survivors are frozen at once (from the collector's own callback: they
-  were just found alive, so no garbage is frozen, and no second pass is
-  paid). A pool that fills or turns over after the start thus pays for each
-  long-lived object in at most one long collection, and every full
-  collection stays near ``FREEZE_AFTER_S``.
+  were just found alive, so no garbage is frozen, and no second pass is paid);
+- after a young collection that long, the same, but through a full collection
+  the loop runs next (``schedule``): a young collection proves nothing about
+  the older generations, whose cyclic garbage a freeze would keep for good.
+  Young collections get that long because the interpreter counts objects made
+  less objects freed: a pool that turns over (a page stored, a page evicted)
+  makes and frees as many, so its new index entries pile up in the youngest
+  generation uncollected, until some growth (a listing of a million pages)
+  sets off a young collection that walks all of them, and then walks them
+  again in each older generation.
+- every ``REFREEZE_PAGES`` pages stored (the sweep reports ``stored``), the
+  same settling: entries of a pool that turns over never pile up unseen.
+A pool that fills or turns over thus pays for each long-lived object in at
+most one or two long collections, and every collection stays near
+``FREEZE_AFTER_S`` after that.
 
 Thresholds stay the interpreter's: young collections cost well under a
 millisecond here (the figures per generation are in the metrics), and larger
@@ -59,18 +70,26 @@ log = logging.getLogger("hicached.collector")
 GENERATIONS = 3
 # A full collection that held the loop longer than this freezes what survived it.
 FREEZE_AFTER_S = 0.01
+# Pages stored since the last freeze that make the next: one settling then walks
+# about this many index entries (10-30 ms), where a pile of a pool's turnover
+# walked in one young collection took 0.1 s and more (bench/checks/gc_pauses.py).
+REFREEZE_PAGES = 65536
 
 
 class Collector:
     """The collector's figures (``figures``) and, with ``freeze``, its tuning.
 
     ``start()`` hooks ``gc.callbacks`` (once; ``stop()`` unhooks). ``settle(why)``
-    is called when work that made long-lived objects ends. ``on_pause``, when
-    set, hears every collection's (generation, seconds): the metrics' histogram.
+    is called when work that made long-lived objects ends. ``schedule`` runs a
+    function on the loop soon, from any thread (``call_soon_threadsafe``): the
+    settling after a long young collection; without it there is none.
+    ``on_pause``, when set, hears every collection's (generation, seconds): the
+    metrics' histogram.
     """
 
     def __init__(self, freeze: bool) -> None:
         self.freeze = freeze
+        self.schedule: Callable[[Callable[[], None]], object] | None = None
         self.on_pause: Callable[[int, float], None] | None = None
         self.collections = [0] * GENERATIONS
         self.pause_s = [0.0] * GENERATIONS
@@ -80,6 +99,9 @@ class Collector:
         self._began = 0.0
         self._hooked = False
         self._settling = False  # settle's own collection: settle freezes after it
+        self._due = False  # a settling is scheduled
+        self._stored = 0  # pages stored, as of the last freeze
+        self._stored_now = 0
 
     def start(self) -> None:
         if not self._hooked:
@@ -95,8 +117,21 @@ class Collector:
         """Work that made long-lived objects has ended (``why``, for the log):
         collect what is garbage now, then freeze the rest. The one full
         collection is paid once here, instead of in every later one."""
-        if not self.freeze:
-            return
+        if self.freeze:
+            took = self._collect_and_freeze()
+            log.info("collector: %s: %d objects frozen (%.3fs)", why, gc.get_freeze_count(), took)
+
+    def stored(self, pages: int) -> None:
+        """``pages`` stored so far (the cache's count); past ``REFREEZE_PAGES``
+        more than at the last freeze, settle: on the loop, between requests."""
+        self._stored_now = pages
+        if self.freeze and pages - self._stored >= REFREEZE_PAGES:
+            took = self._collect_and_freeze()
+            log.debug("collector: %d pages stored since the last freeze: %.3fs", pages, took)
+
+    def _collect_and_freeze(self) -> float:
+        self._due = False
+        self._stored = self._stored_now
         started = time.perf_counter()
         self._settling = True
         try:
@@ -105,12 +140,7 @@ class Collector:
             self._settling = False
         gc.freeze()
         self.freezes += 1
-        log.info(
-            "collector: %s: %d objects frozen (%.3fs)",
-            why,
-            gc.get_freeze_count(),
-            time.perf_counter() - started,
-        )
+        return time.perf_counter() - started
 
     def _callback(self, phase: str, info: dict[str, int]) -> None:
         now = time.perf_counter()
@@ -124,18 +154,22 @@ class Collector:
         self.collected[generation] += info["collected"]
         if took > self.longest_s[generation]:
             self.longest_s[generation] = took
-        if (
-            self.freeze
-            and generation == GENERATIONS - 1
-            and took > FREEZE_AFTER_S
-            and not self._settling
-        ):
-            # what this collection found alive is frozen before anything else
-            # runs: no garbage goes with it, and it is not traversed again
-            gc.freeze()
-            self.freezes += 1
+        if self.freeze and took > FREEZE_AFTER_S and not self._settling:
+            if generation == GENERATIONS - 1:
+                # what this collection found alive is frozen before anything else
+                # runs: no garbage goes with it, and it is not traversed again
+                gc.freeze()
+                self.freezes += 1
+            elif not self._due and self.schedule is not None:
+                self._due = True
+                self.schedule(self._after_young)
         if self.on_pause is not None:
             self.on_pause(generation, took)
+
+    def _after_young(self) -> None:
+        if self._due:
+            took = self._collect_and_freeze()
+            log.debug("collector: after a long young collection, frozen in %.3fs", took)
 
     def figures(self) -> p.CollectorStats:
         return p.CollectorStats(

@@ -132,6 +132,7 @@ class Server:
 
     async def startup(self) -> None:
         cfg = self.config
+        self.collector.schedule = asyncio.get_running_loop().call_soon_threadsafe
         self.collector.start()
         # STATUS and EXTEND_TIMEOUT_USEC while the pool fills and L3 is scanned
         with StartupProgress() as progress:
@@ -402,6 +403,7 @@ class Server:
                 await asyncio.wait_for(self._resweep.wait(), self.config.leases.sweep_interval_s)
             self._resweep.clear()
             ended = self.cache.expire()
+            self.collector.stored(self.cache.committed_pages)  # may freeze what they made
             if ended:
                 log.info("expired %d leases", ended)
             if self.journal is not None:
