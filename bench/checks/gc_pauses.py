@@ -17,9 +17,9 @@ Churn and listing are the fixed workload whose holds are compared.
 A "hold" is one collection, from the collector's start callback to its stop.
 For each phase and way: the longest hold and their sum (ms), the full
 collections, medians over the trials with their spread (min..max); ratios of
-tuned to untuned medians; the phases' wall seconds.
+each way's medians to the untuned ones; the phases' wall seconds.
 
-    PYTHONPATH=. .venv/bin/python bench/checks/gc_pauses.py [PAGES] [PAIRS]
+    PYTHONPATH=. .venv/bin/python bench/checks/gc_pauses.py [PAGES] [ROUNDS]
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PAGE_BYTES = 4096
 SEQUENCE_PAGES = 128
 _FIGURES = ("longest_ms", "sum_ms", "full_collections", "longest_young_ms", "wall_s")
+WAYS = ("untuned", "thresholds", "tuned")
+THRESHOLDS = (50000, 20, 100)  # a raise seen in services: young collections 70x rarer
 
 
 def _keys(sequence: int) -> list[bytes]:
@@ -46,14 +48,17 @@ def _keys(sequence: int) -> list[bytes]:
     return [(base + i).to_bytes(16, "little") for i in range(SEQUENCE_PAGES)]
 
 
-def trial(pages: int, tuned: bool) -> dict[str, object]:
-    """One trial in this process; the figures of each phase."""
+def trial(pages: int, tuned: bool, thresholds: tuple[int, ...] = ()) -> dict[str, object]:
+    """One trial in this process; the figures of each phase. ``thresholds``:
+    the interpreter's, set instead of its own (untuned otherwise)."""
     from hicached.cache import Cache
     from hicached.config import Config, PoolConfig, StorageConfig
     from hicached.daemon.collector import Collector
     from hicached.daemon.tier import _LIST_BATCH_PAGES
     from hicached.wire import protocol as p
 
+    if thresholds:
+        gc.set_threshold(*thresholds)
     holds: list[tuple[int, float]] = []
     collector = Collector(freeze=tuned)
     due: list[Callable[[], None]] = []  # what the daemon's loop would run next
@@ -143,12 +148,11 @@ def _spread(values: list[float]) -> dict[str, float]:
     }
 
 
-def main(pages: int, pairs: int) -> dict[str, object]:
-    runs: dict[str, list[dict[str, object]]] = {"untuned": [], "tuned": []}
-    for i in range(pairs):
-        # alternate which goes first, so drift on a shared machine hits both
-        order = ("untuned", "tuned") if i % 2 == 0 else ("tuned", "untuned")
-        for way in order:
+def main(pages: int, rounds: int) -> dict[str, object]:
+    runs: dict[str, list[dict[str, object]]] = {way: [] for way in WAYS}
+    for i in range(rounds):
+        # each way goes first in turn, so drift on a shared machine hits all
+        for way in WAYS[i % 3 :] + WAYS[: i % 3]:
             out = subprocess.run(
                 [sys.executable, __file__, "--trial", str(pages), way],
                 check=True,
@@ -158,32 +162,42 @@ def main(pages: int, pairs: int) -> dict[str, object]:
                 timeout=1800,
             )
             runs[way].append(json.loads(out.stdout))
-    result: dict[str, object] = {"pages": pages, "pairs": pairs, "python": sys.version.split()[0]}
+    result: dict[str, object] = {
+        "pages": pages,
+        "rounds": rounds,
+        "python": sys.version.split()[0],
+        "thresholds": THRESHOLDS,
+    }
     for phase in ("fill", "churn", "listing"):
-        figures: dict[str, object] = {}
+        figures: dict[str, dict[str, object]] = {}
         for way, trials in runs.items():
             figures[way] = {
                 key: _spread([float(t[phase][key]) for t in trials])  # type: ignore[index]
                 for key in _FIGURES
             }
-        untuned, tuned = figures["untuned"], figures["tuned"]
-        figures["tuned_over_untuned"] = {
-            key: round(tuned[key]["median"] / untuned[key]["median"], 3)  # type: ignore[index]
-            if untuned[key]["median"]  # type: ignore[index]
-            else None
-            for key in ("longest_ms", "sum_ms")
-        }
+        for way in WAYS[1:]:
+            figures[f"{way}_over_untuned"] = {
+                key: _ratio(figures[way][key], figures["untuned"][key])
+                for key in ("longest_ms", "sum_ms")
+            }
         result[phase] = figures
     result["frozen_objects"] = {way: [t["frozen_objects"] for t in runs[way]] for way in runs}
     result["freezes"] = {way: [t["freezes"] for t in runs[way]] for way in runs}
     return result
 
 
+def _ratio(new: object, base: object) -> float | None:
+    n, b = new["median"], base["median"]  # type: ignore[index]
+    return round(n / b, 3) if b else None
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--trial":
-        print(json.dumps(trial(int(sys.argv[2]), sys.argv[3] == "tuned")))
+        way = sys.argv[3]
+        thresholds = THRESHOLDS if way == "thresholds" else ()
+        print(json.dumps(trial(int(sys.argv[2]), way == "tuned", thresholds)))
     else:
         args = [int(a) for a in sys.argv[1:]]
         pages = args[0] if args else 1 << 20
-        pairs = args[1] if len(args) > 1 else 3
-        print(json.dumps(main(pages, pairs)))
+        rounds = args[1] if len(args) > 1 else 3
+        print(json.dumps(main(pages, rounds)))
