@@ -4,7 +4,8 @@ daemon tunes it (server.gc_freeze, daemon/collector.py), in alternating trials,
 each in a fresh process (what a freeze leaves behind would carry over).
 
 A trial builds a cache as the daemon does (``Cache``, one key-addressed
-namespace: one index entry a page, as vLLM's and SGLang's pages are) and does,
+namespace: one index entry a page, as vLLM's and SGLang's pages are; or, with
+KIND ``tokens``, a token namespace) and does,
 with the daemon's ``Collector`` hooked (it freezes only when tuned):
 - fill: store PAGES pages, in sequences of 128 keys, into a pool of PAGES slots;
 - churn: store PAGES/2 more (each evicts the least recently used pages) and
@@ -19,7 +20,7 @@ For each phase and way: the longest hold and their sum (ms), the full
 collections, medians over the trials with their spread (min..max); ratios of
 each way's medians to the untuned ones; the phases' wall seconds.
 
-    PYTHONPATH=. .venv/bin/python bench/checks/gc_pauses.py [PAGES] [ROUNDS]
+    PYTHONPATH=. .venv/bin/python bench/checks/gc_pauses.py [PAGES] [ROUNDS] [keys|tokens]
 """
 
 from __future__ import annotations
@@ -48,14 +49,19 @@ def _keys(sequence: int) -> list[bytes]:
     return [(base + i).to_bytes(16, "little") for i in range(SEQUENCE_PAGES)]
 
 
-def trial(pages: int, tuned: bool, thresholds: tuple[int, ...] = ()) -> dict[str, object]:
+def trial(
+    pages: int, tuned: bool, thresholds: tuple[int, ...] = (), keyed: bool = True
+) -> dict[str, object]:
     """One trial in this process; the figures of each phase. ``thresholds``:
-    the interpreter's, set instead of its own (untuned otherwise)."""
+    the interpreter's, set instead of its own (untuned otherwise). ``keyed``:
+    a key-addressed namespace, else a token one (the radix tree: one node a
+    sequence, the slot map a million references)."""
     from hicached.cache import Cache
     from hicached.config import Config, PoolConfig, StorageConfig
     from hicached.daemon.collector import Collector
     from hicached.daemon.tier import _LIST_BATCH_PAGES
     from hicached.wire import protocol as p
+    from hicached.wire.hashing import pack_tokens
 
     if thresholds:
         gc.set_threshold(*thresholds)
@@ -87,21 +93,28 @@ def trial(pages: int, tuned: bool, thresholds: tuple[int, ...] = ()) -> dict[str
         layout="l",
         page_tokens=1,
         page_bytes=PAGE_BYTES,
-        key_scheme="vllm-sha256",
+        **({"key_scheme": "vllm-sha256"} if keyed else {}),  # type: ignore[arg-type]
     )
     ok = cache.handle(rid, p.RegisterNamespace(id=2, spec=spec))
     assert isinstance(ok, p.NamespaceOk), ok
     collector.settle("started")  # as the daemon does before it serves
 
     def store(sequence: int) -> None:
-        keys = _keys(sequence)
-        res = cache.handle(rid, p.ReserveKeys(id=3, ns=ok.ns, keys=keys))
-        assert isinstance(res, p.ReserveKeysOk), res
+        if keyed:
+            keys = _keys(sequence)
+            res = cache.handle(rid, p.ReserveKeys(id=3, ns=ok.ns, keys=keys))
+            match: p.Request = p.MatchKeys(id=5, ns=ok.ns, keys=keys, lease=False)
+        else:
+            base = sequence * SEQUENCE_PAGES
+            tokens = pack_tokens(np.arange(base, base + SEQUENCE_PAGES, dtype=np.uint32))
+            res = cache.handle(rid, p.Reserve(id=3, ns=ok.ns, tokens=tokens))
+            match = p.Match(id=5, ns=ok.ns, tokens=tokens, lease=False)
+        assert isinstance(res, p.ReserveOk | p.ReserveKeysOk), res
         assert len(res.offsets) == SEQUENCE_PAGES, res.pool_full
         done = cache.handle(rid, p.Commit(id=4, lease=res.lease))
         assert isinstance(done, p.CommitOk), done
-        hit = cache.handle(rid, p.MatchKeys(id=5, ns=ok.ns, keys=keys, lease=False))
-        assert isinstance(hit, p.MatchOk), hit
+        hit = cache.handle(rid, match)
+        assert isinstance(hit, p.MatchOk) and hit.hits == SEQUENCE_PAGES, hit
         turn()
 
     def listing() -> None:
@@ -148,13 +161,13 @@ def _spread(values: list[float]) -> dict[str, float]:
     }
 
 
-def main(pages: int, rounds: int) -> dict[str, object]:
+def main(pages: int, rounds: int, kind: str) -> dict[str, object]:
     runs: dict[str, list[dict[str, object]]] = {way: [] for way in WAYS}
     for i in range(rounds):
         # each way goes first in turn, so drift on a shared machine hits all
         for way in WAYS[i % 3 :] + WAYS[: i % 3]:
             out = subprocess.run(
-                [sys.executable, __file__, "--trial", str(pages), way],
+                [sys.executable, __file__, "--trial", str(pages), way, kind],
                 check=True,
                 capture_output=True,
                 text=True,
@@ -165,6 +178,7 @@ def main(pages: int, rounds: int) -> dict[str, object]:
     result: dict[str, object] = {
         "pages": pages,
         "rounds": rounds,
+        "kind": kind,
         "python": sys.version.split()[0],
         "thresholds": THRESHOLDS,
     }
@@ -195,9 +209,13 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--trial":
         way = sys.argv[3]
         thresholds = THRESHOLDS if way == "thresholds" else ()
-        print(json.dumps(trial(int(sys.argv[2]), way == "tuned", thresholds)))
+        keyed = sys.argv[4] == "keys"
+        print(json.dumps(trial(int(sys.argv[2]), way == "tuned", thresholds, keyed)))
     else:
-        args = [int(a) for a in sys.argv[1:]]
-        pages = args[0] if args else 1 << 20
-        rounds = args[1] if len(args) > 1 else 3
-        print(json.dumps(main(pages, rounds)))
+        args = sys.argv[1:]
+        pages = int(args[0]) if args else 1 << 20
+        rounds = int(args[1]) if len(args) > 1 else 3
+        kind = args[2] if len(args) > 2 else "keys"
+        if kind not in ("keys", "tokens"):
+            raise SystemExit(f"kind {kind!r}: keys or tokens")
+        print(json.dumps(main(pages, rounds, kind)))
