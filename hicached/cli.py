@@ -112,6 +112,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
             + _pairs(stats.l3)
         )
     lines.extend(_gather_lines(stats.gather_clients, protocol))
+    lines.append(_collector_line(stats.collector, protocol))
     lines.append(f"metrics:    {stats.metrics_endpoint or 'off'}")
     print("\n".join(lines))
     return 0
@@ -158,6 +159,32 @@ def _gather_lines(clients: list[p.GatherClient], protocol: tuple[int, int] | Non
     if len(measured) > _GATHER_SHOWN:
         lines.append(f"            and {len(measured) - _GATHER_SHOWN} more measured (--json)")
     return lines
+
+
+def _collector_line(c: p.CollectorStats | None, protocol: tuple[int, int] | None) -> str:
+    """The daemon's garbage collector (daemon/collector.py): full collections
+    (generation 2) apart from young ones, as the full ones are what hold the
+    daemon long; then what is frozen. A daemon older than 1.7 reports none."""
+    from hicached.wire.protocol import COLLECTOR_MINOR, PROTOCOL_MAJOR
+
+    if c is None:
+        if protocol is not None and protocol < (PROTOCOL_MAJOR, COLLECTOR_MINOR):
+            return (
+                f"collector:  not reported by this daemon (protocol {protocol[0]}.{protocol[1]}; "
+                f"{PROTOCOL_MAJOR}.{COLLECTOR_MINOR} and later report it)"
+            )
+        return "collector:  not reported"
+    young = sum(c.collections[:-1])
+    frozen = (
+        f"{c.frozen_objects} objects frozen ({c.freezes} freezes)"
+        if c.freeze
+        else f"freezing off (server.gc_freeze), {c.frozen_objects} objects frozen"
+    )
+    return (
+        f"collector:  {c.collections[-1]} full collections, {c.pause_s[-1]:.3f}s in all, "
+        f"longest {c.longest_s[-1] * 1e3:.1f} ms; {young} young, {sum(c.pause_s[:-1]):.3f}s, "
+        f"longest {max(c.longest_s[:-1]) * 1e3:.1f} ms; {frozen}"
+    )
 
 
 def _shown(name: str) -> str:

@@ -75,6 +75,11 @@ class ServerConfig(msgspec.Struct, **_Section):
     # MiB of recent sequences' token ids and keys kept so that one which extends or shares
     # a prefix with them (a conversation's next turn) hashes only its other pages; 0 = off.
     key_cache_token_mib: int = 16
+    # Freeze what outlives the start's work (an adopted pool, the startup L3 scan),
+    # what a long full collection finds alive, and every 65,536 pages stored
+    # (gc.freeze), so that the interpreter's collections stop walking a large
+    # index (daemon/collector.py).
+    gc_freeze: bool = True
 
     def __post_init__(self) -> None:
         if self.endpoint:

@@ -123,6 +123,8 @@ class Cache:
         self.errors: dict[str, int] = {}
         self.dropped: dict[str, int] = {}
         self.metrics_endpoint = ""  # where metrics are served, for stats ("": nowhere)
+        # the process's garbage collector figures, for stats (daemon/collector.py)
+        self._collector: Callable[[], p.CollectorStats] | None = None
         # the rooms
         self.tiering = Tiering(self)
         self.tokens = TokenKind(self.events)
@@ -218,6 +220,10 @@ class Cache:
     def serve_metrics(self, endpoint: str) -> None:
         """Metrics are served at ``endpoint`` (stats say where)."""
         self.metrics_endpoint = endpoint
+
+    def report_collector(self, figures: Callable[[], p.CollectorStats]) -> None:
+        """Stats carry the process's garbage collector figures, taken by ``figures``."""
+        self._collector = figures
 
     # -- L2 ------------------------------------------------------------------------
 
@@ -451,4 +457,5 @@ class Cache:
             adopted_pages=self.adopted.pages if self.adopted else 0,
             adoption_dropped=dict(self.adopted.dropped) if self.adopted else {},
             gather_clients=self.clients.gather_clients(viewer),
+            collector=self._collector() if self._collector is not None else None,
         )

@@ -37,10 +37,14 @@ log = logging.getLogger("hicached.metrics")
 # Request handling runs in microseconds; L3 calls in milliseconds to seconds.
 _REQUEST_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 10e-3, 50e-3)
 _L3_BUCKETS = (1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 1.0, 5.0, 30.0)
+# A young collection takes microseconds; a full one of a large index 0.1 s.
+_GC_BUCKETS = (100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 1.0)
 
 
 class LoopHistogram(Collector):
-    """A labelled histogram written by the event loop alone, read by scrapes.
+    """A labelled histogram with one writer at a time, read by scrapes: the
+    event loop, or the garbage collector's callbacks (the interpreter runs one
+    collection at a time, whichever thread runs it).
 
     One observation is a bisection and two list updates, a fraction of what
     the library's histogram costs (a lock, a walk over the buckets): it sits
@@ -198,8 +202,26 @@ class _Snapshot(Collector):
             for what, value in sorted(gauges.items()):
                 state.add_metric([what], value)
             yield state
+        if s.collector is not None:
+            yield from _collector_families(s.collector)
         if tenants:
             yield from _tenant_families(tenants)
+
+
+def _collector_families(c: p.CollectorStats) -> Iterator[Metric]:
+    """The garbage collector's figures beside its pause histogram (daemon/collector.py)."""
+    yield _gauge(
+        "hicached_gc_frozen_objects",
+        "Objects frozen out of the garbage collector's reach (server.gc_freeze).",
+        c.frozen_objects,
+    )
+    yield _total("hicached_gc_freezes", "Times long-lived objects were frozen.", c.freezes)
+    yield _counter(
+        "hicached_gc_collected_objects",
+        "Unreachable objects the garbage collector found, by generation.",
+        "generation",
+        {str(g): n for g, n in enumerate(c.collected)},
+    )
 
 
 def _tenant_families(tenants: list[TenantFigures]) -> Iterator[Metric]:
@@ -241,6 +263,8 @@ def _tenant_families(tenants: list[TenantFigures]) -> Iterator[Metric]:
         evicted.add_metric([t.tenant, "other"], t.evicted - t.quota_evicted)
     yield from (pages, slots, size, quota, matched, evicted)
 
+
+_GENERATION = ("0", "1", "2")  # label values, made once: observed on every collection
 
 # L3 figures that go up and down; every other L3 figure only grows.
 _L3_GAUGES = {
@@ -292,8 +316,16 @@ class Metrics:
             "op",
             _L3_BUCKETS,
         )
+        self.gc_seconds = LoopHistogram(
+            "hicached_gc_pause_seconds",
+            "Time the interpreter's garbage collector held the daemon, per collection, "
+            "by generation (2: full collections).",
+            "generation",
+            _GC_BUCKETS,
+        )
         self.registry.register(self.request_seconds)
         self.registry.register(self.l3_seconds)
+        self.registry.register(self.gc_seconds)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
         self.endpoint = ""
@@ -314,6 +346,11 @@ class Metrics:
     def observe_l3(self, op: str, seconds: float) -> None:
         """Time of one L3 backend call attempt."""
         self.l3_seconds.observe(op, seconds)
+
+    def observe_gc(self, generation: int, seconds: float) -> None:
+        """Time of one garbage collection (from gc.callbacks, daemon/collector.py:
+        one collection at a time, whichever thread ran it)."""
+        self.gc_seconds.observe(_GENERATION[generation], seconds)
 
     def start(self) -> None:
         """Listen; the scrapes ask the running loop for snapshots."""

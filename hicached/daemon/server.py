@@ -44,6 +44,7 @@ from hicached.config import (
 from hicached.daemon.access import Access, ensure_private_dir
 from hicached.daemon.adoption import OpenedPool, open_arenas, open_pool
 from hicached.daemon.arenas import arena_layout, check_memberships, grant
+from hicached.daemon.collector import Collector
 from hicached.daemon.journal import JournalFile, journal_path
 from hicached.daemon.metrics import Metrics
 from hicached.daemon.notify import StartupProgress, sd_notify, watchdog_interval
@@ -90,6 +91,8 @@ class Server:
         self._tasks: list[asyncio.Task[None]] = []
         self._signals = 0
         self.metrics: Metrics | None = None
+        # the garbage collector's figures, and its tuning (server.gc_freeze)
+        self.collector = Collector(config.server.gc_freeze)
         self._reload_wanted = asyncio.Event()
         # the process is this daemon's own (serve): it may exit past stuck calls
         self.exit_past_stuck_calls = False
@@ -129,6 +132,8 @@ class Server:
 
     async def startup(self) -> None:
         cfg = self.config
+        self.collector.schedule = asyncio.get_running_loop().call_soon_threadsafe
+        self.collector.start()
         # STATUS and EXTEND_TIMEOUT_USEC while the pool fills and L3 is scanned
         with StartupProgress() as progress:
             populated = [0]  # MiB, as _prepare prefaults the pool
@@ -141,11 +146,14 @@ class Server:
             )
             self._prepare(lambda done: populated.__setitem__(0, done >> 20))
             assert self.cache is not None and self.arena is not None
+            self.cache.report_collector(self.collector.figures)
             if cfg.storage.backend:
                 # tenant arenas: no helper process maps the pool (it is not one file)
                 path = str(self.arena.path) if isinstance(self.arena, Arena) else ""
                 backend = make_backend(cfg, self.arena.array.data, path)
                 tier = Tier(self.cache, backend, self.arena)
+                # a scan in the background ends while the daemon serves
+                tier.on_scanned = lambda: self.collector.settle("the startup L3 scan ended")
                 scan = cfg.storage.scan_on_start and not cfg.storage.scan_in_background
                 progress.phase(
                     f"L3: opening the {cfg.storage.backend} store"
@@ -165,7 +173,9 @@ class Server:
                 self.cache.serve_metrics(metrics.endpoint)
                 if self.tier is not None:
                     self.tier.dispatcher.on_call = metrics.observe_l3
-
+                self.collector.on_pause = metrics.observe_gc
+        # what the start made (an adopted pool, what a scan found) lives long
+        self.collector.settle("started")
         self._listen()
 
     def _prepare(self, on_populate: Callable[[int], None] | None = None) -> None:
@@ -345,8 +355,10 @@ class Server:
         if self.publisher is not None:
             await self.publisher.stop()  # every queued event goes out
         if self.metrics is not None:
+            self.collector.on_pause = None
             self.metrics.stop()
             self.metrics = None
+        self.collector.stop()
         self._release()
         log.info("stopped")
 
@@ -391,6 +403,7 @@ class Server:
                 await asyncio.wait_for(self._resweep.wait(), self.config.leases.sweep_interval_s)
             self._resweep.clear()
             ended = self.cache.expire()
+            self.collector.stored(self.cache.committed_pages)  # may freeze what they made
             if ended:
                 log.info("expired %d leases", ended)
             if self.journal is not None:

@@ -110,6 +110,9 @@ class Tier:
         self._adopted: asyncio.Task[None] | None = None  # writes of adopted pages L3 lacks
         self.scanning = False
         self.scan_pages = 0  # pages the startup scan has found so far
+        # hears the startup scan's end, once every page it found is known
+        # (daemon/collector.py freezes what the scan made)
+        self.on_scanned: Callable[[], None] | None = None
         self._flush: FlushCounts | None = None  # while a write-back flush counts its pages
         self._undersized_told = False
         backend.on_forget = self._forget
@@ -221,6 +224,8 @@ class Tier:
             log.info(
                 "L3 holds %d pages (scanned in %.2fs)", self.scan_pages, time.monotonic() - started
             )
+            if self.on_scanned is not None:
+                self.on_scanned()
             batches = cache.adopted_unwritten(_LIST_BATCH_PAGES)
             if batches is not None:
                 self._adopted = asyncio.get_running_loop().create_task(self._write_adopted(batches))

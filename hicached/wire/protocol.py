@@ -17,13 +17,15 @@ from hicached.errors import HicachedError, error_from_code
 from hicached.wire.namespace import EventMeta, NamespaceSpec
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 6
+PROTOCOL_MINOR = 7
 # the first minor version whose clients map a tenant's arena (HelloOk.pool_base)
 ARENAS_MINOR = 4
 # the first minor version whose daemons take a client's gather report
 GATHER_MINOR = 5
 # the first minor version whose daemons take a namespace's event metadata
 EVENT_META_MINOR = 6
+# the first minor version whose daemons report their garbage collector in stats
+COLLECTOR_MINOR = 7
 
 
 class Request(msgspec.Struct, tag_field="op", kw_only=True, forbid_unknown_fields=True):
@@ -347,6 +349,24 @@ class GatherClient(msgspec.Struct, kw_only=True):
     seconds: float = 0.0
 
 
+class CollectorStats(msgspec.Struct, kw_only=True):
+    """The daemon process's cyclic garbage collector (1.7; daemon/collector.py).
+
+    The lists have one figure per generation, youngest first: collections run,
+    seconds they held the process in all and the longest, and unreachable
+    objects they found. ``freeze``: whether the daemon freezes long-lived
+    objects (server.gc_freeze); ``frozen_objects`` are out of every
+    collection's reach now, put there by ``freezes`` freezes."""
+
+    freeze: bool
+    frozen_objects: int
+    freezes: int
+    collections: list[int]
+    pause_s: list[float]
+    longest_s: list[float]
+    collected: list[int]
+
+
 class DaemonStats(msgspec.Struct, kw_only=True):
     instance: int
     uptime_s: float
@@ -393,6 +413,9 @@ class DaemonStats(msgspec.Struct, kw_only=True):
     # in session order; sessions of older clients, and of processes that made no
     # pick yet, are not there
     gather_clients: list[GatherClient] = []
+    # the garbage collector's pauses and what is frozen (1.7); None from an older
+    # daemon, or a cache no daemon runs
+    collector: CollectorStats | None = None
 
 
 class StatsOk(Reply, tag="stats_ok"):
