@@ -311,6 +311,18 @@ class MooncakeBackend(Backend):
             self.counters["bad_objects"] += sum(
                 1 for code, ok in zip(codes, oks, strict=True) if code > 0 and not ok
             )
+            # A page gone (removed by another host, evicted by the store) or bad is
+            # forgotten, as S3 does: else it stays known, a match counts it as an L3
+            # hit no read can serve, and it is never written again. A failed call
+            # (any other code) tells nothing of the page.
+            self.forgot(
+                ns,
+                [
+                    page.key
+                    for page, code, ok in zip(chunk, codes, oks, strict=True)
+                    if not ok and (code > 0 or code in _MISSES)
+                ],
+            )
             return oks
 
         got = list(await self._with_buffers(unique, call))

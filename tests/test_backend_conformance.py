@@ -313,6 +313,46 @@ def test_mooncake_existence_checks_do_not_wait_for_busy_threads(mooncake: Moonca
         loop.close()
 
 
+def test_a_mooncake_read_that_finds_a_page_gone_tells_the_daemon(mooncake: MooncakeMaster) -> None:
+    """Another host removes a page from the shared store (or the store evicts
+    it) after this host learned it held it: the read is a miss and the daemon
+    is told (``on_forget``), so it stops counting the page as an L3 hit no read
+    can serve and writes it again when it is stored; the pages read are told
+    of nothing."""
+    from hicached_backends.mooncake import MooncakeBackend
+
+    def make() -> Backend:
+        options = MooncakeOptions(
+            master=mooncake.master,
+            metadata_server=mooncake.metadata,
+            global_segment_mib=32,
+            local_buffer_mib=16,
+        )
+        return MooncakeBackend(options, BackendEnv(Path("/nonexistent")))
+
+    ns, keys = NAMESPACES[1], KEYS[:4]
+    here, other = make(), make()
+    told: list[tuple[bytes, list[bytes]]] = []
+    here.on_forget = lambda n, k: told.append((n, k))
+    loop = asyncio.new_event_loop()
+    try:
+        for b in (here, other):
+            loop.run_until_complete(b.open())
+        loop.run_until_complete(here.delete(ns, keys))
+        pages = [PageRef(k, memoryview(bytearray(payload(ns, k, 0)))) for k in keys]
+        assert loop.run_until_complete(here.put(ns, pages)) == [True] * 4
+        loop.run_until_complete(other.delete(ns, [keys[1]]))
+        got = [bytearray(PAGE) for _ in keys]
+        read = [PageRef(k, memoryview(b)) for k, b in zip(keys, got, strict=True)]
+        assert loop.run_until_complete(here.get(ns, read)) == [True, False, True, True]
+        assert told == [(ns, [keys[1]])]
+        assert [bytes(got[i]) for i in (0, 2, 3)] == [payload(ns, keys[i], 0) for i in (0, 2, 3)]
+    finally:
+        for b in (here, other):
+            loop.run_until_complete(b.close())
+        loop.close()
+
+
 def test_registry_names_and_errors() -> None:
     from hicached.errors import ConfigError
     from hicached_backends import available, load_backend_class
