@@ -73,6 +73,22 @@ class LoopHistogram(Collector):
         yield family
 
 
+class LoopCounter(Collector):
+    """A labelled counter written by the event loop alone, read by scrapes; its
+    known labels show from the start, at 0, so a rate over them is defined
+    before the first event."""
+
+    def __init__(self, name: str, doc: str, label: str, known: tuple[str, ...]) -> None:
+        self.name, self.doc, self.label = name, doc, label
+        self._counts = dict.fromkeys(known, 0)
+
+    def add(self, key: str) -> None:
+        self._counts[key] = self._counts.get(key, 0) + 1
+
+    def collect(self) -> Iterator[Metric]:
+        yield _counter(self.name, self.doc, self.label, dict(self._counts))
+
+
 class _Snapshot(Collector):
     """Turns one DaemonStats, taken on the loop, into metric families."""
 
@@ -292,8 +308,17 @@ class Metrics:
             "op",
             _L3_BUCKETS,
         )
+        self.reloads = LoopCounter(
+            "hicached_reloads",
+            "Config reloads (SIGHUP) by result: applied, invalid (the file did not "
+            "parse or validate; nothing changed), failed (an unexpected error, logged "
+            "with its traceback).",
+            "result",
+            ("applied", "invalid", "failed"),
+        )
         self.registry.register(self.request_seconds)
         self.registry.register(self.l3_seconds)
+        self.registry.register(self.reloads)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
         self.endpoint = ""
@@ -314,6 +339,10 @@ class Metrics:
     def observe_l3(self, op: str, seconds: float) -> None:
         """Time of one L3 backend call attempt."""
         self.l3_seconds.observe(op, seconds)
+
+    def count_reload(self, result: str) -> None:
+        """One reload's result (applied, invalid, failed)."""
+        self.reloads.add(result)
 
     def start(self) -> None:
         """Listen; the scrapes ask the running loop for snapshots."""
