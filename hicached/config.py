@@ -185,6 +185,7 @@ class StorageConfig(msgspec.Struct, **_Section):
     # "" = $STATE_DIRECTORY, else $XDG_STATE_HOME/hicached, else ~/.local/state/hicached.
     data_dir: str = ""
     # L3 backend by name (memory, file, s3, mooncake, or a plugin's); "" = L2 only.
+    # faulty injects faults, for tests: it starts only with HICACHED_ALLOW_FAULTS=1.
     backend: str = ""
     # write_through (on commit), write_through_selective (after selective_hits
     # matches), or write_back (on eviction from L2, and at a graceful stop).

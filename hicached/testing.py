@@ -6,6 +6,7 @@ socket paths must stay short) and cleans up its pool file even after SIGKILL.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -54,8 +55,12 @@ class DaemonProcess:
         fresh: bool = True,
         adopt: bool = True,  # pool.adopt
         module: str = "hicached",  # run as ``python -m module serve ...``
+        # HICACHED_ALLOW_FAULTS=1 in the daemon's environment: the faulty backend
+        # (hicached_backends/faulty.py) refuses to start without it
+        allow_faults: bool = False,
     ) -> None:
         self.curve = curve
+        self.allow_faults = allow_faults
         self.module = module
         # each start makes a new pool (serve --fresh), so a restart empties L2 as
         # tests of L3 want; False: a start adopts the pool the last stop left
@@ -93,6 +98,7 @@ class DaemonProcess:
                 ],
                 stdout=log,
                 stderr=log,
+                env=self.env(),
             )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -107,6 +113,15 @@ class DaemonProcess:
             except Exception:
                 time.sleep(0.05)
         raise RuntimeError(f"daemon did not answer within {timeout}s:\n{self.log.read_text()}")
+
+    def env(self) -> dict[str, str]:
+        """The daemon's environment: this process's, with fault injection
+        allowed only where asked for (``allow_faults``)."""
+        env = dict(os.environ)
+        env.pop("HICACHED_ALLOW_FAULTS", None)
+        if self.allow_faults:
+            env["HICACHED_ALLOW_FAULTS"] = "1"
+        return env
 
     def client(self, timeout: float = 5.0, name: str = "") -> Client:
         """A connected client; use it in a ``with`` block."""

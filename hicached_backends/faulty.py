@@ -16,17 +16,38 @@ store that breaks off a listing), the later ones run whole.
 
 Its stats add ``calls_running`` and ``peak_calls``: the backend calls inside
 it at once, now and at most, so a test can see the dispatcher's bound hold.
+
+It is registered like every backend, so a config can name it; it refuses to
+start (and ``hicached check-config`` refuses it) unless the daemon's
+environment has ``HICACHED_ALLOW_FAULTS=1``, which the test harness sets for
+the daemons that use it (docs/storage.md): a production daemon never slows or
+fails its own L3 calls because of a typo or a copied test config.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import msgspec
 
 from hicached_backends.base import Backend, BackendEnv, BackendError, PageRef
+
+ALLOW_FAULTS = "HICACHED_ALLOW_FAULTS"
+
+
+def _require_allowed() -> None:
+    from hicached.errors import ConfigError
+
+    if os.environ.get(ALLOW_FAULTS) != "1":
+        raise ConfigError(
+            "storage.backend: 'faulty' injects faults (slow, hung and failed L3 calls) "
+            f"and is for tests only; a test that means it sets {ALLOW_FAULTS}=1 in the "
+            "daemon's environment. In production, name the real backend (file, s3, "
+            "mooncake, memory)"
+        )
 
 
 class FaultyOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -62,9 +83,11 @@ class FaultyBackend(Backend):
 
     @classmethod
     def check_options(cls, options: FaultyOptions) -> None:
+        _require_allowed()
         _inner_options(options)
 
     def __init__(self, options: FaultyOptions, env: BackendEnv) -> None:
+        _require_allowed()
         super().__init__(options, env)
         cls, inner_options = _inner_options(options)
         self.inner = cls(inner_options, env)

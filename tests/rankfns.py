@@ -381,3 +381,23 @@ def interleaved_instances(topo: Topology, ends: str) -> list[Any]:
     seen = [agreement.agree("step", pages=pages)["pages"] for _ in range(3)]
     agreement.close()
     return seen
+
+
+def one_bad_value(topo: Topology, bad_rank: int, value: Any, linger: float) -> dict[str, Any]:
+    """Three steps; at the second, ``bad_rank`` gives ``pages`` a value that
+    does not fit an int64 word. What each rank raised, at which step, and how
+    long that agree call took. A rank that raised stays up ``linger`` seconds,
+    as an engine that reports the error and goes on would: a rank that left
+    would fail its peers' collectives at once anyway."""
+    agreement = Agreement(topo, FIELDS)
+    for step in (1, 2, 3):
+        pages = value if step == 2 and topo.rank == bad_rank else 1
+        started = time.monotonic()
+        try:
+            agreement.agree("test.bad", pages=pages, acks=1, busy=0, done=0)
+        except Exception as exc:
+            elapsed = time.monotonic() - started
+            time.sleep(linger)
+            return {"error": f"{type(exc).__name__}: {exc}", "step": step, "seconds": elapsed}
+    agreement.close()
+    return {"error": None, "step": 3}

@@ -225,6 +225,7 @@ def test_adopted_pages_whose_l3_writes_a_kill_cut_short_reach_l3_after_the_resta
     without the pool (L2 empty) then reads every page back from L3, byte for
     byte."""
     d = adopting(
+        allow_faults=True,
         storage=storage("faulty", more="scan_retry_s = 0.5\n"),
         tail='[storage.extra]\ninner = "file"\nwrite_delay_s = 1.0\n'
         f"scan_failures = {failed_scans}\n"

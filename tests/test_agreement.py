@@ -130,3 +130,35 @@ def test_under_a_cuda_only_default_group_the_relay_goes_over_gloo() -> None:
         assert r["stage_group"].startswith("the stage (attention) group " + REFUSED)
         assert r["no_relay_group"].startswith("the default group (it carries the PP relay) ")
         assert r["with_relay_group"] == {"pages": 10, "busy": 1}
+
+
+@pytest.mark.parametrize("layout", ["tp2", "tp2xcp2", "tp2xpp2"])
+def test_a_value_that_does_not_fit_int64_on_one_rank_fails_every_rank_at_once(
+    layout: str,
+) -> None:
+    """The bad rank still takes part in the collective, with a marker in the
+    fingerprint's place: every rank raises the same RankBadValue, none waits
+    for the bad rank to leave or for the group timeout (30 s here). Every rank
+    stays up 8 s after its error, as an engine that goes on would."""
+    shape = LAYOUTS[layout]
+    world = shape.get("tp", 1) * shape.get("cp", 1) * shape.get("pp", 1)
+    bad = world - 1  # with PP, on the last stage: stage 0 hears of it a step later
+    results = launch(rankfns.one_bad_value, bad, 1 << 63, 8.0, **shape, timeout=30, deadline=120)
+    said = f"RankBadValue: rank {bad} gave field 'pages' a value that is not an integer"
+    for rank, r in enumerate(results):
+        assert r["error"] is not None and r["error"].startswith(said), (rank, r)
+        assert "every rank stops at this agreement" in r["error"]
+        assert r["seconds"] < 6, (rank, r)  # not held until the bad rank left or timed out
+        stage_before = shape.get("pp", 1) > 1 and rank < world // shape["pp"]
+        assert r["step"] == (3 if stage_before else 2), (rank, r)
+
+
+def test_values_that_are_not_int64_are_found_before_they_are_packed() -> None:
+    from hicached.dist import Fields
+
+    fields = Fields(min=("pages",), max=("busy",))
+    assert fields.unfit({"pages": (1 << 63) - 1, "busy": -((1 << 63) - 1)}) is None
+    assert fields.unfit({"pages": 1 << 63, "busy": 0}) == 0
+    assert fields.unfit({"pages": -(1 << 63), "busy": -(1 << 63)}) == 1  # negated: 2**63
+    assert fields.unfit({"pages": float("nan"), "busy": 0}) == 0
+    assert fields.unfit({"pages": 0, "busy": None}) == 1  # type: ignore[dict-item]

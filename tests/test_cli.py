@@ -23,6 +23,7 @@ from hicached.errors import ResourceExhausted
 from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
 
 ROOT = Path(__file__).resolve().parents[1]
+FAULTS_ALLOWED = {"HICACHED_ALLOW_FAULTS": "1"}  # the faulty backend's configs (fault injection)
 
 
 def hicached(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -228,7 +229,7 @@ def test_check_config_checks_the_backend_options_whole(tmp_path: Path, toml: str
     """What the backend would refuse at start (a missing bucket, ...) fails here."""
     cfg = tmp_path / "c.toml"
     cfg.write_text(f"[storage]\n{toml}")
-    out = hicached("check-config", str(cfg))
+    out = hicached("check-config", str(cfg), env=FAULTS_ALLOWED)
     assert out.returncode == 2, out.stdout
     assert f"{key}: " in out.stderr, out.stderr
 
@@ -248,9 +249,39 @@ def test_check_config_passes_every_built_in_backend_with_its_required_options(
 ) -> None:
     cfg = tmp_path / "c.toml"
     cfg.write_text(f"[storage]\n{toml}")
-    out = hicached("check-config", str(cfg))
+    out = hicached("check-config", str(cfg), env=FAULTS_ALLOWED)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == f"{cfg}: ok"
+
+
+FAULTY = 'backend = "faulty"\n[storage.extra]\ninner = "memory"\n'
+FAULTS_REFUSED = "storage.backend: 'faulty' injects faults"
+
+
+def test_the_faulty_backend_refuses_to_start_unless_faults_are_allowed(tmp_path: Path) -> None:
+    """The test-only backend is registered like any other, so a config can name
+    it: without HICACHED_ALLOW_FAULTS=1 in its environment a daemon exits with
+    an error that says what it is, and check-config refuses it too."""
+    refused = Daemon(storage=FAULTY)  # its environment never has the variable
+    try:
+        with pytest.raises(RuntimeError, match="daemon exited with 2") as info:
+            refused.start()
+        said = str(info.value)
+        assert FAULTS_REFUSED in said and "is for tests only" in said, said
+        assert "HICACHED_ALLOW_FAULTS=1" in said, said
+    finally:
+        refused.cleanup()
+    allowed = Daemon(storage=FAULTY, allow_faults=True).start()
+    try:
+        with allowed.client() as c:
+            assert c.stats().l3_backend == "faulty"
+    finally:
+        allowed.cleanup()
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f"[storage]\n{FAULTY}")
+    out = hicached("check-config", str(cfg), env={"HICACHED_ALLOW_FAULTS": ""})
+    assert out.returncode == 2 and FAULTS_REFUSED in out.stderr, out.stderr
+    assert hicached("check-config", str(cfg), env=FAULTS_ALLOWED).returncode == 0
 
 
 def test_s3_without_a_bucket_fails_at_start_with_the_same_message(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ def faulty_daemon(
     return factory(
         size_mib=1,  # 256 pages: the filler evicts everything
         slab_mib=1,
+        allow_faults=True,
         storage='backend = "faulty"\nprefetch_batch_pages = 2\n',
         tail=tail,
     )

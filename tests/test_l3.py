@@ -450,6 +450,7 @@ def test_hung_backend_keeps_its_call_slots_and_the_queue_bound(
     in flight (pinned in L2) stay within ``queue_pages``; the rest is refused
     and counted."""
     d = daemon_factory(
+        allow_faults=True,
         storage=storage(
             "faulty",
             more="queue_pages = 8\nbatch_pages = 2\nconcurrency = 3\nop_timeout_s = 0.2\n"
@@ -493,6 +494,7 @@ def test_stop_with_a_hung_backend_keeps_its_deadline(
     within storage.flush_deadline_s (plus the rest of the shutdown), saying
     what it could not finish."""
     d = daemon_factory(
+        allow_faults=True,
         storage=storage(
             "faulty",
             "write_back",
@@ -554,6 +556,7 @@ def test_startup_scan_runs_in_the_background_while_serving(
     d = daemon_factory(
         size_mib=16,
         slab_mib=1,
+        allow_faults=True,
         storage=storage("faulty"),
         tail='[storage.extra]\ninner = "file"\nscan_delay_s = 0.002\n'
         "[storage.extra.inner_options]\ncapacity_mib = 32\nsegment_mib = 4\nio_threads = 2\n",
@@ -603,6 +606,7 @@ def test_a_failed_scan_is_tried_again_until_a_listing_ends(
     d = daemon_factory(
         size_mib=16,
         slab_mib=1,
+        allow_faults=True,
         storage=storage("faulty", more=f"scan_in_background = false\nscan_retry_s = {retry}\n"),
         tail='[storage.extra]\ninner = "file"\nscan_failures = 2\n'
         "[storage.extra.inner_options]\ncapacity_mib = 32\nsegment_mib = 4\nio_threads = 2\n",
@@ -674,6 +678,7 @@ def test_a_page_the_store_lets_go_of_while_a_prefetch_reads_it_is_not_learned(
     d = daemon_factory(
         size_mib=1,
         slab_mib=1,
+        allow_faults=True,
         storage=storage("faulty"),
         tail='[storage.extra]\ninner = "file"\nread_hold_s = 3.0\n'
         "[storage.extra.inner_options]\ncapacity_mib = 2\nsegment_mib = 1\nio_threads = 2\n",

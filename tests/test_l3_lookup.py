@@ -120,6 +120,7 @@ def test_s3_pages_are_found_while_the_scan_runs(
     bucket = s3.make_bucket(f"lookup-{next(_buckets)}")
     d = daemon_factory(
         size_mib=16,
+        allow_faults=True,
         storage=storage("faulty", more=LOOKUPS),
         # the checks below ask S3 about every key they meet (moto: ms a request),
         # and must finish while the scan still runs, on a loaded machine too
@@ -157,6 +158,7 @@ def test_file_pages_are_found_while_the_scan_runs(
     metrics show the scan, the incomplete index and the lookups."""
     d = daemon_factory(
         size_mib=16,
+        allow_faults=True,
         storage=storage("faulty", more=LOOKUPS),
         tail='[storage.extra]\ninner = "file"\nscan_delay_s = 0.02\n'
         "[storage.extra.inner_options]\ncapacity_mib = 32\nsegment_mib = 4\nio_threads = 2\n",
@@ -189,6 +191,7 @@ def test_a_page_the_store_drops_during_the_scan_is_not_learned_from_its_listing(
     it, and the pages after it are no hit either."""
     d = daemon_factory(
         size_mib=16,
+        allow_faults=True,
         storage=storage("faulty", more=LOOKUPS),
         tail='[storage.extra]\ninner = "file"\nscan_delay_s = 0.03\n'
         "[storage.extra.inner_options]\ncapacity_mib = 32\nsegment_mib = 8\nio_threads = 2\n",
@@ -257,6 +260,7 @@ def test_lookups_are_bounded(daemon_factory: Callable[..., Daemon]) -> None:
     is a miss (always legal), and counted as a lookup skipped."""
     d = daemon_factory(
         size_mib=16,
+        allow_faults=True,
         storage=storage("faulty", more="lookups_in_flight = 0\n"),
         tail='[storage.extra]\ninner = "file"\nscan_delay_s = 0.02\n'
         "[storage.extra.inner_options]\ncapacity_mib = 32\nsegment_mib = 4\nio_threads = 2\n",
@@ -341,6 +345,7 @@ def test_a_lookup_that_ends_past_the_clients_deadline_leaves_no_lease(
     d = daemon_factory(
         size_mib=16,
         slab_mib=1,
+        allow_faults=True,
         storage=storage("faulty", more="scan_on_start = false\n" + LOOKUPS),
         tail='[storage.extra]\ninner = "file"\nexists_delay_s = 1.5\n'
         "[storage.extra.inner_options]\ncapacity_mib = 32\nsegment_mib = 4\nio_threads = 2\n",
@@ -378,6 +383,7 @@ def test_a_store_that_cannot_tell_fails_a_prefetch_and_forgets_nothing(
     d = daemon_factory(
         size_mib=16,
         slab_mib=1,
+        allow_faults=True,
         storage=storage("faulty", more="op_timeout_s = 0.3\nretries = 0\n"),
         tail='[storage.extra]\ninner = "file"\nexists_delay_s = 1.0\n'
         "[storage.extra.inner_options]\ncapacity_mib = 32\nsegment_mib = 4\nio_threads = 2\n",
@@ -446,6 +452,7 @@ def test_a_lookup_is_answered_while_slow_prefetch_reads_queue(
     d = daemon_factory(
         size_mib=16,
         slab_mib=1,
+        allow_faults=True,
         storage=storage(
             "faulty",
             more="scan_on_start = false\nconcurrency = 3\nprefetch_batch_pages = 1\n"

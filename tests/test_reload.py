@@ -11,10 +11,13 @@ from collections.abc import Callable
 
 import msgspec
 import numpy as np
+import pytest
 
 from hicached.config import Config, parse_config
 from hicached.config import leaves as _leaves
 from hicached.daemon.reload import RELOADABLE, reload_plan
+from hicached.errors import HicachedError
+from hicached.testing import scrape
 from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
 
 
@@ -153,3 +156,39 @@ def test_a_bad_config_on_sighup_changes_nothing(daemon_factory: Callable[..., Da
         assert d.proc is not None and d.proc.poll() is None
         lines = _sighup(d, good)
         assert "nothing to change" in lines
+
+
+def test_a_reload_that_fails_unexpectedly_is_logged_counted_and_the_next_one_applies(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    # No fake: a table nested deeper than Python's recursion limit is valid TOML
+    # that no config check foresees (the walk over its keys runs out of stack),
+    # so the reload fails with an error that is not a ConfigError.
+    d = daemon_factory()
+    good = d.config.read_text()
+    deep = "[" + ".".join(["t"] * 2000) + "]\nx = 1\n"
+    with d.client() as c:
+        url = c.stats().metrics_endpoint
+        before = scrape(url)
+
+        def reloads(m: dict[tuple[str, tuple[tuple[str, str], ...]], float], result: str) -> float:
+            return m[("hicached_reloads_total", (("result", result),))]
+
+        assert [reloads(before, r) for r in ("applied", "invalid", "failed")] == [0, 0, 0]
+        lines = _sighup(d, good + deep)
+        assert "failed; the daemon keeps running" in lines
+        assert "Traceback" in lines and "RecursionError" in lines
+        assert reloads(scrape(url), "failed") == 1
+        assert d.proc is not None and d.proc.poll() is None
+
+        ns = c.register(**NS)
+        assert c.store(ns, _seq(1), page_bytes_for(_seq(1))).published == 4  # in use
+        fewer = good.replace("[pool]\n", "[pool]\nmax_namespaces = 1\n")
+        lines = _sighup(d, fewer)  # taken as ever
+        assert "pool.max_namespaces = 1" in lines
+        with pytest.raises(HicachedError, match="max_namespaces"):
+            c.register(**{**NS, "model": "test/one-too-many"})
+        lines = _sighup(d, fewer + "[pool\n")
+        assert "not valid TOML" in lines
+        after = scrape(url)
+        assert [reloads(after, r) for r in ("applied", "invalid", "failed")] == [1, 1, 1]

@@ -378,6 +378,7 @@ def test_a_scan_tried_again_does_not_learn_an_object_a_read_let_go_of(
     d = daemon_factory(
         size_mib=1,
         slab_mib=1,
+        allow_faults=True,
         storage=storage("faulty", more="scan_retry_s = 3.0\n"),
         tail=f'[storage.extra]\ninner = "s3"\nscan_failures = 1\n{inner}',
     )

@@ -190,6 +190,34 @@ def test_indices_that_do_not_cover_the_pages_are_value_errors(report: dict[str, 
     assert got["flat_get_targets"] == "ValueError: 3 keys need as many target pages, got 1"
 
 
+def test_float_indices_and_flat_pages_of_another_size_are_refused_before_a_copy(
+    report: dict[str, Facts],
+) -> None:
+    got = facts(report, "bad_input")
+    # an int64 cast would have truncated them: the pages of other slots than named
+    assert got["get_float_indices"] == (
+        "BadRequest: host indices must be an integer tensor, got torch.float64"
+    )
+    assert got["set_float_indices"] == (
+        "BadRequest: host indices must be an integer tensor, got torch.float32"
+    )
+    assert got["set_float_stored"] == 0
+    half = MHA_PAGE_BYTES // 2
+    assert got["flat_get_small_target"] == (
+        f"BadRequest: target 1 holds {half} bytes ((4096,) of torch.bfloat16); "
+        f"a page of this pool is {MHA_PAGE_BYTES} bytes"
+    )
+    assert got["flat_get_strided_target"] == (
+        "BadRequest: target 1 is not contiguous: the page is copied into it whole"
+    )
+    assert got["flat_get_good_target_untouched"], "a page was copied before the refusal"
+    assert got["flat_set_small_page"] == (
+        f"BadRequest: page 1 holds {half} bytes ((4096,) of torch.bfloat16); "
+        f"a page of this pool is {MHA_PAGE_BYTES} bytes"
+    )
+    assert got["flat_set_stored"] == 0
+
+
 def test_pages_evicted_from_l2_come_back_from_l3(report: dict[str, Facts]) -> None:
     got = facts(report, "l3")
     assert got["set"] == [True] * 8

@@ -306,6 +306,7 @@ def test_a_graceful_stop_delivers_the_events_of_every_page_it_flushed(
     # steps; every page's L3 event must reach the subscriber before the sockets close.
     d = daemon_factory(
         size_mib=16,
+        allow_faults=True,
         storage=(
             'backend = "faulty"\nwrite_policy = "write_back"\nqueue_pages = 16\n'
             'batch_pages = 4\n[storage.extra]\ninner = "memory"\nwrite_delay_s = 0.002\n'

@@ -77,6 +77,22 @@ class LoopHistogram(Collector):
         yield family
 
 
+class LoopCounter(Collector):
+    """A labelled counter written by the event loop alone, read by scrapes; its
+    known labels show from the start, at 0, so a rate over them is defined
+    before the first event."""
+
+    def __init__(self, name: str, doc: str, label: str, known: tuple[str, ...]) -> None:
+        self.name, self.doc, self.label = name, doc, label
+        self._counts = dict.fromkeys(known, 0)
+
+    def add(self, key: str) -> None:
+        self._counts[key] = self._counts.get(key, 0) + 1
+
+    def collect(self) -> Iterator[Metric]:
+        yield _counter(self.name, self.doc, self.label, dict(self._counts))
+
+
 class _Snapshot(Collector):
     """Turns one DaemonStats, taken on the loop, into metric families."""
 
@@ -323,9 +339,18 @@ class Metrics:
             "generation",
             _GC_BUCKETS,
         )
+        self.reloads = LoopCounter(
+            "hicached_reloads",
+            "Config reloads (SIGHUP) by result: applied, invalid (the file did not "
+            "parse or validate; nothing changed), failed (an unexpected error, logged "
+            "with its traceback).",
+            "result",
+            ("applied", "invalid", "failed"),
+        )
         self.registry.register(self.request_seconds)
         self.registry.register(self.l3_seconds)
         self.registry.register(self.gc_seconds)
+        self.registry.register(self.reloads)
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
         self.endpoint = ""
@@ -351,6 +376,10 @@ class Metrics:
         """Time of one garbage collection (from gc.callbacks, daemon/collector.py:
         one collection at a time, whichever thread ran it)."""
         self.gc_seconds.observe(_GENERATION[generation], seconds)
+
+    def count_reload(self, result: str) -> None:
+        """One reload's result (applied, invalid, failed)."""
+        self.reloads.add(result)
 
     def start(self) -> None:
         """Listen; the scrapes ask the running loop for snapshots."""

@@ -434,7 +434,30 @@ class Server:
         (daemon/reload.py's RELOADABLE, tenants' quotas); other changes are refused, each with
         a log line, and keep their running values. No session, lease or page is
         dropped, except pages past a quota that went down. False when nothing
-        could be applied (no file, or an invalid one)."""
+        could be applied (no file, an invalid one, or a failure).
+
+        Never raises: a reload that fails in a way no check foresaw is logged
+        with its traceback and counted (``hicached_reloads_total{result="failed"}``),
+        and the next SIGHUP is taken as ever; raising here would end the task
+        that waits for SIGHUPs, and every later reload would do nothing."""
+        try:
+            applied = await self._reload()
+        except Exception:
+            log.exception(
+                "reload of %s failed; the daemon keeps running (with its config as it was, "
+                "or the part of the new one applied before the failure) and takes the next "
+                "SIGHUP",
+                self.config_path,
+            )
+            result = "failed"
+            applied = False
+        else:
+            result = "applied" if applied else "invalid"
+        if self.metrics is not None:
+            self.metrics.count_reload(result)
+        return applied
+
+    async def _reload(self) -> bool:
         path = self.config_path
         if path is None:
             log.warning("SIGHUP: started without a config file (--config); nothing to reload")

@@ -25,6 +25,12 @@ views into one answer per step:
   run (``Agreement.new_run``) never takes the last run's fold. A stage whose
   pins were lost meanwhile (its daemon restarted) cannot honour the decision
   and must say so (coordinator.PrefetchLost).
+- A value that is not an integer fitting an int64 word (the MAX fields
+  negated) does not stop its rank before the collective, where the others
+  would wait out their timeout: the rank sends a marker naming itself and
+  the field in the fingerprint's place, and every rank of the stage raises
+  RankBadValue at once (along PP, the stages after it in the same step, the
+  ones before it one step later, as they hear of it).
 - Mismatch detection: ranks that reach different call sites or steps see
   different fingerprints; every rank raises RankMismatch naming them. Every
   agreement sends the same number of words (``WIRE``), whatever its fields,
@@ -54,6 +60,11 @@ from hicached.errors import HicachedError
 WIRE = 16  # int64 words of every agreement's message: fields, padding, fingerprint
 _BIG = (1 << 62) - 1  # "no constraint" for a MIN field
 _POISON = -(1 << 62)  # sent along PP by a rank that found a mismatch
+# Sent in the fingerprint's place by a rank whose value does not fit an int64
+# word, less (rank x WIRE + field): below every fingerprint and _POISON, so the
+# MIN carries it to every rank, which names that rank and field.
+_UNFIT = _POISON - 1
+_INT64 = (-(1 << 63), (1 << 63) - 1)
 
 
 class RankFailure(HicachedError):
@@ -66,6 +77,13 @@ class RankMismatch(HicachedError):
     """Ranks reached different sync points (a skipped or reordered sync)."""
 
     code = "rank_mismatch"
+
+
+class RankBadValue(HicachedError):
+    """A rank gave agree() a value that does not fit the agreement's signed
+    64-bit words; every rank raises it, naming that rank and field."""
+
+    code = "rank_bad_value"
 
 
 def _cpu_capable(group: dist.ProcessGroup | None) -> tuple[bool, str]:
@@ -285,6 +303,19 @@ class Fields:
         body = [int(values[n]) for n in self.min] + [-int(values[n]) for n in self.max]
         return body + [0] * (WIRE - 2 - len(body))
 
+    def unfit(self, values: dict[str, int]) -> int | None:
+        """The position of the first field whose value (negated, for a MAX
+        field) is not an integer that fits an int64 word; None if all fit."""
+        for i, name in enumerate(self.min + self.max):
+            try:
+                value = int(values[name])
+            except (TypeError, ValueError, OverflowError):  # None, nan, inf
+                return i
+            word = value if i < len(self.min) else -value
+            if not _INT64[0] <= word <= _INT64[1]:
+                return i
+        return None
+
     def cautious_packed(self) -> list[int]:
         hold = dict(self.cautious)
         return self.pack({n: hold.get(n, 0) for n in self.min + self.max})
@@ -343,7 +374,12 @@ class Agreement:
             raise ValueError(f"agree({site!r}): missing fields {missing}, unknown fields {extra}")
         self.step += 1
         fp = self._fingerprint(site)
-        packed = [*f.pack(values), fp, -fp]
+        bad = f.unfit(values)
+        if bad is None:
+            packed = [*f.pack(values), fp, -fp]
+        else:  # still take part, so that every rank fails now, not at its timeout
+            mark = _UNFIT - (self.topo.rank * WIRE + bad)
+            packed = [0] * (WIRE - 2) + [mark, -mark]
         tensor = torch.tensor(packed, dtype=torch.int64)
         try:
             self._reduce(tensor)
@@ -354,6 +390,15 @@ class Agreement:
                 f"rank {self.topo.rank} at {site} (step {self.step}): {exc}"
             ) from None
         low, high = decided[-2], -decided[-1]
+        if low <= _UNFIT:
+            rank, field = divmod(_UNFIT - low, WIRE)
+            names = f.min + f.max
+            name = repr(names[field]) if field < len(names) else f"#{field}"
+            raise RankBadValue(
+                f"rank {rank} gave field {name} a value that is not an integer within a signed "
+                f"64-bit word; every rank stops at this agreement (rank {self.topo.rank} at "
+                f"{site}, step {self.step})"
+            )
         if low == _POISON or low != high or low != fp:
             other = (
                 "a rank that stopped on a mismatch"
@@ -395,7 +440,11 @@ class Agreement:
                 values = self._fold[:-2]
             self._fresh = False
             # stages disagreed last step, or the fold is not of this agreement's last step
-            if self._fold is not None and not self._fold[-2] == -self._fold[-1] == last_fp:
+            # (a later stage's bad value goes on as it is, so every stage names it)
+            if self._fold is not None and self._fold[-2] <= _UNFIT:
+                mark = min(own[-2], self._fold[-2])
+                own = [*own[:-2], mark, -mark]
+            elif self._fold is not None and not self._fold[-2] == -self._fold[-1] == last_fp:
                 own = [*own[:-2], _POISON, -_POISON]
             decision = [min(a, b) for a, b in zip(own[:-2], values, strict=True)] + own[-2:]
             fold = own
@@ -403,7 +452,10 @@ class Agreement:
             assert topo.pp_prev is not None
             received = self._recv(topo.pp_prev, 2 * width)
             decision, fold = received[:width], received[width:]
-            if decision[-2] != own[-2]:  # this stage is elsewhere: stop everyone downstream
+            if min(decision[-2], own[-2]) <= _UNFIT:  # a bad value, here or before: pass it on
+                mark = min(decision[-2], own[-2])
+                decision = [*decision[:-2], mark, -mark]
+            elif decision[-2] != own[-2]:  # this stage is elsewhere: stop everyone downstream
                 decision = [*decision[:-2], _POISON, -_POISON]
             fold = [min(a, b) for a, b in zip(fold, own, strict=True)]
         if topo.pp_next is not None:

@@ -302,7 +302,8 @@ def flat(endpoint: str) -> Facts:
 
 def bad_input(endpoint: str) -> Facts:
     """Keys that are not page hashes are misses; indices that do not cover the
-    keys' pages are ValueError."""
+    keys' pages are ValueError; float indices, and flat pages of another size
+    than the pool's, are hicached's BadRequest before anything is copied."""
     a = host_pool("page_first")
     made = backend(endpoint, a)
     keys = page_hashes(3)
@@ -325,11 +326,26 @@ def bad_input(endpoint: str) -> Facts:
         "get_scattered": lambda: made.batch_get_v1(keys[:1], ia[:PAGE].flip(0)),
         "flat_get_targets": lambda: made.batch_get(keys, [a.get_dummy_flat_data_page()]),
     }
+    # a good target first: the call must refuse the bad one before it copies any page
+    page = a.get_dummy_flat_data_page()
+    good = torch.full_like(page, 7.0)
+    half = torch.zeros(page.numel() // 2, dtype=page.dtype)
+    strided = torch.zeros(2 * page.numel(), dtype=page.dtype)[::2]
+    flat_keys, float_keys = page_hashes(2), page_hashes(3)
+    calls["flat_get_small_target"] = lambda: made.batch_get(keys[:2], [good, half])
+    calls["flat_get_strided_target"] = lambda: made.batch_get(keys[:2], [good, strided])
+    calls["flat_set_small_page"] = lambda: made.batch_set(flat_keys, [page, half])
+    # 0.5 past each slot: an int64 cast reads the right pages from the wrong indices
+    calls["get_float_indices"] = lambda: made.batch_get_v1(keys, ia.to(torch.float64) + 0.5)
+    calls["set_float_indices"] = lambda: made.batch_set_v1(float_keys, ia.float())
     for name, call in calls.items():
         try:
             facts[name] = repr(call())
-        except ValueError as exc:
-            facts[name] = f"ValueError: {exc}"
+        except Exception as exc:
+            facts[name] = f"{type(exc).__name__}: {exc}"
+    facts["flat_get_good_target_untouched"] = bool((good == 7.0).all())
+    facts["flat_set_stored"] = made.batch_exists(flat_keys)
+    facts["set_float_stored"] = made.batch_exists(float_keys)
     facts["empty"] = [
         made.batch_exists([]),
         made.batch_set_v1([], ia[:0]),

@@ -32,7 +32,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
 from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-from hicached.errors import StaleHandle
+from hicached.errors import BadRequest, StaleHandle
 from hicached.integrations.common import default_revision, safe_model
 
 if TYPE_CHECKING:
@@ -88,6 +88,12 @@ def host_rows(host_indices: torch.Tensor | None, pages: int, page_size: int) -> 
 def _count(host_indices: torch.Tensor | None, pages: int, page_size: int) -> torch.Tensor:
     if host_indices is None:
         raise ValueError(f"{pages} keys need {pages * page_size} host indices, got none")
+    dtype = host_indices.dtype
+    integral = not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+    if not integral and host_indices.numel():  # torch.empty(0), a float, names no slot
+        # the cast to int64 below would truncate 3.7 to 3: pages copied to or
+        # from slots SGLang never named
+        raise BadRequest(f"host indices must be an integer tensor, got {dtype}")
     flat = host_indices.reshape(-1).to("cpu", torch.int64)
     if flat.numel() != pages * page_size:
         raise ValueError(
@@ -95,6 +101,25 @@ def _count(host_indices: torch.Tensor | None, pages: int, page_size: int) -> tor
             f"got {flat.numel()}"
         )
     return flat
+
+
+def check_flat_pages(
+    pages: Sequence[Any], page_bytes: int, what: str, contiguous: bool = False
+) -> None:
+    """SGLang's flat pages (``batch_get``'s targets, ``batch_set``'s values):
+    each a tensor of one page, ``page_bytes`` bytes (and ``contiguous``, for a
+    target the bytes are copied into). BadRequest before any page is copied,
+    rather than torch's error about shapes after some pages were."""
+    for i, page in enumerate(pages):
+        if not isinstance(page, torch.Tensor):
+            raise BadRequest(f"{what} {i} is a {type(page).__name__}, not a tensor")
+        if page.nbytes != page_bytes:
+            raise BadRequest(
+                f"{what} {i} holds {page.nbytes} bytes ({tuple(page.shape)} of {page.dtype}); "
+                f"a page of this pool is {page_bytes} bytes"
+            )
+        if contiguous and not page.is_contiguous():
+            raise BadRequest(f"{what} {i} is not contiguous: the page is copied into it whole")
 
 
 # -- the two ways to copy a pool's pages -------------------------------------------------

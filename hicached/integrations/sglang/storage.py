@@ -31,6 +31,7 @@ from hicached.integrations.sglang.pages import (
     PoolPages,
     RowPages,
     base_fields,
+    check_flat_pages,
     distinct,
     is_logical,
     namespace_fields,
@@ -202,6 +203,7 @@ class HicachedStorage(HiCacheStorage):
             raise ValueError(f"{len(keys)} keys need as many target pages, got {len(targets)}")
         if self.logical:
             return list(targets)
+        check_flat_pages(targets, self._pool(KV).pages.page_bytes, "target", contiguous=True)
 
         def copy(c: Client, hit: Hit, first: int) -> None:
             try:
@@ -226,7 +228,10 @@ class HicachedStorage(HiCacheStorage):
         pages = list(values or [])
         if len(pages) != len(keys):
             raise ValueError(f"{len(keys)} keys need as many pages, got {len(pages)}")
-        if self.logical or not self.writer:
+        if self.logical:
+            return True
+        check_flat_pages(pages, self._pool(KV).pages.page_bytes, "page")
+        if not self.writer:
             return True
 
         def copy(c: Client, res: Reservation, first: int) -> None:
