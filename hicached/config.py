@@ -551,7 +551,11 @@ def parse_config(text: str | bytes, source: str = "<config>") -> Config:
         tree = tomllib.loads(raw.decode())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
-    for key, value in leaves(tree).items():
+    try:
+        flat = leaves(tree)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc.message}") from None
+    for key, value in flat.items():
         # TOML has nan and inf; no knob means either, and a comparison with NaN
         # is always false, so range checks alone would let it through
         for item in value if isinstance(value, list) else [value]:
@@ -588,14 +592,21 @@ def config_source(config: Config) -> str | None:
     return None
 
 
-def leaves(table: dict[str, Any], where: str = "") -> dict[str, Any]:
+# Tables nested deeper than this are refused: no knob is, and a walk over a
+# thousand levels would run out of stack (TOML itself sets no bound).
+MAX_DEPTH = 32
+
+
+def leaves(table: dict[str, Any], where: str = "", depth: int = 0) -> dict[str, Any]:
     """Every value of a decoded config that is not a table, by its dotted key; an
     empty table counts as a value, so adding or removing one is a change."""
+    if depth > MAX_DEPTH:
+        raise ConfigError(f"{where.rstrip('.')[:80]}...: tables nested more than {MAX_DEPTH} deep")
     out: dict[str, Any] = {}
     for key, value in table.items():
         path = f"{where}{key}"
         if isinstance(value, dict) and value:
-            out.update(leaves(value, path + "."))
+            out.update(leaves(value, path + ".", depth + 1))
         else:
             out[path] = value
     return out

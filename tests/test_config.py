@@ -84,6 +84,17 @@ def test_bad_config_names_its_key(text: str, key: str, hint: str) -> None:
     assert hint in message
 
 
+def test_tables_nested_past_any_knob_are_a_clear_error() -> None:
+    """Valid TOML two thousand tables deep (the walk over its keys ran out of
+    stack: a RecursionError, not a ConfigError, so a start or reload failed
+    with a traceback); a third-party backend's options 20 deep still pass."""
+    deep = "[storage.extra." + ".".join(["t"] * 2000) + "]\nx = 1\n"
+    with pytest.raises(ConfigError, match=r"^x\.toml: storage\.extra\.t\.t.*nested more than 32"):
+        parse_config(deep, "x.toml")
+    fine = "[storage.extra." + ".".join(["t"] * 20) + "]\nx = 1\n"
+    assert parse_config(fine, "x.toml").storage.extra["t"]["t"]
+
+
 def test_not_toml_is_a_clear_error() -> None:
     with pytest.raises(ConfigError, match="not valid TOML"):
         parse_config("[pool\n")

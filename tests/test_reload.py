@@ -161,12 +161,12 @@ def test_a_bad_config_on_sighup_changes_nothing(daemon_factory: Callable[..., Da
 def test_a_reload_that_fails_unexpectedly_is_logged_counted_and_the_next_one_applies(
     daemon_factory: Callable[..., Daemon],
 ) -> None:
-    # No fake: a table nested deeper than Python's recursion limit is valid TOML
-    # that no config check foresees (the walk over its keys runs out of stack),
-    # so the reload fails with an error that is not a ConfigError.
-    d = daemon_factory()
+    # Fault injection (tests/reload_fault_daemon.py): a reload whose file sets
+    # log.level = "error" fails in its plan with an error that is not a
+    # ConfigError, as a bug in a reload step would.
+    d = daemon_factory(module="tests.reload_fault_daemon")
     good = d.config.read_text()
-    deep = "[" + ".".join(["t"] * 2000) + "]\nx = 1\n"
+    failing = '[log]\nlevel = "error"\n'
     with d.client() as c:
         url = c.stats().metrics_endpoint
         before = scrape(url)
@@ -175,9 +175,9 @@ def test_a_reload_that_fails_unexpectedly_is_logged_counted_and_the_next_one_app
             return m[("hicached_reloads_total", (("result", result),))]
 
         assert [reloads(before, r) for r in ("applied", "invalid", "failed")] == [0, 0, 0]
-        lines = _sighup(d, good + deep)
+        lines = _sighup(d, good + failing)
         assert "failed; the daemon keeps running" in lines
-        assert "Traceback" in lines and "RecursionError" in lines
+        assert "Traceback" in lines and "fault injected" in lines
         assert reloads(scrape(url), "failed") == 1
         assert d.proc is not None and d.proc.poll() is None
 
