@@ -40,3 +40,18 @@ def test_an_answer_that_goes_stale_mid_pass_still_serves_the_load_its_hits_start
     assert got["seen"] == ["HIT"] * 4, got
     assert got["second"] == 4
     assert got["load"] == 4, got
+
+
+def test_a_hybrid_hit_needs_the_windows_pages_at_its_end(facts: dict[str, Any]) -> None:
+    """Full attention holds six chunks of both prompts; the sliding window
+    (two chunks) holds A's chunks 5 and 6, but only B's chunk 5: A hits all
+    six chunks and loads six full-attention pages and two window pages; B,
+    whose window at chunk 6 was never stored (and at chunk 5 lacks chunk 4),
+    is a miss in vLLM's own lookups, never a partial hit."""
+    got = facts["hybrid"]
+    assert "error" not in got, got["error"]
+    assert got["A"]["first"] == [None, None]  # asked at the step's end
+    assert got["A"]["second"] == [6, 6]
+    assert got["A"]["load"] == [6, 2]
+    assert got["B"]["second"] == [0, 0], got["B"]  # no group reports a hit
+    assert "load" not in got["B"]

@@ -22,6 +22,7 @@ import traceback
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
     OffloadingConnectorScheduler,
@@ -30,7 +31,8 @@ from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
 import hicached.integrations.vllm.manager as manager_module
 from hicached import Client
-from hicached.integrations.vllm import Settings, engine_groups
+from hicached.integrations.hybrid import Window
+from hicached.integrations.vllm import KVGroup, Settings, engine_groups
 from hicached.integrations.vllm.manager import HicachedManager
 from hicached.integrations.vllm.specs import HicachedLoadSpec
 from tests.engines.vllm_worker_check import config
@@ -128,9 +130,77 @@ def stale_mid_pass(endpoint: str) -> dict[str, Any]:
     return facts
 
 
+def window_lookup(manager: HicachedManager, keys: list[bytes], ctx: ReqContext) -> int | None:
+    """vLLM's own sliding-window lookup over ``keys`` (a window of two chunks)."""
+    scheduler = SimpleNamespace(manager=manager)
+    return OffloadingConnectorScheduler._sliding_window_lookup(
+        scheduler,  # type: ignore[arg-type]
+        keys,
+        2,
+        ctx,
+        2,
+    )
+
+
+def hybrid(endpoint: str) -> dict[str, Any]:
+    """A full-attention group and a sliding window of two chunks (groups 0 and
+    1, each a namespace of its own): full attention holds chunks 1-6 of each
+    prompt; the window holds chunks 5 and 6 of prompt A (as vLLM stores a
+    window), only chunk 5 of prompt B (chunk 6's page never stored). vLLM's
+    own lookups decide each hit, and a hit's load is prepared."""
+    facts: dict[str, Any] = {}
+    cfg = config()
+    settings = Settings(endpoint=endpoint, timeout_s=5.0, lookup_wait_s=1.0)
+    (full,) = engine_groups(cfg, settings)
+    window_spec = msgspec.structs.replace(full.spec, layout=full.spec.layout + "_g1_sliding")
+    window = KVGroup(
+        1, 1, Window(2 * full.spec.page_tokens, "sliding"), full.block_bytes, window_spec
+    )
+    groups = [full, window]
+    tokens = full.spec.page_tokens
+    chunks = {
+        p: [hashlib.sha256(b"%s %d" % (p.encode(), i)).digest() for i in range(6)]
+        for p in ("A", "B")
+    }
+    with Client(endpoint, timeout=5.0) as client:
+        for group, spec, stored in ((0, full.spec, range(6)), (1, window_spec, None)):
+            ns = client.register(spec)
+            for p, hashes in chunks.items():
+                mine = stored or ([4, 5] if p == "A" else [4])
+                keys = [hashes[i] + group.to_bytes(4, "big") for i in mine]
+                res = client.reserve_keys(ns, keys)
+                client.write_pages(res, np.ones((len(keys), spec.page_bytes), np.uint8))
+                client.commit(res)
+    manager = HicachedManager(settings, groups, cfg.parallel.world_size)
+    try:
+        for p, hashes in chunks.items():
+            full_keys = [h + bytes(4) for h in hashes]
+            window_keys = [h + (1).to_bytes(4, "big") for h in hashes]
+            ctx = context(p, full_keys, tokens)
+            for i, key in enumerate(window_keys):
+                ctx.set_offload_key_position(key, (i + 1) * tokens)
+            got: dict[str, Any] = {}
+            for step in ("first", "second"):
+                with manager.lock:
+                    f = prefix_lookup(manager, full_keys, ctx)
+                    w = window_lookup(manager, window_keys[: f or 6], ctx)
+                    got[step] = [f, w]
+                    if step == "second" and f and w:
+                        n = min(f, w)
+                        load = manager.prepare_load(full_keys[:n] + window_keys[n - 2 : n], ctx)
+                        assert isinstance(load, HicachedLoadSpec)
+                        got["load"] = [0 if h is None else len(h.offsets) for h in load.handles]
+                        manager.complete_load(full_keys[:n] + window_keys[n - 2 : n], ctx)
+                    manager.on_schedule_end(None)
+            facts[p] = got
+    finally:
+        manager.shutdown()
+    return facts
+
+
 def main(endpoint: str, daemon_pid: int = 0) -> dict[str, Any]:
     facts: dict[str, Any] = {}
-    for name, scenario in (("stale_mid_pass", stale_mid_pass),):
+    for name, scenario in (("stale_mid_pass", stale_mid_pass), ("hybrid", hybrid)):
         try:
             facts[name] = scenario(endpoint)
         except Exception:
