@@ -186,9 +186,6 @@ class HicachedManager(OffloadingManager):
             return LookupResult.MISS  # a partial tail (a state mid-chunk): never stored here
         req.ends.setdefault(end, key[:-4])
         answer = req.answer
-        if answer is not None and not self._fresh(answer):
-            self._drop(req.answer, req)
-            req.answer = answer = None
         if answer is not None:
             result = answer.result(key)
             if result is not None:
@@ -209,12 +206,20 @@ class HicachedManager(OffloadingManager):
 
     def _adopt(self, req: _Request) -> None:
         """Take the newest answer the loop thread left; the one it replaces ends
-        (unless a load reads through it)."""
+        (unless a load reads through it), and so does one no longer fresh.
+
+        Freshness is decided here, once a pass: vLLM counts a pass's HITs up
+        to its first MISS and loads them, so an answer that went stale after
+        some HITs of a pass must still serve that pass and its prepare_load
+        (``_until`` leaves it well inside its leases)."""
         with self._lock:
             incoming, req.incoming = req.incoming, None
         if incoming is not None:
             self._drop(req.answer, req)
             req.answer = incoming
+        if req.answer is not None and not self._fresh(req.answer):
+            self._drop(req.answer, req)
+            req.answer = None
 
     def on_schedule_end(self, context: Any) -> None:
         """Ask for the keys the lookups of this step could not answer, one question
