@@ -34,6 +34,47 @@ def test_example_lists_every_key() -> None:
     same_keys(tomllib.loads(EXAMPLE.read_text()), msgspec.to_builtins(Config()), "")
 
 
+def test_example_comments_every_key() -> None:
+    """Each key has a comment right above it; only the second of a pair that
+    goes together may share the first one's."""
+    pairs = {
+        "retry_backoff_s": "retries",
+        "breaker_cooldown_s": "breaker_failures",
+        "secret_access_key": "access_key_id",
+        "read_timeout_s": "connect_timeout_s",
+        "tls_key": "tls_cert",
+    }
+    lines = EXAMPLE.read_text().splitlines()
+    uncommented = []
+    for i, line in enumerate(lines):
+        if not line or line.startswith(("#", "[")):
+            continue
+        key, above = line.split("=")[0].strip(), lines[i - 1]
+        first = pairs.get(key)
+        shared = first is not None and above.startswith(f"{first} =")
+        if not (above.startswith("#") or (shared and lines[i - 2].startswith("#"))):
+            uncommented.append(key)
+    assert not uncommented, f"keys without a comment in {EXAMPLE.name}: {uncommented}"
+
+
+def test_example_tenant_table_lists_every_key_with_its_default() -> None:
+    """[tenants] has no entries by default, so the example shows one, commented
+    out: it names every key of a tenant's table, each at its default."""
+    from hicached.access_config import TenantConfig
+    from hicached.config import tomllib
+
+    text = EXAMPLE.read_text().split("\n[tenants]\n", 1)[1]
+    start = text.index("# [tenants.")
+    table = "\n".join(
+        line.removeprefix("# ")
+        for line in text[start:].splitlines()
+        if not line.startswith("# # ") and line != "#"
+    )
+    (example,) = tomllib.loads(table)["tenants"].values()
+    assert set(example) == {f.name for f in msgspec.structs.fields(TenantConfig)}
+    assert msgspec.convert(example, TenantConfig) == TenantConfig()
+
+
 def test_no_file_means_defaults() -> None:
     assert load_config(None) == Config()
     assert parse_config("") == Config()
