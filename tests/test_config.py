@@ -75,6 +75,46 @@ def test_example_tenant_table_lists_every_key_with_its_default() -> None:
     assert msgspec.convert(example, TenantConfig) == TenantConfig()
 
 
+def _defaults() -> dict[str, object]:
+    """Every key by its dotted name, with its default; a tenant's keys as
+    ``tenants.NAME.KEY``."""
+    from hicached.access_config import TenantConfig
+
+    def walk(struct: msgspec.Struct, where: str) -> dict[str, object]:
+        out: dict[str, object] = {}
+        for field in msgspec.structs.fields(struct):
+            value = getattr(struct, field.name)
+            if isinstance(value, msgspec.Struct):
+                out.update(walk(value, f"{where}{field.name}."))
+            elif field.name != "tenants":
+                out[f"{where}{field.name}"] = msgspec.to_builtins(value)
+        return out
+
+    return walk(Config(), "") | walk(TenantConfig(), "tenants.NAME.")
+
+
+def test_docs_list_every_key_with_its_default() -> None:
+    """docs/operations.md, storage.md and events.md each end with a table of
+    their keys, ``| `key` | `default` | meaning |``: every key is in one of them,
+    at the code's default, and none that the code lacks."""
+    from hicached.config import tomllib
+
+    documented: dict[str, object] = {}
+    for name in ("operations.md", "storage.md", "events.md"):
+        for line in (ROOT / "docs" / name).read_text().splitlines():
+            cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+            if len(cells) != 3 or not cells[0].startswith("`") or not cells[1].startswith("`"):
+                continue
+            key = cells[0].strip("`")
+            if "." in key and " " not in key:
+                documented[key] = tomllib.loads(f"v = {cells[1].strip('`')}")["v"]
+    defaults = _defaults()
+    assert sorted(set(defaults) - set(documented)) == [], "keys the docs do not list"
+    assert sorted(set(documented) - set(defaults)) == [], "listed keys the code lacks"
+    wrong = {k: (documented[k], v) for k, v in defaults.items() if documented[k] != v}
+    assert not wrong, f"docs' default != the code's: {wrong}"
+
+
 def test_no_file_means_defaults() -> None:
     assert load_config(None) == Config()
     assert parse_config("") == Config()
