@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import re
 import ssl
 import subprocess
 import sys
 import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,6 +21,8 @@ from hicached.errors import ConfigError
 from hicached.testing import scrape
 from tests.l3util import FILE_STORE, evict_everything, settle_writes, storage
 from tests.support import NS, PAGE_TOKENS, Daemon, free_tcp_port, page_bytes_for
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def seq(start: int, pages: int) -> np.ndarray:
@@ -183,3 +188,56 @@ def test_the_file_stores_live_readers_are_a_gauge(daemon_factory: Callable[..., 
     assert metrics[("hicached_l3_state", alive)] == 1
     assert ("hicached_l3_total", alive) not in metrics
     assert ("hicached_l3_total", (("what", "store_readers_lost"),)) in metrics
+
+
+def _documented_metrics() -> dict[str, tuple[str, set[str]]]:
+    """docs/operations.md's metric tables: name -> (type, label names)."""
+    out: dict[str, tuple[str, set[str]]] = {}
+    for line in (ROOT / "docs" / "operations.md").read_text().splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) != 4 or not cells[0].startswith("`hicached_"):
+            continue
+        labels = set(re.findall(r"`([a-z_]+)`", cells[2]))
+        for name in re.findall(r"`(hicached_[a-z0-9_]+)`", cells[0]):
+            out[name] = (cells[1], labels)
+    return out
+
+
+def test_docs_list_every_metric_with_its_type_and_labels(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """A daemon with everything on that adds metrics (an L3 store, KV events,
+    tenants) exports exactly the metrics docs/operations.md lists, of the type
+    and with the labels it says."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    d = daemon_factory(
+        size_mib=8,
+        slab_mib=1,
+        storage=storage("file"),
+        tail=FILE_STORE
+        + f'[events]\nendpoint = "ipc://{tmp_path}/events.sock"\n'
+        + f'replay_endpoint = "ipc://{tmp_path}/replay.sock"\n'
+        + f"[tenants.alpha]\nuids = [{os.getuid()}]\nmax_pages = 100\n",
+    )
+    with d.client() as c:
+        ns = c.register(**NS)
+        stored = seq(10**6, 4)
+        c.store(ns, stored, page_bytes_for(stored))
+        settle_writes(c)
+        c.release(c.match(ns, stored))
+        url = c.stats().metrics_endpoint
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        families = list(text_string_to_metric_families(reply.read().decode()))
+    exported: dict[str, tuple[str, set[str] | None]] = {}
+    for family in families:
+        name = family.name + ("_total" if family.type == "counter" else "")
+        labels = {k for sample in family.samples for k in sample.labels if k != "le"}
+        exported[name] = (family.type, labels if family.samples else None)
+    documented = _documented_metrics()
+    assert sorted(set(exported) - set(documented)) == [], "exported, not in docs/operations.md"
+    assert sorted(set(documented) - set(exported)) == [], "in docs/operations.md, not exported"
+    for name, (kind, labels) in exported.items():
+        assert documented[name][0] == kind, (name, documented[name][0], kind)
+        if labels is not None:  # a family without samples shows no labels
+            assert documented[name][1] == labels, (name, documented[name][1], labels)
