@@ -28,8 +28,9 @@
 - Reads cannot starve behind checks: while a read waits that could take a
   slot, at most ``concurrency - 1`` checks in a row (one, with one or two
   slots) take one before that read does.
-- A retriable failure (or a timeout) is retried with exponential backoff,
-  ``retries`` times; then the call fails.
+- A retriable failure is retried with exponential backoff, ``retries``
+  times; then the call fails. A timed-out call is not retried: it may still
+  own its buffers (below).
 - A circuit breaker: ``breaker_failures`` failed calls in a row mark the
   backend down. For ``breaker_cooldown_s`` calls then fail at once (writes
   are dropped, reads miss), so L2 keeps serving at full speed; after it, the
