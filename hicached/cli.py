@@ -400,7 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--endpoint", help="daemon endpoint (default: $HICACHED_ENDPOINT or the default ipc socket)"
     )
-    status.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the daemon")
+    status.add_argument(
+        "--timeout", type=float, default=3.0, help="seconds to wait for the daemon (default: 3)"
+    )
     status.add_argument("--curve-server-key", help="the daemon's public CURVE certificate (.key)")
     status.add_argument("--curve-key", help="this client's secret CURVE certificate (.key_secret)")
     status.set_defaults(func=_cmd_status)
@@ -424,7 +426,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--idle-exit", type=float, default=0.0, help="stop after this many seconds without one"
     )
     events.add_argument(
-        "--replay-timeout", type=float, default=10.0, help="seconds a replay may stay silent"
+        "--replay-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a replay may stay silent (default: 10)",
     )
     events.add_argument("--curve-server-key", help="the daemon's public CURVE certificate (.key)")
     events.add_argument("--curve-key", help="this client's secret CURVE certificate (.key_secret)")

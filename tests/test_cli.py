@@ -346,3 +346,25 @@ def test_plot_pairs_each_figure_with_its_baseline() -> None:
     assert pairs("control", figures) == [("match p50", 30.0, 25.0, "µs")]
     figures = {"read_gbps_64k": 4.0, "raw_read_gbps_64k": 5.0}
     assert pairs("l3", figures) == [("read_64k", 4.0, 5.0, "GB/s")]
+
+
+def test_docs_name_every_operator_flag_and_no_other() -> None:
+    """Each flag of the operator's commands is in README.md or docs/, and every
+    flag the docs give a command (``hicached status --json``) is one it has."""
+    import argparse
+
+    from hicached.cli import build_parser
+
+    parser = build_parser()
+    (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {
+        name: {o for a in cmd._actions for o in a.option_strings if o.startswith("--")}
+        for name, cmd in sub.choices.items()
+    }
+    docs = "\n".join(p.read_text() for p in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
+    for name in ("serve", "status", "events", "keygen", "check-config"):
+        missing = sorted(f for f in flags[name] - {"--help"} if f not in docs)
+        assert not missing, f"hicached {name}: {missing} not in the docs"
+    for name, given in re.findall(r"hicached (serve|status|events|bench)((?: [^`|\n]*)?)", docs):
+        unknown = set(re.findall(r"--[a-z][a-z-]*", given)) - flags[name]
+        assert not unknown, f"hicached {name}{given}: {sorted(unknown)}"
