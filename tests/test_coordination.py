@@ -73,7 +73,7 @@ def test_a_partial_window_is_released_on_every_rank(daemon_factory: Callable[...
 def test_pending_state_transfer_holds_termination_then_ends_everywhere(
     daemon_factory: Callable[..., Daemon],
 ) -> None:
-    """Report 004: KV done, a Mamba-state transfer still running: no one ends,
+    """KV done, a Mamba-state transfer still running: no one ends,
     no one hangs; when it finishes, every rank ends on the same step."""
     d = faulty_daemon(daemon_factory, delays={digest(TP2[0], "state"): 1.0})
     results = run(d, {"kind": "best_effort"}, tp=2)
@@ -116,7 +116,7 @@ def test_pipeline_stages_commit_the_same_length(
 def test_a_window_pool_holds_the_window_that_ends_at_the_agreed_length(
     daemon_factory: Callable[..., Daemon], cut: int | None
 ) -> None:
-    """Report 001: the window is the ``WINDOW_PAGES`` pages that end at the agreed
+    """The window is the ``WINDOW_PAGES`` pages that end at the agreed
     length (checked byte for byte on every rank), not the first pages after the
     pool's L2 hit; the pages before it come along, as the index keeps prefixes."""
     readable = {digest(TP2[1], "kv"): cut} if cut else {}  # rank 1's KV fails after `cut`
@@ -145,7 +145,7 @@ def test_a_window_short_of_the_agreed_length_is_released_on_every_rank(
 def test_a_slow_window_holds_the_end_only_until_it_covers_the_kv(
     daemon_factory: Callable[..., Daemon],
 ) -> None:
-    """Report 004 still holds (no end while a pool lacks pages a decision needs),
+    """No end while a pool lacks pages a decision needs still holds
     but a window pool that already holds every page up to the KV length does not
     keep everyone waiting for the rest of its read."""
     d = faulty_daemon(
@@ -164,7 +164,7 @@ def test_a_slow_window_holds_the_end_only_until_it_covers_the_kv(
 def test_a_rank_that_ends_its_prefetch_ends_it_on_every_rank_in_the_same_step(
     daemon_factory: Callable[..., Daemon], layout: dict[str, int], how: str
 ) -> None:
-    """Report 004's MAX of ``terminated``: the last rank (with PP, on the last
+    """The MAX of ``terminated``: the last rank (with PP, on the last
     stage) ends its prefetch once it has read 4 pages, while it is still
     loading and every other rank waits for it (wait_complete). Every rank ends
     in the same step, the next one (with PP one more: the last stage's word

@@ -1,4 +1,4 @@
-"""Report 003: a write to L3 in flight when its index node splits is neither lost
+"""A write to L3 in flight when its index node splits is neither lost
 nor misdirected; every fragment is persisted, and no slot is reused meanwhile.
 
 The tier here holds acknowledgements until the test releases them (timing
@@ -86,7 +86,7 @@ def test_a_split_while_writing_through_persists_every_fragment() -> None:
     # [5,6] was written too (write-through of the second sequence), [1,2] only once
     assert set(second[2:]) <= set(tier.stored) and tier.stored.count(first[0]) == 1
 
-    # the events: no stored event lost or wrong across the split (report 003)
+    # the events: no stored event lost or wrong across the split
     events = list(cache.events.pending)
     l2 = [e for e in events if isinstance(e, Stored) and e.medium == "CPU"]
     assert [(e.keys, e.parent, e.tokens) for e in l2] == [

@@ -7,7 +7,7 @@ collective (dist.Agreement):
 
 - MIN: the KV pages ready (L2 hit + verified prefetched pages), and each
   sidecar pool's ready pages, in a fixed named order (``PoolSpec.name``);
-- MAX: must-not-terminate, terminated (report 004).
+- MAX: must-not-terminate, terminated (no end while a sidecar transfer runs).
 
 A rank may end a prefetch only when its stop policy allows it AND every
 sidecar transfer is done (a window pool's counts as done once it holds every
@@ -15,7 +15,7 @@ page up to this rank's ready KV pages, all a decision can ask of it); the
 prefetch ends when no rank must go on, or as soon as any rank has already
 ended it: ``terminate()`` was called there, or its KV prefetch is gone (never
 started, or the daemon ended it). Then every rank commits exactly the agreed
-KV length L, and each sidecar all-or-nothing (report 001): a window pool is
+KV length L, and each sidecar all-or-nothing: a window pool is
 committed only if every rank holds the window that ends at L (the pool's
 pages before it come along, as the daemon's index keeps prefixes whole), a
 state pool only if every rank loaded the state; else the pool is released on
@@ -226,7 +226,7 @@ class PrefetchCoordinator:
             willing = kv_done
         else:
             willing = kv_done or waited >= self.policy.deadline_s(run.tokens)
-        # report 004: never end while a sidecar transfer (e.g. a Mamba state) is still running
+        # never end while a sidecar transfer (e.g. a Mamba state) is still running
         can_end = willing and sidecars_done
         values["must_not_terminate"] = 0 if can_end else 1
         values["terminated"] = int(run.ended)
