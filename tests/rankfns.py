@@ -401,3 +401,29 @@ def one_bad_value(topo: Topology, bad_rank: int, value: Any, linger: float) -> d
             return {"error": f"{type(exc).__name__}: {exc}", "step": step, "seconds": elapsed}
     agreement.close()
     return {"error": None, "step": 3}
+
+
+def one_wrong_call(topo: Topology, bad_rank: int, how: str, linger: float) -> dict[str, Any]:
+    """Three steps; at the second, ``bad_rank`` calls agree() wrongly: ``how`` is
+    "missing" (a field left out), "unknown" (a field the agreement lacks) or
+    "site" (a field left out, at another site than the others). What each rank
+    raised, at which step, and how long that agree call took; a rank that raised
+    stays up ``linger`` seconds, as an engine that reports the error and goes on."""
+    agreement = Agreement(topo, FIELDS, sites=("test.wrong", "test.elsewhere"))
+    for step in (1, 2, 3):
+        site, values = "test.wrong", dict(pages=1, acks=1, busy=0, done=0)
+        if step == 2 and topo.rank == bad_rank:
+            if how in ("missing", "site"):
+                del values["acks"]
+            else:
+                values["pagez"] = 1
+            site = "test.elsewhere" if how == "site" else site
+        started = time.monotonic()
+        try:
+            agreement.agree(site, **values)
+        except Exception as exc:
+            elapsed = time.monotonic() - started
+            time.sleep(linger)
+            return {"error": f"{type(exc).__name__}: {exc}", "step": step, "seconds": elapsed}
+    agreement.close()
+    return {"error": None, "step": 3}

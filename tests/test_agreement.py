@@ -162,3 +162,26 @@ def test_values_that_are_not_int64_are_found_before_they_are_packed() -> None:
     assert fields.unfit({"pages": -(1 << 63), "busy": -(1 << 63)}) == 1  # negated: 2**63
     assert fields.unfit({"pages": float("nan"), "busy": 0}) == 0
     assert fields.unfit({"pages": 0, "busy": None}) == 1  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize(
+    ("layout", "how"),
+    [("tp2", "missing"), ("tp2xcp2", "unknown"), ("tp2xpp2", "missing"), ("tp2", "site")],
+)
+def test_wrong_field_names_on_one_rank_fail_every_rank_at_once(layout: str, how: str) -> None:
+    """A rank that leaves out a field or names one the agreement lacks (a
+    programming error on that rank alone) still takes part in the collective,
+    with a marker: every rank raises RankBadValue naming it, none waits for its
+    timeout (30 s here) while the bad rank has already raised alone."""
+    shape = LAYOUTS[layout]
+    world = shape.get("tp", 1) * shape.get("cp", 1) * shape.get("pp", 1)
+    bad = world - 1  # with PP, on the last stage: stage 0 hears of it a step later
+    results = launch(rankfns.one_wrong_call, bad, how, 8.0, **shape, timeout=30, deadline=120)
+    said = f"RankBadValue: rank {bad} called agree() with field names that are not the agreement's"
+    for rank, r in enumerate(results):
+        assert r["error"] is not None and r["error"].startswith(said), (rank, r)
+        assert r["seconds"] < 6, (rank, r)  # not held until the bad rank left or timed out
+        stage_before = shape.get("pp", 1) > 1 and rank < world // shape["pp"]
+        assert r["step"] == (3 if stage_before else 2), (rank, r)
+    detail = "missing fields ['acks']" if how != "unknown" else "unknown fields ['pagez']"
+    assert detail in results[bad]["error"], results[bad]  # the rank at fault says which

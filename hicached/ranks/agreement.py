@@ -26,10 +26,11 @@ views into one answer per step:
   pins were lost meanwhile (its daemon restarted) cannot honour the decision
   and must say so (coordinator.PrefetchLost).
 - A value that is not an integer fitting an int64 word (the MAX fields
-  negated) does not stop its rank before the collective, where the others
+  negated), or field names that are not the agreement's (one missing, one
+  unknown), do not stop their rank before the collective, where the others
   would wait out their timeout: the rank sends a marker naming itself and
-  the field in the fingerprint's place, and every rank of the stage raises
-  RankBadValue at once (along PP, the stages after it in the same step, the
+  the field (or "the names") in the fingerprint's place, and every rank of
+  the stage raises RankBadValue at once (along PP, the stages after it in the same step, the
   ones before it one step later, as they hear of it).
 - Mismatch detection: ranks that reach different call sites or steps see
   different fingerprints; every rank raises RankMismatch naming them. Every
@@ -65,6 +66,9 @@ _POISON = -(1 << 62)  # sent along PP by a rank that found a mismatch
 # MIN carries it to every rank, which names that rank and field.
 _UNFIT = _POISON - 1
 _INT64 = (-(1 << 63), (1 << 63) - 1)
+# The field position such a marker gives for a rank whose field names are not the
+# agreement's (past every field: an agreement carries at most WIRE - 2).
+_NAMES = WIRE - 1
 
 
 class RankFailure(HicachedError):
@@ -81,7 +85,9 @@ class RankMismatch(HicachedError):
 
 class RankBadValue(HicachedError):
     """A rank gave agree() a value that does not fit the agreement's signed
-    64-bit words; every rank raises it, naming that rank and field."""
+    64-bit words, or field names that are not the agreement's; every rank
+    raises it, naming that rank and field (the rank at fault also says which
+    names were missing or unknown)."""
 
     code = "rank_bad_value"
 
@@ -368,13 +374,14 @@ class Agreement:
         """Reduce this rank's ``values`` with every other rank's; call it at the
         same sites in the same order on every rank. Returns the agreed values."""
         f = self.fields
+        wrong = ""  # what is wrong with this rank's field names, if anything
         if set(values) != set(f.min) | set(f.max):
-            missing = sorted(set(f.min) | set(f.max) - set(values))
+            missing = sorted((set(f.min) | set(f.max)) - set(values))
             extra = sorted(set(values) - set(f.min) - set(f.max))
-            raise ValueError(f"agree({site!r}): missing fields {missing}, unknown fields {extra}")
+            wrong = f"missing fields {missing}, unknown fields {extra}"
         self.step += 1
         fp = self._fingerprint(site)
-        bad = f.unfit(values)
+        bad = _NAMES if wrong else f.unfit(values)
         if bad is None:
             packed = [*f.pack(values), fp, -fp]
         else:  # still take part, so that every rank fails now, not at its timeout
@@ -394,10 +401,15 @@ class Agreement:
             rank, field = divmod(_UNFIT - low, WIRE)
             names = f.min + f.max
             name = repr(names[field]) if field < len(names) else f"#{field}"
+            what = f"gave field {name} a value that is not an integer within a signed 64-bit word"
+            if field == _NAMES:
+                what = (
+                    f"called agree() with field names that are not the agreement's "
+                    f"{list(names)}" + (f" ({wrong})" if rank == self.topo.rank and wrong else "")
+                )
             raise RankBadValue(
-                f"rank {rank} gave field {name} a value that is not an integer within a signed "
-                f"64-bit word; every rank stops at this agreement (rank {self.topo.rank} at "
-                f"{site}, step {self.step})"
+                f"rank {rank} {what}; every rank stops at this agreement (rank {self.topo.rank} "
+                f"at {site}, step {self.step})"
             )
         if low == _POISON or low != high or low != fp:
             other = (
