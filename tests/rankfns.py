@@ -427,3 +427,17 @@ def one_wrong_call(topo: Topology, bad_rank: int, how: str, linger: float) -> di
             return {"error": f"{type(exc).__name__}: {exc}", "step": step, "seconds": elapsed}
     agreement.close()
     return {"error": None, "step": 3}
+
+
+def other_field_order(topo: Topology, odd_rank: int) -> dict[str, Any]:
+    """``odd_rank`` lists the MIN fields in another order (as an engine whose
+    sidecar pools come in another order on one rank would); every rank gives
+    pages=10, acks=100. What each rank agreed on, or raised."""
+    fields = FIELDS
+    if topo.rank == odd_rank:
+        fields = Fields(min=("acks", "pages"), max=FIELDS.max, cautious=FIELDS.cautious)
+    agreement = Agreement(topo, fields, sites=("test.fields",))
+    try:
+        return {"agreed": agreement.agree("test.fields", pages=10, acks=100, busy=0, done=0)}
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}

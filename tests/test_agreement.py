@@ -185,3 +185,14 @@ def test_wrong_field_names_on_one_rank_fail_every_rank_at_once(layout: str, how:
         assert r["step"] == (3 if stage_before else 2), (rank, r)
     detail = "missing fields ['acks']" if how != "unknown" else "unknown fields ['pagez']"
     assert detail in results[bad]["error"], results[bad]  # the rank at fault says which
+
+
+def test_ranks_whose_fields_differ_are_a_mismatch_not_a_mix() -> None:
+    """Same names in another order on one rank: the words of one rank's 'pages'
+    met another's 'acks' in the MIN, and both took 10 acks where every rank had
+    100. The fields are part of the fingerprint: every rank raises RankMismatch."""
+    results = launch(rankfns.other_field_order, 1, tp=2, timeout=15, deadline=60)
+    for rank, r in enumerate(results):
+        assert "agreed" not in r, (rank, r)
+        assert r["error"].startswith("RankMismatch: "), (rank, r)
+        assert "other fields" in r["error"], (rank, r)

@@ -32,8 +32,10 @@ views into one answer per step:
   the field (or "the names") in the fingerprint's place, and every rank of
   the stage raises RankBadValue at once (along PP, the stages after it in the same step, the
   ones before it one step later, as they hear of it).
-- Mismatch detection: ranks that reach different call sites or steps see
-  different fingerprints; every rank raises RankMismatch naming them. Every
+- Mismatch detection: ranks that reach different call sites or steps, or
+  whose agreements have other fields (the same names in another order
+  included), see different fingerprints; every rank raises RankMismatch
+  naming them. Every
   agreement sends the same number of words (``WIRE``), whatever its fields,
   so that ranks running two different agreements out of order still meet in
   one collective of one size and see the mismatch. A dead
@@ -338,9 +340,13 @@ class Agreement:
         self.topo = topology
         self.fields = fields
         self.step = 0
+        # The fields, in order, are part of every fingerprint: ranks whose fields differ
+        # (the same names in another order, say) would otherwise mix one field's words
+        # with another's in the MIN, silently.
+        self._schema = zlib.crc32(repr((fields.min, fields.max)).encode())
         self.sites: dict[int, str] = {}
         for site in sites:
-            self.sites[zlib.crc32(site.encode()) & 0x7FFFFFFF] = site
+            self.sites[self._site_tag(site)] = site
         self.pending: list[dist.Work] = []
         self.collectives = 0  # collectives issued, for tests and the bench
         # PP messages of this agreement travel under a tag of its own, so that two
@@ -359,14 +365,19 @@ class Agreement:
 
     # -- the fingerprint ------------------------------------------------------------
 
+    def _site_tag(self, site: str) -> int:
+        return (zlib.crc32(site.encode()) ^ self._schema) & 0x7FFFFFFF
+
     def _fingerprint(self, site: str) -> int:
-        tag = zlib.crc32(site.encode()) & 0x7FFFFFFF
+        tag = self._site_tag(site)
         self.sites[tag] = site
         return (tag << 30) | (self.step & 0x3FFFFFFF)
 
     def _describe(self, fp: int) -> str:
         tag, step = fp >> 30, fp & 0x3FFFFFFF
-        return f"{self.sites.get(tag, f'site #{tag:x}')} (step {step})"
+        if tag not in self.sites:
+            return f"site #{tag:x} (step {step}; another site, or one with other fields)"
+        return f"{self.sites[tag]} (step {step}, fields {list(self.fields.min + self.fields.max)})"
 
     # -- the step -------------------------------------------------------------------------
 
@@ -419,7 +430,8 @@ class Agreement:
             )
             raise RankMismatch(
                 f"rank {self.topo.rank} is at {self._describe(fp)}, but other ranks are at "
-                f"{other}: every rank must run the same sync points in the same order"
+                f"{other}: every rank must run the same sync points, with the same fields, "
+                "in the same order"
             )
         names = f.min + f.max
         return {
