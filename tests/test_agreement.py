@@ -162,6 +162,13 @@ def test_values_that_are_not_int64_are_found_before_they_are_packed() -> None:
     assert fields.unfit({"pages": -(1 << 63), "busy": -(1 << 63)}) == 1  # negated: 2**63
     assert fields.unfit({"pages": float("nan"), "busy": 0}) == 0
     assert fields.unfit({"pages": 0, "busy": None}) == 1  # type: ignore[dict-item]
+    import numpy as np
+    import torch
+
+    whole = {"pages": 2.0, "busy": np.int64(1)}  # integers whatever their type
+    assert fields.unfit(whole) is None  # type: ignore[arg-type]
+    assert fields.unfit({"pages": torch.tensor(3), "busy": True}) is None  # type: ignore[dict-item]
+    assert fields.unfit({"pages": 0, "busy": 0.5}) == 1  # not "not busy", as int() had it
 
 
 @pytest.mark.parametrize(
@@ -196,3 +203,13 @@ def test_ranks_whose_fields_differ_are_a_mismatch_not_a_mix() -> None:
         assert "agreed" not in r, (rank, r)
         assert r["error"].startswith("RankMismatch: "), (rank, r)
         assert "other fields" in r["error"], (rank, r)
+
+
+@pytest.mark.parametrize("value", [2.5, "7"], ids=["fraction", "text"])
+def test_a_value_that_is_not_an_integer_fails_every_rank_alike(value: object) -> None:
+    """int() takes 2.5 and "7" (2 and 7): the bad rank's value was truncated or
+    parsed where the contract says every rank raises RankBadValue."""
+    results = launch(rankfns.one_bad_value, 1, value, 0.5, tp=2, timeout=15, deadline=60)
+    said = "RankBadValue: rank 1 gave field 'pages' a value that is not an integer"
+    assert all(r["error"] and r["error"].startswith(said) for r in results), results
+    assert all(r["step"] == 2 for r in results), results

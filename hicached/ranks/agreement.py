@@ -313,11 +313,17 @@ class Fields:
 
     def unfit(self, values: dict[str, int]) -> int | None:
         """The position of the first field whose value (negated, for a MAX
-        field) is not an integer that fits an int64 word; None if all fit."""
+        field) is not an integer that fits an int64 word; None if all fit.
+
+        An integer: ``int()`` gives back the same value (2.0 and numpy or torch
+        integers are; 2.5 and "7", which ``int()`` takes, are not)."""
         for i, name in enumerate(self.min + self.max):
+            raw = values[name]
             try:
-                value = int(values[name])
-            except (TypeError, ValueError, OverflowError):  # None, nan, inf
+                value = int(raw)
+                if isinstance(raw, str | bytes) or not bool(value == raw):
+                    return i
+            except Exception:  # None, nan, inf, arrays: any value int() refuses
                 return i
             word = value if i < len(self.min) else -value
             if not _INT64[0] <= word <= _INT64[1]:
