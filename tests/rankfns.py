@@ -441,3 +441,25 @@ def other_field_order(topo: Topology, odd_rank: int) -> dict[str, Any]:
         return {"agreed": agreement.agree("test.fields", pages=10, acks=100, busy=0, done=0)}
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def wrong_on_the_last_step(topo: Topology, how: str) -> dict[str, Any]:
+    """Two steps, then close(); at the second the last stage is at another site
+    (``how`` "site") or gives a value that does not fit (``how`` "value").
+    Where each rank raised (in "agree" or "close") and what; a rank that raised
+    stays up a while, as an engine that reports the error and goes on."""
+    agreement = Agreement(topo, FIELDS, sites=("test.last", "test.other"))
+    last = topo.pp_rank == topo.pp_size - 1
+    where = "agree"
+    try:
+        for step in (1, 2):
+            site, pages = "test.last", 1
+            if step == 2 and last:
+                site, pages = ("test.other", 1) if how == "site" else ("test.last", 1 << 64)
+            agreement.agree(site, pages=pages, acks=1, busy=0, done=0)
+        where = "close"
+        agreement.close()
+    except Exception as exc:
+        time.sleep(3)
+        return {"where": where, "error": f"{type(exc).__name__}: {exc}"}
+    return {"where": None, "error": None}

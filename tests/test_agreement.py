@@ -213,3 +213,16 @@ def test_a_value_that_is_not_an_integer_fails_every_rank_alike(value: object) ->
     said = "RankBadValue: rank 1 gave field 'pages' a value that is not an integer"
     assert all(r["error"] and r["error"].startswith(said) for r in results), results
     assert all(r["step"] == 2 for r in results), results
+
+
+@pytest.mark.parametrize("how", ["site", "value"])
+def test_a_later_stage_wrong_on_the_last_step_is_raised_by_stage_0_at_close(how: str) -> None:
+    """Stage 0 hears of a later stage's mismatch or bad value a step late; on the
+    last step before close() there is no later step, and close() took the ring's
+    last message without looking: stage 0 kept the step's decision as agreed
+    while the last stage raised. Now close() raises what the last stage saw."""
+    results = launch(rankfns.wrong_on_the_last_step, how, pp=2, timeout=15, deadline=60)
+    kind = "RankMismatch" if how == "site" else "RankBadValue"
+    assert results[1]["where"] == "agree" and results[1]["error"].startswith(kind), results
+    assert results[0]["where"] == "close", results
+    assert results[0]["error"].startswith(kind), results

@@ -362,6 +362,7 @@ class Agreement:
         self._fold: list[int] | None = None  # stage 0: the last stage's fold, one step old
         self._last_fp = 0  # stage 0: the fingerprint of its previous step
         self._fresh = True  # stage 0: no fold of this run has arrived yet
+        self._agreed = False  # the last agree() returned its values on this rank
 
     def new_run(self) -> None:
         """The values agreed from the next step on start afresh (a new prefetch):
@@ -391,6 +392,7 @@ class Agreement:
         """Reduce this rank's ``values`` with every other rank's; call it at the
         same sites in the same order on every rank. Returns the agreed values."""
         f = self.fields
+        self._agreed = False
         wrong = ""  # what is wrong with this rank's field names, if anything
         if set(values) != set(f.min) | set(f.max):
             missing = sorted((set(f.min) | set(f.max)) - set(values))
@@ -413,10 +415,20 @@ class Agreement:
             raise RankFailure(
                 f"rank {self.topo.rank} at {site} (step {self.step}): {exc}"
             ) from None
-        low, high = decided[-2], -decided[-1]
+        self._verdict(decided[-2], -decided[-1], fp, f"at {site}, step {self.step}", wrong)
+        self._agreed = True
+        names = f.min + f.max
+        return {
+            n: (v if i < len(f.min) else -v)
+            for i, (n, v) in enumerate(zip(names, decided, strict=False))
+        }
+
+    def _verdict(self, low: int, high: int, fp: int, where: str, wrong: str = "") -> None:
+        """Raise if the reduced fingerprint words (``low``, ``high``) carry a bad-value
+        marker or are not this rank's fingerprint ``fp`` on every rank."""
         if low <= _UNFIT:
             rank, field = divmod(_UNFIT - low, WIRE)
-            names = f.min + f.max
+            names = self.fields.min + self.fields.max
             name = repr(names[field]) if field < len(names) else f"#{field}"
             what = f"gave field {name} a value that is not an integer within a signed 64-bit word"
             if field == _NAMES:
@@ -426,7 +438,7 @@ class Agreement:
                 )
             raise RankBadValue(
                 f"rank {rank} {what}; every rank stops at this agreement (rank {self.topo.rank} "
-                f"at {site}, step {self.step})"
+                f"{where})"
             )
         if low == _POISON or low != high or low != fp:
             other = (
@@ -439,11 +451,6 @@ class Agreement:
                 f"{other}: every rank must run the same sync points, with the same fields, "
                 "in the same order"
             )
-        names = f.min + f.max
-        return {
-            n: (v if i < len(f.min) else -v)
-            for i, (n, v) in enumerate(zip(names, decided, strict=False))
-        }
 
     def _reduce(self, tensor: torch.Tensor) -> None:
         topo = self.topo
@@ -526,13 +533,22 @@ class Agreement:
 
     def close(self) -> None:
         """End the relay cleanly: stage 0 takes the ring's last message, and every
-        send still in flight completes. Call on every rank before the groups go."""
+        send still in flight completes. Call on every rank before the groups go.
+
+        Stage 0 hears of a later stage's mismatch or bad value a step late: for
+        the last step, here. If that step returned its values on stage 0 and a
+        later stage was elsewhere or gave a bad value, this raises what that
+        stage raised (RankMismatch, RankBadValue): the step was not agreed."""
+        fold = None
         try:
             if self.topo.pp_size > 1 and self.topo.pp_rank == 0 and self.step > 0:
-                self._recv(self._last_stage(), self.fields.width)
+                fold = self._recv(self._last_stage(), self.fields.width)
             for work in self.pending:
                 work.wait(self.topo.timeout)
         except RuntimeError as exc:
             raise RankFailure(f"rank {self.topo.rank} closing the agreement: {exc}") from None
         finally:
             self.pending.clear()
+        if fold is not None and self._agreed:
+            where = f"closing after step {self.step}, which a later stage did not agree on"
+            self._verdict(fold[-2], -fold[-1], self._last_fp, where)
