@@ -463,3 +463,51 @@ def wrong_on_the_last_step(topo: Topology, how: str) -> dict[str, Any]:
         time.sleep(3)
         return {"where": where, "error": f"{type(exc).__name__}: {exc}"}
     return {"where": None, "error": None}
+
+
+def own_daemon_dies(
+    topo: Topology, endpoints: list[str], victim: tuple[int, int], after_pages: int
+) -> dict[str, Any]:
+    """Every rank talks to a daemon of its own (``endpoints[rank]``), as ranks on
+    different hosts do. ``victim = (rank, pid)``: once that rank's KV prefetch
+    has read ``after_pages`` pages, it SIGKILLs its daemon (process ``pid``)
+    mid-prefetch (fault injection). What each rank decided, or raised, and the
+    leases a survivor's daemon still holds."""
+    import os
+    import signal
+
+    import numpy as np
+    import torch.distributed as dist
+
+    from hicached import Client
+    from hicached.coordinator import PrefetchCoordinator, StopPolicy
+    from tests.l3util import evict_everything, settle_writes
+    from tests.support import page_bytes_for
+
+    client = Client(endpoints[topo.rank], timeout=5).connect()
+    ns = client.register(**spec_fields(coords(topo), "kv"))
+    toks = np.arange(PAGES * PAGE_TOKENS, dtype=np.uint32) + 7
+    client.store(ns, toks, page_bytes_for(toks, salt=topo.rank))
+    settle_writes(client)
+    evict_everything(client, client.register(**spec_fields((0, 1, 0, 1), "filler")))
+    dist.barrier()
+    coordinator = PrefetchCoordinator(client, topo, ns, policy=StopPolicy("wait_complete"))
+    coordinator.start(toks)
+    decision, killed = None, False
+    try:
+        while decision is None:
+            run = coordinator._run
+            kv = run.kv if run is not None and topo.rank == victim[0] and not killed else None
+            if kv is not None and client.progress(kv).completed >= after_pages:
+                os.kill(victim[1], signal.SIGKILL)
+                killed = True
+            decision = coordinator.step()
+            time.sleep(0.005)
+        outcome: Any = (decision.kv_pages, decision.steps, decision.reason)
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    dist.barrier()
+    leases = None if topo.rank == victim[0] else client.stats().leases
+    coordinator.close()
+    client.close()
+    return {"outcome": outcome, "leases": leases}
