@@ -437,10 +437,15 @@ def other_field_order(topo: Topology, odd_rank: int) -> dict[str, Any]:
     if topo.rank == odd_rank:
         fields = Fields(min=("acks", "pages"), max=FIELDS.max, cautious=FIELDS.cautious)
     agreement = Agreement(topo, fields, sites=("test.fields",))
+    started = time.monotonic()
     try:
-        return {"agreed": agreement.agree("test.fields", pages=10, acks=100, busy=0, done=0)}
+        agreed = agreement.agree("test.fields", pages=10, acks=100, busy=0, done=0)
+        agreement.close()
+        return {"agreed": agreed}
     except Exception as exc:
-        return {"error": f"{type(exc).__name__}: {exc}"}
+        elapsed = time.monotonic() - started
+        time.sleep(3)  # up a while, as an engine that reports the error and goes on
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": elapsed}
 
 
 def wrong_on_the_last_step(topo: Topology, how: str) -> dict[str, Any]:

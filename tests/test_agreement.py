@@ -194,15 +194,21 @@ def test_wrong_field_names_on_one_rank_fail_every_rank_at_once(layout: str, how:
     assert detail in results[bad]["error"], results[bad]  # the rank at fault says which
 
 
-def test_ranks_whose_fields_differ_are_a_mismatch_not_a_mix() -> None:
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_ranks_whose_fields_differ_are_a_mismatch_not_a_mix(layout: str) -> None:
     """Same names in another order on one rank: the words of one rank's 'pages'
     met another's 'acks' in the MIN, and both took 10 acks where every rank had
-    100. The fields are part of the fingerprint: every rank raises RankMismatch."""
-    results = launch(rankfns.other_field_order, 1, tp=2, timeout=15, deadline=60)
+    100. The fields are part of the fingerprint: every rank raises RankMismatch
+    (stage 0 of PP at close(), the one step it hears late), at once: along PP
+    the relay's messages travel under a tag of the declared sites, not of the
+    fields, or the later stage would wait for a message under another tag until
+    its timeout (15 s here)."""
+    results = launch(rankfns.other_field_order, 1, **LAYOUTS[layout], timeout=15, deadline=60)
     for rank, r in enumerate(results):
         assert "agreed" not in r, (rank, r)
         assert r["error"].startswith("RankMismatch: "), (rank, r)
         assert "other fields" in r["error"], (rank, r)
+        assert r["seconds"] < 6, (rank, r)
 
 
 @pytest.mark.parametrize("value", [2.5, "7"], ids=["fraction", "text"])

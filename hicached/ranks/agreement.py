@@ -356,13 +356,18 @@ class Agreement:
         self.pending: list[dist.Work] = []
         self.collectives = 0  # collectives issued, for tests and the bench
         # PP messages of this agreement travel under a tag of its own, so that two
-        # agreements of one topology never take each other's messages
-        kind = repr((fields.min, fields.max, sorted(self.sites.values())))
+        # agreements of one topology never take each other's messages: its declared
+        # sites, or with none its fields. Not the fields where sites are declared: a
+        # stage whose fields differ would wait for a message under another tag until
+        # its timeout; under one tag the fingerprints (fields included) differ, and
+        # every stage raises RankMismatch at once.
+        kind = repr(sorted(sites)) if sites else repr((fields.min, fields.max))
         self._tag = zlib.crc32(kind.encode()) & 0x3FFFFFFF
         self._fold: list[int] | None = None  # stage 0: the last stage's fold, one step old
         self._last_fp = 0  # stage 0: the fingerprint of its previous step
         self._fresh = True  # stage 0: no fold of this run has arrived yet
         self._agreed = False  # the last agree() returned its values on this rank
+        self._upstream: int | None = None  # the stages before were at this fingerprint
 
     def new_run(self) -> None:
         """The values agreed from the next step on start afresh (a new prefetch):
@@ -393,6 +398,7 @@ class Agreement:
         same sites in the same order on every rank. Returns the agreed values."""
         f = self.fields
         self._agreed = False
+        self._upstream = None
         wrong = ""  # what is wrong with this rank's field names, if anything
         if set(values) != set(f.min) | set(f.max):
             missing = sorted((set(f.min) | set(f.max)) - set(values))
@@ -441,11 +447,12 @@ class Agreement:
                 f"{where})"
             )
         if low == _POISON or low != high or low != fp:
-            other = (
-                "a rank that stopped on a mismatch"
-                if low == _POISON
-                else (f"{self._describe(low)} / {self._describe(high)}")
-            )
+            if low != _POISON:
+                other = f"{self._describe(low)} / {self._describe(high)}"
+            elif self._upstream is not None:
+                other = f"{self._describe(self._upstream)} (the stages before this one)"
+            else:
+                other = "a rank that stopped on a mismatch"
             raise RankMismatch(
                 f"rank {self.topo.rank} is at {self._describe(fp)}, but other ranks are at "
                 f"{other}: every rank must run the same sync points, with the same fields, "
@@ -493,6 +500,8 @@ class Agreement:
                 mark = min(decision[-2], own[-2])
                 decision = [*decision[:-2], mark, -mark]
             elif decision[-2] != own[-2]:  # this stage is elsewhere: stop everyone downstream
+                if decision[-2] != _POISON:  # found here: say where the stages before are
+                    self._upstream = decision[-2]
                 decision = [*decision[:-2], _POISON, -_POISON]
             fold = [min(a, b) for a, b in zip(fold, own, strict=True)]
         if topo.pp_next is not None:
