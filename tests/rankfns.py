@@ -401,3 +401,118 @@ def one_bad_value(topo: Topology, bad_rank: int, value: Any, linger: float) -> d
             return {"error": f"{type(exc).__name__}: {exc}", "step": step, "seconds": elapsed}
     agreement.close()
     return {"error": None, "step": 3}
+
+
+def one_wrong_call(topo: Topology, bad_rank: int, how: str, linger: float) -> dict[str, Any]:
+    """Three steps; at the second, ``bad_rank`` calls agree() wrongly: ``how`` is
+    "missing" (a field left out), "unknown" (a field the agreement lacks) or
+    "site" (a field left out, at another site than the others). What each rank
+    raised, at which step, and how long that agree call took; a rank that raised
+    stays up ``linger`` seconds, as an engine that reports the error and goes on."""
+    agreement = Agreement(topo, FIELDS, sites=("test.wrong", "test.elsewhere"))
+    for step in (1, 2, 3):
+        site, values = "test.wrong", dict(pages=1, acks=1, busy=0, done=0)
+        if step == 2 and topo.rank == bad_rank:
+            if how in ("missing", "site"):
+                del values["acks"]
+            else:
+                values["pagez"] = 1
+            site = "test.elsewhere" if how == "site" else site
+        started = time.monotonic()
+        try:
+            agreement.agree(site, **values)
+        except Exception as exc:
+            elapsed = time.monotonic() - started
+            time.sleep(linger)
+            return {"error": f"{type(exc).__name__}: {exc}", "step": step, "seconds": elapsed}
+    agreement.close()
+    return {"error": None, "step": 3}
+
+
+def other_field_order(topo: Topology, odd_rank: int) -> dict[str, Any]:
+    """``odd_rank`` lists the MIN fields in another order (as an engine whose
+    sidecar pools come in another order on one rank would); every rank gives
+    pages=10, acks=100. What each rank agreed on, or raised."""
+    fields = FIELDS
+    if topo.rank == odd_rank:
+        fields = Fields(min=("acks", "pages"), max=FIELDS.max, cautious=FIELDS.cautious)
+    agreement = Agreement(topo, fields, sites=("test.fields",))
+    started = time.monotonic()
+    try:
+        agreed = agreement.agree("test.fields", pages=10, acks=100, busy=0, done=0)
+        agreement.close()
+        return {"agreed": agreed}
+    except Exception as exc:
+        elapsed = time.monotonic() - started
+        time.sleep(3)  # up a while, as an engine that reports the error and goes on
+        return {"error": f"{type(exc).__name__}: {exc}", "seconds": elapsed}
+
+
+def wrong_on_the_last_step(topo: Topology, how: str) -> dict[str, Any]:
+    """Two steps, then close(); at the second the last stage is at another site
+    (``how`` "site") or gives a value that does not fit (``how`` "value").
+    Where each rank raised (in "agree" or "close") and what; a rank that raised
+    stays up a while, as an engine that reports the error and goes on."""
+    agreement = Agreement(topo, FIELDS, sites=("test.last", "test.other"))
+    last = topo.pp_rank == topo.pp_size - 1
+    where = "agree"
+    try:
+        for step in (1, 2):
+            site, pages = "test.last", 1
+            if step == 2 and last:
+                site, pages = ("test.other", 1) if how == "site" else ("test.last", 1 << 64)
+            agreement.agree(site, pages=pages, acks=1, busy=0, done=0)
+        where = "close"
+        agreement.close()
+    except Exception as exc:
+        time.sleep(3)
+        return {"where": where, "error": f"{type(exc).__name__}: {exc}"}
+    return {"where": None, "error": None}
+
+
+def own_daemon_dies(
+    topo: Topology, endpoints: list[str], victim: tuple[int, int], after_pages: int
+) -> dict[str, Any]:
+    """Every rank talks to a daemon of its own (``endpoints[rank]``), as ranks on
+    different hosts do. ``victim = (rank, pid)``: once that rank's KV prefetch
+    has read ``after_pages`` pages, it SIGKILLs its daemon (process ``pid``)
+    mid-prefetch (fault injection). What each rank decided, or raised, and the
+    leases a survivor's daemon still holds."""
+    import os
+    import signal
+
+    import numpy as np
+    import torch.distributed as dist
+
+    from hicached import Client
+    from hicached.coordinator import PrefetchCoordinator, StopPolicy
+    from tests.l3util import evict_everything, settle_writes
+    from tests.support import page_bytes_for
+
+    client = Client(endpoints[topo.rank], timeout=5).connect()
+    ns = client.register(**spec_fields(coords(topo), "kv"))
+    toks = np.arange(PAGES * PAGE_TOKENS, dtype=np.uint32) + 7
+    client.store(ns, toks, page_bytes_for(toks, salt=topo.rank))
+    settle_writes(client)
+    evict_everything(client, client.register(**spec_fields((0, 1, 0, 1), "filler")))
+    dist.barrier()
+    coordinator = PrefetchCoordinator(client, topo, ns, policy=StopPolicy("wait_complete"))
+    coordinator.start(toks)
+    decision, killed = None, False
+    try:
+        while decision is None:
+            run = coordinator._run
+            kv = run.kv if run is not None and topo.rank == victim[0] and not killed else None
+            if kv is not None and client.progress(kv).completed >= after_pages:
+                os.kill(victim[1], signal.SIGKILL)
+                killed = True
+            decision = coordinator.step()
+            time.sleep(0.005)
+        outcome: Any = (decision.kv_pages, decision.steps, decision.reason)
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    dist.barrier()
+    leases = None if topo.rank == victim[0] else client.stats().leases
+    coordinator.close()
+    client.close()
+    return {"outcome": outcome, "leases": leases}

@@ -162,3 +162,73 @@ def test_values_that_are_not_int64_are_found_before_they_are_packed() -> None:
     assert fields.unfit({"pages": -(1 << 63), "busy": -(1 << 63)}) == 1  # negated: 2**63
     assert fields.unfit({"pages": float("nan"), "busy": 0}) == 0
     assert fields.unfit({"pages": 0, "busy": None}) == 1  # type: ignore[dict-item]
+    import numpy as np
+    import torch
+
+    whole = {"pages": 2.0, "busy": np.int64(1)}  # integers whatever their type
+    assert fields.unfit(whole) is None  # type: ignore[arg-type]
+    assert fields.unfit({"pages": torch.tensor(3), "busy": True}) is None  # type: ignore[dict-item]
+    assert fields.unfit({"pages": 0, "busy": 0.5}) == 1  # not "not busy", as int() had it
+
+
+@pytest.mark.parametrize(
+    ("layout", "how"),
+    [("tp2", "missing"), ("tp2xcp2", "unknown"), ("tp2xpp2", "missing"), ("tp2", "site")],
+)
+def test_wrong_field_names_on_one_rank_fail_every_rank_at_once(layout: str, how: str) -> None:
+    """A rank that leaves out a field or names one the agreement lacks (a
+    programming error on that rank alone) still takes part in the collective,
+    with a marker: every rank raises RankBadValue naming it, none waits for its
+    timeout (30 s here) while the bad rank has already raised alone."""
+    shape = LAYOUTS[layout]
+    world = shape.get("tp", 1) * shape.get("cp", 1) * shape.get("pp", 1)
+    bad = world - 1  # with PP, on the last stage: stage 0 hears of it a step later
+    results = launch(rankfns.one_wrong_call, bad, how, 8.0, **shape, timeout=30, deadline=120)
+    said = f"RankBadValue: rank {bad} called agree() with field names that are not the agreement's"
+    for rank, r in enumerate(results):
+        assert r["error"] is not None and r["error"].startswith(said), (rank, r)
+        assert r["seconds"] < 6, (rank, r)  # not held until the bad rank left or timed out
+        stage_before = shape.get("pp", 1) > 1 and rank < world // shape["pp"]
+        assert r["step"] == (3 if stage_before else 2), (rank, r)
+    detail = "missing fields ['acks']" if how != "unknown" else "unknown fields ['pagez']"
+    assert detail in results[bad]["error"], results[bad]  # the rank at fault says which
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_ranks_whose_fields_differ_are_a_mismatch_not_a_mix(layout: str) -> None:
+    """Same names in another order on one rank: the words of one rank's 'pages'
+    met another's 'acks' in the MIN, and both took 10 acks where every rank had
+    100. The fields are part of the fingerprint: every rank raises RankMismatch
+    (stage 0 of PP at close(), the one step it hears late), at once: along PP
+    the relay's messages travel under a tag of the declared sites, not of the
+    fields, or the later stage would wait for a message under another tag until
+    its timeout (15 s here)."""
+    results = launch(rankfns.other_field_order, 1, **LAYOUTS[layout], timeout=15, deadline=60)
+    for rank, r in enumerate(results):
+        assert "agreed" not in r, (rank, r)
+        assert r["error"].startswith("RankMismatch: "), (rank, r)
+        assert "other fields" in r["error"], (rank, r)
+        assert r["seconds"] < 6, (rank, r)
+
+
+@pytest.mark.parametrize("value", [2.5, "7"], ids=["fraction", "text"])
+def test_a_value_that_is_not_an_integer_fails_every_rank_alike(value: object) -> None:
+    """int() takes 2.5 and "7" (2 and 7): the bad rank's value was truncated or
+    parsed where the contract says every rank raises RankBadValue."""
+    results = launch(rankfns.one_bad_value, 1, value, 0.5, tp=2, timeout=15, deadline=60)
+    said = "RankBadValue: rank 1 gave field 'pages' a value that is not an integer"
+    assert all(r["error"] and r["error"].startswith(said) for r in results), results
+    assert all(r["step"] == 2 for r in results), results
+
+
+@pytest.mark.parametrize("how", ["site", "value"])
+def test_a_later_stage_wrong_on_the_last_step_is_raised_by_stage_0_at_close(how: str) -> None:
+    """Stage 0 hears of a later stage's mismatch or bad value a step late; on the
+    last step before close() there is no later step, and close() took the ring's
+    last message without looking: stage 0 kept the step's decision as agreed
+    while the last stage raised. Now close() raises what the last stage saw."""
+    results = launch(rankfns.wrong_on_the_last_step, how, pp=2, timeout=15, deadline=60)
+    kind = "RankMismatch" if how == "site" else "RankBadValue"
+    assert results[1]["where"] == "agree" and results[1]["error"].startswith(kind), results
+    assert results[0]["where"] == "close", results
+    assert results[0]["error"].startswith(kind), results

@@ -245,3 +245,36 @@ def test_a_prefetch_lost_before_its_commit_is_an_error_on_that_rank_only(
     assert results[0]["outcome"] == rankfns.PAGES
     assert str(results[1]["outcome"]).startswith("PrefetchLost: rank 1: the ranks agreed on 12")
     assert all(r["leases"] == 0 for r in results), "a prefetch lease was left open"
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2), dict(tp=2, pp=2)], ids=["tp2", "tp2xpp2"])
+def test_a_ranks_daemon_killed_mid_prefetch_is_a_clean_miss_on_every_rank(
+    daemon_factory: Callable[..., Daemon], layout: dict[str, int]
+) -> None:
+    """Each rank has a daemon of its own; the last rank's daemon is SIGKILLed
+    while its prefetch is still reading. Its prefetch is gone (progress cannot
+    be read): every rank ends in the same step and commits nothing, none hangs,
+    none loads pages the others do not hold, and no survivor keeps a lease."""
+    world = layout.get("tp", 1) * layout.get("pp", 1)
+    coords = [
+        (r % layout["tp"], layout["tp"], r // layout["tp"], layout.get("pp", 1))
+        for r in range(world)
+    ]
+    slow = {digest(c, "kv"): 0.2 for c in coords}  # 2 pages per 0.2 s: 1.2 s for all 12
+    daemons = [faulty_daemon(daemon_factory, delays=slow) for _ in range(world)]
+    victim = world - 1
+    pid = daemons[victim].proc.pid  # type: ignore[union-attr]
+    results = launch(
+        rankfns.own_daemon_dies,
+        [d.endpoint for d in daemons],
+        (victim, pid),
+        2,
+        **layout,
+        timeout=20,
+        deadline=120,
+    )
+    outcomes = {r["outcome"] for r in results}
+    assert len(outcomes) == 1, results
+    pages, _, reason = outcomes.pop()
+    assert pages == 0 and reason == "wait_complete: ended by a rank", results
+    assert all(r["leases"] == 0 for i, r in enumerate(results) if i != victim), results

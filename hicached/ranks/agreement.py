@@ -26,13 +26,16 @@ views into one answer per step:
   pins were lost meanwhile (its daemon restarted) cannot honour the decision
   and must say so (coordinator.PrefetchLost).
 - A value that is not an integer fitting an int64 word (the MAX fields
-  negated) does not stop its rank before the collective, where the others
+  negated), or field names that are not the agreement's (one missing, one
+  unknown), do not stop their rank before the collective, where the others
   would wait out their timeout: the rank sends a marker naming itself and
-  the field in the fingerprint's place, and every rank of the stage raises
-  RankBadValue at once (along PP, the stages after it in the same step, the
+  the field (or "the names") in the fingerprint's place, and every rank of
+  the stage raises RankBadValue at once (along PP, the stages after it in the same step, the
   ones before it one step later, as they hear of it).
-- Mismatch detection: ranks that reach different call sites or steps see
-  different fingerprints; every rank raises RankMismatch naming them. Every
+- Mismatch detection: ranks that reach different call sites or steps, or
+  whose agreements have other fields (the same names in another order
+  included), see different fingerprints; every rank raises RankMismatch
+  naming them. Every
   agreement sends the same number of words (``WIRE``), whatever its fields,
   so that ranks running two different agreements out of order still meet in
   one collective of one size and see the mismatch. A dead
@@ -65,6 +68,9 @@ _POISON = -(1 << 62)  # sent along PP by a rank that found a mismatch
 # MIN carries it to every rank, which names that rank and field.
 _UNFIT = _POISON - 1
 _INT64 = (-(1 << 63), (1 << 63) - 1)
+# The field position such a marker gives for a rank whose field names are not the
+# agreement's (past every field: an agreement carries at most WIRE - 2).
+_NAMES = WIRE - 1
 
 
 class RankFailure(HicachedError):
@@ -81,7 +87,9 @@ class RankMismatch(HicachedError):
 
 class RankBadValue(HicachedError):
     """A rank gave agree() a value that does not fit the agreement's signed
-    64-bit words; every rank raises it, naming that rank and field."""
+    64-bit words, or field names that are not the agreement's; every rank
+    raises it, naming that rank and field (the rank at fault also says which
+    names were missing or unknown)."""
 
     code = "rank_bad_value"
 
@@ -305,11 +313,17 @@ class Fields:
 
     def unfit(self, values: dict[str, int]) -> int | None:
         """The position of the first field whose value (negated, for a MAX
-        field) is not an integer that fits an int64 word; None if all fit."""
+        field) is not an integer that fits an int64 word; None if all fit.
+
+        An integer: ``int()`` gives back the same value (2.0 and numpy or torch
+        integers are; 2.5 and "7", which ``int()`` takes, are not)."""
         for i, name in enumerate(self.min + self.max):
+            raw = values[name]
             try:
-                value = int(values[name])
-            except (TypeError, ValueError, OverflowError):  # None, nan, inf
+                value = int(raw)
+                if isinstance(raw, str | bytes) or not bool(value == raw):
+                    return i
+            except Exception:  # None, nan, inf, arrays: any value int() refuses
                 return i
             word = value if i < len(self.min) else -value
             if not _INT64[0] <= word <= _INT64[1]:
@@ -332,18 +346,28 @@ class Agreement:
         self.topo = topology
         self.fields = fields
         self.step = 0
+        # The fields, in order, are part of every fingerprint: ranks whose fields differ
+        # (the same names in another order, say) would otherwise mix one field's words
+        # with another's in the MIN, silently.
+        self._schema = zlib.crc32(repr((fields.min, fields.max)).encode())
         self.sites: dict[int, str] = {}
         for site in sites:
-            self.sites[zlib.crc32(site.encode()) & 0x7FFFFFFF] = site
+            self.sites[self._site_tag(site)] = site
         self.pending: list[dist.Work] = []
         self.collectives = 0  # collectives issued, for tests and the bench
         # PP messages of this agreement travel under a tag of its own, so that two
-        # agreements of one topology never take each other's messages
-        kind = repr((fields.min, fields.max, sorted(self.sites.values())))
+        # agreements of one topology never take each other's messages: its declared
+        # sites, or with none its fields. Not the fields where sites are declared: a
+        # stage whose fields differ would wait for a message under another tag until
+        # its timeout; under one tag the fingerprints (fields included) differ, and
+        # every stage raises RankMismatch at once.
+        kind = repr(sorted(sites)) if sites else repr((fields.min, fields.max))
         self._tag = zlib.crc32(kind.encode()) & 0x3FFFFFFF
         self._fold: list[int] | None = None  # stage 0: the last stage's fold, one step old
         self._last_fp = 0  # stage 0: the fingerprint of its previous step
         self._fresh = True  # stage 0: no fold of this run has arrived yet
+        self._agreed = False  # the last agree() returned its values on this rank
+        self._upstream: int | None = None  # the stages before were at this fingerprint
 
     def new_run(self) -> None:
         """The values agreed from the next step on start afresh (a new prefetch):
@@ -353,14 +377,19 @@ class Agreement:
 
     # -- the fingerprint ------------------------------------------------------------
 
+    def _site_tag(self, site: str) -> int:
+        return (zlib.crc32(site.encode()) ^ self._schema) & 0x7FFFFFFF
+
     def _fingerprint(self, site: str) -> int:
-        tag = zlib.crc32(site.encode()) & 0x7FFFFFFF
+        tag = self._site_tag(site)
         self.sites[tag] = site
         return (tag << 30) | (self.step & 0x3FFFFFFF)
 
     def _describe(self, fp: int) -> str:
         tag, step = fp >> 30, fp & 0x3FFFFFFF
-        return f"{self.sites.get(tag, f'site #{tag:x}')} (step {step})"
+        if tag not in self.sites:
+            return f"site #{tag:x} (step {step}; another site, or one with other fields)"
+        return f"{self.sites[tag]} (step {step}, fields {list(self.fields.min + self.fields.max)})"
 
     # -- the step -------------------------------------------------------------------------
 
@@ -368,13 +397,16 @@ class Agreement:
         """Reduce this rank's ``values`` with every other rank's; call it at the
         same sites in the same order on every rank. Returns the agreed values."""
         f = self.fields
+        self._agreed = False
+        self._upstream = None
+        wrong = ""  # what is wrong with this rank's field names, if anything
         if set(values) != set(f.min) | set(f.max):
-            missing = sorted(set(f.min) | set(f.max) - set(values))
+            missing = sorted((set(f.min) | set(f.max)) - set(values))
             extra = sorted(set(values) - set(f.min) - set(f.max))
-            raise ValueError(f"agree({site!r}): missing fields {missing}, unknown fields {extra}")
+            wrong = f"missing fields {missing}, unknown fields {extra}"
         self.step += 1
         fp = self._fingerprint(site)
-        bad = f.unfit(values)
+        bad = _NAMES if wrong else f.unfit(values)
         if bad is None:
             packed = [*f.pack(values), fp, -fp]
         else:  # still take part, so that every rank fails now, not at its timeout
@@ -389,31 +421,43 @@ class Agreement:
             raise RankFailure(
                 f"rank {self.topo.rank} at {site} (step {self.step}): {exc}"
             ) from None
-        low, high = decided[-2], -decided[-1]
-        if low <= _UNFIT:
-            rank, field = divmod(_UNFIT - low, WIRE)
-            names = f.min + f.max
-            name = repr(names[field]) if field < len(names) else f"#{field}"
-            raise RankBadValue(
-                f"rank {rank} gave field {name} a value that is not an integer within a signed "
-                f"64-bit word; every rank stops at this agreement (rank {self.topo.rank} at "
-                f"{site}, step {self.step})"
-            )
-        if low == _POISON or low != high or low != fp:
-            other = (
-                "a rank that stopped on a mismatch"
-                if low == _POISON
-                else (f"{self._describe(low)} / {self._describe(high)}")
-            )
-            raise RankMismatch(
-                f"rank {self.topo.rank} is at {self._describe(fp)}, but other ranks are at "
-                f"{other}: every rank must run the same sync points in the same order"
-            )
+        self._verdict(decided[-2], -decided[-1], fp, f"at {site}, step {self.step}", wrong)
+        self._agreed = True
         names = f.min + f.max
         return {
             n: (v if i < len(f.min) else -v)
             for i, (n, v) in enumerate(zip(names, decided, strict=False))
         }
+
+    def _verdict(self, low: int, high: int, fp: int, where: str, wrong: str = "") -> None:
+        """Raise if the reduced fingerprint words (``low``, ``high``) carry a bad-value
+        marker or are not this rank's fingerprint ``fp`` on every rank."""
+        if low <= _UNFIT:
+            rank, field = divmod(_UNFIT - low, WIRE)
+            names = self.fields.min + self.fields.max
+            name = repr(names[field]) if field < len(names) else f"#{field}"
+            what = f"gave field {name} a value that is not an integer within a signed 64-bit word"
+            if field == _NAMES:
+                what = (
+                    f"called agree() with field names that are not the agreement's "
+                    f"{list(names)}" + (f" ({wrong})" if rank == self.topo.rank and wrong else "")
+                )
+            raise RankBadValue(
+                f"rank {rank} {what}; every rank stops at this agreement (rank {self.topo.rank} "
+                f"{where})"
+            )
+        if low == _POISON or low != high or low != fp:
+            if low != _POISON:
+                other = f"{self._describe(low)} / {self._describe(high)}"
+            elif self._upstream is not None:
+                other = f"{self._describe(self._upstream)} (the stages before this one)"
+            else:
+                other = "a rank that stopped on a mismatch"
+            raise RankMismatch(
+                f"rank {self.topo.rank} is at {self._describe(fp)}, but other ranks are at "
+                f"{other}: every rank must run the same sync points, with the same fields, "
+                "in the same order"
+            )
 
     def _reduce(self, tensor: torch.Tensor) -> None:
         topo = self.topo
@@ -456,6 +500,8 @@ class Agreement:
                 mark = min(decision[-2], own[-2])
                 decision = [*decision[:-2], mark, -mark]
             elif decision[-2] != own[-2]:  # this stage is elsewhere: stop everyone downstream
+                if decision[-2] != _POISON:  # found here: say where the stages before are
+                    self._upstream = decision[-2]
                 decision = [*decision[:-2], _POISON, -_POISON]
             fold = [min(a, b) for a, b in zip(fold, own, strict=True)]
         if topo.pp_next is not None:
@@ -496,13 +542,22 @@ class Agreement:
 
     def close(self) -> None:
         """End the relay cleanly: stage 0 takes the ring's last message, and every
-        send still in flight completes. Call on every rank before the groups go."""
+        send still in flight completes. Call on every rank before the groups go.
+
+        Stage 0 hears of a later stage's mismatch or bad value a step late: for
+        the last step, here. If that step returned its values on stage 0 and a
+        later stage was elsewhere or gave a bad value, this raises what that
+        stage raised (RankMismatch, RankBadValue): the step was not agreed."""
+        fold = None
         try:
             if self.topo.pp_size > 1 and self.topo.pp_rank == 0 and self.step > 0:
-                self._recv(self._last_stage(), self.fields.width)
+                fold = self._recv(self._last_stage(), self.fields.width)
             for work in self.pending:
                 work.wait(self.topo.timeout)
         except RuntimeError as exc:
             raise RankFailure(f"rank {self.topo.rank} closing the agreement: {exc}") from None
         finally:
             self.pending.clear()
+        if fold is not None and self._agreed:
+            where = f"closing after step {self.step}, which a later stage did not agree on"
+            self._verdict(fold[-2], -fold[-1], self._last_fp, where)
