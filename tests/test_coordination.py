@@ -145,8 +145,9 @@ def test_a_window_short_of_the_agreed_length_is_released_on_every_rank(
 def test_a_slow_window_holds_the_end_only_until_it_covers_the_kv(
     daemon_factory: Callable[..., Daemon],
 ) -> None:
-    """No rank ends while a pool lacks pages a decision needs, but a window pool that already holds every page up to the KV length does not
-    keep everyone waiting for the rest of its read."""
+    """No rank ends while a pool lacks pages a decision needs, but a window pool
+    that already holds every page up to the KV length does not keep everyone
+    waiting for the rest of its read."""
     d = faulty_daemon(
         daemon_factory,
         delays={digest(c, "swa"): 0.2 for c in TP2},  # 2 pages per 0.2 s: 1.2 s for all 12
