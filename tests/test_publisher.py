@@ -24,6 +24,7 @@ from hicached.events import (
     Publisher,
     batch_decoder,
 )
+from hicached.wire.events import Stored
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -327,4 +328,23 @@ async def test_a_replay_in_progress_holds_no_batch_the_ring_let_go_of(setup: Set
     setup.publish(1000, tokens=4000)  # the ring now holds 1000..1999 only
     seqs = await read_replay(reader)
     assert 0 < len(seqs) < 1000 and seqs == list(range(len(seqs)))
+    assert setup.dropped == {}
+
+
+@pytest.mark.parametrize("setup", [{"replay_mib": 1, "batch_kib": 1024}], indirect=True)
+async def test_a_batch_of_replay_mib_is_kept_for_replay(setup: Setup) -> None:
+    """replay_mib = batch_kib / 1024 is accepted as a ring that holds one batch:
+    a batch that fills it (its payload within REPLAY_ENTRY_BYTES of 1 MiB) is
+    the newest kept, not let go of at once with every batch before it."""
+    setup.publish(2)
+    wire, small = setup.publisher.wire, 1 << 16  # tokens below 128: a byte each
+    head = len(wire.encode([Stored([b"p" * 16], None, [1] * small, 16, "CPU")])) - small
+    tokens = (1 << 20) - 10 - head
+    setup.log.stored([b"p" * 16], None, [1] * tokens, 16, "CPU")
+    setup.publisher.flush()
+    ring = setup.publisher.replay
+    assert [len(payload) for _, _, payload in ring.batches] == [(1 << 20) - 10]
+    reader = setup.reader()
+    reader.send_multipart([b"", (0).to_bytes(8, "big")])
+    assert await read_replay(reader) == [2]  # the two before it make room for it
     assert setup.dropped == {}

@@ -139,8 +139,11 @@ class Replay:
 
     At most ``keep`` batches and ``max_bytes`` bytes (payloads, plus
     ``REPLAY_ENTRY_BYTES`` each; the topic frames are shared): the oldest go
-    first. The sequence numbers kept only grow, with gaps where batches were
-    not sent (``skip``)."""
+    first. The newest batch is kept whatever its size: a ring of one batch
+    (``replay_mib`` = ``batch_kib`` / 1024, which the config accepts) would
+    otherwise let go of a batch that fills it, and of every batch before it,
+    the moment it came. The sequence numbers kept only grow, with gaps where
+    batches were not sent (``skip``)."""
 
     def __init__(self, keep: int, max_bytes: int) -> None:
         self.batches: collections.deque[tuple[int, bytes, bytes]] = collections.deque()
@@ -155,7 +158,7 @@ class Replay:
         batches = self.batches
         batches.append((self.seq, topic, payload))
         self.bytes += len(payload) + REPLAY_ENTRY_BYTES
-        while len(batches) > self.keep or self.bytes > self.max_bytes:
+        while len(batches) > 1 and (len(batches) > self.keep or self.bytes > self.max_bytes):
             self.bytes -= len(batches.popleft()[2]) + REPLAY_ENTRY_BYTES
         return self.seq.to_bytes(8, "big")
 
