@@ -323,7 +323,8 @@ class EventsConfig(msgspec.Struct, **_Section):
     # in MiB, and as much again for replay readers: the socket queues at most
     # buffer_mib / batch_kib batches per subscriber (when that is below hwm;
     # the subscribers share one copy of each), the replay socket 1/32 of that
-    # per reader (32 replays at most run at once).
+    # per reader (32 replays at most run at once; fewer, as many as it holds
+    # batches, where buffer_mib / batch_kib is below 32).
     buffer_mib: int = 256
     # A replay whose reader reads nothing for this many seconds ends there: the
     # reader gets the batches sent so far, then the end marker.

@@ -119,3 +119,64 @@ def test_a_subscriber_that_never_reads_costs_the_daemon_at_most_buffer_mib(
     finally:
         stuck.close()
         ctx.term()
+
+
+def test_replay_readers_that_never_read_cost_the_daemon_at_most_buffer_mib(
+    daemon_factory: Callable[..., Daemon], events_dir: Path
+) -> None:
+    """32 replay readers ask for a replay and read nothing. buffer_mib (1) holds
+    less than one batch of batch_kib (1024) per reader: the daemon serves as
+    many replays at once as the buffer holds batches (one), and refuses the
+    others at once (replay_busy, an end marker), instead of queueing one batch
+    of its own for each reader (32 MiB: 32 times the bound)."""
+    d = daemon_factory(
+        size_mib=POOL_MIB,
+        tail=(
+            f'[events]\nendpoint = "ipc://{events_dir}/events.sock"\n'
+            f'replay_endpoint = "ipc://{events_dir}/replay.sock"\n'
+            "batch_kib = 1024\nbuffer_mib = 1\nreplay_mib = 64\nreplay_timeout_s = 60\n"
+        ),
+    )
+    assert d.proc is not None
+    pid = d.proc.pid
+    ctx = zmq.Context()
+    readers: list[zmq.Socket[bytes]] = []
+    try:
+        rng = np.random.default_rng(0)
+        pages = np.zeros((PAGES_PER_STORE, PAGE_BYTES), np.uint8)
+        with d.client() as c:
+            ns = c.register(
+                model="test/many-tokens",
+                kv_dtype="bfloat16",
+                layout="layer_first",
+                page_tokens=PAGE_TOKENS,
+                page_bytes=PAGE_BYTES,
+            )
+            for _ in range(60):  # about 40 MB of events: batches of up to 1 MiB in the ring
+                toks = rng.integers(65536, 150_000, PAGES_PER_STORE * PAGE_TOKENS, np.uint32)
+                c.store(ns, toks, pages)
+            wait_for(lambda: c.stats().events_pending == 0)
+            time.sleep(0.5)  # the last flush
+            base = peak = rss_kib(pid)
+            for _ in range(32):
+                reader = ctx.socket(zmq.DEALER)
+                readers.append(reader)
+                reader.setsockopt(zmq.LINGER, 0)
+                reader.setsockopt(zmq.RCVHWM, 1)  # its own process holds next to nothing
+                reader.connect(f"ipc://{events_dir}/replay.sock")
+                reader.send((0).to_bytes(8, "big"))
+            end = time.monotonic() + 3.0  # the replays fill every queue on the way
+            while time.monotonic() < end:
+                peak = max(peak, rss_kib(pid))
+                time.sleep(0.05)
+            busy = c.stats().dropped.get("replay_busy", 0)
+        grew_mib = (peak - base) / 1024
+        assert grew_mib < 1 + 12, (
+            f"the daemon grew by {grew_mib:.0f} MiB (VmRSS {base} -> {peak} KiB) with 32 "
+            "replay readers that never read; bound buffer_mib = 1 MiB + margin 12"
+        )
+        assert busy == 31, busy
+    finally:
+        for reader in readers:
+            reader.close()
+        ctx.term()

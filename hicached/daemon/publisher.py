@@ -23,7 +23,8 @@ splits a larger one), so a socket queue of ``n`` messages holds at most ``n``
 such batches. The events socket queues ``live_hwm`` of them per subscriber,
 within ``events.buffer_mib`` (the subscribers' queues share one copy of each
 batch); the replay socket ``replay_hwm`` per reader, within ``buffer_mib`` for
-all ``MAX_REPLAYS`` readers together; the replay ring keeps at most
+all the readers served at once together (``max_replays``: ``MAX_REPLAYS``, or
+as many as ``buffer_mib`` holds batches, if fewer); the replay ring keeps at most
 ``events.replay_mib``, and a replay in progress reads the ring a slice at a
 time, so it keeps no batch the ring let go of.
 
@@ -68,8 +69,9 @@ SUBSCRIPTIONS_PER_FLUSH = 1024
 REFUSAL_WARNING_S = 60.0
 # Replay messages sent before the loop runs other work.
 REPLAY_SLICE = 256
-# Replays served at once, and per reader (one sent, one waiting for it); a request
-# beyond either is refused at once with an end marker and counted (replay_busy).
+# Replays served at once (fewer where buffer_mib holds fewer batches: max_replays),
+# and per reader (one sent, one waiting for it); a request beyond either is refused
+# at once with an end marker and counted (replay_busy).
 MAX_REPLAYS = 32
 REPLAYS_PER_READER = 2
 # Replay requests read per wake-up before other work gets the loop.
@@ -99,12 +101,22 @@ def live_hwm(config: EventsConfig) -> int:
     return min(config.hwm, _queue_messages(config.buffer_mib << 20, config))
 
 
+def max_replays(config: EventsConfig) -> int:
+    """Replays served at once: ``MAX_REPLAYS``, fewer where ``events.buffer_mib``
+    holds fewer batches of the largest size (at least one). A reader's queue
+    holds one batch at the least, so 32 readers that read nothing would hold
+    32 batches whatever the buffer: with buffer_mib = 1 and batch_kib = 1024,
+    32 MiB."""
+    return max(1, min(MAX_REPLAYS, _queue_messages(config.buffer_mib << 20, config)))
+
+
 def replay_hwm(config: EventsConfig) -> int:
-    """The replay socket's high-water mark per reader: ``MAX_REPLAYS`` readers'
-    queues of batches of the largest size fit ``events.buffer_mib`` together
-    (each reader's queue holds its own copies), and one whole replay and its
-    end marker are never refused more room than they need."""
-    budget = (config.buffer_mib << 20) // MAX_REPLAYS
+    """The replay socket's high-water mark per reader: the queues of the
+    ``max_replays`` readers served at once, of batches of the largest size,
+    fit ``events.buffer_mib`` together (each reader's queue holds its own
+    copies), and one whole replay and its end marker are never refused more
+    room than they need."""
+    budget = (config.buffer_mib << 20) // max_replays(config)
     return min(config.replay_batches + 1, _queue_messages(budget, config))
 
 
@@ -232,6 +244,7 @@ class Publisher:
         self.dropped = dropped
         self.replay = Replay(config.replay_batches, config.replay_mib << 20)
         self._batch_bytes = config.batch_kib * 1024
+        self._max_replays = max_replays(config)
         self.wire = WireFormat(config)
         self.topic = topic_template(config)
         self._by_model = "{model}" in config.topic
@@ -460,7 +473,8 @@ class Publisher:
                 self._refuse(envelope)
                 continue
             reader = envelope[0]
-            if len(self._live) >= MAX_REPLAYS or self._per_reader[reader] >= REPLAYS_PER_READER:
+            busy = len(self._live) >= self._max_replays
+            if busy or self._per_reader[reader] >= REPLAYS_PER_READER:
                 self._count("replay_busy")
                 self._refuse(envelope)
                 continue
