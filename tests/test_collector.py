@@ -6,6 +6,7 @@ and index entries evicted after a freeze are freed all the same."""
 from __future__ import annotations
 
 import gc
+import signal
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from hicached.client import Client
 from hicached.config import Config, PoolConfig
 from hicached.daemon import collector as collector_module
 from hicached.daemon.collector import Collector
+from hicached.errors import UnknownLease
 from hicached.testing import scrape
 from hicached.wire import protocol as p
 from hicached.wire.hashing import pack_tokens
@@ -270,3 +272,59 @@ def test_index_entries_evicted_after_a_freeze_are_freed(unfrozen: None) -> None:
     # nothing frozen and let go of since waits for the cyclic collector
     gc.unfreeze()
     assert gc.collect() == 0
+
+
+@pytest.mark.timeout(180)
+def test_a_daemon_under_churn_keeps_no_garbage_frozen(
+    daemon_factory: Callable[..., Daemon], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """tests/gc_probe_daemon.py freezes every 256 pages stored. Clients come and
+    go (some vanish without a goodbye and their sessions expire), leases
+    expire, errors are replied, prefetches read from L3 and SIGHUP reloads run
+    between the freezes; once unfrozen, a collection finds nothing that the
+    freezes kept: none of it was in a reference cycle."""
+    out = tmp_path / "kept"
+    monkeypatch.setenv("HICACHED_TEST_GC_PROBE", str(out))
+    d = daemon_factory(
+        size_mib=2,  # 512 pages: the churn evicts, and prefetches read L3
+        module="tests.gc_probe_daemon",
+        extra="session_idle_s = 0.5\n[leases]\nttl_s = 0.3\nsweep_interval_s = 0.05",
+        storage='backend = "memory"\n[storage.memory]\nmax_pages = 1024\n',
+    )
+    assert d.proc is not None
+    stored: list[np.ndarray] = []
+    errors = leased = 0
+    for r in range(12):
+        for k in range(4):
+            c = d.client()
+            ns = c.register(**NS)
+            base = (r * 4 + k) * 32 * PAGE_TOKENS
+            toks = np.arange(base, base + 32 * PAGE_TOKENS, dtype=np.uint32)
+            c.store(ns, toks, page_bytes_for(toks))
+            stored.append(toks)
+            hit = c.match(ns, toks)
+            c.reserve(ns, toks + 10**6)  # never committed: its lease expires
+            c.release(hit)
+            try:
+                c.release(hit)  # an error reply (where the hit had a lease)
+            except UnknownLease:
+                errors += 1
+            leased += hit.hits > 0  # a full pool (pages pinned by leases) may store none
+            pf = c.prefetch(ns, stored[max(0, len(stored) - 30)])  # evicted from L2 by now
+            time.sleep(0.02)
+            c.progress(pf)
+            if k % 2:
+                c._hello = None  # no goodbye: the session ends after session_idle_s
+            c.close()
+        if r % 4 == 3:
+            d.proc.send_signal(signal.SIGHUP)
+        time.sleep(0.3)
+    assert errors == leased > 24, (errors, leased)
+    frozen = _stats(d.endpoint).collector
+    assert frozen is not None and frozen.freezes >= 6, frozen  # 1,536 pages stored
+    d.proc.send_signal(signal.SIGUSR1)
+    deadline = time.monotonic() + 30
+    while not out.exists():
+        assert time.monotonic() < deadline, "the probe did not answer"
+        time.sleep(0.1)
+    assert out.read_text() == "0", f"{out.read_text()} objects kept frozen as garbage"
