@@ -192,3 +192,26 @@ def test_a_reload_that_fails_unexpectedly_is_logged_counted_and_the_next_one_app
         assert "not valid TOML" in lines
         after = scrape(url)
         assert [reloads(after, r) for r in ("applied", "invalid", "failed")] == [1, 1, 1]
+
+
+def test_a_config_path_that_became_a_fifo_is_refused_and_the_next_reload_applies(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """Reading a FIFO blocks until someone writes to it: a reload would hold a
+    thread for good (and a stop waits for it). The reload is refused at once
+    with a clear line; once the path is a file again, the next reload applies."""
+    d = daemon_factory()
+    good = d.config.read_text()
+    assert d.proc is not None
+    d.config.unlink()
+    os.mkfifo(d.config)
+    before = len(d.log.read_text())
+    d.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 10
+    while "not a regular file" not in d.log.read_text()[before:]:
+        assert time.monotonic() < deadline, d.log.read_text()
+        time.sleep(0.05)
+    d.config.unlink()
+    lines = _sighup(d, good.replace("[pool]\n", "[pool]\nmax_namespaces = 3\n"))
+    assert "pool.max_namespaces = 3" in lines
+    assert d.stop() == 0

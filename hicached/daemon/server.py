@@ -23,6 +23,7 @@ import fcntl
 import logging
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -462,6 +463,15 @@ class Server:
         if path is None:
             log.warning("SIGHUP: started without a config file (--config); nothing to reload")
             return False
+        if not _regular_or_missing(path):
+            # a FIFO (or a device) would hold the reading thread until someone
+            # writes to it, and a daemon's stop waits for that thread
+            log.error(
+                "reload: %s is not a regular file; the daemon keeps running with its config "
+                "as it was",
+                path,
+            )
+            return False
         try:
             wanted = await asyncio.get_running_loop().run_in_executor(None, load_config, path)
             config, applied, refused = reload_plan(self.config, wanted)
@@ -524,3 +534,11 @@ def _exit_past_stuck_calls(grace_s: float = 0.5) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def _regular_or_missing(path: str) -> bool:
+    """Whether ``path`` is a regular file, or names nothing (load_config says so)."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return True
