@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -76,6 +77,7 @@ PART_BYTES = 1 << 20  # payload bytes of a read's part, at least, when it is spr
 # costs the daemon about 80 us of CPU
 BUSY_PART_BYTES = 4 << 20
 _WATCH_S = 1.0  # how often a reader's oldest request is checked against the deadline
+_PR_SET_PDEATHSIG = 1  # prctl(2): a signal for this process when its parent dies
 
 
 def segment_name(index: int) -> str:
@@ -174,8 +176,27 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view) :]
 
 
-def serve(pool_path: str, pool_bytes: int, store: str, n_segments: int, huge_pages: str) -> int:
-    """The reader's main loop; returns its exit code."""
+def _die_with(parent: int) -> bool:
+    """Have the kernel kill this reader (SIGKILL) when the daemon dies, however
+    it dies; False if it is gone already. A reader the daemon leaves behind (a
+    kill -9) would go on writing its queued requests' pages into the pool,
+    which the next daemon adopts and whose slots it hands to new pages
+    (docs/restarts.md): they would hold another page's bytes."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"prctl(PR_SET_PDEATHSIG): {os.strerror(err)}")
+    return os.getppid() == parent  # it died before prctl: no signal will come
+
+
+def serve(
+    pool_path: str, pool_bytes: int, store: str, n_segments: int, huge_pages: str, parent: int
+) -> int:
+    """The reader's main loop; returns its exit code. ``parent``: the daemon's
+    pid; the reader dies with it."""
+    if not _die_with(parent):
+        return 0
     from hicached.wire.arena import Arena  # here, so that importing this module stays light
 
     # A reader lives as long as its stdin: the daemon closes it at its stop, or dies.
@@ -527,6 +548,7 @@ class Readers:
             str(store),
             str(n_segments),
             huge_pages,
+            str(os.getpid()),  # the reader dies with this process
         ]
         self.readers = [_Reader(argv, env, deadline_s) for _ in range(count)]
         self._next = 0
@@ -667,8 +689,8 @@ class Readers:
 
 
 if __name__ == "__main__":
-    pool_path, pool_bytes, store, n_segments, huge_pages = sys.argv[1:6]
+    pool_path, pool_bytes, store, n_segments, huge_pages, parent = sys.argv[1:7]
     try:
-        sys.exit(serve(pool_path, int(pool_bytes), store, int(n_segments), huge_pages))
+        sys.exit(serve(pool_path, int(pool_bytes), store, int(n_segments), huge_pages, int(parent)))
     except BrokenPipeError:  # the daemon is gone
         sys.exit(0)

@@ -309,7 +309,7 @@ def test_a_reader_refuses_what_it_cannot_take(tmp_path: Path) -> None:
     (tmp_path / "store").mkdir()
     arena.array[:] = 0x5A
     argv = [sys.executable, "-m", "hicached_backends.file_readers", str(arena.path)]
-    argv += [str(4 * PAGE), str(tmp_path / "store"), "2", "off"]
+    argv += [str(4 * PAGE), str(tmp_path / "store"), "2", "off", str(os.getpid())]
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     with proc:
         assert proc.stdout is not None and proc.stdin is not None
