@@ -352,13 +352,23 @@ class FileBackend(Backend):
         self._pool = None
 
     def _close_sync(self) -> None:
-        for seg in self.segments:
-            # a closed segment's frontier stays below what a failed fsync may have lost
-            end = seg.write_off if seg.failed_at is None else min(seg.durable_off, seg.failed_at)
-            seg.dirty_super = seg.dirty_super or seg.durable_off != end
-            self._write_super(seg, end)
-            os.fdatasync(seg.fd)
-        self._unlock()
+        try:
+            for seg in self.segments:
+                # a closed segment's frontier stays below what a failed fsync may have lost
+                end = (
+                    seg.write_off if seg.failed_at is None else min(seg.durable_off, seg.failed_at)
+                )
+                seg.dirty_super = seg.dirty_super or seg.durable_off != end
+                try:
+                    self._write_super(seg, end)
+                    os.fdatasync(seg.fd)
+                except OSError as exc:
+                    # the frontier on disk stays where it was, below every record a
+                    # restart must check: a failing disk costs that start time, and
+                    # the other segments and the daemon's stop go on
+                    log.error("file store %s: closing %s: %s", self.dir, seg.path.name, exc)
+        finally:
+            self._unlock()
 
     async def health(self) -> None:
         if self._pool is None or not self.dir.is_dir():

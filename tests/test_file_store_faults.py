@@ -9,14 +9,22 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.l3util import FILE_STORE, evict_everything, l3_count, storage, wait_for
+from tests.l3util import (
+    FILE_STORE,
+    evict_everything,
+    l3_count,
+    storage,
+    wait_for,
+    wait_prefetch,
+)
 from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -109,3 +117,74 @@ def test_a_reader_does_not_outlive_its_daemon_into_the_adopted_pool(
         finally:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(reader, signal.SIGKILL)
+
+
+@pytest.fixture
+def small_disk() -> Iterator[Path]:
+    """A 2.6 MiB tmpfs: room for two 1 MiB segments and little more."""
+    mnt = Path(f"/tmp/hc-faults-{os.getpid()}")
+    mnt.mkdir(exist_ok=True)
+    if (
+        os.geteuid() != 0
+        or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=2600k", "tmpfs", str(mnt)]
+        ).returncode
+    ):
+        mnt.rmdir()
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+        mnt.rmdir()
+
+
+def fill(path: Path) -> None:
+    """Write to ``path`` until the disk is full."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        with contextlib.suppress(OSError):
+            while True:
+                os.write(fd, bytes(4096))
+    finally:
+        os.close(fd)
+
+
+def test_a_disk_that_fails_at_the_stop_still_stops_cleanly(
+    daemon_factory: Callable[..., Daemon], small_disk: Path
+) -> None:
+    """The store's close writes each segment's superblock and fsyncs it; one
+    that fails (ENOSPC on a copy-on-write disk, EIO) is logged, and the rest
+    of the stop runs: the other segments are closed, the daemon exits 0.
+
+    Fault injection: the active segment's superblock is punched out of the
+    file (fallocate --punch-hole), as a copy-on-write file system gives an
+    overwrite a new block, and the disk is then filled."""
+    d = daemon_factory(
+        size_mib=1,
+        slab_mib=1,
+        storage=storage("file"),
+        tail=f'[storage.file]\npath = "{small_disk}"\ncapacity_mib = 8\nsegment_mib = 1\n',
+    )
+    toks = seq(0, 4)
+    with d.client() as c:
+        ns = c.register(**NS)
+        c.store(ns, toks, page_bytes_for(toks))
+        wait_for(lambda: l3_count(c, "written") == 4)
+    segment = small_disk / "segment-00000.hcs"
+    subprocess.run(["fallocate", "--punch-hole", "-o", "0", "-l", "4096", str(segment)], check=True)
+    fill(small_disk / "filler")
+    assert d.stop() == 0, d.log.read_text()
+    log = d.log.read_text()
+    assert "stopped" in log.splitlines()[-1], log
+    assert "segment-00000.hcs" in log and "No space left" in log, log
+    (small_disk / "filler").unlink()
+    d.start()  # the store opens again (the punched segment holds nothing now)
+    with d.client() as c:
+        ns = c.register(**NS)
+        pf = c.prefetch(ns, toks)
+        done = wait_prefetch(c, pf)
+        c.commit(pf)
+        got = c.load(ns, toks)
+        assert len(got) == done.completed
+        assert np.array_equal(got, page_bytes_for(toks)[: len(got)])

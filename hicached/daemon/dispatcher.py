@@ -168,6 +168,8 @@ class Dispatcher:
             await asyncio.wait_for(self.backend.close(), max(1.0, until + 1.0 - time.monotonic()))
         except TimeoutError:
             log.warning("%s: the backend did not close by the stop deadline", self.name)
+        except Exception:  # the rest of the daemon's stop runs all the same
+            log.exception("%s: closing the backend failed", self.name)
 
     @property
     def queued(self) -> int:
