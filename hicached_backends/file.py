@@ -3,10 +3,12 @@
 Layout of a segment: a 4 KiB superblock, then records (record.py) packed
 back to back. The superblock holds the segment's *generation* and its
 *durable frontier*: every record that ends before it was fsynced. A
-generation is a sequence number of the whole store: each time a segment is
-taken into use it gets the next one, so no two segments share one, the
-segment with the highest holds the newest records, and every record left in
-a file from an earlier use carries a lower generation than the current one.
+generation is a sequence number of the whole store (in its high 32 bits;
+the low 32 are random, so that no page's bytes can carry a record header of
+a generation to come: ``_next_generation``): each time a segment is taken
+into use it gets the next one, so no two segments share one, the segment
+with the highest holds the newest records, and every record left in a file
+from an earlier use carries a lower generation than the current one.
 Generation 0 marks a segment that holds nothing. Writing:
 records of a batch are written with positional I/O from a small thread pool,
 then one fdatasync per touched segment; only then are they published in the
@@ -40,6 +42,7 @@ import errno
 import fcntl
 import logging
 import os
+import secrets
 import struct
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -540,7 +543,7 @@ class FileBackend(Backend):
         if seg.keys:
             self.counters["recycled_segments"] += 1
         seg.keys = []
-        self.top += 1
+        self.top = _next_generation(self.top)
         seg.generation = self.top
         seg.write_off = seg.durable_off = SUPER_BYTES
         seg.dirty_super = True
@@ -702,6 +705,17 @@ class FileBackend(Backend):
         used = sum(seg.write_off - SUPER_BYTES for seg in self.segments)
         readers = self._readers.stats() if self._readers is not None else {}
         return {"pages": len(self.index), "bytes_used": used, **self.counters, **readers}
+
+
+def _next_generation(top: int) -> int:
+    """The generation after ``top``: a sequence number in the high 32 bits, so
+    generations still rise, and 32 random bits below it. A page's payload is
+    whatever a client stored, and a restart's scan may meet the bytes of a
+    segment's earlier use in the middle of a payload (past the end of its new
+    records, where pages of other sizes lay): a record header forged there
+    would be read as a record of any namespace and key if its writer could
+    foretell the generation the segment was to carry next."""
+    return ((top >> 32) + 1) << 32 | secrets.randbits(32)
 
 
 def _superblock(fd: int) -> tuple[bool, int, int, int]:

@@ -377,3 +377,59 @@ async def test_a_failed_put_ends_after_its_threads_so_no_record_holds_a_slots_ne
         )
     finally:
         await backend.close()
+
+
+async def test_a_record_forged_inside_a_page_is_never_read_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    """A page's bytes are whatever a client stored, another tenant's included.
+    Past the end of a recycled segment's new records lie the bytes of its
+    earlier use, and where pages of other sizes were written there, the
+    restart's scan meets them in the middle of a payload: a header forged
+    there, with the generation the segment was to carry next and checksums
+    that match, would be read as a record of a key its writer does not own
+    (another namespace's), and served. Generations cannot be foretold, so no
+    forged header carries the current one.
+
+    Fault injection: none; the forged bytes are ordinary page payloads."""
+    record = 4096  # the writer's records: a 4032-byte payload and its header
+    small = record - HEADER_BYTES
+    victim_ns, victim_page = bytes([0x77]) * 16, 4096
+    victim = PageRef(key(10**9), memoryview(bytearray(b"v" * victim_page)))
+    target = key(10**9 + 1)  # a page of the victim's, not stored by anyone
+    per_segment = ((1 << 20) - SUPER_BYTES) // record
+    # Generations run 1 (segment 0), 2 (segment 1), then 3 (segment 0 again).
+    # Segment 0's first use: record k at SUPER_BYTES + k * record. After the
+    # victim's record (4160 bytes) in its second use, the scan reads on at
+    # SUPER_BYTES + 4160: the start of the payload of record 1 of the first use.
+    forged_off = SUPER_BYTES + HEADER_BYTES + victim_page
+    payloads = [bytearray(i.to_bytes(4, "little") * (small // 4)) for i in range(per_segment)]
+    # the forged payload: the rest of record 1's payload, record 2's header, and
+    # the start of record 2's payload, all known to the writer
+    header_2 = pack_header(NS, key(2), bytes(payloads[2]), 1)
+    body = bytes(payloads[1][HEADER_BYTES:]) + header_2 + bytes(payloads[2])
+    forged_payload = body[:victim_page]
+    payloads[1][:HEADER_BYTES] = pack_header(victim_ns, target, forged_payload, 3)
+    assert forged_off == SUPER_BYTES + record + HEADER_BYTES  # where record 1's payload begins
+
+    path = tmp_path / "pages"
+    options = FileOptions(path=str(path), capacity_mib=2, segment_mib=1, io_threads=1)
+    backend = FileBackend(options, BackendEnv(path))
+    await backend.open()
+    for i in range(2 * per_segment):  # segment 0's first use, then segment 1's
+        buf = payloads[i] if i < per_segment else bytearray(small)
+        page = PageRef(key(i), memoryview(buf))
+        assert await backend.put(NS, [page]) == [True]
+    assert await backend.put(victim_ns, [victim]) == [True]  # segment 0, second use
+    await backend.close()
+
+    backend = FileBackend(options, BackendEnv(path))
+    await backend.open()
+    try:
+        assert (victim_ns, victim.key) in backend.index
+        buf = bytearray(victim_page)
+        assert await backend.get(victim_ns, [PageRef(target, memoryview(buf))]) == [False], (
+            "a forged record was read as the victim's page"
+        )
+    finally:
+        await backend.close()
