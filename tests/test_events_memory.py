@@ -32,6 +32,14 @@ REPLAY_MIB = 16
 # (4,096 tokens of 5 bytes) is about 20 KB for 4 KiB of pool.
 PAGE_TOKENS = 4096
 PAGE_BYTES = 4096
+# a namespace of long pages: each commit's event carries many token ids
+SPEC = dict(
+    model="test/many-tokens",
+    kv_dtype="bfloat16",
+    layout="layer_first",
+    page_tokens=PAGE_TOKENS,
+    page_bytes=PAGE_BYTES,
+)
 PAGES_PER_STORE = 32  # one commit, one event of about 650 KB (cut into 64 KiB batches)
 POOL_MIB = 4  # 1,024 pages
 WARM_UP = 40  # stores that fill the pool (and the bounded queues) first
@@ -81,13 +89,7 @@ def test_a_subscriber_that_never_reads_costs_the_daemon_at_most_buffer_mib(
         rng = np.random.default_rng(0)
         pages = np.zeros((PAGES_PER_STORE, PAGE_BYTES), np.uint8)
         with d.client() as c:
-            ns = c.register(
-                model="test/many-tokens",
-                kv_dtype="bfloat16",
-                layout="layer_first",
-                page_tokens=PAGE_TOKENS,
-                page_bytes=PAGE_BYTES,
-            )
+            ns = c.register(**SPEC)
 
             def store() -> None:
                 toks = rng.integers(65536, 150_000, PAGES_PER_STORE * PAGE_TOKENS, np.uint32)
@@ -145,13 +147,7 @@ def test_replay_readers_that_never_read_cost_the_daemon_at_most_buffer_mib(
         rng = np.random.default_rng(0)
         pages = np.zeros((PAGES_PER_STORE, PAGE_BYTES), np.uint8)
         with d.client() as c:
-            ns = c.register(
-                model="test/many-tokens",
-                kv_dtype="bfloat16",
-                layout="layer_first",
-                page_tokens=PAGE_TOKENS,
-                page_bytes=PAGE_BYTES,
-            )
+            ns = c.register(**SPEC)
             for _ in range(60):  # about 40 MB of events: batches of up to 1 MiB in the ring
                 toks = rng.integers(65536, 150_000, PAGES_PER_STORE * PAGE_TOKENS, np.uint32)
                 c.store(ns, toks, pages)
