@@ -113,12 +113,19 @@ class Client(_Core):
                     raise self._unavailable() from None  # the connection went away
                 continue
             except msgspec.MsgspecError:
-                continue  # not a reply this client understands: keep waiting
-            if reply.id == request_id:
-                return reply
-            # else: the late reply of a request that timed out, or of the
-            # gather report, which no call waits for; drop it
-            self._reporter.answered(reply, self.endpoint)
+                pass  # not a reply this client understands: keep waiting
+            else:
+                if reply.id == request_id:
+                    return reply
+                # the late reply of a request that timed out, or of the gather
+                # report, which no call waits for; drop it
+                self._reporter.answered(reply, self.endpoint)
+            # a daemon that sends nothing but other messages never lets recv
+            # time out: the deadline is checked after each of them too
+            if time.monotonic() >= sent + budget:
+                raise DeadlineExceeded(
+                    f"no reply from the daemon at {self.endpoint} within {budget:.3g}s"
+                )
 
     def _do(self, gen: Exchange) -> Any:
         result = _run(gen, self._roundtrip)
