@@ -12,9 +12,11 @@ import threading
 import pytest
 
 import hicached
-from hicached.errors import DeadlineExceeded
+from hicached.cli import main
+from hicached.errors import DeadlineExceeded, HicachedError, VersionMismatch
 from hicached.wire import protocol as p
 from tests.fake_daemon import FakeDaemon, hello_ok
+from tests.support import NS
 
 
 def _flooding(done: threading.Event) -> object:
@@ -49,3 +51,82 @@ def test_a_flood_of_messages_that_are_not_the_reply_ends_the_call_at_its_deadlin
         finally:
             done.set()
             client.close()
+
+
+def _answering(reply_to_hello: object, reply_to_rest: object = None) -> object:
+    """Answers hello with ``reply_to_hello(request)``, anything else with
+    ``reply_to_rest(request)`` (fault injection: replies of the wrong kind)."""
+
+    def behave(fake: FakeDaemon, peer: bytes, request: p.Request) -> None:
+        make = reply_to_hello if isinstance(request, p.Hello) else reply_to_rest
+        if make is not None:
+            fake.send(peer, make(request))  # type: ignore[operator]
+
+    return behave
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        lambda r: p.Ok(id=r.id),
+        lambda r: p.MatchOk(id=r.id, hits=0, offsets=[]),
+    ],
+    ids=["ok", "match_ok"],
+)
+def test_a_hello_answered_with_another_reply_is_a_clear_error(reply: object) -> None:
+    with FakeDaemon(_answering(reply)) as fake:  # type: ignore[arg-type]
+        client = hicached.Client(fake.endpoint, timeout=1.0, map_pool=False)
+        try:
+            with pytest.raises(HicachedError, match="HelloOk"):
+                client.connect()
+        finally:
+            client.close()
+
+
+def test_a_hello_answered_in_another_major_version_is_refused() -> None:
+    with FakeDaemon(_answering(lambda r: hello_ok(r, major=p.PROTOCOL_MAJOR + 1))) as fake:  # type: ignore[arg-type]
+        client = hicached.Client(fake.endpoint, timeout=1.0, map_pool=False)
+        try:
+            with pytest.raises(VersionMismatch):
+                client.connect()
+        finally:
+            client.close()
+
+
+async def test_an_async_hello_answered_with_another_reply_is_a_clear_error() -> None:
+    with FakeDaemon(_answering(lambda r: p.Ok(id=r.id))) as fake:  # type: ignore[arg-type]
+        client = hicached.AsyncClient(fake.endpoint, timeout=1.0, map_pool=False)
+        try:
+            with pytest.raises(HicachedError, match="HelloOk"):
+                await client.connect()
+        finally:
+            await client.close()
+
+
+def test_a_namespace_registered_again_answered_with_another_reply_is_a_clear_error() -> None:
+    hellos = iter([1, 2])  # the second hello is another instance: a restart
+
+    def rest(request: p.Request) -> p.Reply:
+        if isinstance(request, p.RegisterNamespace) and len(fake.requests) <= 2:
+            return p.NamespaceOk(id=request.id, ns=7, digest=b"d" * 16)
+        if isinstance(request, p.Stats):
+            return p.Error(id=request.id, code="no_session", message="hello first")
+        return p.Ok(id=request.id)  # the registration after the restart
+
+    behave = _answering(lambda r: hello_ok(r, instance=next(hellos)), rest)
+    with FakeDaemon(behave) as fake:  # type: ignore[arg-type]
+        client = hicached.Client(fake.endpoint, timeout=1.0, map_pool=False)
+        try:
+            client.register(**NS)
+            with pytest.raises(HicachedError, match="NamespaceOk"):
+                client.stats()  # says hello again, registers again
+        finally:
+            client.close()
+
+
+def test_status_against_something_that_is_not_a_daemon_says_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with FakeDaemon(_answering(lambda r: p.Ok(id=r.id))) as fake:  # type: ignore[arg-type]
+        assert main(["status", "--endpoint", fake.endpoint, "--timeout", "1"]) == 2
+    assert "HelloOk" in capsys.readouterr().err

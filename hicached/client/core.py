@@ -63,6 +63,7 @@ from hicached.errors import (
     StaleHandle,
     TooLarge,
     UnknownLease,
+    VersionMismatch,
 )
 from hicached.wire import protocol as p
 from hicached.wire.hashing import pack_tokens
@@ -175,7 +176,16 @@ class _Core:
         )
         if isinstance(reply, p.Error):
             raise reply.to_exception()
-        assert isinstance(reply, p.HelloOk)
+        if not isinstance(reply, p.HelloOk):  # not a daemon, or a broken one
+            raise HicachedError(
+                f"expected HelloOk from the daemon at {self.endpoint}, got "
+                f"{type(reply).__name__}: is a hicached daemon there?"
+            )
+        if reply.major != p.PROTOCOL_MAJOR:  # a daemon refuses a client's other major
+            raise VersionMismatch(
+                f"the daemon at {self.endpoint} speaks protocol {reply.major}.{reply.minor}; "
+                f"this client speaks {p.PROTOCOL_MAJOR}.{p.PROTOCOL_MINOR}"
+            )
         if self.map_pool:  # this daemon's pool; a restarted one's old pool is kept a while
             self._pool.hello(reply, prefault=self.prefault)
         self._instance = reply.instance
@@ -195,7 +205,9 @@ class _Core:
             if isinstance(ok, p.Error):
                 refused = refused or ok
                 continue
-            assert isinstance(ok, p.NamespaceOk)
+            if not isinstance(ok, p.NamespaceOk):
+                got = type(ok).__name__
+                raise HicachedError(f"expected NamespaceOk from the daemon, got {got}")
             ns.id = ok.ns
         self._hello = reply
         if refused is not None:
