@@ -7,16 +7,23 @@ real daemons."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+import signal
 import threading
+import time
+from collections.abc import Callable
 
+import numpy as np
 import pytest
 
 import hicached
 from hicached.cli import main
-from hicached.errors import DeadlineExceeded, HicachedError, VersionMismatch
+from hicached.errors import BadRequest, DeadlineExceeded, HicachedError, VersionMismatch
 from hicached.wire import protocol as p
 from tests.fake_daemon import FakeDaemon, hello_ok
-from tests.support import NS
+from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
 
 
 def _flooding(done: threading.Event) -> object:
@@ -130,3 +137,69 @@ def test_status_against_something_that_is_not_a_daemon_says_so(
     with FakeDaemon(_answering(lambda r: p.Ok(id=r.id))) as fake:  # type: ignore[arg-type]
         assert main(["status", "--endpoint", fake.endpoint, "--timeout", "1"]) == 2
     assert "HelloOk" in capsys.readouterr().err
+
+
+def _in_child(work: Callable[[], str], limit: float = 30.0) -> str:
+    """``work()`` in a forked child: what it returned, or what it raised
+    (``Type: message``); fails if the child is still running after ``limit``."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.close(read)
+        try:
+            said = work()
+        except BaseException as exc:
+            said = f"{type(exc).__name__}: {exc}"
+        os.write(write, said.encode())
+        os._exit(0)
+    os.close(write)
+    try:
+        deadline = time.monotonic() + limit
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() >= deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail(f"the child was still running after {limit}s")
+            time.sleep(0.02)
+        with os.fdopen(read, "rb") as pipe:
+            return pipe.read().decode()
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(read)
+
+
+def test_a_client_used_in_a_forked_child_says_so_and_leaves_the_parents_session(
+    daemon: Daemon,
+) -> None:
+    with daemon.client(timeout=1.0) as c:
+        ns = c.register(**NS)
+        toks = np.arange(4 * PAGE_TOKENS, dtype=np.uint32)
+        c.store(ns, toks, page_bytes_for(toks))
+        hit = c.match(ns, toks)
+
+        def child() -> str:
+            try:
+                c.stats()
+            except BadRequest as exc:
+                said = f"BadRequest: {exc}"
+            c.close()  # only this process's copy: the parent's session stays
+            return said
+
+        assert _in_child(child).startswith("BadRequest: this client was made in another process")
+        assert np.array_equal(c.read_pages(hit), page_bytes_for(toks))
+        c.release(hit)  # the parent's lease is still its own
+        assert c.stats().leases == 0
+
+
+async def test_an_async_client_used_in_a_forked_child_says_so(daemon: Daemon) -> None:
+    c = hicached.AsyncClient(daemon.endpoint, timeout=1.0)
+    try:
+        await c.connect()
+
+        def child() -> str:
+            return str(asyncio.run(c.stats()).instance)
+
+        assert _in_child(child).startswith("BadRequest: this client was made in another process")
+        assert (await c.stats()).clients >= 1
+    finally:
+        await c.close()

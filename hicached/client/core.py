@@ -85,6 +85,22 @@ _NOBLOCK = int(zmq.NOBLOCK)  # pyzmq converts its enum flags on every call
 Exchange = Generator[p.Request, p.AnyReply, Any]
 
 
+class _Process:
+    """How many forks lie between the first process and this one. A forked
+    child has copies of its parent's sockets that libzmq will not serve (a
+    receive there spins on EINTR forever): a client made before the fork
+    refuses every call in the child instead."""
+
+    forks = 0
+
+
+def _forked() -> None:
+    _Process.forks += 1
+
+
+os.register_at_fork(after_in_child=_forked)
+
+
 class CurveKeys(NamedTuple):
     """CURVE keys for a tcp:// daemon that requires them (Z85 text, as bytes)."""
 
@@ -135,6 +151,7 @@ class _Core:
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.name = name or f"pid-{os.getpid()}"
+        self._forks = _Process.forks  # this client's sockets belong to this process
         self._ids = itertools.count(1)
         self._hello: p.HelloOk | None = None
         self._pool = PoolView()  # mapped at each hello with map_pool
@@ -416,7 +433,13 @@ class _Core:
 
     def _stamp(self, request: p.Request, budget: float | None = None) -> bytes:
         """``request`` with a fresh id and its deadline (``budget``, by default
-        ``timeout``, from now), encoded."""
+        ``timeout``, from now), encoded; refused in a process forked after
+        this client was made (``_Process``)."""
+        if self._forks != _Process.forks:
+            raise BadRequest(
+                "this client was made in another process (this one was forked from it): "
+                "its connection is that process's; make a new client here"
+            )
         request.id = next(self._ids)
         request.deadline_ms = int((time.time() + (budget or self.timeout)) * 1000)
         raw = _encode(request)
@@ -451,6 +474,8 @@ class _Core:
         """Say goodbye if a session is open (the daemon ends it and its leases at
         once), close the socket and the context, unmap the pool."""
         linger = 0
+        if self._forks != _Process.forks:  # a forked child: the session is the parent's
+            self._hello = None
         if self._hello is not None:
             goodbye = self._stamp(p.Goodbye(id=0))
             self._hello = None
