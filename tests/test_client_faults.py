@@ -20,7 +20,13 @@ import pytest
 
 import hicached
 from hicached.cli import main
-from hicached.errors import BadRequest, DeadlineExceeded, HicachedError, VersionMismatch
+from hicached.errors import (
+    BadRequest,
+    DaemonUnavailable,
+    DeadlineExceeded,
+    HicachedError,
+    VersionMismatch,
+)
 from hicached.wire import protocol as p
 from tests.fake_daemon import FakeDaemon, hello_ok
 from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
@@ -203,3 +209,72 @@ async def test_an_async_client_used_in_a_forked_child_says_so(daemon: Daemon) ->
         assert (await c.stats()).clients >= 1
     finally:
         await c.close()
+
+
+def test_a_client_shared_by_threads_gives_each_call_its_own_reply(daemon: Daemon) -> None:
+    """Calls from several threads on one Client take turns: none takes another's
+    reply (which timed both out and left the other's lease held)."""
+    failures: list[BaseException] = []
+    with daemon.client(timeout=5.0) as c:
+        ns = c.register(**NS)
+
+        def work(seed: int) -> None:
+            rng = np.random.default_rng(seed)
+            try:
+                for _ in range(40):
+                    toks = rng.integers(0, 50_000, 4 * PAGE_TOKENS).astype(np.uint32)
+                    c.store(ns, toks, page_bytes_for(toks))
+                    hit = c.match(ns, toks)
+                    assert np.array_equal(c.read_pages(hit), page_bytes_for(toks))
+                    c.release(hit)
+            except BaseException as exc:  # pragma: no cover - reported below
+                failures.append(exc)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not failures, failures
+        assert c.stats().leases == 0
+
+
+def test_close_during_a_call_on_another_thread_ends_the_call_cleanly(daemon: Daemon) -> None:
+    """close() while a call waits on a daemon that hangs: the call fails with
+    DaemonUnavailable, close returns, and later calls say the client is closed
+    (a closed socket under the waiting call raised zmq's errors, or libzmq
+    aborted the process)."""
+    c = daemon.client(timeout=10.0)
+    c.register(**NS)
+    assert daemon.proc is not None
+    os.kill(daemon.proc.pid, signal.SIGSTOP)
+    outcome: list[BaseException | None] = []
+
+    def call() -> None:
+        try:
+            c.stats()
+            outcome.append(None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    try:
+        t = threading.Thread(target=call)
+        t.start()
+        time.sleep(0.3)  # the call is waiting for its reply
+        c.close()
+        t.join(10)
+        assert not t.is_alive()
+        assert len(outcome) == 1 and isinstance(outcome[0], DaemonUnavailable), outcome
+        with pytest.raises(BadRequest, match="closed"):
+            c.stats()
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+
+
+async def test_an_async_client_refuses_calls_once_closed(daemon: Daemon) -> None:
+    c = hicached.AsyncClient(daemon.endpoint, timeout=2.0)
+    await c.connect()
+    await c.close()
+    with pytest.raises(BadRequest, match="closed"):
+        await c.stats()
+    await c.close()  # twice is fine

@@ -84,7 +84,10 @@ class AsyncClient(_Core):
         await self.close()
 
     async def close(self) -> None:
-        """Say goodbye (the daemon ends this session and its leases), then close."""
+        """Say goodbye (the daemon ends this session and its leases), then close.
+        Calls waiting for replies end with ``DaemonUnavailable``; later calls
+        (of this task or others) raise ``BadRequest``."""
+        self._closing = True  # no new reader, no request out, while the socket closes
         if self._reader is not None:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -3,7 +3,10 @@
 ``Client`` is synchronous and ``AsyncClient`` is for asyncio; both run the
 same exchange logic (hello, namespace registration, transparent re-hello and
 re-registration after a daemon restart) and differ only in how they wait.
-Neither is thread-safe: use one per thread or task group.
+A ``Client`` may be shared by threads: its calls take turns, each waiting at
+most its ``timeout`` for its turn, and ``close()`` ends a call another thread
+waits in. An ``AsyncClient`` belongs to one event loop at a time. A client
+made before a fork refuses calls in the child: make one there.
 
 Typical use::
 
@@ -152,6 +155,7 @@ class _Core:
         self.connect_timeout = connect_timeout
         self.name = name or f"pid-{os.getpid()}"
         self._forks = _Process.forks  # this client's sockets belong to this process
+        self._closing = False  # close() began: no call goes out any more
         self._ids = itertools.count(1)
         self._hello: p.HelloOk | None = None
         self._pool = PoolView()  # mapped at each hello with map_pool
@@ -434,12 +438,17 @@ class _Core:
     def _stamp(self, request: p.Request, budget: float | None = None) -> bytes:
         """``request`` with a fresh id and its deadline (``budget``, by default
         ``timeout``, from now), encoded; refused in a process forked after
-        this client was made (``_Process``)."""
+        this client was made (``_Process``), or once it is closed."""
         if self._forks != _Process.forks:
             raise BadRequest(
                 "this client was made in another process (this one was forked from it): "
                 "its connection is that process's; make a new client here"
             )
+        if self._closing:
+            raise BadRequest("this client is closed: make a new one")
+        return self._stamped(request, budget)
+
+    def _stamped(self, request: p.Request, budget: float | None = None) -> bytes:
         request.id = next(self._ids)
         request.deadline_ms = int((time.time() + (budget or self.timeout)) * 1000)
         raw = _encode(request)
@@ -474,10 +483,11 @@ class _Core:
         """Say goodbye if a session is open (the daemon ends it and its leases at
         once), close the socket and the context, unmap the pool."""
         linger = 0
+        self._closing = True
         if self._forks != _Process.forks:  # a forked child: the session is the parent's
             self._hello = None
         if self._hello is not None:
-            goodbye = self._stamp(p.Goodbye(id=0))
+            goodbye = self._stamped(p.Goodbye(id=0))
             self._hello = None
             with contextlib.suppress(zmq.ZMQError):
                 zmq.Socket.send(sock, goodbye, zmq.NOBLOCK)  # the plain send, even on asyncio
