@@ -278,3 +278,40 @@ async def test_an_async_client_refuses_calls_once_closed(daemon: Daemon) -> None
     with pytest.raises(BadRequest, match="closed"):
         await c.stats()
     await c.close()  # twice is fine
+
+
+def test_an_async_client_moves_to_a_new_event_loop_once_the_old_one_ended(
+    daemon: Daemon,
+) -> None:
+    """One AsyncClient through two asyncio.run()s (its semaphore and lock were the
+    first loop's: calls that waited on them in the second raised RuntimeError)."""
+    c = hicached.AsyncClient(daemon.endpoint, timeout=5.0, max_in_flight=2)
+
+    async def burst() -> list[object]:
+        return await asyncio.gather(*[c.stats() for _ in range(8)], return_exceptions=True)
+
+    first = asyncio.run(burst())
+    second = asyncio.run(burst())
+    asyncio.run(c.close())
+    assert all(isinstance(s, p.DaemonStats) for s in first + second), first + second
+
+
+def test_an_async_client_in_use_on_one_loop_is_refused_on_another(daemon: Daemon) -> None:
+    c = hicached.AsyncClient(daemon.endpoint, timeout=5.0)
+    busy, leave = threading.Event(), threading.Event()
+
+    async def hold() -> None:
+        await c.stats()
+        busy.set()
+        await asyncio.to_thread(leave.wait, 30)  # the first loop still runs, with the client
+
+    t = threading.Thread(target=asyncio.run, args=(hold(),))
+    t.start()
+    try:
+        assert busy.wait(10)
+        with pytest.raises(BadRequest, match="another event loop"):
+            asyncio.run(c.stats())
+    finally:
+        leave.set()
+        t.join(10)
+    asyncio.run(c.close())

@@ -439,14 +439,18 @@ class _Core:
         """``request`` with a fresh id and its deadline (``budget``, by default
         ``timeout``, from now), encoded; refused in a process forked after
         this client was made (``_Process``), or once it is closed."""
+        self._check_process()
+        if self._closing:
+            raise BadRequest("this client is closed: make a new one")
+        return self._stamped(request, budget)
+
+    def _check_process(self) -> None:
+        """Refuse a call in a process forked after this client was made."""
         if self._forks != _Process.forks:
             raise BadRequest(
                 "this client was made in another process (this one was forked from it): "
                 "its connection is that process's; make a new client here"
             )
-        if self._closing:
-            raise BadRequest("this client is closed: make a new one")
-        return self._stamped(request, budget)
 
     def _stamped(self, request: p.Request, budget: float | None = None) -> bytes:
         request.id = next(self._ids)
