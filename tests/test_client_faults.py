@@ -315,3 +315,16 @@ def test_an_async_client_in_use_on_one_loop_is_refused_on_another(daemon: Daemon
         leave.set()
         t.join(10)
     asyncio.run(c.close())
+
+
+@pytest.mark.parametrize("what", ["timeout", "connect_timeout"])
+def test_a_timeout_too_long_for_a_deadline_is_refused(what: str) -> None:
+    """A deadline in milliseconds must fit the wire's integer: 1e300 seconds
+    raised msgspec's OverflowError on every call."""
+    with pytest.raises(BadRequest, match=what):
+        hicached.Client("tcp://127.0.0.1:5557", **{what: 1e300})  # type: ignore[arg-type]
+
+
+def test_status_with_a_timeout_too_long_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["status", "--endpoint", "tcp://127.0.0.1:5557", "--timeout", "1e300"]) == 2
+    assert "timeout" in capsys.readouterr().err

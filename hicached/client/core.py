@@ -84,6 +84,7 @@ _decode, _encode = p.reply_decoder.decode, p.encode
 # exists_keys' ``where`` byte of each key to its L2 and its L3 flag (bytes.translate)
 _IN_L2 = bytes(b & 1 for b in range(256))
 _IN_L3 = bytes(b >> 1 & 1 for b in range(256))
+_MAX_WAIT_S = 1e9  # the longest timeout: about 31 years, a deadline that still fits
 _NOBLOCK = int(zmq.NOBLOCK)  # pyzmq converts its enum flags on every call
 Exchange = Generator[p.Request, p.AnyReply, Any]
 
@@ -149,8 +150,12 @@ class _Core:
         self.curve = curve
         self.map_pool = map_pool
         for what, seconds in (("timeout", timeout), ("connect_timeout", connect_timeout)):
-            if not (math.isfinite(seconds) and seconds > 0):
-                raise BadRequest(f"{what} must be a positive number of seconds, got {seconds}")
+            # a request's deadline goes out in ms since the epoch, in a 64-bit integer
+            if not (math.isfinite(seconds) and 0 < seconds <= _MAX_WAIT_S):
+                raise BadRequest(
+                    f"{what} must be a positive number of seconds up to {_MAX_WAIT_S:.0e}, "
+                    f"got {seconds}"
+                )
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.name = name or f"pid-{os.getpid()}"
