@@ -218,6 +218,7 @@ def _cmd_events(args: argparse.Namespace) -> int:
         if not (args.curve_server_key and args.curve_key):
             raise SystemExit("--curve-server-key and --curve-key go together")
         curve = CurveKeys.load(args.curve_server_key, args.curve_key)
+    _check_events_flags(args, endpoint, replay_at, remote=curve is not None)
 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
 
@@ -310,6 +311,32 @@ def _cmd_events(args: argparse.Namespace) -> int:
         sub.close()
         ctx.term()
     return 0
+
+
+def _check_events_flags(
+    args: argparse.Namespace, endpoint: str, replay_at: str, *, remote: bool
+) -> None:
+    """What ``events`` is given, checked before any socket: a bad flag ran into
+    a traceback, or a wait without end (a negative replay timeout polls for
+    ever, a NaN idle time never passes)."""
+    import math
+
+    from hicached.endpoints import check_endpoint
+
+    for flag, where in (("--endpoint", endpoint), ("--replay-endpoint", replay_at)):
+        try:
+            if where:
+                check_endpoint(where, remote=remote)
+        except ValueError as exc:
+            raise SystemExit(f"hicached events: {flag}: {exc}") from None
+    if args.from_seq is not None and not 0 <= args.from_seq < 1 << 64:
+        raise SystemExit("hicached events: --from is a batch number, 0 to 2**64-1")
+    if not (math.isfinite(args.replay_timeout) and 0 < args.replay_timeout <= 1e9):
+        raise SystemExit("hicached events: --replay-timeout is a positive number of seconds")
+    if not (math.isfinite(args.idle_exit) and 0 <= args.idle_exit <= 1e9):
+        raise SystemExit("hicached events: --idle-exit is a number of seconds, 0 (never) or more")
+    if args.count < 0:
+        raise SystemExit("hicached events: --count is a number of batches, 0 (no end) or more")
 
 
 def _hash_json(value: object) -> object:
