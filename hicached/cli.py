@@ -188,7 +188,8 @@ def _collector_line(c: p.CollectorStats | None, protocol: tuple[int, int] | None
 
 
 def _shown(name: str) -> str:
-    """A name a client chose (its hello's), as a terminal may print it: control
+    """A name a client chose (its hello's), or a publisher's topic or medium, as
+    a terminal may print it: control
     and other unprintable characters escaped, so that it can neither add lines
     to the status nor move the cursor or clear the screen."""
     return name if name.isprintable() else name.encode("unicode_escape").decode("ascii")
@@ -240,8 +241,12 @@ def _cmd_events(args: argparse.Namespace) -> int:
         seq = int.from_bytes(seq_frame, "big")
         if seq <= last:
             return  # already shown (a replay and the live stream overlap)
-        batch = decode_batch(payload, layout)
-        name = topic.decode(errors="replace")
+        try:
+            batch = decode_batch(payload, layout)
+        except msgspec.MsgspecError as exc:  # a publisher that is not a daemon, or --format
+            print(f"hicached events: batch {seq} is not an event batch ({exc})", file=sys.stderr)
+            return
+        name = _shown(topic.decode(errors="replace"))
         decoded = [_event_json(e) for e in batch.events]
         if args.json:
             line = {
@@ -289,7 +294,14 @@ def _cmd_events(args: argparse.Namespace) -> int:
                     break
                 continue
             idle_since = time.monotonic()
-            topic, seq_frame, payload = sub.recv_multipart()
+            frames = sub.recv_multipart()
+            if len(frames) != 3 or len(frames[1]) != 8:  # not (topic, seq, payload)
+                print(
+                    f"hicached events: a message of {len(frames)} frames is not an event batch",
+                    file=sys.stderr,
+                )
+                continue
+            topic, seq_frame, payload = frames
             seq = int.from_bytes(seq_frame, "big")
             restarted = seq <= live_last  # the live stream only goes up, within one start
             if restarted:
@@ -363,7 +375,9 @@ def _event_text(event: dict[str, object]) -> str:
         return str(kind)
     hashes = event["block_hashes"]
     assert isinstance(hashes, list)
-    text = f"{kind} {event['medium']} {len(hashes)} blocks {hashes}"
+    medium = event["medium"]
+    shown = _shown(medium) if isinstance(medium, str) else medium
+    text = f"{kind} {shown} {len(hashes)} blocks {hashes}"
     if kind == "BlockStored":
         tokens = event["token_ids"]
         assert isinstance(tokens, list)
