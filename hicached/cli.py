@@ -188,7 +188,8 @@ def _collector_line(c: p.CollectorStats | None, protocol: tuple[int, int] | None
 
 
 def _shown(name: str) -> str:
-    """A name a client chose (its hello's), as a terminal may print it: control
+    """A name a client chose (its hello's), or a publisher's topic or medium, as
+    a terminal may print it: control
     and other unprintable characters escaped, so that it can neither add lines
     to the status nor move the cursor or clear the screen."""
     return name if name.isprintable() else name.encode("unicode_escape").decode("ascii")
@@ -218,6 +219,7 @@ def _cmd_events(args: argparse.Namespace) -> int:
         if not (args.curve_server_key and args.curve_key):
             raise SystemExit("--curve-server-key and --curve-key go together")
         curve = CurveKeys.load(args.curve_server_key, args.curve_key)
+    _check_events_flags(args, endpoint, replay_at, remote=curve is not None)
 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
 
@@ -239,8 +241,12 @@ def _cmd_events(args: argparse.Namespace) -> int:
         seq = int.from_bytes(seq_frame, "big")
         if seq <= last:
             return  # already shown (a replay and the live stream overlap)
-        batch = decode_batch(payload, layout)
-        name = topic.decode(errors="replace")
+        try:
+            batch = decode_batch(payload, layout)
+        except msgspec.MsgspecError as exc:  # a publisher that is not a daemon, or --format
+            print(f"hicached events: batch {seq} is not an event batch ({exc})", file=sys.stderr)
+            return
+        name = _shown(topic.decode(errors="replace"))
         decoded = [_event_json(e) for e in batch.events]
         if args.json:
             line = {
@@ -288,7 +294,14 @@ def _cmd_events(args: argparse.Namespace) -> int:
                     break
                 continue
             idle_since = time.monotonic()
-            topic, seq_frame, payload = sub.recv_multipart()
+            frames = sub.recv_multipart()
+            if len(frames) != 3 or len(frames[1]) != 8:  # not (topic, seq, payload)
+                print(
+                    f"hicached events: a message of {len(frames)} frames is not an event batch",
+                    file=sys.stderr,
+                )
+                continue
+            topic, seq_frame, payload = frames
             seq = int.from_bytes(seq_frame, "big")
             restarted = seq <= live_last  # the live stream only goes up, within one start
             if restarted:
@@ -310,6 +323,32 @@ def _cmd_events(args: argparse.Namespace) -> int:
         sub.close()
         ctx.term()
     return 0
+
+
+def _check_events_flags(
+    args: argparse.Namespace, endpoint: str, replay_at: str, *, remote: bool
+) -> None:
+    """What ``events`` is given, checked before any socket: a bad flag ran into
+    a traceback, or a wait without end (a negative replay timeout polls for
+    ever, a NaN idle time never passes)."""
+    import math
+
+    from hicached.endpoints import check_endpoint
+
+    for flag, where in (("--endpoint", endpoint), ("--replay-endpoint", replay_at)):
+        try:
+            if where:
+                check_endpoint(where, remote=remote)
+        except ValueError as exc:
+            raise SystemExit(f"hicached events: {flag}: {exc}") from None
+    if args.from_seq is not None and not 0 <= args.from_seq < 1 << 64:
+        raise SystemExit("hicached events: --from is a batch number, 0 to 2**64-1")
+    if not (math.isfinite(args.replay_timeout) and 0 < args.replay_timeout <= 1e9):
+        raise SystemExit("hicached events: --replay-timeout is a positive number of seconds")
+    if not (math.isfinite(args.idle_exit) and 0 <= args.idle_exit <= 1e9):
+        raise SystemExit("hicached events: --idle-exit is a number of seconds, 0 (never) or more")
+    if args.count < 0:
+        raise SystemExit("hicached events: --count is a number of batches, 0 (no end) or more")
 
 
 def _hash_json(value: object) -> object:
@@ -336,7 +375,9 @@ def _event_text(event: dict[str, object]) -> str:
         return str(kind)
     hashes = event["block_hashes"]
     assert isinstance(hashes, list)
-    text = f"{kind} {event['medium']} {len(hashes)} blocks {hashes}"
+    medium = event["medium"]
+    shown = _shown(medium) if isinstance(medium, str) else medium
+    text = f"{kind} {shown} {len(hashes)} blocks {hashes}"
     if kind == "BlockStored":
         tokens = event["token_ids"]
         assert isinstance(tokens, list)

@@ -71,6 +71,7 @@ class AsyncClient(_Core):
         self._pending: dict[int, asyncio.Future[p.AnyReply]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()  # one handshake at a time
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the calls
 
     async def __aenter__(self) -> AsyncClient:
         try:
@@ -84,7 +85,11 @@ class AsyncClient(_Core):
         await self.close()
 
     async def close(self) -> None:
-        """Say goodbye (the daemon ends this session and its leases), then close."""
+        """Say goodbye (the daemon ends this session and its leases), then close.
+        Calls waiting for replies end with ``DaemonUnavailable``; later calls
+        (of this task or others) raise ``BadRequest``."""
+        self._bind()  # the reader to stop is this loop's
+        self._closing = True  # no new reader, no request out, while the socket closes
         if self._reader is not None:
             self._reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -107,7 +112,32 @@ class AsyncClient(_Core):
             elif not future.done():
                 future.set_result(reply)
 
+    def _bind(self) -> None:
+        """Calls run on one event loop at a time. Once the loop of the calls
+        before has stopped (an ``asyncio.run`` that ended), the client moves to
+        the running one: the reader, semaphore and lock of the old loop would
+        never wake here. While that loop still runs, the call is refused."""
+        self._check_process()  # a forked child's copy of the loop looks as if it ran
+        loop = asyncio.get_running_loop()
+        old = self._loop
+        if loop is old:
+            return
+        if old is not None and old.is_running():
+            raise BadRequest(
+                "this AsyncClient is in use on another event loop: make one client per loop"
+            )
+        self._loop = loop
+        if self._reader is not None:
+            self._reader.remove_done_callback(self._fail_all)
+            if not self._reader.done() and not _gone(old):
+                self._reader.cancel()  # runs down if its loop ever runs again
+            self._reader = None
+        self._pending.clear()  # futures of the old loop: nothing waits on them here
+        self._slots = None
+        self._lock = asyncio.Lock()
+
     async def _roundtrip(self, request: p.Request) -> p.AnyReply:
+        self._bind()
         # The daemon holds a bounded number of replies per client: never ask for more.
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_in_flight)
@@ -191,6 +221,7 @@ class AsyncClient(_Core):
         raise SessionLost("the daemon keeps forgetting this client")  # pragma: no cover
 
     async def connect(self) -> AsyncClient:
+        self._bind()
         async with self._lock:
             if self._hello is None:
                 await self._drive(self._handshake())
@@ -291,3 +322,8 @@ class AsyncClient(_Core):
             return self.read_pages(hit)
         finally:
             await self.release(hit)
+
+
+def _gone(loop: asyncio.AbstractEventLoop | None) -> bool:
+    """Whether ``loop`` is gone (its tasks can no longer be cancelled)."""
+    return loop is None or loop.is_closed()

@@ -3,7 +3,10 @@
 ``Client`` is synchronous and ``AsyncClient`` is for asyncio; both run the
 same exchange logic (hello, namespace registration, transparent re-hello and
 re-registration after a daemon restart) and differ only in how they wait.
-Neither is thread-safe: use one per thread or task group.
+A ``Client`` may be shared by threads: its calls take turns, each waiting at
+most its ``timeout`` for its turn, and ``close()`` ends a call another thread
+waits in. An ``AsyncClient`` belongs to one event loop at a time. A client
+made before a fork refuses calls in the child: make one there.
 
 Typical use::
 
@@ -63,6 +66,7 @@ from hicached.errors import (
     StaleHandle,
     TooLarge,
     UnknownLease,
+    VersionMismatch,
 )
 from hicached.wire import protocol as p
 from hicached.wire.hashing import pack_tokens
@@ -80,8 +84,25 @@ _decode, _encode = p.reply_decoder.decode, p.encode
 # exists_keys' ``where`` byte of each key to its L2 and its L3 flag (bytes.translate)
 _IN_L2 = bytes(b & 1 for b in range(256))
 _IN_L3 = bytes(b >> 1 & 1 for b in range(256))
+_MAX_WAIT_S = 1e9  # the longest timeout: about 31 years, a deadline that still fits
 _NOBLOCK = int(zmq.NOBLOCK)  # pyzmq converts its enum flags on every call
 Exchange = Generator[p.Request, p.AnyReply, Any]
+
+
+class _Process:
+    """How many forks lie between the first process and this one. A forked
+    child has copies of its parent's sockets that libzmq will not serve (a
+    receive there spins on EINTR forever): a client made before the fork
+    refuses every call in the child instead."""
+
+    forks = 0
+
+
+def _forked() -> None:
+    _Process.forks += 1
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 class CurveKeys(NamedTuple):
@@ -129,11 +150,17 @@ class _Core:
         self.curve = curve
         self.map_pool = map_pool
         for what, seconds in (("timeout", timeout), ("connect_timeout", connect_timeout)):
-            if not (math.isfinite(seconds) and seconds > 0):
-                raise BadRequest(f"{what} must be a positive number of seconds, got {seconds}")
+            # a request's deadline goes out in ms since the epoch, in a 64-bit integer
+            if not (math.isfinite(seconds) and 0 < seconds <= _MAX_WAIT_S):
+                raise BadRequest(
+                    f"{what} must be a positive number of seconds up to {_MAX_WAIT_S:.0e}, "
+                    f"got {seconds}"
+                )
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.name = name or f"pid-{os.getpid()}"
+        self._forks = _Process.forks  # this client's sockets belong to this process
+        self._closing = False  # close() began: no call goes out any more
         self._ids = itertools.count(1)
         self._hello: p.HelloOk | None = None
         self._pool = PoolView()  # mapped at each hello with map_pool
@@ -175,7 +202,16 @@ class _Core:
         )
         if isinstance(reply, p.Error):
             raise reply.to_exception()
-        assert isinstance(reply, p.HelloOk)
+        if not isinstance(reply, p.HelloOk):  # not a daemon, or a broken one
+            raise HicachedError(
+                f"expected HelloOk from the daemon at {self.endpoint}, got "
+                f"{type(reply).__name__}: is a hicached daemon there?"
+            )
+        if reply.major != p.PROTOCOL_MAJOR:  # a daemon refuses a client's other major
+            raise VersionMismatch(
+                f"the daemon at {self.endpoint} speaks protocol {reply.major}.{reply.minor}; "
+                f"this client speaks {p.PROTOCOL_MAJOR}.{p.PROTOCOL_MINOR}"
+            )
         if self.map_pool:  # this daemon's pool; a restarted one's old pool is kept a while
             self._pool.hello(reply, prefault=self.prefault)
         self._instance = reply.instance
@@ -195,7 +231,9 @@ class _Core:
             if isinstance(ok, p.Error):
                 refused = refused or ok
                 continue
-            assert isinstance(ok, p.NamespaceOk)
+            if not isinstance(ok, p.NamespaceOk):
+                got = type(ok).__name__
+                raise HicachedError(f"expected NamespaceOk from the daemon, got {got}")
             ns.id = ok.ns
         self._hello = reply
         if refused is not None:
@@ -404,7 +442,22 @@ class _Core:
 
     def _stamp(self, request: p.Request, budget: float | None = None) -> bytes:
         """``request`` with a fresh id and its deadline (``budget``, by default
-        ``timeout``, from now), encoded."""
+        ``timeout``, from now), encoded; refused in a process forked after
+        this client was made (``_Process``), or once it is closed."""
+        self._check_process()
+        if self._closing:
+            raise BadRequest("this client is closed: make a new one")
+        return self._stamped(request, budget)
+
+    def _check_process(self) -> None:
+        """Refuse a call in a process forked after this client was made."""
+        if self._forks != _Process.forks:
+            raise BadRequest(
+                "this client was made in another process (this one was forked from it): "
+                "its connection is that process's; make a new client here"
+            )
+
+    def _stamped(self, request: p.Request, budget: float | None = None) -> bytes:
         request.id = next(self._ids)
         request.deadline_ms = int((time.time() + (budget or self.timeout)) * 1000)
         raw = _encode(request)
@@ -439,8 +492,11 @@ class _Core:
         """Say goodbye if a session is open (the daemon ends it and its leases at
         once), close the socket and the context, unmap the pool."""
         linger = 0
+        self._closing = True
+        if self._forks != _Process.forks:  # a forked child: the session is the parent's
+            self._hello = None
         if self._hello is not None:
-            goodbye = self._stamp(p.Goodbye(id=0))
+            goodbye = self._stamped(p.Goodbye(id=0))
             self._hello = None
             with contextlib.suppress(zmq.ZMQError):
                 zmq.Socket.send(sock, goodbye, zmq.NOBLOCK)  # the plain send, even on asyncio

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,6 +34,7 @@ from hicached.client.handles import (
     Reservation,
 )
 from hicached.errors import (
+    DaemonUnavailable,
     DeadlineExceeded,
     ForeignLease,
     SessionLost,
@@ -71,6 +73,9 @@ class Client(_Core):
         self._sock = self._ctx.socket(zmq.DEALER)
         self._configure(self._sock)
         self._rcvtimeo = -1
+        # one call at a time on the socket (a call of another thread would take
+        # this one's reply); reentrant: a call may say hello first (connect)
+        self._turn = threading.RLock()
 
     def __enter__(self) -> Client:
         try:
@@ -84,8 +89,24 @@ class Client(_Core):
         self.close()
 
     def close(self) -> None:
-        """Say goodbye (the daemon ends this session and its leases), then close."""
-        self._shut(self._sock, self._ctx)
+        """Say goodbye (the daemon ends this session and its leases), then close.
+        A call another thread waits in ends with ``DaemonUnavailable``; later
+        calls raise ``BadRequest``."""
+        self._closing = True  # a waiting call sees it within one receive slice
+        if not self._turn.acquire(timeout=self.timeout):
+            raise DeadlineExceeded(f"a call on this client did not end within {self.timeout:.3g}s")
+        try:
+            if not self._sock.closed:
+                self._shut(self._sock, self._ctx)
+        finally:
+            self._turn.release()
+
+    def _take_turn(self) -> None:
+        """Wait, at most ``timeout``, for the calls of other threads to end."""
+        if not self._turn.acquire(timeout=self.timeout):
+            raise DeadlineExceeded(
+                f"calls of other threads held this client for {self.timeout:.3g}s"
+            )
 
     def _roundtrip(self, request: p.Request) -> p.AnyReply:
         payload, request_id, budget = self._stamp(request), request.id, self.timeout
@@ -105,6 +126,8 @@ class Client(_Core):
             try:
                 reply = _decode(sock.recv())
             except zmq.Again:
+                if self._closing:  # close() on another thread
+                    raise DaemonUnavailable("client closed") from None
                 if time.monotonic() >= sent + budget:
                     raise DeadlineExceeded(
                         f"no reply from the daemon at {self.endpoint} within {budget:.3g}s"
@@ -113,28 +136,43 @@ class Client(_Core):
                     raise self._unavailable() from None  # the connection went away
                 continue
             except msgspec.MsgspecError:
-                continue  # not a reply this client understands: keep waiting
-            if reply.id == request_id:
-                return reply
-            # else: the late reply of a request that timed out, or of the
-            # gather report, which no call waits for; drop it
-            self._reporter.answered(reply, self.endpoint)
+                pass  # not a reply this client understands: keep waiting
+            else:
+                if reply.id == request_id:
+                    return reply
+                # the late reply of a request that timed out, or of the gather
+                # report, which no call waits for; drop it
+                self._reporter.answered(reply, self.endpoint)
+            # a daemon that sends nothing but other messages never lets recv
+            # time out: the deadline is checked after each of them too
+            if time.monotonic() >= sent + budget:
+                raise DeadlineExceeded(
+                    f"no reply from the daemon at {self.endpoint} within {budget:.3g}s"
+                )
 
     def _do(self, gen: Exchange) -> Any:
-        result = _run(gen, self._roundtrip)
-        self._report_gather(self._sock)  # once a session, when the process has a pick
+        self._take_turn()
+        try:
+            result = _run(gen, self._roundtrip)
+            self._report_gather(self._sock)  # once a session, when the process has a pick
+        finally:
+            self._turn.release()
         return result
 
     def _call(self, make: Callable[[], p.Request], expect: type[R]) -> R:
         """``_exchange`` without a generator to drive: the path of the operations
         an engine makes every step (match, exists_keys, prefetch)."""
-        for attempt in range(_SESSION_TRIES):
-            if self._hello is None:
-                self.connect()
-            reply = self._roundtrip(make())  # made anew: a new hello may renumber namespaces
-            if isinstance(reply, expect):
-                return reply
-            self._refused(reply, expect, attempt)
+        self._take_turn()
+        try:
+            for attempt in range(_SESSION_TRIES):
+                if self._hello is None:
+                    self.connect()
+                reply = self._roundtrip(make())  # made anew: a new hello may renumber them
+                if isinstance(reply, expect):
+                    return reply
+                self._refused(reply, expect, attempt)
+        finally:
+            self._turn.release()
         raise SessionLost("the daemon keeps forgetting this client")  # pragma: no cover
 
     def connect(self) -> Client:
@@ -236,7 +274,11 @@ class Client(_Core):
             _released(handle)
             raise
         _released(handle)
-        self._report_gather(self._sock)  # as after every call through _do
+        self._take_turn()
+        try:
+            self._report_gather(self._sock)  # as after every call through _do
+        finally:
+            self._turn.release()
 
     def renew(self, handle: Reservation | Hit) -> None:
         """Push the handle's lease deadline ``leases.ttl_s`` into the future."""
