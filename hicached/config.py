@@ -283,6 +283,10 @@ class EventsConfig(msgspec.Struct, **_Section):
     endpoint: str = ""
     # ROUTER endpoint for replaying missed batches; "" = no replay.
     replay_endpoint: str = ""
+    # Group (name or number) whose members may subscribe over ipc, with or without
+    # [tenants]: both sockets become 0660 of that group, and a directory of their
+    # own 2750 (docs/events.md). "" = as the line above endpoint says.
+    group: str = ""
     # The topic frame of every message. {host} becomes this host's name,
     # {model} the model of the namespace the batch's events are in ("" where
     # no one namespace is known, e.g. the AllBlocksCleared at start); the
@@ -348,6 +352,12 @@ class EventsConfig(msgspec.Struct, **_Section):
                     raise ValueError(f"{name}: {exc}") from None
         if self.replay_endpoint and not self.endpoint:
             raise ValueError("replay_endpoint needs endpoint too")
+        if self.group != self.group.strip() or ":" in self.group:
+            raise ValueError(f"group {self.group!r}: give one group name or number")
+        if self.group and not any(
+            e.startswith("ipc://") for e in (self.endpoint, self.replay_endpoint)
+        ):
+            raise ValueError("group needs an ipc:// endpoint (over tcp:// CURVE keys decide)")
         try:
             self.topic.format(host="h", model="m")
         except (KeyError, IndexError, ValueError) as exc:
@@ -463,9 +473,15 @@ class Config(msgspec.Struct, **_Section):
 
     def _check_tenant_events(self) -> None:
         """With tenants, the KV events (every tenant's pages and token ids) reach
-        no tenant's client: over tcp only CURVE keys no tenant lists subscribe
+        no tenant's client: over ipc not the clients' group, whose members are
+        every tenant's users; over tcp only CURVE keys no tenant lists subscribe
         (daemon/tenants.py), so tcp needs CURVE, and no others tenant may take
         the unlisted keys of a tcp request endpoint."""
+        if self.events.group and self.events.group == self.server.client_group:
+            raise ValueError(
+                "events.group: with [tenants] it must not be server.client_group, whose "
+                "members are every tenant's users: name a group of the routers' users"
+            )
         for key, value in (
             ("events.endpoint", self.events.endpoint),
             ("events.replay_endpoint", self.events.replay_endpoint),

@@ -1,7 +1,8 @@
 """Who may reach the daemon's sockets, and as whom: private directories for
-ipc sockets (0700, or 0750 and the clients' group, server.client_group),
-CURVE on tcp sockets, and with ``[tenants]`` the ZAP handler that names each
-request connection's tenant (daemon/tenants.py)."""
+ipc sockets (0700, or 0750 and the clients' group, server.client_group; the KV
+events' sockets 0660 of events.group where it is set), CURVE on tcp sockets,
+and with ``[tenants]`` the ZAP handler that names each request connection's
+tenant (daemon/tenants.py)."""
 
 from __future__ import annotations
 
@@ -15,17 +16,21 @@ import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
-from hicached.config import Config
+from hicached.config import Config, runtime_dir
 from hicached.daemon.tenants import EVENTS_DOMAIN, PeerAuthenticator, TenantMap
 from hicached.errors import ConfigError
 
 log = logging.getLogger("hicached")
 
 
-def ensure_private_dir(path: Path, group: int | None = None) -> None:
+def ensure_private_dir(
+    path: Path, group: int | None = None, *, key: str = "server.client_group", setgid: bool = False
+) -> None:
     """Create ``path`` mode 0700, or check that an existing one is ours and private.
-    With ``group`` (server.client_group) it is 0750 and that group's: its members
-    reach the sockets inside, nobody else does."""
+    With ``group`` (server.client_group, or events.group as ``key`` says) it is
+    0750 and that group's: its members reach the sockets inside, nobody else
+    does. ``setgid`` (2750) makes what is bound inside that group's from birth,
+    so no chown is needed (the unit's system call filter allows none)."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = path.lstat()
     if not stat.S_ISDIR(st.st_mode):
@@ -38,20 +43,21 @@ def ensure_private_dir(path: Path, group: int | None = None) -> None:
             f"run chmod {700 if group is None else 750} {path}"
         )
     if group is not None:
-        share_with_group(path, group, 0o750)
+        share_with_group(path, group, 0o2750 if setgid else 0o750, key)
 
 
-def client_group_id(name: str) -> int | None:
-    """The gid of server.client_group (a name or a number), None when unset."""
+def client_group_id(name: str, key: str = "server.client_group") -> int | None:
+    """The gid of a group key (server.client_group, events.group): a name or a
+    number; None when unset, ConfigError when the host has no such group."""
     if not name:
         return None
     try:
         return int(name) if name.isdigit() else grp.getgrnam(name).gr_gid
     except KeyError:
-        raise ConfigError(f"server.client_group: no group named {name!r} on this host") from None
+        raise ConfigError(f"{key}: no group named {name!r} on this host") from None
 
 
-def share_with_group(path: Path, group: int, mode: int) -> None:
+def share_with_group(path: Path, group: int, mode: int, key: str = "server.client_group") -> None:
     """Give ``path`` (ours) to ``group`` with ``mode``; no chown when it has that group."""
     try:
         if path.lstat().st_gid != group:
@@ -59,9 +65,36 @@ def share_with_group(path: Path, group: int, mode: int) -> None:
         os.chmod(path, mode)
     except OSError as exc:
         raise ConfigError(
-            f"server.client_group: cannot give {path} to group {group}: {exc.strerror} "
+            f"{key}: cannot give {path} to group {group}: {exc.strerror} "
             "(the daemon's user must be in that group)"
         ) from None
+
+
+def check_passage(directory: Path, group: int, socket: Path) -> None:
+    """events.group's members reach ``socket`` only through ``directory`` and every
+    directory above it: one that only its owner may pass is a ConfigError (the
+    knob could grant nothing); one that only its own group may pass, another
+    group, is logged (the members pass it only if they are in that group too)."""
+    for where in (directory, *directory.parents):
+        st = where.stat()
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o001 or (st.st_gid == group and mode & 0o010):
+            continue
+        if not mode & 0o010:
+            raise ConfigError(
+                f"events.group: only its owner may pass {where} (mode {mode:o}), so no "
+                f"member of group {group} reaches {socket}: put the events sockets in a "
+                "directory of their own that the group may reach (docs/events.md)"
+            )
+        log.warning(
+            "events.group: members of group %d reach %s only if they are in group %d "
+            "too, the only group that may pass %s (mode %o)",
+            group,
+            socket,
+            st.st_gid,
+            where,
+            mode,
+        )
 
 
 class Access:
@@ -71,13 +104,16 @@ class Access:
         self.config = config
         self.endpoint = endpoint
         self.client_gid: int | None = None  # server.client_group, resolved at start
+        self.events_gid: int | None = None  # events.group, resolved at start
         self.auth: ThreadAuthenticator | None = None
         self.curve_keys: tuple[bytes, bytes] | None = None
         self.tenants: TenantMap | None = None  # with [tenants]: who each peer is
 
     def resolve_group(self) -> int | None:
-        """server.client_group's gid (ConfigError when no such group)."""
+        """server.client_group's gid (ConfigError when no such group, or no
+        group named by events.group)."""
         self.client_gid = client_group_id(self.config.server.client_group)
+        self.events_gid = client_group_id(self.config.events.group, "events.group")
         return self.client_gid
 
     def stop(self) -> None:
@@ -150,10 +186,15 @@ class Access:
                 keys[public] = name
         return keys
 
-    def bind(self, sock: zmq.Socket[bytes], endpoint: str, key: str, *, share: bool = True) -> None:
+    def bind(self, sock: zmq.Socket[bytes], endpoint: str, key: str) -> None:
         """Bind (tcp:// with CURVE when configured) or close the socket and say
         which config key names the endpoint; an ipc:// socket goes to the
-        clients' group unless not ``share``."""
+        clients' group."""
+        self._listen(sock, endpoint, key)
+        if endpoint.startswith("ipc://") and self.client_gid is not None:
+            share_with_group(Path(endpoint[len("ipc://") :]), self.client_gid, 0o660)
+
+    def _listen(self, sock: zmq.Socket[bytes], endpoint: str, key: str) -> None:
         if endpoint.startswith("tcp://") and self.curve_keys is not None:
             sock.curve_publickey, sock.curve_secretkey = self.curve_keys
             sock.curve_server = True
@@ -162,25 +203,43 @@ class Access:
         except zmq.ZMQError as exc:
             sock.close()
             raise ConfigError(f"{key}: cannot listen on {endpoint}: {exc}") from None
-        if endpoint.startswith("ipc://") and self.client_gid is not None:
-            path = Path(endpoint[len("ipc://") :])
-            if share:
-                share_with_group(path, self.client_gid, 0o660)
-            else:
-                os.chmod(path, 0o600)  # whatever the umask: the group passes its directory
 
     def bind_private(self, sock: zmq.Socket[bytes], where: str, key: str) -> None:
         """Bind like ``bind``, an ipc:// socket in a private directory (the KV
-        events' sockets). With tenants the socket stays the daemon's user's
-        (0600 in a directory the clients' group may pass): the events name every
-        tenant's pages and their token ids, and every tenant's users are in the
-        clients' group, so an operator's router subscribes as the daemon's user
-        or root (docs/events.md). Over tcp (CURVE: Config) a key that a tenant
-        lists is refused (``PeerAuthenticator``)."""
-        if where.startswith("tcp://") and self.tenants is not None:
-            sock.setsockopt(zmq.ZAP_DOMAIN, EVENTS_DOMAIN)
-        if where.startswith("ipc://"):
-            path = Path(where[len("ipc://") :])
-            ensure_private_dir(path.parent, self.client_gid)
-            path.unlink(missing_ok=True)
-        self.bind(sock, where, key, share=not self.config.tenants)
+        events' sockets). With events.group the socket is 0660 of that group:
+        connecting to a unix socket takes write permission on it. Otherwise, with
+        tenants, it stays the daemon's user's (0600 in a directory the clients'
+        group may pass): the events name every tenant's pages and their token ids,
+        and every tenant's users are in the clients' group (docs/events.md). Over
+        tcp (CURVE: Config) a key that a tenant lists is refused
+        (``PeerAuthenticator``)."""
+        if not where.startswith("ipc://"):
+            if self.tenants is not None:
+                sock.setsockopt(zmq.ZAP_DOMAIN, EVENTS_DOMAIN)
+            self.bind(sock, where, key)
+            return
+        path = Path(where[len("ipc://") :])
+        self._events_dir(path)
+        path.unlink(missing_ok=True)
+        self._listen(sock, where, key)
+        if self.events_gid is not None:
+            share_with_group(path, self.events_gid, 0o660, "events.group")
+        elif self.client_gid is not None and not self.config.tenants:
+            share_with_group(path, self.client_gid, 0o660)
+        elif self.client_gid is not None:
+            os.chmod(path, 0o600)  # whatever the umask: the group passes its directory
+
+    def _events_dir(self, socket: Path) -> None:
+        """The directory of an events socket: the daemon's own (its runtime
+        directory, or its request socket's) keeps the clients' group; any other,
+        with events.group, is that group's, 2750 (docs/events.md)."""
+        directory, gid = socket.parent, self.events_gid
+        own = {runtime_dir(self.config).resolve()}
+        if self.endpoint.startswith("ipc://"):
+            own.add(Path(self.endpoint[len("ipc://") :]).parent.resolve())
+        if gid is None or directory.resolve() in own:
+            ensure_private_dir(directory, self.client_gid)
+        else:
+            ensure_private_dir(directory, gid, key="events.group", setgid=True)
+        if gid is not None:
+            check_passage(directory, gid, socket)

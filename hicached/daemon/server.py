@@ -42,7 +42,7 @@ from hicached.config import (
     load_config,
     runtime_dir,
 )
-from hicached.daemon.access import Access, ensure_private_dir
+from hicached.daemon.access import Access, client_group_id, ensure_private_dir
 from hicached.daemon.adoption import OpenedPool, open_arenas, open_pool
 from hicached.daemon.arenas import arena_layout, check_memberships, grant
 from hicached.daemon.collector import Collector
@@ -473,7 +473,7 @@ class Server:
             )
             return False
         try:
-            wanted = await asyncio.get_running_loop().run_in_executor(None, load_config, path)
+            wanted = await asyncio.get_running_loop().run_in_executor(None, _read_config, path)
             config, applied, refused = reload_plan(self.config, wanted)
         except ConfigError as exc:
             log.error("reload: %s; the daemon keeps running with its config as it was", exc)
@@ -534,6 +534,15 @@ def _exit_past_stuck_calls(grace_s: float = 0.5) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def _read_config(path: str) -> Config:
+    """The config file a reload reads, with the group events.group names looked up
+    (a restart applies it, and one that names no group would fail): off the event
+    loop, since the lookup may ask a directory service."""
+    config = load_config(path)
+    client_group_id(config.events.group, "events.group")
+    return config
 
 
 def _regular_or_missing(path: str) -> bool:
