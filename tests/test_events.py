@@ -20,6 +20,7 @@ import zmq
 
 from hicached import Client, Namespace
 from hicached.config import EventsConfig, parse_config
+from hicached.daemon.publisher import PEER_MESSAGE_BYTES
 from hicached.errors import ConfigError
 from hicached.events import (
     END_SEQ,
@@ -589,3 +590,30 @@ def test_an_events_socket_in_an_open_directory_stops_the_start(tmp_path: Path, w
         + f'replay_endpoint = "ipc://{where["replay_endpoint"]}/replay.sock"\n',
     )
     refused_start(d, "is open to other users")
+
+
+def test_a_replay_request_over_the_peer_bound_drops_that_connection_unread(
+    daemon_factory: Callable[..., Daemon], events_dir: Path
+) -> None:
+    """A replay request is 8 bytes: a peer that sends megabytes (not a reader)
+    loses its connection before the daemon buffers them, and the daemon goes
+    on serving replays to others."""
+    d, _, replay_at = events_daemon(daemon_factory, events_dir)
+    ctx = zmq.Context()
+    hostile, reader = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        for sock in (hostile, reader):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(replay_at)
+        hostile.send_multipart([b"", b"x" * (PEER_MESSAGE_BYTES + 1)])
+        hostile.send_multipart([b"", b"x" * 9])  # after it, on the same connection
+        time.sleep(0.3)
+        reader.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert read_replay(reader)[0] == 0  # AllBlocksCleared, as ever
+        with d.client() as c:
+            # neither reached the replay socket: the connection ended at the first
+            assert c.stats().dropped.get("bad_replay_request", 0) == 0
+    finally:
+        hostile.close()
+        reader.close()
+        ctx.term()
