@@ -80,6 +80,10 @@ class ServerConfig(msgspec.Struct, **_Section):
     # (gc.freeze), so that the interpreter's collections stop walking a large
     # index (daemon/collector.py).
     gc_freeze: bool = True
+    # Seconds a reload (SIGHUP) waits for its config file to be read: on a hung
+    # filesystem (NFS) the read blocks; the reload then fails and the daemon
+    # keeps serving with its config as it was.
+    reload_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.endpoint:
@@ -99,6 +103,8 @@ class ServerConfig(msgspec.Struct, **_Section):
             raise ValueError("key_cache_token_mib must be 0 (off) or positive")
         if self.session_idle_s <= 0:
             raise ValueError("session_idle_s must be positive")
+        if not 0 < self.reload_timeout_s <= 3600:
+            raise ValueError("reload_timeout_s must be positive, an hour at most")
 
 
 class PoolConfig(msgspec.Struct, **_Section):
