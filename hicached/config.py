@@ -304,6 +304,10 @@ class EventsConfig(msgspec.Struct, **_Section):
     data_parallel_rank: int = 0
     # Events waiting to be sent, at most; more are dropped and counted.
     queue_events: int = 100000
+    # Memory the events waiting to be sent may take, at most, in MiB, counted as
+    # 40 bytes a token id and 64 a key (an L2 commit's event carries every token
+    # id of its pages); more are dropped and counted, as past queue_events.
+    queue_mib: int = 64
     # Events per published batch, at most.
     batch_events: int = 64
     # One batch's payload, at most, in KiB: events that would make a batch
@@ -366,7 +370,15 @@ class EventsConfig(msgspec.Struct, **_Section):
             raise ValueError(f"block_hashes must be one of {', '.join(BLOCK_HASHES)}")
         if self.data_parallel_rank < 0:
             raise ValueError("data_parallel_rank must not be negative")
-        positive(self, "queue_events", "batch_events", "flush_interval_s", "replay_batches", "hwm")
+        positive(
+            self,
+            "queue_events",
+            "queue_mib",
+            "batch_events",
+            "flush_interval_s",
+            "replay_batches",
+            "hwm",
+        )
         if self.batch_kib < MIN_BATCH_KIB:
             raise ValueError(
                 f"batch_kib must be at least {MIN_BATCH_KIB} (a page of a few thousand tokens)"
