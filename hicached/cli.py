@@ -120,6 +120,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+# The largest message `hicached events` takes from a publisher: batches of a
+# daemon with events.batch_kib up to 64 MiB (or its config's, if larger).
+EVENTS_MESSAGE_BYTES = 64 << 20
 _GATHER_SHOWN = 8  # measured clients given a line each; --json has them all
 _HOW = {"measured": "measured", "forced": "set by HICACHED_GATHER", "no_torch": "without torch"}
 
@@ -225,9 +228,16 @@ def _cmd_events(args: argparse.Namespace) -> int:
 
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
 
+    # A batch's payload is at most the daemon's events.batch_kib; a larger
+    # message (not a daemon's) drops the connection before it is buffered.
+    # EVENTS_MESSAGE_BYTES covers a daemon whose batch_kib is larger than the
+    # config read here (none given: the defaults).
+    most = max(EVENTS_MESSAGE_BYTES, events.batch_kib * 1024 + 1024)
+
     def socket(kind: int, where: str) -> zmq.Socket[bytes]:
         sock = ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, most)
         if curve is not None:
             sock.curve_serverkey = curve.server_public
             sock.curve_publickey = curve.public

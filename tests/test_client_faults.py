@@ -17,9 +17,11 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+import zmq
 
 import hicached
 from hicached.cli import main
+from hicached.config import ServerConfig
 from hicached.errors import (
     BadRequest,
     DaemonUnavailable,
@@ -328,3 +330,98 @@ def test_a_timeout_too_long_for_a_deadline_is_refused(what: str) -> None:
 def test_status_with_a_timeout_too_long_says_so(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["status", "--endpoint", "tcp://127.0.0.1:5557", "--timeout", "1e300"]) == 2
     assert "timeout" in capsys.readouterr().err
+
+
+# Fault injection: a reply larger than the client takes. The fake daemon
+# answers the first stats after hello with a valid StatsOk of 4 MiB (as a
+# broken or hostile endpoint might send gigabytes); the client takes at most
+# 1 MiB. libzmq refuses the message from its length header and drops the
+# connection; the client dials again, so the next call is answered.
+_REPLY_BOUND = 1 << 20
+
+
+def _stats(request: p.Request, backend: str = "") -> p.StatsOk:
+    figures = (
+        "uptime_s pool_bytes pool_used_bytes pool_free_bytes slab_bytes pages pinned_pages "
+        "reserved_pages namespaces clients leases evicted_pages expired_leases"
+    )
+    zero = dict.fromkeys(figures.split(), 0)
+    stats = p.DaemonStats(
+        instance=1, requests={}, errors={}, dropped={}, l3_backend=backend, **zero
+    )
+    return p.StatsOk(id=request.id, stats=stats)
+
+
+def _oversized_once(sent: list[int]) -> object:
+    def behave(fake: FakeDaemon, peer: bytes, request: p.Request) -> None:
+        if isinstance(request, p.Hello):
+            fake.send(peer, hello_ok(request))
+        elif not sent:
+            payload = p.encode(_stats(request, "x" * (4 * _REPLY_BOUND)))
+            sent.append(len(payload))
+            fake.send(peer, payload)
+        else:
+            fake.send(peer, _stats(request))
+
+    return behave
+
+
+def test_a_reply_over_max_reply_bytes_is_refused_and_the_next_call_is_answered() -> None:
+    sent: list[int] = []
+    with FakeDaemon(_oversized_once(sent)) as fake:  # type: ignore[arg-type]
+        client = hicached.Client(
+            fake.endpoint, timeout=2.0, map_pool=False, max_reply_bytes=_REPLY_BOUND
+        )
+        try:
+            client.connect()
+            with pytest.raises(DaemonUnavailable, match="max_reply_bytes"):
+                client.stats()
+            assert sent and sent[0] > 4 * _REPLY_BOUND  # the message did go out
+            assert client.stats().l3_backend == ""  # dialled again: answered
+        finally:
+            client.close()
+
+
+async def test_an_async_reply_over_max_reply_bytes_is_refused_and_a_later_call_answered() -> None:
+    sent: list[int] = []
+    with FakeDaemon(_oversized_once(sent)) as fake:  # type: ignore[arg-type]
+        client = hicached.AsyncClient(
+            fake.endpoint, timeout=0.5, map_pool=False, max_reply_bytes=_REPLY_BOUND
+        )
+        try:
+            await client.connect()
+            with pytest.raises(DaemonUnavailable, match="max_reply_bytes"):
+                await client.stats()
+            assert sent and sent[0] > 4 * _REPLY_BOUND
+            assert (await client.stats()).l3_backend == ""  # dialled again: answered
+        finally:
+            await client.close()
+
+
+def test_a_daemon_whose_replies_may_pass_max_reply_bytes_is_warned_of(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    big = _answering(lambda r: hello_ok(r, max_pages_per_request=1 << 20))
+    with FakeDaemon(big) as fake:  # type: ignore[arg-type]
+        client = hicached.Client(
+            fake.endpoint, timeout=1.0, map_pool=False, max_reply_bytes=_REPLY_BOUND
+        )
+        try:
+            client.connect()
+        finally:
+            client.close()
+    assert "max_reply_bytes" in caplog.text and "1048576 pages" in caplog.text
+
+
+def test_the_default_reply_bound_holds_what_a_default_daemon_sends() -> None:
+    with FakeDaemon(_answering(hello_ok)) as fake:  # type: ignore[arg-type]
+        client = hicached.Client(fake.endpoint, timeout=1.0, map_pool=False)
+        try:
+            assert client.max_reply_bytes == p.MAX_REPLY_BYTES
+            assert client._sock.getsockopt(zmq.MAXMSGSIZE) == p.MAX_REPLY_BYTES
+        finally:
+            client.close()
+    pages = ServerConfig().max_pages_per_request
+    assert pages * p.REPLY_BYTES_PER_PAGE + p.REPLY_BYTES_BESIDE_PAGES <= p.MIN_REPLY_BYTES
+    with pytest.raises(BadRequest, match="max_reply_bytes"):
+        hicached.Client("tcp://127.0.0.1:5557", max_reply_bytes=4096)

@@ -20,9 +20,13 @@ import zmq
 
 from hicached import Client, Namespace
 from hicached.config import EventsConfig, parse_config
+from hicached.daemon.publisher import PEER_MESSAGE_BYTES
 from hicached.errors import ConfigError
 from hicached.events import (
     END_SEQ,
+    EVENT_BYTES,
+    KEY_BYTES,
+    TOKEN_BYTES,
     BlockRemoved,
     BlockStored,
     Cleared,
@@ -33,6 +37,7 @@ from hicached.events import (
     WireFormat,
     batch_decoder,
     block_hash,
+    event_bytes,
     topic_template,
 )
 from hicached.hashing import pack_tokens, page_keys
@@ -352,6 +357,69 @@ def test_a_queue_overflow_is_counted_and_leaves_a_seq_gap(
         ctx.term()
 
 
+def test_event_log_bounds_its_bytes_as_well_as_its_events() -> None:
+    """One event may carry a whole commit's token ids: a queue bounded by count
+    alone could hold gigabytes. Past max_bytes events are dropped and counted
+    like those past max_events, and an event larger than max_bytes alone too."""
+    tokens = list(range(1000, 2000))  # 1,000 token ids: about 40 KB each
+    size = event_bytes(Stored([b"k" * 16], None, tokens, 1000, "CPU"))
+    assert size == EVENT_BYTES + KEY_BYTES + 1000 * TOKEN_BYTES
+    log = EventLog(max_events=1000, enabled=True, max_bytes=3 * size)
+    counters: dict[str, int] = {}
+    log.count_drops_in(counters)
+    for i in range(5):  # three fit, two are dropped: one gap after the third
+        log.stored([bytes([i]) * 16], None, tokens, 1000, "CPU")
+    assert log.dropped == 2 and counters == {"events_queue": 2} and log.bytes == 3 * size
+    events, gap = log.take(10)
+    assert len(events) == 3 and gap and log.bytes == 0
+    log.stored([b"x" * 16], None, list(range(4000)), 1000, "CPU")  # alone over the bound
+    log.removed([b"y" * 16], "CPU")
+    assert log.dropped == 3 and log.take(10) == ([], True)  # the gap comes first
+    assert log.take(10) == ([Removed([b"y" * 16], "CPU")], False)
+
+
+def test_a_queue_over_queue_mib_is_counted_and_leaves_a_seq_gap(
+    daemon_factory: Callable[..., Daemon], events_dir: Path
+) -> None:
+    """A real daemon whose commits carry 8,192 token ids each (about 330 KB in
+    the queue): queue_mib = 1 holds three, far below queue_events; the rest
+    between two flushes are dropped and counted, and the later ones go out."""
+    d, pub, _ = events_daemon(
+        daemon_factory, events_dir, "queue_mib = 1\nflush_interval_s = 0.5\n", size_mib=8
+    )
+    spec = {**NS, "model": "test/long-pages", "page_tokens": 4096, "page_bytes": 4096}
+    ctx = zmq.Context()
+    sub = subscriber(ctx, pub)
+    try:
+        with d.client() as c:
+            ns = c.register(**spec)
+            keys: list[bytes] = []
+
+            def store(i: int) -> None:
+                toks = np.arange(i * 8192, (i + 1) * 8192, dtype=np.uint32)
+                c.store(ns, toks, np.zeros((2, 4096), np.uint8))
+                keys.extend(page_keys(ns.digest, pack_tokens(toks), 4096))
+
+            for i in range(12):  # far more than three between two flushes
+                store(i)
+            time.sleep(1.0)
+            store(12)  # published after the gap
+            got = collect(
+                sub,
+                lambda g: any(
+                    isinstance(e, BlockStored) and block_hash(keys[-1]) in e.block_hashes
+                    for e in flat(g)
+                ),
+            )
+            dropped = c.stats().dropped.get("events_queue", 0)
+        stored = [k for e in flat(got) if isinstance(e, BlockStored) for k in e.block_hashes]
+        assert dropped > 0 and len(stored) + 2 * dropped == len(keys)
+        assert stored == [k for k in hk(keys) if k in set(stored)]  # in order, some missing
+    finally:
+        sub.close()
+        ctx.term()
+
+
 def test_a_subscriber_too_slow_for_the_hwm_sees_exactly_the_counted_drops(
     daemon_factory: Callable[..., Daemon], events_dir: Path
 ) -> None:
@@ -589,3 +657,30 @@ def test_an_events_socket_in_an_open_directory_stops_the_start(tmp_path: Path, w
         + f'replay_endpoint = "ipc://{where["replay_endpoint"]}/replay.sock"\n',
     )
     refused_start(d, "is open to other users")
+
+
+def test_a_replay_request_over_the_peer_bound_drops_that_connection_unread(
+    daemon_factory: Callable[..., Daemon], events_dir: Path
+) -> None:
+    """A replay request is 8 bytes: a peer that sends megabytes (not a reader)
+    loses its connection before the daemon buffers them, and the daemon goes
+    on serving replays to others."""
+    d, _, replay_at = events_daemon(daemon_factory, events_dir)
+    ctx = zmq.Context()
+    hostile, reader = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        for sock in (hostile, reader):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(replay_at)
+        hostile.send_multipart([b"", b"x" * (PEER_MESSAGE_BYTES + 1)])
+        hostile.send_multipart([b"", b"x" * 9])  # after it, on the same connection
+        time.sleep(0.3)
+        reader.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert read_replay(reader)[0] == 0  # AllBlocksCleared, as ever
+        with d.client() as c:
+            # neither reached the replay socket: the connection ended at the first
+            assert c.stats().dropped.get("bad_replay_request", 0) == 0
+    finally:
+        hostile.close()
+        reader.close()
+        ctx.term()

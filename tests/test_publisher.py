@@ -38,7 +38,7 @@ class Setup:
             flush_interval_s=600.0,  # flushed by hand
             **config,
         )
-        self.log = EventLog(100_000, enabled=True)
+        self.log = EventLog(100_000, enabled=True, max_bytes=self.config.queue_mib << 20)
         self.dropped: dict[str, int] = {}
         self.publisher = Publisher(self.config, self.log, self.dropped)
         self.ctx: zmq.Context[Any] = zmq.Context()
@@ -313,7 +313,16 @@ async def test_a_one_page_event_over_batch_kib_is_dropped_and_counted_as_a_gap(
 
 @pytest.mark.parametrize(
     "setup",
-    [{"replay_batches": 1000, "batch_kib": 16, "buffer_mib": 1, "replay_timeout_s": 5.0}],
+    [
+        # 1,000 events of 4,000 token ids are queued at once: 160 MB as queue_mib counts
+        {
+            "replay_batches": 1000,
+            "batch_kib": 16,
+            "buffer_mib": 1,
+            "replay_timeout_s": 5.0,
+            "queue_mib": 256,
+        }
+    ],
     indirect=True,
 )
 async def test_a_replay_in_progress_holds_no_batch_the_ring_let_go_of(setup: Setup) -> None:

@@ -215,3 +215,38 @@ def test_a_config_path_that_became_a_fifo_is_refused_and_the_next_reload_applies
     lines = _sighup(d, good.replace("[pool]\n", "[pool]\nmax_namespaces = 3\n"))
     assert "pool.max_namespaces = 3" in lines
     assert d.stop() == 0
+
+
+def test_a_reload_whose_read_hangs_times_out_while_the_daemon_serves(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """Fault injection (tests/reload_fault_daemon.py): while ``<config>.hang``
+    exists, reading the config blocks, as on a hung NFS mount. The daemon
+    answers requests meanwhile; the reload fails after server.reload_timeout_s,
+    counted as a timeout, and keeps the config as it was; a reload while that
+    read still hangs fails at once; a stop does not wait for the stuck read."""
+    d = daemon_factory(module="tests.reload_fault_daemon", extra="reload_timeout_s = 1.0\n")
+    good = d.config.read_text()
+    hang = d.config.with_name(d.config.name + ".hang")
+    hang.touch()
+    with d.client() as c:
+        url = c.stats().metrics_endpoint
+        ns = c.register(**NS)
+        assert d.proc is not None
+        before = len(d.log.read_text())
+        d.config.write_text(good.replace("[pool]\n", "[pool]\nmax_namespaces = 1\n"))
+        d.proc.send_signal(signal.SIGHUP)
+        c.store(ns, _seq(1), page_bytes_for(_seq(1)))  # served while the read hangs
+        assert c.match(ns, _seq(1), lease=False).hits == 4
+        deadline = time.monotonic() + 10
+        while "was not read within" not in d.log.read_text()[before:]:
+            assert time.monotonic() < deadline, d.log.read_text()[before:]
+            assert c.stats().pages == 4  # and all along
+            time.sleep(0.05)
+        assert "server.reload_timeout_s" in d.log.read_text()[before:]
+        c.register(**{**NS, "model": "test/second"})  # max_namespaces as it was
+        lines = _sighup(d, d.config.read_text())  # the first read still hangs
+        assert "still not returned" in lines
+        assert scrape(url)[("hicached_reloads_total", (("result", "timeout"),))] == 2
+    assert d.stop() == 0  # with the read still stuck on its thread
+    hang.unlink()

@@ -114,7 +114,11 @@ class Cache:
         self._set_quotas(config)
         server = config.server
         self.key_cache = KeyCache(server.key_cache_pages, server.key_cache_token_mib << 20)
-        self.events = EventLog(config.events.queue_events, enabled=bool(config.events.endpoint))
+        self.events = EventLog(
+            config.events.queue_events,
+            enabled=bool(config.events.endpoint),
+            max_bytes=config.events.queue_mib << 20,
+        )
         self.events.add(Cleared())  # a new daemon's L2 starts empty; L3 is announced by its scan
         # the L3 port (daemon/tier.py), once its store is open (``use_tier``)
         self.tier: TierPort | None = None

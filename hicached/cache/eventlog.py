@@ -1,8 +1,11 @@
 """The queue of KV events the cache records, for the publisher to send.
 
 Synchronous and free of I/O: the cache appends, the daemon's publisher
-(daemon/publisher.py) takes batches. Bounded: events that find it full are
-dropped and counted, and leave a gap in the sequence numbers.
+(daemon/publisher.py) takes batches. Bounded in events (``events.queue_events``)
+and in bytes (``events.queue_mib``): one event may carry the token ids and keys
+of a whole request (a commit of thousands of pages), so a count alone would
+let the queue hold gigabytes. Events that find it full are dropped and
+counted, and leave a gap in the sequence numbers.
 """
 
 from __future__ import annotations
@@ -14,21 +17,41 @@ from hicached.wire.namespace import EventMeta
 
 # Reason under which events the full queue refused are counted in ``dropped``.
 QUEUE_DROPS = "events_queue"
+# What a queued event takes, as the byte bound counts it: the event and its
+# lists, each token id (a Python int, 28 to 32 bytes, and its list entry) and
+# each key (a bytes object of 16 and its entry; keys are often shared with
+# the index, so this is the most they take).
+EVENT_BYTES = 256
+TOKEN_BYTES = 40
+KEY_BYTES = 64
+
+
+def event_bytes(event: AnyEvent) -> int:
+    """What ``event`` takes in the queue, as its byte bound counts it."""
+    if isinstance(event, Stored):
+        return EVENT_BYTES + KEY_BYTES * len(event.keys) + TOKEN_BYTES * len(event.tokens)
+    if isinstance(event, Removed):
+        return EVENT_BYTES + KEY_BYTES * len(event.keys)
+    return EVENT_BYTES
 
 
 class EventLog:
     """Events waiting to be published; bounded, and a no-op when disabled.
 
-    Events that find the queue full are dropped and counted (``dropped``, and
+    At most ``max_events`` events and ``max_bytes`` bytes (``event_bytes``
+    each). Events that find the queue full, and an event larger than
+    ``max_bytes`` alone, are dropped and counted (``dropped``, and
     under ``events_queue`` in the counters given to ``count_drops_in``); the
     place where they would have been is remembered, and ``take`` stops there
     so the publisher can leave a gap in the sequence numbers.
     """
 
-    def __init__(self, max_events: int, enabled: bool) -> None:
+    def __init__(self, max_events: int, enabled: bool, max_bytes: int = 64 << 20) -> None:
         self.enabled = enabled
         self.max_events = max_events
-        self.pending: collections.deque[AnyEvent] = collections.deque()
+        self.max_bytes = max_bytes
+        self.bytes = 0  # what the pending events take (event_bytes)
+        self.pending: collections.deque[tuple[AnyEvent, int]] = collections.deque()
         self.dropped = 0
         self._counters: dict[str, int] | None = None
         self._queued = 0  # events ever queued
@@ -45,14 +68,16 @@ class EventLog:
     def add(self, event: AnyEvent) -> None:
         if not self.enabled:
             return
-        if len(self.pending) >= self.max_events:
+        size = event_bytes(event)
+        if len(self.pending) >= self.max_events or self.bytes + size > self.max_bytes:
             self.dropped += 1
             if self._counters is not None:
                 self._counters[QUEUE_DROPS] = self._counters.get(QUEUE_DROPS, 0) + 1
             if not self._gaps or self._gaps[-1] != self._queued:
                 self._gaps.append(self._queued)  # one gap per run of drops
             return
-        self.pending.append(event)
+        self.pending.append((event, size))
+        self.bytes += size
         self._queued += 1
 
     def stored(
@@ -107,7 +132,9 @@ class EventLog:
         if gaps:
             limit = min(limit, gaps[0] - self._taken)
         pop = self.pending.popleft
-        out = [pop() for _ in range(limit)]
+        taken = [pop() for _ in range(limit)]
+        self.bytes -= sum(size for _, size in taken)
+        out = [event for event, _ in taken]
         self._taken += limit
         if gaps and gaps[0] == self._taken:
             gaps.popleft()

@@ -43,7 +43,8 @@ from hicached.wire.namespace import EventMeta, NamespaceSpec
 
 class AsyncClient(_Core):
     """asyncio client; many requests may be in flight at once (``max_in_flight``;
-    more wait in the client, as the daemon keeps a bounded number of replies)."""
+    more wait in the client, as the daemon keeps a bounded number of replies).
+    The other options are ``Client``'s."""
 
     def __init__(
         self,
@@ -56,13 +57,16 @@ class AsyncClient(_Core):
         connect_timeout: float = 0.5,
         max_in_flight: int = 64,
         prefault: bool = False,
+        max_reply_bytes: int = p.MAX_REPLY_BYTES,
     ) -> None:
         # 0 would let no call out (each waits out its timeout); checked before any socket
         if type(max_in_flight) is not int or max_in_flight < 1:
             raise BadRequest(
                 f"max_in_flight must be a whole number of requests >= 1, got {max_in_flight!r}"
             )
-        super().__init__(endpoint, timeout, name, curve, map_pool, connect_timeout, prefault)
+        super().__init__(
+            endpoint, timeout, name, curve, map_pool, connect_timeout, prefault, max_reply_bytes
+        )
         self.max_in_flight = max_in_flight  # requests awaiting replies; more wait here
         self._slots: asyncio.Semaphore | None = None
         self._ctx = zmq.asyncio.Context()
@@ -170,6 +174,7 @@ class AsyncClient(_Core):
             # no connection (IMMEDIATE): wait briefly for one, as after a restart
             wait_ms = int(min(budget, self.connect_timeout) * 1000)
             if not await sock.poll(wait_ms, zmq.POLLOUT):  # type: ignore[call-arg]
+                self._redial(sock)  # for the next call
                 raise self._unavailable()
         future: asyncio.Future[p.AnyReply] = loop.create_future()
         self._pending[request_id] = future
@@ -177,6 +182,9 @@ class AsyncClient(_Core):
             await sock.send(payload)
             return await asyncio.wait_for(future, budget)
         except asyncio.TimeoutError:
+            if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
+                self._redial(sock)  # the connection went away: for the next call
+                raise self._dropped() from None
             raise DeadlineExceeded(
                 f"no reply from the daemon at {self.endpoint} within {budget:.3g}s"
             ) from None

@@ -140,6 +140,7 @@ class _Core(PageCopies):
         map_pool: bool,
         connect_timeout: float,
         prefault: bool = False,
+        max_reply_bytes: int = p.MAX_REPLY_BYTES,
     ) -> None:
         self.endpoint = endpoint or default_endpoint()
         self.prefault = prefault  # fault the pool mapping in on a thread of its own
@@ -158,6 +159,12 @@ class _Core(PageCopies):
                 )
         self.timeout = timeout
         self.connect_timeout = connect_timeout
+        if type(max_reply_bytes) is not int or max_reply_bytes < p.MIN_REPLY_BYTES:
+            raise BadRequest(
+                f"max_reply_bytes must be a whole number of bytes >= {p.MIN_REPLY_BYTES}, "
+                f"got {max_reply_bytes!r}"
+            )
+        self.max_reply_bytes = max_reply_bytes  # larger messages drop the connection
         self.name = name or f"pid-{os.getpid()}"
         self._forks = _Process.forks  # this client's sockets belong to this process
         self._closing = False  # close() began: no call goes out any more
@@ -216,6 +223,7 @@ class _Core(PageCopies):
             self._pool.hello(reply, prefault=self.prefault)
         self._instance = reply.instance
         self._margin = lease_margin(reply.lease_ttl_s)
+        self._check_reply_bound(reply)
         self._reporter.new_session()
         # The namespaces again, before the session counts as open (``_hello``):
         # until then no other request goes out (an AsyncClient's other tasks
@@ -238,6 +246,22 @@ class _Core(PageCopies):
         self._hello = reply
         if refused is not None:
             raise refused.to_exception()
+
+    def _check_reply_bound(self, hello: p.HelloOk) -> None:
+        """Warn when this daemon's limits allow replies over ``max_reply_bytes``:
+        the libzmq of this client would refuse them, dropping the connection,
+        and a call over that many pages would end at its timeout."""
+        largest = hello.max_pages_per_request * p.REPLY_BYTES_PER_PAGE + p.REPLY_BYTES_BESIDE_PAGES
+        if largest > self.max_reply_bytes:
+            log.warning(
+                "the daemon at %s takes requests of up to %d pages, whose replies may be "
+                "larger than this client's max_reply_bytes (%d): give the client a "
+                "max_reply_bytes of %d or more",
+                self.endpoint,
+                hello.max_pages_per_request,
+                self.max_reply_bytes,
+                largest,
+            )
 
     def _register(
         self, spec: NamespaceSpec | None, fields: dict[str, Any], events: EventMeta | None = None
@@ -488,6 +512,27 @@ class _Core(PageCopies):
         what = "" if self._hello else " (is it running?)"
         return DaemonUnavailable(f"no connection to the daemon at {self.endpoint}{what}")
 
+    def _redial(self, sock: zmq.Socket[Any]) -> None:
+        """Dial the daemon again once a call found no connection (none came
+        within ``connect_timeout``, or it went away while the call waited).
+        libzmq reconnects by itself after a daemon restarts, but gives a
+        connection up for good after a protocol error, such as a message over
+        ``max_reply_bytes``: without a new dial, every later call would fail.
+        Never while a connection is up: libzmq ends one asynchronously, and a
+        request sent meanwhile could go into the connection being ended."""
+        with contextlib.suppress(zmq.ZMQError):
+            sock.disconnect(self.endpoint)
+        with contextlib.suppress(zmq.ZMQError):
+            sock.connect(self.endpoint)
+
+    def _dropped(self) -> DaemonUnavailable:
+        """The connection went away while a call waited for its reply."""
+        return DaemonUnavailable(
+            f"the connection to the daemon at {self.endpoint} went away during the call "
+            f"(it stopped, or sent a message over this client's max_reply_bytes, "
+            f"{self.max_reply_bytes})"
+        )
+
     def _shut(self, sock: zmq.Socket[Any], ctx: zmq.Context[Any]) -> None:
         """Say goodbye if a session is open (the daemon ends it and its leases at
         once), close the socket and the context, unmap the pool."""
@@ -511,6 +556,11 @@ class _Core(PageCopies):
         sock.setsockopt(zmq.IMMEDIATE, 1)  # no queueing for a daemon that is not there
         sock.setsockopt(zmq.RECONNECT_IVL, 50)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 200)  # back within connect_timeout
+        # Set before connect (libzmq copies a socket's options into each
+        # connection it makes): a message over it is refused from its length
+        # header, and the connection dropped, so an endpoint that sends gigabytes
+        # cannot make this process buffer them; the call waiting ends at its timeout.
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_reply_bytes)
         if self.curve is not None:
             sock.curve_serverkey = self.curve.server_public
             sock.curve_publickey = self.curve.public

@@ -54,7 +54,11 @@ class Client(_Core):
     daemon before ``DaemonUnavailable`` (covers a daemon restart's reconnect).
     ``prefault``: map the pool's pages in on a background thread after each
     connect, so first copies fault nothing; the connect itself never faults
-    the pool in (a large pool maps in one system call).
+    the pool in (a large pool maps in one system call). ``max_reply_bytes``:
+    the largest message taken from the daemon (wire/protocol.py's
+    MAX_REPLY_BYTES by default, far above what a daemon sends); a larger one
+    drops the connection before it is buffered, and the call ends at its
+    timeout.
     """
 
     def __init__(
@@ -67,8 +71,11 @@ class Client(_Core):
         map_pool: bool = True,
         connect_timeout: float = 0.5,
         prefault: bool = False,
+        max_reply_bytes: int = p.MAX_REPLY_BYTES,
     ) -> None:
-        super().__init__(endpoint, timeout, name, curve, map_pool, connect_timeout, prefault)
+        super().__init__(
+            endpoint, timeout, name, curve, map_pool, connect_timeout, prefault, max_reply_bytes
+        )
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         self._configure(self._sock)
@@ -116,6 +123,7 @@ class Client(_Core):
         except zmq.Again:
             # no connection (IMMEDIATE): wait briefly for one, as after a restart
             if not sock.poll(int(min(budget, self.connect_timeout) * 1000), zmq.POLLOUT):
+                self._redial(sock)  # for the next call
                 raise self._unavailable() from None
             sock.send(payload, zmq.NOBLOCK)
         slice_ms = max(1, int(min(budget, 0.1) * 1000))
@@ -133,7 +141,8 @@ class Client(_Core):
                         f"no reply from the daemon at {self.endpoint} within {budget:.3g}s"
                     ) from None
                 if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
-                    raise self._unavailable() from None  # the connection went away
+                    self._redial(sock)  # the connection went away: for the next call
+                    raise self._dropped() from None
                 continue
             except msgspec.MsgspecError:
                 pass  # not a reply this client understands: keep waiting

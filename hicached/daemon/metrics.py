@@ -342,10 +342,11 @@ class Metrics:
         self.reloads = LoopCounter(
             "hicached_reloads",
             "Config reloads (SIGHUP) by result: applied, invalid (the file did not "
-            "parse or validate; nothing changed), failed (an unexpected error, logged "
-            "with its traceback).",
+            "parse or validate; nothing changed), timeout (the file was not read within "
+            "server.reload_timeout_s; nothing changed), failed (an unexpected error, "
+            "logged with its traceback).",
             "result",
-            ("applied", "invalid", "failed"),
+            ("applied", "invalid", "timeout", "failed"),
         )
         self.registry.register(self.request_seconds)
         self.registry.register(self.l3_seconds)
@@ -378,7 +379,7 @@ class Metrics:
         self.gc_seconds.observe(_GENERATION[generation], seconds)
 
     def count_reload(self, result: str) -> None:
-        """One reload's result (applied, invalid, failed)."""
+        """One reload's result (applied, invalid, timeout, failed)."""
         self.reloads.add(result)
 
     def start(self) -> None:

@@ -86,6 +86,11 @@ MESSAGE_OVERHEAD_BYTES = 512
 # What the replay ring keeps per batch beside its payload: the tuple, the seq
 # and the bytes object's header.
 REPLAY_ENTRY_BYTES = 160
+# The largest message the sockets take from their peers (ZMQ_MAXMSGSIZE; a
+# larger one drops that peer's connection before it is buffered): a replay
+# request's frames are at most 8 bytes, a subscription is a flag byte and a
+# topic prefix, and no topic (host and model names) comes near this.
+PEER_MESSAGE_BYTES = 4096
 
 
 def _queue_messages(budget: int, config: EventsConfig) -> int:
@@ -282,6 +287,7 @@ class Publisher:
             # Refuse, never drop: a send beyond the reader's queue raises instead.
             router.setsockopt(zmq.ROUTER_MANDATORY, 1)
             router.setsockopt(zmq.SNDHWM, replay_hwm(cfg))
+            router.setsockopt(zmq.MAXMSGSIZE, PEER_MESSAGE_BYTES)
             bind(router, cfg.replay_endpoint, "events.replay_endpoint")
             loop.add_reader(router.fileno(), self._on_requests)
         self._flusher = loop.create_task(self._flush_loop())
@@ -295,6 +301,7 @@ class Publisher:
         # A subscriber's full queue refuses the send (zmq.Again), so the drop is ours
         # to count; a PUB socket would drop the batch for that subscriber unseen.
         pub.setsockopt(zmq.XPUB_NODROP, 1)
+        pub.setsockopt(zmq.MAXMSGSIZE, PEER_MESSAGE_BYTES)
         self._bind(pub, self.config.endpoint, "events.endpoint")
         return pub
 

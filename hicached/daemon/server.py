@@ -23,7 +23,6 @@ import fcntl
 import logging
 import os
 import signal
-import stat
 import sys
 import threading
 import time
@@ -39,10 +38,9 @@ from hicached.config import (
     Config,
     config_source,
     endpoint,
-    load_config,
     runtime_dir,
 )
-from hicached.daemon.access import Access, client_group_id, ensure_private_dir
+from hicached.daemon.access import Access, ensure_private_dir
 from hicached.daemon.adoption import OpenedPool, open_arenas, open_pool
 from hicached.daemon.arenas import arena_layout, check_memberships, grant
 from hicached.daemon.collector import Collector
@@ -52,6 +50,7 @@ from hicached.daemon.notify import StartupProgress, sd_notify, watchdog_interval
 from hicached.daemon.publisher import Publisher
 from hicached.daemon.reload import reload_plan
 from hicached.daemon.requests import RequestLoop
+from hicached.daemon.reread import ConfigReader, ReadTimeout
 from hicached.daemon.tenants import TENANT_DOMAIN
 from hicached.daemon.tier import Tier, make_backend
 from hicached.errors import ConfigError
@@ -95,6 +94,7 @@ class Server:
         # the garbage collector's figures, and its tuning (server.gc_freeze)
         self.collector = Collector(config.server.gc_freeze)
         self._reload_wanted = asyncio.Event()
+        self._reader = ConfigReader()  # reads the file for reloads, under a deadline
         # the process is this daemon's own (serve): it may exit past stuck calls
         self.exit_past_stuck_calls = False
         self._resweep = asyncio.Event()  # set by a reload: the sweep takes its new interval
@@ -442,7 +442,7 @@ class Server:
         and the next SIGHUP is taken as ever; raising here would end the task
         that waits for SIGHUPs, and every later reload would do nothing."""
         try:
-            applied = await self._reload()
+            result = await self._reload()
         except Exception:
             log.exception(
                 "reload of %s failed; the daemon keeps running (with its config as it was, "
@@ -451,33 +451,25 @@ class Server:
                 self.config_path,
             )
             result = "failed"
-            applied = False
-        else:
-            result = "applied" if applied else "invalid"
         if self.metrics is not None:
             self.metrics.count_reload(result)
-        return applied
+        return result == "applied"
 
-    async def _reload(self) -> bool:
+    async def _reload(self) -> str:
+        """One reload; its result: applied, invalid (nothing changed) or timeout."""
         path = self.config_path
         if path is None:
             log.warning("SIGHUP: started without a config file (--config); nothing to reload")
-            return False
-        if not _regular_or_missing(path):
-            # a FIFO (or a device) would hold the reading thread until someone
-            # writes to it, and a daemon's stop waits for that thread
-            log.error(
-                "reload: %s is not a regular file; the daemon keeps running with its config "
-                "as it was",
-                path,
-            )
-            return False
+            return "invalid"
         try:
-            wanted = await asyncio.get_running_loop().run_in_executor(None, _read_config, path)
+            wanted = await self._reader.read(path, self.config.server.reload_timeout_s)
             config, applied, refused = reload_plan(self.config, wanted)
+        except ReadTimeout as exc:
+            log.error("reload: %s; the daemon keeps running with its config as it was", exc)
+            return "timeout"
         except ConfigError as exc:
             log.error("reload: %s; the daemon keeps running with its config as it was", exc)
-            return False
+            return "invalid"
         for key in refused:
             log.warning(
                 "reload: %s changed in %s, but only a restart applies it; it keeps its "
@@ -500,7 +492,7 @@ class Server:
             )
         changes = ", ".join(f"{key} = {value!r}" for key, value in applied.items())
         log.info("reload of %s: %s", path, changes or "nothing to change")
-        return True
+        return "applied"
 
 
 def serve(config: Config, config_path: str | None = None, *, fresh: bool = False) -> None:
@@ -534,20 +526,3 @@ def _exit_past_stuck_calls(grace_s: float = 0.5) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-
-
-def _read_config(path: str) -> Config:
-    """The config file a reload reads, with the group events.group names looked up
-    (a restart applies it, and one that names no group would fail): off the event
-    loop, since the lookup may ask a directory service."""
-    config = load_config(path)
-    client_group_id(config.events.group, "events.group")
-    return config
-
-
-def _regular_or_missing(path: str) -> bool:
-    """Whether ``path`` is a regular file, or names nothing (load_config says so)."""
-    try:
-        return stat.S_ISREG(os.stat(path).st_mode)
-    except OSError:
-        return True

@@ -27,6 +27,22 @@ EVENT_META_MINOR = 6
 # the first minor version whose daemons report their garbage collector in stats
 COLLECTOR_MINOR = 7
 
+# The largest reply a client takes by default (its socket's ZMQ_MAXMSGSIZE): a
+# larger message, from a broken or hostile endpoint, is refused by libzmq from
+# its length header, before any of it is buffered, and the connection is
+# dropped. The largest replies grow with a daemon's limits: a reserve_keys
+# reply takes an offset (9 bytes of msgpack), an index (5) and a flag (1) per
+# page, REPLY_BYTES_PER_PAGE x server.max_pages_per_request in all (256 KiB
+# at the default 16,384); stats carries each session's gather report, about
+# 400 bytes x server.max_clients (400 KiB at the default 1,024). 64 MiB holds
+# the replies of a daemon configured for 4 million pages per request.
+MAX_REPLY_BYTES = 64 << 20
+# The least a client may set: a stats reply with many sessions still fits.
+MIN_REPLY_BYTES = 1 << 20
+REPLY_BYTES_PER_PAGE = 16
+# What a reply takes beside its pages' bytes, at most (stats with its sessions)
+REPLY_BYTES_BESIDE_PAGES = 512 << 10
+
 
 class Request(msgspec.Struct, tag_field="op", kw_only=True, forbid_unknown_fields=True):
     """Fields every request carries.
