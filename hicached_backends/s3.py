@@ -35,6 +35,7 @@ _MISSING = {"404", "NoSuchKey", "NotFound"}
 
 class S3Backend(Backend):
     options_type = S3Options
+    lists = True
 
     @classmethod
     def check_options(cls, options: S3Options) -> None:
