@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hicached.hashing import pack_tokens, page_keys
-from tests.l3util import l3_count, storage, wait_for, wait_prefetch
+from tests.l3util import evict_everything, l3_count, storage, wait_for, wait_prefetch
 from tests.services import S3Server
 from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
 from tests.test_s3_daemon import s3_tail
@@ -102,3 +102,44 @@ def test_an_object_that_fails_verification_is_deleted_not_relisted(
         ns = c.register(**NS)
         for toks in seqs[:4]:
             assert c.match(ns, toks, lease=False).l3_hits == 2, "a bad object was listed again"
+
+
+def test_no_l3_hit_is_reported_while_the_store_is_down(
+    daemon_factory: Callable[..., Daemon], s3: S3Server, bucket: str
+) -> None:
+    """S3 answers every request with 500 (the fault proxy in front of the real
+    server) and the breaker marks the backend down. Before, a match went on
+    counting the pages the daemon knows in L3 as hits, though no read could
+    serve one (a prefetch fails at once while the store is down): an engine
+    planned loads that could not happen, for as long as the outage lasted. A
+    miss is always legal: while L3 is down a match reports no L3 hit, and once
+    the breaker's probe finds the store back, the hits are reported again."""
+    from tests.faults import FaultProxy
+
+    proxy = FaultProxy(s3.endpoint, seed=5)
+    try:
+        more = "breaker_failures = 2\nbreaker_cooldown_s = 0.5\nretries = 0\n"
+        d = daemon_factory(
+            size_mib=1,
+            slab_mib=1,
+            storage=storage("s3", more=more),
+            tail=s3_tail(proxy.endpoint, bucket, max_attempts=1),
+        )
+        toks = seq(0, 8)
+        with d.client() as c:
+            ns = c.register(**NS)
+            c.store(ns, toks, page_bytes_for(toks))
+            wait_for(lambda: l3_count(c, "written") == 8)
+            evict_everything(c, ns)
+            assert c.match(ns, toks, lease=False).l3_hits == 8
+            proxy.rates = {"error": 1.0}
+            for k in range(4):  # writes that fail open the breaker
+                more_toks = seq((k + 1) * 10**6, 2)
+                c.store(ns, more_toks, page_bytes_for(more_toks))
+            wait_for(lambda: c.stats().l3_state == "down", timeout=30)
+            assert c.match(ns, toks, lease=False).l3_hits == 0, "an L3 hit while L3 is down"
+            proxy.rates = {}
+            wait_for(lambda: c.stats().l3_state == "up")
+            assert c.match(ns, toks, lease=False).l3_hits == 8
+    finally:
+        proxy.stop()

@@ -438,6 +438,10 @@ class Tier:
 
         call.add_done_callback(ended)
 
+    @property
+    def down(self) -> bool:
+        return self.dispatcher.state == "down"
+
     def prefetch(self, lease: Lease) -> None:
         task = asyncio.get_running_loop().create_task(self._prefetch(lease))
         self._prefetches.add(task)
