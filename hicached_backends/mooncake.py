@@ -311,10 +311,10 @@ class MooncakeBackend(Backend):
             bad = [
                 page.key
                 for page, code, ok in zip(chunk, codes, oks, strict=True)
-                if (code > 0 and not ok) or code == BUFFER_SIZE_MISMATCH
+                if code > 0 and not ok
             ]
             self.counters["bad_objects"] += len(bad)
-            if bad:
+            if bad:  # not one of another size: that may be the reader's (BUFFER_SIZE_MISMATCH)
                 await self._remove_bad(ns, bad)
             # A page gone (removed by another host, evicted by the store) or bad is
             # forgotten, as S3 does: else it stays known, a match counts it as an L3
@@ -344,7 +344,7 @@ class MooncakeBackend(Backend):
 
     async def _remove_bad(self, ns: bytes, keys: list[bytes]) -> None:
         """Remove objects under these pages' names whose bytes are not the pages'
-        records (another writer's, damaged, of another size). Mooncake answers a
+        records (another writer's, damaged). Mooncake answers a
         put of a key it holds with success and keeps what it had: left in place,
         every later store of the page would be acknowledged, learned as held,
         counted as an L3 hit and read as the same bad object, for ever. An

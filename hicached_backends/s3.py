@@ -244,7 +244,8 @@ class S3Backend(Backend):
                 body[:HEADER_BYTES], memoryview(body)[HEADER_BYTES:], ns, page.key
             ):
                 self.counters["bad_objects"] += 1
-                self._drop_bad(name, body, resp.get("ETag"))
+                if not verify(body[:HEADER_BYTES], memoryview(body)[HEADER_BYTES:], ns, page.key):
+                    self._drop_bad(name, body, resp.get("ETag"))  # not asked with a wrong size
                 return None
             page.buf[:] = memoryview(body)[HEADER_BYTES:]
             return True
@@ -267,10 +268,11 @@ class S3Backend(Backend):
         record (cut short, damaged, another page's, no record at all): left in
         place, every restart's listing would learn it again, a match count it as
         an L3 hit no read can serve, and write_through skip the page as held,
-        until a read failed once more. Only where the store's ETag, the MD5 of a
-        single-part PUT's body, proves the bytes read are the bytes it holds (not
-        damaged on the way), and only while it holds them (If-Match: a write of
-        the page since then stays). A record of another format version is
+        until a read failed once more. (An intact record of the page, of another
+        size than the read asked for, is the reader's mismatch and stays.) Only
+        where the store's ETag, the MD5 of a single-part PUT's body, proves the
+        bytes read are the bytes it holds (not damaged on the way), and only
+        while it holds them (If-Match: a write of the page since then stays). A record of another format version is
         another writer's and stays (a miss here). A delete that fails leaves
         the object, forgotten all the same."""
         if body[:4] == MAGIC and body[4:6] != VERSION.to_bytes(2, "little"):
