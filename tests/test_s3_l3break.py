@@ -118,7 +118,7 @@ def test_no_l3_hit_is_reported_while_the_store_is_down(
 
     proxy = FaultProxy(s3.endpoint, seed=5)
     try:
-        more = "breaker_failures = 2\nbreaker_cooldown_s = 0.5\nretries = 0\n"
+        more = "breaker_failures = 1\nbreaker_cooldown_s = 0.5\nretries = 0\n"
         d = daemon_factory(
             size_mib=1,
             slab_mib=1,
@@ -133,10 +133,14 @@ def test_no_l3_hit_is_reported_while_the_store_is_down(
             evict_everything(c, ns)
             assert c.match(ns, toks, lease=False).l3_hits == 8
             proxy.rates = {"error": 1.0}
-            for k in range(4):  # writes that fail open the breaker
-                more_toks = seq((k + 1) * 10**6, 2)
+            failing = itertools.count(1)
+
+            def down() -> bool:  # writes that fail open the breaker
+                more_toks = seq(next(failing) * 10**6, 2)
                 c.store(ns, more_toks, page_bytes_for(more_toks))
-            wait_for(lambda: c.stats().l3_state == "down", timeout=30)
+                return c.stats().l3_state == "down"
+
+            wait_for(down, timeout=30, step=0.2)
             assert c.match(ns, toks, lease=False).l3_hits == 0, "an L3 hit while L3 is down"
             proxy.rates = {}
             wait_for(lambda: c.stats().l3_state == "up")
