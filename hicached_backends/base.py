@@ -74,6 +74,10 @@ class Backend(ABC):
     #: ``exists`` counts exactly; False: it may count past a hole inside the run
     #: (never short of the run), when asking about every key would cost too much
     exact_exists: ClassVar[bool] = True
+    #: ``scan`` yields every page the store holds. False (the default, as ``scan``
+    #: yields nothing): an ended scan proves nothing, and the daemon asks the store
+    #: about every key it does not know (docs/storage.md, Unknown is not absent)
+    lists: bool = False
 
     @classmethod
     def check_options(cls, options: Any) -> None:
@@ -130,8 +134,9 @@ class Backend(ABC):
     async def scan(self) -> AsyncIterator[tuple[bytes, bytes]]:
         """(namespace, key) of every page the store holds, for the startup index.
 
-        Backends that cannot list cheaply yield nothing; prefetch asks
-        ``exists`` instead.
+        Backends that cannot list cheaply yield nothing and leave ``lists``
+        False; prefetch and the daemon's lookups ask ``exists`` instead. One
+        that sets ``lists`` must yield every page, or raise if it cannot.
         """
         return
         yield  # pragma: no cover

@@ -91,6 +91,7 @@ class FaultyBackend(Backend):
         super().__init__(options, env)
         cls, inner_options = _inner_options(options)
         self.inner = cls(inner_options, env)
+        self.lists = self.inner.lists
         self.read_left = dict(options.readable_pages)
         self.scans_to_fail = options.scan_failures
         self.calls = 0

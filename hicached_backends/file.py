@@ -151,6 +151,7 @@ _LOAD_CHUNK = 4 << 20  # bytes of a segment read at once when its index is rebui
 
 class FileBackend(Backend):
     options_type = FileOptions
+    lists = True
 
     def __init__(self, options: FileOptions, env: BackendEnv) -> None:
         super().__init__(options, env)

@@ -15,6 +15,7 @@ from hicached_backends.record import HEADER_BYTES, pack_header, verify
 
 class MemoryBackend(Backend):
     options_type = MemoryOptions
+    lists = True
 
     def __init__(self, options: MemoryOptions, env: BackendEnv) -> None:
         super().__init__(options, env)

@@ -77,7 +77,7 @@ class MooncakeBackend(Backend):
         self._free_headers: collections.deque[int] = collections.deque(range(HEADER_SLOTS))
         self._header_wait = asyncio.Condition()
         self._arena: tuple[int, int] | None = None  # registered pool: (address, size)
-        self.counters = {"errors": 0, "bad_objects": 0}
+        self.counters = {"errors": 0, "bad_objects": 0, "bad_removed": 0}
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -308,9 +308,14 @@ class MooncakeBackend(Backend):
 
             codes, oks = await self._blocking(blocking)
             self._failed(codes, "get")
-            self.counters["bad_objects"] += sum(
-                1 for code, ok in zip(codes, oks, strict=True) if code > 0 and not ok
-            )
+            bad = [
+                page.key
+                for page, code, ok in zip(chunk, codes, oks, strict=True)
+                if code > 0 and not ok
+            ]
+            self.counters["bad_objects"] += len(bad)
+            if bad:  # not one of another size: that may be the reader's (BUFFER_SIZE_MISMATCH)
+                await self._remove_bad(ns, bad)
             # A page gone (removed by another host, evicted by the store) or bad is
             # forgotten, as S3 does: else it stays known, a match counts it as an L3
             # hit no read can serve, and it is never written again. A failed call
@@ -336,6 +341,22 @@ class MooncakeBackend(Backend):
                 page.buf[:] = source.buf
             out.append(ok)
         return out
+
+    async def _remove_bad(self, ns: bytes, keys: list[bytes]) -> None:
+        """Remove objects under these pages' names whose bytes are not the pages'
+        records (another writer's, damaged). Mooncake answers a
+        put of a key it holds with success and keeps what it had: left in place,
+        every later store of the page would be acknowledged, learned as held,
+        counted as an L3 hit and read as the same bad object, for ever. An
+        object is never changed in place, so the one removed is the one read
+        (or one put after its removal by another host: a page forgotten, no
+        more). A removal that fails leaves it, forgotten all the same."""
+        try:
+            codes = await self._blocking(self._store.batch_remove, self.names(ns, keys), True)
+        except Exception as exc:  # the store's own error types: the read's answer stands
+            log.info("bad objects not removed: %s", exc)
+            return
+        self.counters["bad_removed"] += sum(1 for code in codes if code == 0)
 
     async def delete(self, ns: bytes, keys: Sequence[bytes]) -> None:
         if self._store is not None and keys:

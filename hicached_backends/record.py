@@ -34,6 +34,8 @@ from hicached_backends.checksums import (
 
 __all__ = [
     "HEADER_BYTES",
+    "MAGIC",
+    "VERSION",
     "Header",
     "address_of",
     "all_within",

@@ -15,6 +15,7 @@ boto3 is blocking: calls run in a bounded thread pool, with botocore's
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +27,7 @@ import botocore.exceptions
 
 from hicached_backends.base import Backend, BackendEnv, BackendError, PageRef, let_go
 from hicached_backends.options import S3Options
-from hicached_backends.record import HEADER_BYTES, pack_header, verify
+from hicached_backends.record import HEADER_BYTES, MAGIC, VERSION, pack_header, verify
 
 log = logging.getLogger("hicached.s3")
 
@@ -35,6 +36,7 @@ _MISSING = {"404", "NoSuchKey", "NotFound"}
 
 class S3Backend(Backend):
     options_type = S3Options
+    lists = True
 
     @classmethod
     def check_options(cls, options: S3Options) -> None:
@@ -51,7 +53,7 @@ class S3Backend(Backend):
         # an engine's L3 lookup waits on them and a prefetch's GETs may queue for long
         self._heads: ThreadPoolExecutor | None = None
         self._client: Any = None
-        self.counters = {"requests": 0, "errors": 0, "bad_objects": 0}
+        self.counters = {"requests": 0, "errors": 0, "bad_objects": 0, "bad_deleted": 0}
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -230,10 +232,8 @@ class S3Backend(Backend):
     async def get(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
         def get_one(page: PageRef) -> bool | None:
             """True: read and verified; False: no such object; None: a bad object."""
-            resp = self._call(
-                self._client.get_object,
-                {"Bucket": self.options.bucket, "Key": self.object_name(ns, page.key)},
-            )
+            name = self.object_name(ns, page.key)
+            resp = self._call(self._client.get_object, {"Bucket": self.options.bucket, "Key": name})
             if resp is None:
                 return False
             try:
@@ -244,6 +244,8 @@ class S3Backend(Backend):
                 body[:HEADER_BYTES], memoryview(body)[HEADER_BYTES:], ns, page.key
             ):
                 self.counters["bad_objects"] += 1
+                if not verify(body[:HEADER_BYTES], memoryview(body)[HEADER_BYTES:], ns, page.key):
+                    self._drop_bad(name, body, resp.get("ETag"))  # not asked with a wrong size
                 return None
             page.buf[:] = memoryview(body)[HEADER_BYTES:]
             return True
@@ -251,8 +253,8 @@ class S3Backend(Backend):
         results = await self._each(get_one, pages, lane="read")
         # A bad object is a miss, and the daemon forgets it (as the file store drops
         # a bad record): else it stays known, is never written again, and every
-        # prefetch through it ends there for good. The object is left in place: a
-        # write of the page (from here or another host) replaces it. An object
+        # prefetch through it ends there for good. The read deleted it where it
+        # could (_drop_bad); else a write of the page replaces it. An object
         # that is gone (deleted by another host or a lifecycle rule) is forgotten
         # alike: exists bisects, so a prefetch may plan past it.
         self.forgot(
@@ -260,6 +262,32 @@ class S3Backend(Backend):
             [page.key for page, r in zip(pages, results, strict=True) if r is None or r is False],
         )
         return self._settle(results)
+
+    def _drop_bad(self, name: str, body: bytes, etag: str | None) -> None:
+        """Delete an object under a page's name whose bytes are not that page's
+        record (cut short, damaged, another page's, no record at all): left in
+        place, every restart's listing would learn it again, a match count it as
+        an L3 hit no read can serve, and write_through skip the page as held,
+        until a read failed once more. (An intact record of the page, of another
+        size than the read asked for, is the reader's mismatch and stays.) Only
+        where the store's ETag, the MD5 of a single-part PUT's body, proves the
+        bytes read are the bytes it holds (not damaged on the way), and only
+        while it holds them (If-Match: a write of the page since then stays). A record of another format version is
+        another writer's and stays (a miss here). A delete that fails leaves
+        the object, forgotten all the same."""
+        if body[:4] == MAGIC and body[4:6] != VERSION.to_bytes(2, "little"):
+            return
+        if not etag or hashlib.md5(body, usedforsecurity=False).hexdigest() != etag.strip('"'):
+            return
+        try:
+            self._call(
+                self._client.delete_object,
+                {"Bucket": self.options.bucket, "Key": name, "IfMatch": etag},
+            )
+        except BackendError as exc:
+            log.info("bad object %s not deleted: %s", name, exc.message)
+            return
+        self.counters["bad_deleted"] += 1
 
     async def delete(self, ns: bytes, keys: Sequence[bytes]) -> None:
         for start in range(0, len(keys), 1000):
@@ -281,6 +309,8 @@ class S3Backend(Backend):
             # store about keys it does not know (docs/storage.md, Unknown is not absent).
             resp = await self._run(self._client.list_objects_v2, **kwargs)
             for item in (resp or {}).get("Contents", []):
+                if item.get("Size", HEADER_BYTES + 1) <= HEADER_BYTES:
+                    continue  # no record (a page has bytes): a read would find it bad
                 parts = item["Key"].split("/")
                 try:
                     ns, key = bytes.fromhex(parts[-2]), bytes.fromhex(parts[-1])

@@ -33,6 +33,8 @@ class Clock:
 
 
 class HeldTier:
+    down = False  # the store is up
+
     def __init__(self, limit: int = 1000) -> None:
         self.pending: dict[bytes, tuple[NamespaceState, int, Callable[[bool], None]]] = {}
         self.limit = limit

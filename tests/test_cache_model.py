@@ -102,6 +102,8 @@ class Clock:
 class HeldTier:
     """An L3 tier that holds every write until the model completes or fails it."""
 
+    down = False  # the store is up
+
     def __init__(self) -> None:
         self.pending: list[tuple[NamespaceState, bytes, int, Callable[[bool], None]]] = []
 

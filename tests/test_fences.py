@@ -39,6 +39,8 @@ class Clock:
 class SlowTier:
     """Holds every write (a backend that has not answered yet); fault injection."""
 
+    down = False  # the store is up
+
     def __init__(self) -> None:
         self.pending: list[Callable[[bool], None]] = []
 

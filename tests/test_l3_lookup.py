@@ -288,6 +288,8 @@ def test_the_cache_asks_only_what_it_does_not_know() -> None:
     from hicached.config import Config, PoolConfig, StorageConfig
 
     class NoTier:
+        down = False  # the store is up
+
         def write(self, *args: object) -> bool:
             return False
 

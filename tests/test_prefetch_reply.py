@@ -18,6 +18,8 @@ KEYED = p.NamespaceSpec(
 
 
 class SyncTier:
+    down = False  # the store is up
+
     def __init__(self) -> None:
         self.cache: Cache | None = None
 

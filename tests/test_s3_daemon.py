@@ -355,9 +355,10 @@ def test_a_scan_tried_again_does_not_learn_an_object_a_read_let_go_of(
     """Fault injection: the faulty backend around the real S3 backend breaks off
     the restart's first listing after one page (``scan_failures``), so the scan
     is tried again after ``scan_retry_s``. Meanwhile a prefetch reads an object
-    whose bytes were replaced (another page's record): a miss, and the daemon
-    forgets the page. The object stays in the bucket, so the listing tried
-    again names it: it must not make the page known again (L3 hits no read can
+    whose bytes were replaced (a record of another format version, which the
+    read leaves in place as another writer's): a miss, and the daemon forgets
+    the page. The object stays in the bucket, so the listing tried again names
+    it: it must not make the page known again (L3 hits no read can
     serve, and the next store of the sequence skipping the page), as a page let
     go of while one listing runs is not learned from it."""
     toks = seq(0, 8)
@@ -372,8 +373,9 @@ def test_a_scan_tried_again_does_not_learn_an_object_a_read_let_go_of(
     client = s3.client()
     keys = page_keys(ns.digest, pack_tokens(toks), PAGE_TOKENS)
     name = [f"hicached/{k.hex()[:2]}/{ns.digest.hex()}/{k.hex()}" for k in keys]
-    other = client.get_object(Bucket=bucket, Key=name[4])["Body"].read()  # type: ignore[attr-defined]
-    client.put_object(Bucket=bucket, Key=name[3], Body=other)  # type: ignore[attr-defined]
+    other = bytearray(client.get_object(Bucket=bucket, Key=name[3])["Body"].read())  # type: ignore[attr-defined]
+    other[4:6] = (2).to_bytes(2, "little")  # the record format's version
+    client.put_object(Bucket=bucket, Key=name[3], Body=bytes(other))  # type: ignore[attr-defined]
     inner = s3_tail(s3.endpoint, bucket).replace("[storage.s3]", "[storage.extra.inner_options]")
     d = daemon_factory(
         size_mib=1,

@@ -20,6 +20,8 @@ SPEC = p.NamespaceSpec(model="m/x", kv_dtype="bfloat16", layout="l", page_tokens
 class HeldTier:
     """Accepts writes and acknowledges them only when told to."""
 
+    down = False  # the store is up
+
     def __init__(self) -> None:
         self.held: list[tuple[bytes, int, Callable[[bool], None]]] = []
         self.stored: list[bytes] = []

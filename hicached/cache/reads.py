@@ -105,7 +105,9 @@ class Reads:
         slots = ns.index.match(keys) if keys else []
         hits = len(slots)
         lease_id = desk.leasing.new(session, ns, slots).id if lease and slots else 0
-        l3_hits = l3.leading(keys, hits) if l3 else 0
+        # while the store is down no read of it can be served: none is an L3 hit
+        down = self._l3_down()
+        l3_hits = l3.leading(keys, hits) if l3 and not down else 0
         asked = len(keys) if asked is None else asked
         counted = self.pages
         counted["asked"] += asked
@@ -115,7 +117,7 @@ class Reads:
         if hits and desk.tier is not None:
             desk.policy.matched(desk.tiering, ns, keys[:hits], slots)
         known = hits + l3_hits
-        if known < len(keys) and not l3.complete:
+        if known < len(keys) and not l3.complete and not down:
             unknown = keys[known:]
 
             def finish(found: int) -> p.MatchOk:
@@ -129,6 +131,12 @@ class Reads:
         counted["l3"] += l3_hits
         return p.MatchOk(id=request_id, hits=hits, offsets=slots, lease=lease_id, l3_hits=l3_hits)
 
+    def _l3_down(self) -> bool:
+        """Whether the store is marked down: what the record knows of it is then
+        no hit (a miss is always legal), and it is not asked."""
+        tier = self.desk.tier
+        return tier is not None and tier.down
+
     def exists_keys(self, session: Session, msg: p.ExistsKeys) -> p.ExistsKeysOk | L3Lookup:
         desk = self.desk
         ns = desk.names.of(session, msg.ns)
@@ -136,11 +144,12 @@ class Reads:
         in_l2 = ns.table.present(keys)  # a byte per key: 1 in L2, | 2 in L3
         where = in_l2
         l3 = desk.l3
-        if l3:
+        down = self._l3_down()
+        if l3 and not down:
             in_l3 = np.array(l3.which(keys), dtype=np.uint8) << 1
             where = (np.frombuffer(in_l2, dtype=np.uint8) | in_l3).tobytes()
         leading = _leading(where)
-        if leading < len(keys) and not l3.complete:
+        if leading < len(keys) and not l3.complete and not down:
             return self._exists_lookup(msg.id, ns, keys, in_l2, leading)
         return p.ExistsKeysOk(id=msg.id, l2=_leading(in_l2), leading=leading, where=where)
 

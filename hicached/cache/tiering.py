@@ -57,6 +57,12 @@ class TierPort(Protocol):
         learned (unless it let go of pages meanwhile), and ``answer`` is told."""
         ...
 
+    @property
+    def down(self) -> bool:
+        """The store is marked down (its breaker is open): no read of it can be
+        served now, so no page is reported as found there."""
+        ...
+
 
 class Origin(NamedTuple):
     """What the L3 BlockStored of an L2 page names besides the page itself."""

@@ -220,10 +220,17 @@ class Tier:
                 )
                 return False
             listed = True
-            l3.listed(True)
-            log.info(
-                "L3 holds %d pages (scanned in %.2fs)", self.scan_pages, time.monotonic() - started
-            )
+            # a store that cannot list ends its scan at once with nothing: that
+            # proves nothing, so unknown keys are asked of it from now on as well
+            l3.listed(self.backend.lists)
+            if self.backend.lists:
+                log.info(
+                    "L3 holds %d pages (scanned in %.2fs)",
+                    self.scan_pages,
+                    time.monotonic() - started,
+                )
+            else:
+                log.info("L3 cannot be listed: keys not known are asked of the store")
             if self.on_scanned is not None:
                 self.on_scanned()
             batches = cache.adopted_unwritten(_LIST_BATCH_PAGES)
@@ -430,6 +437,10 @@ class Tier:
             reply(found)
 
         call.add_done_callback(ended)
+
+    @property
+    def down(self) -> bool:
+        return self.dispatcher.state == "down"
 
     def prefetch(self, lease: Lease) -> None:
         task = asyncio.get_running_loop().create_task(self._prefetch(lease))

@@ -1,0 +1,98 @@
+"""The Mooncake backend under attack: what a daemon knows of a store it cannot list."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from hicached.hashing import pack_tokens, page_keys
+from tests.l3util import evict_everything, l3_count, settle_writes, storage, wait_for, wait_prefetch
+from tests.services import MooncakeMaster
+from tests.support import NS, PAGE_BYTES, PAGE_TOKENS, Daemon, page_bytes_for
+
+
+def seq(start: int, pages: int) -> np.ndarray:
+    return np.arange(start, start + pages * PAGE_TOKENS, dtype=np.uint32)
+
+
+def test_a_store_that_cannot_list_never_counts_as_listed(
+    daemon_factory: Callable[..., Daemon], mooncake: MooncakeMaster
+) -> None:
+    """Mooncake cannot list its keys: its startup "scan" ends at once with no
+    page. Before, that empty listing marked what the daemon knows of L3 as all
+    the store holds (index_complete=1), so a daemon started (or restarted)
+    after pages were written answered every match from its empty record,
+    l3_hits=0, without asking the store: the pages were never learned. An
+    empty listing from a store that cannot list proves nothing; the daemon
+    must ask the store about keys it does not know."""
+    writer = daemon_factory(
+        size_mib=1, slab_mib=1, storage=storage("mooncake"), tail=mooncake.toml()
+    )
+    toks = seq(0, 8)
+    with writer.client() as cw:
+        ns = cw.register(**NS)
+        cw.store(ns, toks, page_bytes_for(toks))
+        wait_for(lambda: l3_count(cw, "written") == 8)
+        reader = daemon_factory(
+            size_mib=1, slab_mib=1, storage=storage("mooncake"), tail=mooncake.toml()
+        )
+        with reader.client() as cr:
+            wait_for(lambda: cr.stats().l3_state == "up")
+            assert cr.stats().l3["index_complete"] == 0, "an empty listing passed for the store"
+            ns_r = cr.register(**NS)
+            assert cr.match(ns_r, toks, lease=False).l3_hits == 8
+            pf = cr.prefetch(ns_r, toks)
+            assert wait_prefetch(cr, pf).completed == 8
+            cr.commit(pf)
+            assert np.array_equal(cr.load(ns_r, toks), page_bytes_for(toks))
+
+
+def test_a_bad_object_is_removed_so_the_page_can_be_written_again(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """Mooncake answers a put of a key it holds with success and keeps the
+    bytes it had. An object under a page's name whose bytes are not the page's
+    record (here put there first by a raw store client: another writer, a
+    damaged write) was only forgotten at its read: every later store of the
+    page was acknowledged, learned as held, counted as an L3 hit, and read as
+    the same bad object, for ever. The read removes such an object, so the
+    next store of the page really writes it. A master of its own: in a shared
+    one the segments of another test's stopped daemons linger until their
+    lease ends, and writes placed there fail."""
+    from mooncake.store import MooncakeDistributedStore
+
+    mooncake = MooncakeMaster()
+    other = MooncakeDistributedStore()
+    try:
+        d = daemon_factory(
+            size_mib=1, slab_mib=1, storage=storage("mooncake"), tail=mooncake.toml()
+        )
+        toks = seq(0, 8)
+        setup = (16 << 20, 16 << 20, "tcp", "", mooncake.master)
+        assert other.setup("127.0.0.1", mooncake.metadata, *setup) == 0
+        with d.client() as c:
+            ns = c.register(**NS)
+            key = page_keys(ns.digest, pack_tokens(toks), PAGE_TOKENS)[2]
+            assert other.put(f"hc/{ns.digest.hex()}/{key.hex()}", b"x" * (64 + PAGE_BYTES)) == 0
+            c.store(ns, toks, page_bytes_for(toks))
+            wait_for(lambda: l3_count(c, "written") == 8)
+            evict_everything(c, ns)
+            pf = c.prefetch(ns, toks)
+            done = wait_prefetch(c, pf)
+            assert (done.completed, done.failed) == (2, True)
+            c.commit(pf)
+            assert c.stats().l3["store_bad_objects"] == 1
+            c.store(ns, toks, page_bytes_for(toks))  # page 2 goes to the store again
+            settle_writes(c)
+            evict_everything(c, ns, salt=8)
+            pf = c.prefetch(ns, toks)
+            done = wait_prefetch(c, pf)
+            assert (done.completed, done.failed) == (8, False), (
+                "the bad object outlived its rewrite"
+            )
+            c.commit(pf)
+            assert np.array_equal(c.load(ns, toks), page_bytes_for(toks))
+    finally:
+        other.close()
+        mooncake.stop()
