@@ -89,7 +89,7 @@ def test_a_split_while_writing_through_persists_every_fragment() -> None:
     assert set(second[2:]) <= set(tier.stored) and tier.stored.count(first[0]) == 1
 
     # the events: no stored event lost or wrong across the split
-    events = list(cache.events.pending)
+    events = [event for event, _ in cache.events.pending]
     l2 = [e for e in events if isinstance(e, Stored) and e.medium == "CPU"]
     assert [(e.keys, e.parent, e.tokens) for e in l2] == [
         (first, None, [1, 2, 3, 4]),
