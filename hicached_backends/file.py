@@ -5,7 +5,7 @@ back to back. The superblock holds the segment's *generation* and its
 *durable frontier*: every record that ends before it was fsynced. A
 generation is a sequence number of the whole store (in its high 32 bits;
 the low 32 are random, so that no page's bytes can carry a record header of
-a generation to come: ``_next_generation``): each time a segment is taken
+a generation to come: ``next_generation``): each time a segment is taken
 into use it gets the next one, so no two segments share one, the segment
 with the highest holds the newest records, and every record left in a file
 from an earlier use carries a lower generation than the current one.
@@ -42,7 +42,6 @@ import errno
 import fcntl
 import logging
 import os
-import secrets
 import struct
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +52,17 @@ import numpy as np
 import xxhash
 
 from hicached_backends.base import Backend, BackendEnv, BackendError, PageRef, let_go
+from hicached_backends.file_layout import (
+    MIB,
+    SUPER,
+    SUPER_BYTES,
+    SUPER_MAGIC,
+    SUPER_VERSION,
+    Loc,
+    Segment,
+    SegmentScan,
+    next_generation,
+)
 from hicached_backends.file_readers import (
     CACHED_RUN_BYTES,
     IOV_MAX,
@@ -60,7 +70,6 @@ from hicached_backends.file_readers import (
     ReaderLost,
     Readers,
     read_records,
-    segment_name,
     settle,
 )
 from hicached_backends.options import FileOptions
@@ -70,49 +79,18 @@ from hicached_backends.record import (
     checksums,
     nbytes,
     pack_headers,
-    parse_header,
-    verify,
 )
 
 log = logging.getLogger("hicached.file")
 
-SUPER = struct.Struct("<4sHHQQ")  # magic, version, pad, generation, durable frontier
-SUPER_MAGIC = b"HCS1"
-SUPER_VERSION = 2  # generations are store-wide sequence numbers (see above)
-SUPER_BYTES = 4096
-MIB = 1 << 20
 LOCK_NAME = "store.lock"  # held (flock) by the daemon that has the store open
-
-
-@dataclass(slots=True)
-class _Loc:
-    segment: int
-    offset: int
-    length: int
-    generation: int
-
-
-@dataclass(slots=True)
-class _Segment:
-    id: int
-    path: Path
-    fd: int
-    generation: int = 0  # 0: holds nothing
-    write_off: int = SUPER_BYTES
-    durable_off: int = SUPER_BYTES
-    keys: list[tuple[bytes, bytes]] = field(default_factory=list)
-    dirty_super: bool = True
-    # where a group whose fsync failed began: nothing at or past it is published,
-    # the frontier stays below it, and the segment takes no more records until
-    # it is recycled
-    failed_at: int | None = None
 
 
 @dataclass(slots=True)
 class _Entry:
     """One record a write group plans: where it goes, and the flag it answers."""
 
-    seg: _Segment
+    seg: Segment
     generation: int
     offset: int
     ns: bytes
@@ -132,8 +110,8 @@ class _Group:
     batch: list[tuple[bytes, Sequence[PageRef], asyncio.Future[list[bool]]]]
     plan: list[_Entry] = field(default_factory=list)
     outcomes: list[list[bool]] = field(default_factory=list)
-    ends: dict[int, tuple[_Segment, int, int]] = field(default_factory=dict)
-    starts: dict[int, tuple[_Segment, int, int]] = field(default_factory=dict)
+    ends: dict[int, tuple[Segment, int, int]] = field(default_factory=dict)
+    starts: dict[int, tuple[Segment, int, int]] = field(default_factory=dict)
 
     def fail(self, exc: BaseException, own: asyncio.Future[list[bool]]) -> None:
         """Fail every call of the group but ``own``, whose caller raises ``exc`` itself."""
@@ -146,10 +124,7 @@ class _Group:
                 fut.set_exception(exc)
 
 
-_LOAD_CHUNK = 4 << 20  # bytes of a segment read at once when its index is rebuilt
-
-
-class FileBackend(Backend):
+class FileBackend(SegmentScan, Backend):
     options_type = FileOptions
     lists = True
 
@@ -158,8 +133,8 @@ class FileBackend(Backend):
         self.dir = Path(options.path) if options.path else env.data_dir / "pages"
         self.segment_bytes = options.segment_mib * MIB
         self.n_segments = options.capacity_mib // options.segment_mib
-        self.segments: list[_Segment] = []
-        self.index: dict[tuple[bytes, bytes], _Loc] = {}
+        self.segments: list[Segment] = []
+        self.index: dict[tuple[bytes, bytes], Loc] = {}
         self.active = 0
         self.top = 0  # the highest generation any segment file has carried
         self._pool: ThreadPoolExecutor | None = None
@@ -210,60 +185,13 @@ class FileBackend(Backend):
         self._lock = lock
         try:
             self._load_all()
+            self._take_up()
         except BaseException:
             self._unlock()
             raise
 
-    def _unlock(self) -> None:
-        for seg in self.segments:
-            os.close(seg.fd)
-        self.segments = []
-        if self._lock >= 0:
-            os.close(self._lock)  # closing the file lets go of its lock
-            self._lock = -1
-
-    def _load_all(self) -> None:
-        dropped = 0  # segments of an older format
-        for i in range(self.n_segments):
-            path = self.dir / segment_name(i)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            if os.fstat(fd).st_size < self.segment_bytes:
-                try:
-                    os.posix_fallocate(fd, 0, self.segment_bytes)
-                except OSError as exc:
-                    if exc.errno != errno.ENOSPC:
-                        raise
-                    os.close(fd)
-                    path.unlink(missing_ok=True)
-                    if not self.segments:
-                        raise OSError(
-                            exc.errno, f"no room for one segment of {self.options.segment_mib} MiB"
-                        ) from None
-                    log.warning(
-                        "file store %s: disk full after %d of %d segments; running with %d MiB",
-                        self.dir,
-                        i,
-                        self.n_segments,
-                        i * self.options.segment_mib,
-                    )
-                    self.n_segments = i
-                    break
-            seg = _Segment(i, path, fd)
-            self.segments.append(seg)
-            highest, old_format = self._load(seg)
-            self.top = max(self.top, highest)
-            dropped += old_format
-            if self.n_segments >= 8 and (i + 1) % max(1, self.n_segments // 8) == 0:
-                log.info(
-                    "file store %s: scanned %d/%d segments, %d pages",
-                    self.dir,
-                    i + 1,
-                    self.n_segments,
-                    len(self.index),
-                )
-        self.top = max(self.top, self._beyond_ring())
-        if dropped:
-            log.warning("file store %s: dropped %d segments of an older format", self.dir, dropped)
+    def _take_up(self) -> None:
+        """Writing resumes in the segment with the highest generation."""
         used = [seg for seg in self.segments if seg.generation]
         if used:
             self.active = max(used, key=lambda seg: seg.generation).id
@@ -274,75 +202,13 @@ class FileBackend(Backend):
             "file store %s: %d pages in %d segments", self.dir, len(self.index), self.n_segments
         )
 
-    def _load(self, seg: _Segment) -> tuple[int, bool]:
-        """Rebuild the index entries of one segment from its record headers.
-
-        Returns the highest generation the file's records can carry, and
-        whether it was written by an older format (and is dropped)."""
-        intact, version, generation, durable = _superblock(seg.fd)
-        if not intact or version != SUPER_VERSION or generation == 0:
-            # Nothing here can be trusted to be current: the segment holds nothing,
-            # and its superblock is left alone until the segment is used again.
-            seg.generation, seg.write_off, seg.durable_off = 0, SUPER_BYTES, SUPER_BYTES
-            seg.dirty_super = False
-            return _leftover_generation(seg.fd), intact and version != SUPER_VERSION
-        seg.generation, seg.durable_off, seg.dirty_super = generation, durable, False
-        off = SUPER_BYTES
-        end = self.segment_bytes
-        # headers are read from large chunks, not one pread each: a million small
-        # records would otherwise cost a million system calls at every start
-        chunk, chunk_off = b"", off
-        while off + HEADER_BYTES <= end:
-            at = off - chunk_off
-            if at < 0 or at + HEADER_BYTES > len(chunk):
-                chunk_off, at = off, 0
-                chunk = os.pread(seg.fd, min(_LOAD_CHUNK, end - off), off)
-            header = parse_header(chunk[at : at + HEADER_BYTES])
-            if header is None or header.generation != generation:
-                break
-            rec_end = off + HEADER_BYTES + header.length
-            if rec_end > end:
-                break
-            if rec_end > durable:  # written after the last known fsync: check it all
-                payload = os.pread(seg.fd, header.length, off + HEADER_BYTES)
-                if not verify(
-                    os.pread(seg.fd, HEADER_BYTES, off), payload, header.ns, header.key, generation
-                ):
-                    # a record torn by a crash: wipe its header so no later scan meets it
-                    os.pwrite(seg.fd, bytes(HEADER_BYTES), off)
-                    os.fdatasync(seg.fd)
-                    self.counters["discarded_on_start"] += 1
-                    break
-            key = (header.ns, header.key)
-            known = self.index.get(key)
-            if known is None or known.generation <= generation:  # stored twice: the newest serves
-                self.index[key] = _Loc(seg.id, off, header.length, generation)
-                seg.keys.append(key)
-            off = rec_end
-        seg.write_off = off
-        if seg.durable_off > off:
-            seg.durable_off = off
-            seg.dirty_super = True
-        # Above the superblock's only if a crash kept a new use's first record
-        # but not its superblock.
-        return _leftover_generation(seg.fd), False
-
-    def _beyond_ring(self) -> int:
-        """The highest generation in segment files past the ring (kept from a
-        larger capacity, or left by a disk that filled up): they may come back."""
-        highest = 0
-        for path in self.dir.glob("segment-*.hcs"):
-            try:
-                if int(path.stem.removeprefix("segment-")) < self.n_segments:
-                    continue
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            except (ValueError, OSError):
-                continue
-            try:
-                highest = max(highest, _leftover_generation(fd))
-            finally:
-                os.close(fd)
-        return highest
+    def _unlock(self) -> None:
+        for seg in self.segments:
+            os.close(seg.fd)
+        self.segments = []
+        if self._lock >= 0:
+            os.close(self._lock)  # closing the file lets go of its lock
+            self._lock = -1
 
     async def close(self) -> None:
         if self._pool is None:
@@ -498,7 +364,7 @@ class FileBackend(Backend):
                     entry.out[entry.at] = False
                     continue
                 key = (entry.ns, entry.page.key)
-                self.index[key] = _Loc(seg.id, entry.offset, len(entry.page.buf), entry.generation)
+                self.index[key] = Loc(seg.id, entry.offset, len(entry.page.buf), entry.generation)
                 seg.keys.append(key)
             for seg, generation, end in group.ends.values():
                 if seg.generation != generation or end <= seg.durable_off:
@@ -516,8 +382,8 @@ class FileBackend(Backend):
         return self.segment_bytes - SUPER_BYTES
 
     def _room(
-        self, size: int, keep: dict[int, tuple[_Segment, int, int]] | None = None
-    ) -> _Segment | None:
+        self, size: int, keep: dict[int, tuple[Segment, int, int]] | None = None
+    ) -> Segment | None:
         """The segment the next record of ``size`` bytes goes to; None if that
         would recycle a segment in ``keep`` (a group's own)."""
         seg = self.segments[self.active]
@@ -533,7 +399,7 @@ class FileBackend(Backend):
         self._recycle(seg)
         return seg
 
-    def _recycle(self, seg: _Segment) -> None:
+    def _recycle(self, seg: Segment) -> None:
         """Empty a segment for reuse: forget its records, give it the next generation."""
         forgotten: dict[bytes, list[bytes]] = {}
         for key in seg.keys:
@@ -544,7 +410,7 @@ class FileBackend(Backend):
         if seg.keys:
             self.counters["recycled_segments"] += 1
         seg.keys = []
-        self.top = _next_generation(self.top)
+        self.top = next_generation(self.top)
         seg.generation = self.top
         seg.write_off = seg.durable_off = SUPER_BYTES
         seg.dirty_super = True
@@ -552,14 +418,14 @@ class FileBackend(Backend):
         for ns, keys in forgotten.items():
             self.forgot(ns, keys)
 
-    def _write_super(self, seg: _Segment, durable: int) -> None:
+    def _write_super(self, seg: Segment, durable: int) -> None:
         if not seg.dirty_super:
             return
         raw = SUPER.pack(SUPER_MAGIC, SUPER_VERSION, 0, seg.generation, durable)
         os.pwrite(seg.fd, raw + struct.pack("<Q", xxhash.xxh3_64_intdigest(raw)), 0)
         seg.dirty_super = False
 
-    def _write_supers(self, segs: list[_Segment]) -> None:
+    def _write_supers(self, segs: list[Segment]) -> None:
         """The frontier reached by earlier groups goes out with this group's fsync."""
         for seg in segs:
             self._write_super(seg, seg.durable_off)
@@ -603,7 +469,7 @@ class FileBackend(Backend):
             i = j
 
     @staticmethod
-    def _sync(segs: list[_Segment]) -> None:
+    def _sync(segs: list[Segment]) -> None:
         for seg in segs:
             os.fdatasync(seg.fd)
 
@@ -611,7 +477,7 @@ class FileBackend(Backend):
         if self._pool is None:
             raise BackendError("file store is closed", retriable=True)
         out = [False] * len(pages)
-        todo: list[tuple[int, _Loc, PageRef]] = []
+        todo: list[tuple[int, Loc, PageRef]] = []
         for i, page in enumerate(pages):
             loc = self.index.get((ns, page.key))
             if loc is not None and loc.length == len(page.buf):
@@ -641,7 +507,7 @@ class FileBackend(Backend):
         return out
 
     async def _read_on_threads(
-        self, ns: bytes, todo: list[tuple[int, _Loc, PageRef]]
+        self, ns: bytes, todo: list[tuple[int, Loc, PageRef]]
     ) -> list[tuple[int, bool]]:
         loop = asyncio.get_running_loop()
         threads = min(self.options.io_threads, len(todo))
@@ -658,7 +524,7 @@ class FileBackend(Backend):
     async def _read_in_readers(
         self,
         ns: bytes,
-        todo: list[tuple[int, _Loc, PageRef]],
+        todo: list[tuple[int, Loc, PageRef]],
         slots: list[int],
         readers: Readers,
     ) -> list[tuple[int, bool]]:
@@ -680,7 +546,7 @@ class FileBackend(Backend):
         return results
 
     def _read_chunk(
-        self, ns: bytes, chunk: list[tuple[int, _Loc, PageRef]]
+        self, ns: bytes, chunk: list[tuple[int, Loc, PageRef]]
     ) -> list[tuple[int, bool]]:
         """Read and verify pages (sorted by place) on this thread."""
         good = read_records(
@@ -706,34 +572,3 @@ class FileBackend(Backend):
         used = sum(seg.write_off - SUPER_BYTES for seg in self.segments)
         readers = self._readers.stats() if self._readers is not None else {}
         return {"pages": len(self.index), "bytes_used": used, **self.counters, **readers}
-
-
-def _next_generation(top: int) -> int:
-    """The generation after ``top``: a sequence number in the high 32 bits, so
-    generations still rise, and 32 random bits below it. A page's payload is
-    whatever a client stored, and a restart's scan may meet the bytes of a
-    segment's earlier use in the middle of a payload (past the end of its new
-    records, where pages of other sizes lay): a record header forged there
-    would be read as a record of any namespace and key if its writer could
-    foretell the generation the segment was to carry next."""
-    return ((top >> 32) + 1) << 32 | secrets.randbits(32)
-
-
-def _superblock(fd: int) -> tuple[bool, int, int, int]:
-    """(intact, version, generation, durable frontier) of a segment's superblock."""
-    raw = os.pread(fd, SUPER.size + 8, 0)
-    if len(raw) < SUPER.size + 8:
-        return False, 0, 0, 0
-    magic, version, _pad, generation, durable = SUPER.unpack_from(raw)
-    (check,) = struct.unpack_from("<Q", raw, SUPER.size)
-    intact = magic == SUPER_MAGIC and check == xxhash.xxh3_64_intdigest(raw[: SUPER.size])
-    return intact, version, generation, durable
-
-
-def _leftover_generation(fd: int) -> int:
-    """The highest generation a segment file's records can carry: an intact
-    superblock of any version names its latest use; without one, the record at
-    the start was written by the latest use that wrote any."""
-    intact, _version, generation, _durable = _superblock(fd)
-    first = parse_header(os.pread(fd, HEADER_BYTES, SUPER_BYTES))
-    return max(generation if intact else 0, first.generation if first is not None else 0)

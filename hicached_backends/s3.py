@@ -272,9 +272,9 @@ class S3Backend(Backend):
         size than the read asked for, is the reader's mismatch and stays.) Only
         where the store's ETag, the MD5 of a single-part PUT's body, proves the
         bytes read are the bytes it holds (not damaged on the way), and only
-        while it holds them (If-Match: a write of the page since then stays). A record of another format version is
-        another writer's and stays (a miss here). A delete that fails leaves
-        the object, forgotten all the same."""
+        while it holds them (If-Match: a write of the page since then stays). A
+        record of another format version is another writer's and stays (a miss
+        here). A delete that fails leaves the object, forgotten all the same."""
         if body[:4] == MAGIC and body[4:6] != VERSION.to_bytes(2, "little"):
             return
         if not etag or hashlib.md5(body, usedforsecurity=False).hexdigest() != etag.strip('"'):

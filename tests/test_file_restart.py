@@ -20,7 +20,8 @@ import pytest
 import xxhash
 
 from hicached_backends.base import BackendEnv, BackendError, PageRef
-from hicached_backends.file import SUPER, SUPER_BYTES, FileBackend, _superblock
+from hicached_backends.file import FileBackend
+from hicached_backends.file_layout import SUPER, SUPER_BYTES, superblock
 from hicached_backends.file_readers import segment_name
 from hicached_backends.options import FileOptions
 from hicached_backends.record import HEADER_BYTES, pack_header
@@ -276,7 +277,7 @@ async def test_after_a_failed_fsync_nothing_past_it_is_acknowledged(
     await store.stop()
     fd = os.open(tmp_path / "pages" / segment_name(0), os.O_RDONLY)
     try:  # the closed segment's frontier ends before what the failed fsync may have lost
-        assert _superblock(fd)[3] == SUPER_BYTES + 3 * (64 << 10)
+        assert superblock(fd)[3] == SUPER_BYTES + 3 * (64 << 10)
     finally:
         os.close(fd)
     await store.start()

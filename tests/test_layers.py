@@ -15,6 +15,7 @@ from hicached.config import Config
 from hicached.wire import protocol as p
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hicached"
+BACKENDS = PACKAGE.parent / "hicached_backends"
 # what each layer may import of the package, besides the rules every layer shares
 SHARED = {"hicached.errors", "hicached.config"}
 ALLOWED = {
@@ -119,7 +120,7 @@ def test_every_write_policy_the_config_names_is_one_object() -> None:
 def oversized(path: Path) -> list[str]:
     """What in ``path`` is over the limits: the module, and each class."""
     text = path.read_text()
-    name = path.relative_to(PACKAGE).as_posix()
+    name = path.relative_to(PACKAGE.parent).as_posix()
     lines = len(text.splitlines())
     out = [f"{name}: {lines} lines"] if lines > MAX_MODULE_LINES else []
     for node in ast.walk(ast.parse(text)):
@@ -131,5 +132,6 @@ def oversized(path: Path) -> list[str]:
 
 
 def test_no_class_over_450_lines_and_no_module_over_700() -> None:
-    over = [found for path in sorted(PACKAGE.rglob("*.py")) for found in oversized(path)]
+    sources = [*PACKAGE.rglob("*.py"), *BACKENDS.rglob("*.py")]
+    over = [found for path in sorted(sources) for found in oversized(path)]
     assert over == []
