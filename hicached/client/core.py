@@ -221,17 +221,21 @@ class _Core(PageCopies):
             )
         if self.map_pool:  # this daemon's pool; a restarted one's old pool is kept a while
             self._pool.hello(reply, prefault=self.prefault)
+        renumber = reply.instance != self._instance
         self._instance = reply.instance
         self._margin = lease_margin(reply.lease_ttl_s)
         self._check_reply_bound(reply)
         self._reporter.new_session()
         # The namespaces again, before the session counts as open (``_hello``):
-        # until then no other request goes out (an AsyncClient's other tasks
-        # wait in connect), and none ever carries an id of the daemon before.
-        # One that cannot be registered keeps id 0, which no daemon gives: its
-        # requests fail (UnknownNamespace), the others' go on; the call that
-        # said hello raises why.
-        for ns in self._namespaces:
+        # until then no request of this exchange goes out, and none ever
+        # carries an id of the daemon before. One that cannot be registered
+        # keeps id 0, which no daemon gives: its requests fail
+        # (UnknownNamespace), the others' go on; the call that said hello
+        # raises why. Ids of this very instance stay: an AsyncClient's task
+        # whose exchange met the lost session says hello while others may be
+        # saying theirs (in connect), and a reset by the later hello would
+        # send the first task's request as namespace 0.
+        for ns in self._namespaces if renumber else ():
             ns.id = 0
         refused: p.Error | None = None
         for ns in self._namespaces:
