@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable
+
 import numpy as np
+import pytest
 
 from hicached.testing import DaemonProcess as Daemon
 from hicached.testing import free_tcp_port
@@ -14,6 +21,7 @@ __all__ = [
     "PAGE_TOKENS",
     "Daemon",
     "free_tcp_port",
+    "in_child",
     "page_bytes_for",
 ]
 
@@ -46,3 +54,32 @@ def page_bytes_for(tokens: np.ndarray, page_bytes: int = PAGE_BYTES, salt: int =
         seed = hash((salt, tuple(int(t) for t in tokens[: (i + 1) * PAGE_TOKENS]))) & 0xFFFFFFFF
         out[i] = np.random.default_rng(seed).integers(0, 256, page_bytes, dtype=np.uint8)
     return out
+
+
+def in_child(work: Callable[[], str], limit: float = 30.0) -> str:
+    """``work()`` in a forked child: what it returned, or what it raised
+    (``Type: message``); fails if the child is still running after ``limit``."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.close(read)
+        try:
+            said = work()
+        except BaseException as exc:
+            said = f"{type(exc).__name__}: {exc}"
+        os.write(write, said.encode())
+        os._exit(0)
+    os.close(write)
+    try:
+        deadline = time.monotonic() + limit
+        while os.waitpid(pid, os.WNOHANG) == (0, 0):
+            if time.monotonic() >= deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail(f"the child was still running after {limit}s")
+            time.sleep(0.02)
+        with os.fdopen(read, "rb") as pipe:
+            return pipe.read().decode()
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(read)

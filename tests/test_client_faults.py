@@ -8,12 +8,10 @@ real daemons."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -31,7 +29,7 @@ from hicached.errors import (
 )
 from hicached.wire import protocol as p
 from tests.fake_daemon import FakeDaemon, hello_ok
-from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
+from tests.support import NS, PAGE_TOKENS, Daemon, in_child, page_bytes_for
 
 
 def _flooding(done: threading.Event) -> object:
@@ -147,35 +145,6 @@ def test_status_against_something_that_is_not_a_daemon_says_so(
     assert "HelloOk" in capsys.readouterr().err
 
 
-def _in_child(work: Callable[[], str], limit: float = 30.0) -> str:
-    """``work()`` in a forked child: what it returned, or what it raised
-    (``Type: message``); fails if the child is still running after ``limit``."""
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        os.close(read)
-        try:
-            said = work()
-        except BaseException as exc:
-            said = f"{type(exc).__name__}: {exc}"
-        os.write(write, said.encode())
-        os._exit(0)
-    os.close(write)
-    try:
-        deadline = time.monotonic() + limit
-        while os.waitpid(pid, os.WNOHANG) == (0, 0):
-            if time.monotonic() >= deadline:
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-                pytest.fail(f"the child was still running after {limit}s")
-            time.sleep(0.02)
-        with os.fdopen(read, "rb") as pipe:
-            return pipe.read().decode()
-    finally:
-        with contextlib.suppress(OSError):
-            os.close(read)
-
-
 def test_a_client_used_in_a_forked_child_says_so_and_leaves_the_parents_session(
     daemon: Daemon,
 ) -> None:
@@ -193,7 +162,7 @@ def test_a_client_used_in_a_forked_child_says_so_and_leaves_the_parents_session(
             c.close()  # only this process's copy: the parent's session stays
             return said
 
-        assert _in_child(child).startswith("BadRequest: this client was made in another process")
+        assert in_child(child).startswith("BadRequest: this client was made in another process")
         assert np.array_equal(c.read_pages(hit), page_bytes_for(toks))
         c.release(hit)  # the parent's lease is still its own
         assert c.stats().leases == 0
@@ -207,7 +176,7 @@ async def test_an_async_client_used_in_a_forked_child_says_so(daemon: Daemon) ->
         def child() -> str:
             return str(asyncio.run(c.stats()).instance)
 
-        assert _in_child(child).startswith("BadRequest: this client was made in another process")
+        assert in_child(child).startswith("BadRequest: this client was made in another process")
         assert (await c.stats()).clients >= 1
     finally:
         await c.close()

@@ -6,12 +6,19 @@ against real daemons."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 import hicached
-from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
+from hicached.errors import HicachedError
+from tests.support import NS, PAGE_TOKENS, Daemon, in_child, page_bytes_for
 
 
 def test_an_async_hello_while_another_task_says_hello_keeps_the_new_ids(daemon: Daemon) -> None:
@@ -45,3 +52,68 @@ def test_an_async_hello_while_another_task_says_hello_keeps_the_new_ids(daemon: 
             await c.release(hit)
 
     asyncio.run(run())
+
+
+def test_a_forked_child_is_told_at_once_though_a_parent_thread_held_the_client(
+    daemon: Daemon,
+) -> None:
+    """fork() while another thread of the parent is in a call: the child's copy
+    of the turn is held by a thread the child does not have. A call there
+    waited out its timeout and raised DeadlineExceeded ("calls of other
+    threads held this client"), and close() raised too, leaving the child's
+    copy of the socket and mapping open; the call is refused at once, saying
+    why, and close() closes."""
+    c = daemon.client(timeout=3.0)
+    c.register(**NS)
+    assert daemon.proc is not None
+    os.kill(daemon.proc.pid, signal.SIGSTOP)  # the parent's call waits for its reply
+    waiting = threading.Thread(target=_quietly, args=(c.stats,))
+    try:
+        waiting.start()
+        time.sleep(0.3)
+
+        def child() -> str:
+            started = time.monotonic()
+            try:
+                c.stats()
+                said = "answered"
+            except HicachedError as exc:
+                said = f"{type(exc).__name__}: {exc}"
+            c.close()
+            return f"{said} | {time.monotonic() - started:.1f}s"
+
+        said, took = in_child(child).rsplit(" | ", 1)
+        assert said.startswith("BadRequest: this client was made in another process"), said
+        assert float(took.rstrip("s")) < 1.0
+    finally:
+        os.kill(daemon.proc.pid, signal.SIGCONT)
+        waiting.join(10)
+        c.close()
+
+
+def test_an_async_client_closes_in_a_forked_child(daemon: Daemon) -> None:
+    """close() of an AsyncClient in a forked child closes the child's copies
+    (it raised BadRequest, like a call, from its event-loop check); the
+    parent's session goes on."""
+
+    async def run() -> None:
+        c = hicached.AsyncClient(daemon.endpoint, timeout=2.0)
+        try:
+            await c.connect()
+
+            def child() -> str:
+                asyncio.run(c.close())
+                return "closed"
+
+            assert in_child(child) == "closed"
+            assert (await c.stats()).clients >= 1
+        finally:
+            await c.close()
+
+    asyncio.run(run())
+
+
+def _quietly(call: Callable[[], object]) -> None:
+    """``call()`` on a thread of its own, whatever error of the client ends it."""
+    with contextlib.suppress(HicachedError):
+        call()

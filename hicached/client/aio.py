@@ -92,6 +92,12 @@ class AsyncClient(_Core):
         """Say goodbye (the daemon ends this session and its leases), then close.
         Calls waiting for replies end with ``DaemonUnavailable``; later calls
         (of this task or others) raise ``BadRequest``."""
+        if self._forked():
+            # the socket and the event loop's poller are the parent's too (an
+            # epoll set survives fork): only this process's state is let go of
+            self._closing, self._hello = True, None
+            self._pool.close()
+            return
         self._bind()  # the reader to stop is this loop's
         self._closing = True  # no new reader, no request out, while the socket closes
         if self._reader is not None:

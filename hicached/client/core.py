@@ -98,11 +98,11 @@ class _Process:
     forks = 0
 
 
-def _forked() -> None:
+def _count_fork() -> None:
     _Process.forks += 1
 
 
-os.register_at_fork(after_in_child=_forked)
+os.register_at_fork(after_in_child=_count_fork)
 
 
 class CurveKeys(NamedTuple):
@@ -477,9 +477,13 @@ class _Core(PageCopies):
             raise BadRequest("this client is closed: make a new one")
         return self._stamped(request, budget)
 
+    def _forked(self) -> bool:
+        """Whether this process was forked after this client was made."""
+        return self._forks != _Process.forks
+
     def _check_process(self) -> None:
         """Refuse a call in a process forked after this client was made."""
-        if self._forks != _Process.forks:
+        if self._forked():
             raise BadRequest(
                 "this client was made in another process (this one was forked from it): "
                 "its connection is that process's; make a new client here"
@@ -542,8 +546,10 @@ class _Core(PageCopies):
         once), close the socket and the context, unmap the pool."""
         linger = 0
         self._closing = True
-        if self._forks != _Process.forks:  # a forked child: the session is the parent's
+        if self._forked():  # a forked child: the session is the parent's
             self._hello = None
+        if sock.closed:  # closed before
+            return
         if self._hello is not None:
             goodbye = self._stamped(p.Goodbye(id=0))
             self._hello = None

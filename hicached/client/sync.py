@@ -100,16 +100,21 @@ class Client(_Core):
         A call another thread waits in ends with ``DaemonUnavailable``; later
         calls raise ``BadRequest``."""
         self._closing = True  # a waiting call sees it within one receive slice
+        if self._forked():
+            # the turn may be held by a thread of the parent, which this process lacks
+            self._shut(self._sock, self._ctx)
+            return
         if not self._turn.acquire(timeout=self.timeout):
             raise DeadlineExceeded(f"a call on this client did not end within {self.timeout:.3g}s")
         try:
-            if not self._sock.closed:
-                self._shut(self._sock, self._ctx)
+            self._shut(self._sock, self._ctx)
         finally:
             self._turn.release()
 
     def _take_turn(self) -> None:
-        """Wait, at most ``timeout``, for the calls of other threads to end."""
+        """Wait, at most ``timeout``, for the calls of other threads to end; in a
+        forked child, refuse at once (a parent's thread may hold the turn there)."""
+        self._check_process()
         if not self._turn.acquire(timeout=self.timeout):
             raise DeadlineExceeded(
                 f"calls of other threads held this client for {self.timeout:.3g}s"
