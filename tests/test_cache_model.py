@@ -479,11 +479,11 @@ class CacheMachine(RuleBasedStateMachine):
         if not res.offsets:
             return
         try:
-            self.mapping._fence(res, "reservation")
+            _, gens = self.mapping._fence(res, "reservation")
         except StaleHandle:
             return
         _, gidx = self.mapping._row_index(res.ns, res.offsets)
-        if self.mapping._moved(res, gidx) < 0:
+        if self.mapping._moved(gens, res, gidx) < 0:
             self.stalled.append((res, keys[res.present :][: len(res.offsets)]))
 
     @precondition(lambda self: self.stalled)

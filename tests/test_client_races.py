@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import hicached
-from hicached.errors import HicachedError
-from tests.support import NS, PAGE_TOKENS, Daemon, in_child, page_bytes_for
+from hicached.errors import BadRequest, HicachedError
+from tests.support import NS, PAGE_BYTES, PAGE_TOKENS, Daemon, in_child, page_bytes_for
 
 
 def test_an_async_hello_while_another_task_says_hello_keeps_the_new_ids(daemon: Daemon) -> None:
@@ -117,3 +117,59 @@ def _quietly(call: Callable[[], object]) -> None:
     """``call()`` on a thread of its own, whatever error of the client ends it."""
     with contextlib.suppress(HicachedError):
         call()
+
+
+def test_close_while_other_threads_copy_ends_their_copies_with_errors_of_the_client(
+    daemon: Daemon,
+) -> None:
+    """close() unmaps the pool while other threads copy through handles (copies
+    take no turn): a copy that had begun finishes on memory it keeps mapped,
+    one that begins after the close is refused; the race raised IndexError
+    (numpy on the emptied arrays of the closed mapping). Never another key's
+    bytes, never a crash."""
+    toks = np.arange(32 * PAGE_TOKENS, dtype=np.uint32)
+    want = page_bytes_for(toks)
+    strays: list[BaseException] = []
+    for _ in range(8):
+        c = daemon.client(timeout=2.0)
+        ns = c.register(**NS)
+        c.store(ns, toks, want)
+        hit = c.match(ns, toks)
+        res = c.reserve(ns, toks + 100_000)
+        stop = threading.Event()
+        data = np.ones((32, PAGE_BYTES), dtype=np.uint8)
+        threads = [
+            threading.Thread(target=_until, args=(stop, strays, _read_as, c, hit, want)),
+            threading.Thread(target=_until, args=(stop, strays, c.write_pages, res, data)),
+        ]
+        for t in threads:
+            t.start()
+        time.sleep(0.05)
+        c.close()
+        time.sleep(0.02)
+        stop.set()
+        for t in threads:
+            t.join(10)
+        assert not strays, strays
+    with pytest.raises(BadRequest, match="closed"):
+        c.read_pages(hit)
+
+
+def _until(
+    stop: threading.Event, strays: list[BaseException], copy: Callable[..., object], *args: object
+) -> None:
+    """``copy(*args)`` again and again until ``stop``; errors other than the
+    client's are kept in ``strays``."""
+    while not stop.is_set():
+        try:
+            copy(*args)
+        except HicachedError:
+            pass
+        except BaseException as exc:
+            strays.append(exc)
+
+
+def _read_as(c: hicached.Client, hit: hicached.Hit, want: np.ndarray) -> None:
+    """Read ``hit``: its pages must be ``want``."""
+    got = c.read_pages(hit)
+    assert np.array_equal(got, want), "another key's bytes"

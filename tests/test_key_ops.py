@@ -481,8 +481,8 @@ def _stalled_copy(worker: Client, handle: Reservation, data: np.ndarray, stall: 
     check = mapping._moved
     checked = Event()
 
-    def moved_then_stall(handle: Reservation | Hit, gidx: np.ndarray) -> int:
-        moved = check(handle, gidx)
+    def moved_then_stall(gens: np.ndarray, handle: Reservation | Hit, gidx: np.ndarray) -> int:
+        moved = check(gens, handle, gidx)
         if not checked.is_set():
             checked.set()
             time.sleep(stall)

@@ -23,12 +23,15 @@ class PageCopies:
     map_pool: bool
     _pool: PoolView
     _instance: int
+    _closing: bool
 
     @property
     def mapping(self) -> PoolMapping:
         if not self.map_pool:
             raise BadRequest("this client does not map the pool (map_pool=False)")
         if self._pool.current is None:
+            if self._closing:
+                raise BadRequest("this client is closed: make a new one")
             if self._pool.unmapped:
                 raise ForeignTenant(self._pool.unmapped)
             raise DaemonUnavailable("not connected: call connect() first")

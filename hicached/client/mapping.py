@@ -287,6 +287,7 @@ class PoolMapping:
         # CUDA copies through this mapping that may still be moving bytes: the
         # mapping stays registered and mapped until they are done
         self._inflight: deque[PendingCopy] = deque()
+        self._closed = False  # close() began: no copy begins through this mapping
 
     # -- handles -------------------------------------------------------------------
 
@@ -305,7 +306,19 @@ class PoolMapping:
         self.earlier.add(self.instance)
         self.instance = instance
 
-    def _fence(self, handle: Reservation | Hit, what: str) -> None:
+    def _fence(self, handle: Reservation | Hit, what: str) -> tuple[np.ndarray, np.ndarray]:
+        """The checks before a copy; the pool's bytes and generations for it,
+        taken once: views that keep the mapping alive (Arena.close leaves a
+        mapping open while views of it live), so a close on another thread
+        (Client.close, a restart's remap) cannot pull the memory from under
+        the copy, and a copy that begins after it is refused. Taken before
+        the flag is read: close() sets it before it empties the arena."""
+        array, gens = self.arena.array, self.arena.gens
+        if self._closed:
+            raise StaleHandle(
+                f"this client's mapping of the pool was closed (the client closed, or the "
+                f"daemon restarted): the {what} is a miss"
+            )
         if handle.closed:
             raise StaleHandle(f"this {what} is closed (committed, aborted or released)")
         earlier = isinstance(handle, Hit) and handle.instance in self.earlier
@@ -315,10 +328,12 @@ class PoolMapping:
             raise StaleHandle(
                 f"this {what}'s lease is at or past its deadline: renew it before long copies"
             )
+        return array, gens
 
-    def _moved(self, handle: Reservation | Hit, gidx: np.ndarray) -> int:
+    @staticmethod
+    def _moved(gens: np.ndarray, handle: Reservation | Hit, gidx: np.ndarray) -> int:
         """-1 when every slot keeps its generation, else the first that moved."""
-        moved = self.arena.gens[gidx] != handle.gens
+        moved = gens[gidx] != handle.gens
         return int(moved.argmax()) if moved.any() else -1
 
     # -- copies ----------------------------------------------------------------------
@@ -352,11 +367,11 @@ class PoolMapping:
         on_gpu = cuda_tensor(data)
         # the source is ready before the fences: nothing slow runs between them and the copy
         src = data if on_gpu else _source(data, len(offsets), ns.page_bytes)
-        self._fence(res, "reservation")
+        array, gens = self._fence(res, "reservation")
         idx, gidx = self._row_index(ns, offsets)
-        if self._moved(res, gidx) >= 0:
+        if self._moved(gens, res, gidx) >= 0:
             raise StaleHandle("a slot of this reservation changed owner: reserve again")
-        rows = self.arena.rows(ns.page_bytes)
+        rows = self._rows(array, ns.page_bytes)
         stale = (
             "a slot changed owner during the write (the lease outlived its quarantine): "
             "do not commit"
@@ -368,6 +383,7 @@ class PoolMapping:
                 data.device,
                 lambda: cuda.copy(rows, idx, data, to_pool=True, mapped=self._mapped),
                 res,
+                gens,
                 gidx,
                 stale,
             )
@@ -379,7 +395,7 @@ class PoolMapping:
         else:
             scatter(rows, idx, src)  # numpy's or torch's, the faster here (client/gather.py)
         took = time.perf_counter() - started
-        return PendingCopy("host", self.arena.gens, gidx, res.gens, stale, seconds=took)
+        return PendingCopy("host", gens, gidx, res.gens, stale, seconds=took)
 
     def start_read(self, hit: Hit, out: Any = None, rows: Any = None, at: At = None) -> PendingCopy:
         """``read``, started: a CUDA copy is queued on the current stream and not
@@ -387,7 +403,7 @@ class PoolMapping:
         finished without ``StaleHandle``."""
         if not isinstance(hit, Hit):
             raise BadRequest("read_pages takes a Hit (from a leased match), not a Reservation")
-        self._fence(hit, "hit")
+        array, gens = self._fence(hit, "hit")
         if not hit.lease and hit.offsets:
             raise BadRequest("this hit holds no lease: match with lease=True to copy its pages")
         if _segmented(out, rows, at):
@@ -403,12 +419,12 @@ class PoolMapping:
             check_empty(out, rows, at, "out")
             return _nothing(np.empty((0, ns.page_bytes), dtype=np.uint8) if out is None else out)
         idx, gidx = self._row_index(ns, offsets)
-        moved = self._moved(hit, gidx)
+        moved = self._moved(gens, hit, gidx)
         if moved >= 0:
             raise StaleHandle(
                 "a page of this hit left its slot: it is a miss now", 0
             )  # none copied
-        rows = self.arena.rows(ns.page_bytes)
+        rows = self._rows(array, ns.page_bytes)
         stale = "a page was reused while it was read: it is a miss"
         if cuda_tensor(out):
             from hicached.client import cuda
@@ -417,6 +433,7 @@ class PoolMapping:
                 out.device,
                 lambda: cuda.copy(rows, idx, out, to_pool=False, mapped=self._mapped),
                 hit,
+                gens,
                 gidx,
                 stale,
                 out,
@@ -430,7 +447,7 @@ class PoolMapping:
         else:
             gather(rows, idx, dst)  # numpy's or torch's, the faster here (client/gather.py)
         took = time.perf_counter() - started
-        return PendingCopy("host", self.arena.gens, gidx, hit.gens, stale, out, seconds=took)
+        return PendingCopy("host", gens, gidx, hit.gens, stale, out, seconds=took)
 
     def segments(
         self,
@@ -489,11 +506,11 @@ class PoolMapping:
         elif any(int(seg.shape[0]) != n for seg in views):
             raise ValueError(f"each segment must have {n} rows, one per page (or give rows)")
         what = "reservation" if to_pool else "hit"
-        self._fence(handle, what)
+        array, gens = self._fence(handle, what)
         idx, gidx = self._row_index(ns, handle.offsets)
-        if self._moved(handle, gidx) >= 0:
+        if self._moved(gens, handle, gidx) >= 0:
             raise StaleHandle(f"a slot of this {what} changed owner: it is a miss now")
-        pool = self.arena.rows(ns.page_bytes)
+        pool = self._rows(array, ns.page_bytes)
         stale = f"a slot of this {what} changed owner during the copy: a miss"
         if on_gpu:
             from hicached.client import cuda
@@ -504,6 +521,7 @@ class PoolMapping:
                     pool, idx, views, picks, starts, to_pool=to_pool, mapped=self._mapped
                 ),
                 handle,
+                gens,
                 gidx,
                 stale,
                 out,
@@ -511,13 +529,14 @@ class PoolMapping:
         started = time.perf_counter()
         _copy_rows(pool, idx, views, picks, starts, to_pool)
         took = time.perf_counter() - started
-        return PendingCopy("host", self.arena.gens, gidx, handle.gens, stale, out, seconds=took)
+        return PendingCopy("host", gens, gidx, handle.gens, stale, out, seconds=took)
 
     def _on_gpu(
         self,
         device: Any,
         launch: Callable[[], str],
         handle: Reservation | Hit,
+        gens: np.ndarray,
         gidx: np.ndarray,
         stale: str,
         out: Any = None,
@@ -528,13 +547,17 @@ class PoolMapping:
         begin = cuda.mark(device, timing=True)
         path = launch()
         end = cuda.mark(device, timing=True)
-        pending = PendingCopy(
-            path, self.arena.gens, gidx, handle.gens, stale, out, begin=begin, end=end
-        )
+        pending = PendingCopy(path, gens, gidx, handle.gens, stale, out, begin=begin, end=end)
         while self._inflight and self._inflight[0].done():
             self._inflight.popleft()
         self._inflight.append(pending)
         return pending
+
+    def _rows(self, array: np.ndarray, page_bytes: int) -> np.ndarray:
+        """``array`` (the pool's bytes, as ``_fence`` took them) as rows of
+        ``page_bytes``: slot ``offset`` is row ``offset // page_bytes``."""
+        n = self.arena.size // page_bytes
+        return array[: n * page_bytes].reshape(n, page_bytes)
 
     def _row_index(self, ns: Namespace, offsets: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Rows of ``offsets`` and their generation counters; a cache must never
@@ -589,6 +612,7 @@ class PoolMapping:
         """Unregister (if pinned), then unmap; a mapping that copies still use
         (see ``_drained``) stays mapped, since freeing it under them could
         corrupt another mapping's memory."""
+        self._closed = True  # before the arena empties: see _fence
         self.unpin()
         if not self._pinned:
             self.arena.close()
