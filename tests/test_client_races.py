@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import hicached
-from hicached.errors import BadRequest, HicachedError
+from hicached.errors import BadRequest, HicachedError, StaleHandle
 from tests.support import NS, PAGE_BYTES, PAGE_TOKENS, Daemon, in_child, page_bytes_for
 
 
@@ -173,3 +173,63 @@ def _read_as(c: hicached.Client, hit: hicached.Hit, want: np.ndarray) -> None:
     """Read ``hit``: its pages must be ``want``."""
     got = c.read_pages(hit)
     assert np.array_equal(got, want), "another key's bytes"
+
+
+def test_a_read_while_another_thread_remaps_after_a_restart_is_served_or_a_miss(
+    daemon: Daemon,
+) -> None:
+    """A thread reads through a hit while another thread's call finds the daemon
+    restarted and maps the new pool: the read is served from the pool it was
+    granted in (kept mapped for its lease) or is a miss (StaleHandle); while
+    the new pool was being mapped, reads said "not connected: call connect()
+    first" (DaemonUnavailable), of a client that was connected."""
+    c = daemon.client(timeout=3.0)
+    try:
+        ns = c.register(**NS)
+        for round in range(3):
+            toks = np.arange(16 * PAGE_TOKENS, dtype=np.uint32) + round * 100_000
+            want = page_bytes_for(toks)
+            c.store(ns, toks, want)
+            hit = c.match(ns, toks)
+            strays: list[BaseException] = []
+            served = [0]
+            stop = threading.Event()
+            reader = threading.Thread(target=_reads, args=(stop, strays, served, c, hit, want))
+            reader.start()
+            try:
+                daemon.stop()
+                daemon.start()
+                c.stats()  # says hello to the new daemon and maps its pool
+                time.sleep(0.05)
+            finally:
+                stop.set()
+                reader.join(10)
+            assert not strays, strays
+            assert served[0] > 0
+            c.release(hit)
+    finally:
+        c.close()
+
+
+def _reads(
+    stop: threading.Event,
+    strays: list[BaseException],
+    served: list[int],
+    c: hicached.Client,
+    hit: hicached.Hit,
+    want: np.ndarray,
+) -> None:
+    """Read ``hit`` until ``stop``: its own pages (counted in ``served``) or a
+    miss; anything else is kept in ``strays``."""
+    while not stop.is_set():
+        try:
+            got = c.read_pages(hit)
+        except StaleHandle:
+            continue
+        except BaseException as exc:
+            strays.append(exc)
+            continue
+        if np.array_equal(got, want):
+            served[0] += 1
+        else:
+            strays.append(AssertionError("another key's bytes"))

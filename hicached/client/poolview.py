@@ -67,23 +67,30 @@ class PoolView:
                     f"the daemon speaks protocol {reply.major}.{reply.minor} and keeps no slot "
                     "generations: upgrade it to map its pool"
                 )
-            self._retire()  # another daemon's pool: kept for its read handles a while
             # no faulting here: a large pool maps in one system call (page-table
             # entries come with the copies, or from the prefault thread)
-            arena = Arena.attach(reply.pool_path, reply.pool_bytes, huge_pages=reply.huge_pages)
+            try:
+                arena = Arena.attach(reply.pool_path, reply.pool_bytes, huge_pages=reply.huge_pages)
+            except BaseException:
+                self._retire()
+                raise
             if prefault:
                 threading.Thread(
                     target=arena.prefault, name="hicached-prefault", daemon=True
                 ).start()
-            self.current = PoolMapping(
+            mapping = PoolMapping(
                 arena,
                 reply.instance,
                 reply.gen_granule,
                 pool_id=reply.pool_id,
                 base=reply.pool_base,
             )
+            # another daemon's pool: kept for its read handles a while; the new
+            # one is current from the same moment (copies of other threads never
+            # find none)
+            self._retire(mapping)
             if self._pin:
-                self.current.pin()
+                mapping.pin()
         self._lease_ttl = reply.lease_ttl_s
 
     def pin(self) -> None:
@@ -97,8 +104,9 @@ class PoolView:
         if self.current is not None:
             self.current.unpin()
 
-    def _retire(self) -> None:
-        mapping, self.current = self.current, None
+    def _retire(self, new: PoolMapping | None = None) -> None:
+        """The current mapping is retired, ``new`` current in its place."""
+        mapping, self.current = self.current, new
         if self._retired is not None:
             self._retired[0].close()
             self._retired = None
