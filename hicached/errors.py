@@ -68,6 +68,13 @@ class UnknownLease(HicachedError):
     code = "unknown_lease"
 
 
+class LeaseEnded(UnknownLease):
+    """The client's own finding (never on the wire): a request bound to a lease
+    met, at the hello its call said, another daemon instance than the one that
+    granted the lease. The lease ended with that daemon, and the request is
+    not asked of the new one, which never granted it."""
+
+
 class ForeignLease(HicachedError):
     """The lease belongs to another client."""
 

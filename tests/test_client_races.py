@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import hicached
-from hicached.errors import BadRequest, HicachedError, StaleHandle
+from hicached.errors import BadRequest, HicachedError, StaleHandle, UnknownLease
 from tests.support import NS, PAGE_BYTES, PAGE_TOKENS, Daemon, in_child, page_bytes_for
 
 
@@ -233,3 +233,56 @@ def _reads(
             served[0] += 1
         else:
             strays.append(AssertionError("another key's bytes"))
+
+
+@pytest.mark.parametrize("call", ["release", "abort", "commit", "renew"])
+def test_a_lease_bound_call_that_finds_the_daemon_restarted_is_not_asked_again(
+    daemon: Daemon, call: str
+) -> None:
+    """The first call after a restart learns of it (the session is lost), says
+    hello and asks again; a request bound to a lease was asked again of the
+    new daemon, which never granted that lease: a release (or abort) raised
+    UnknownLease ("lease ... is not open") though the lease had ended with
+    the daemon, and a commit or renew said so rather than that the daemon
+    restarted. Such a request is not asked again: a release is done, the
+    others say the daemon restarted."""
+    keyed = {**NS, "model": "test/keyed", "key_scheme": "vllm-sha256"}
+    c = daemon.client(timeout=3.0)
+    try:
+        ns, kns = c.register(**NS), c.register(**keyed)
+        toks = np.arange(4 * PAGE_TOKENS, dtype=np.uint32)
+        c.store(ns, toks, page_bytes_for(toks))
+        hit = c.match(ns, toks)
+        res = c.reserve_keys(kns, [bytes([k]) * 32 for k in range(4)])
+        daemon.kill()
+        daemon.start()
+        if call == "release":
+            c.release(hit)  # the step path (Client._call)
+            assert hit.closed
+        elif call == "abort":
+            c.abort(res)  # the exchange path (_exchange)
+            assert res.closed
+        else:
+            with pytest.raises(UnknownLease, match="restarted"):
+                c.commit(res) if call == "commit" else c.renew(hit)
+        assert c.stats().leases == 0  # the new daemon granted none
+    finally:
+        c.close()
+
+
+def test_an_async_release_that_finds_the_daemon_restarted_is_done(daemon: Daemon) -> None:
+    """AsyncClient.release as the first call after a restart: done, as the
+    lease ended with the daemon (it raised UnknownLease from the new one)."""
+
+    async def run() -> None:
+        async with hicached.AsyncClient(daemon.endpoint, timeout=3.0) as c:
+            ns = await c.register(**NS)
+            toks = np.arange(2 * PAGE_TOKENS, dtype=np.uint32)
+            await c.store(ns, toks, page_bytes_for(toks))
+            hit = await c.match(ns, toks)
+            daemon.kill()
+            daemon.start()
+            await c.release(hit)
+            assert hit.closed and (await c.stats()).leases == 0
+
+    asyncio.run(run())

@@ -62,6 +62,7 @@ from hicached.errors import (
     DaemonUnavailable,
     ForeignLease,
     HicachedError,
+    LeaseEnded,
     SessionLost,
     StaleHandle,
     TooLarge,
@@ -179,17 +180,28 @@ class _Core(PageCopies):
     # -- exchanges ------------------------------------------------------------
 
     def _exchange(
-        self, make: Callable[[], p.Request], expect: type[R]
+        self, make: Callable[[], p.Request], expect: type[R], instance: int = 0
     ) -> Generator[p.Request, p.AnyReply, R]:
-        """Send ``make()``; re-hello and retry once if the daemon forgot this client."""
+        """Send ``make()``; re-hello and retry once if the daemon forgot this client
+        (``instance``: that of the lease the request is bound to, if any)."""
         for attempt in range(_SESSION_TRIES):
             if self._hello is None:
                 yield from self._handshake()
+            self._same_instance(instance)
             reply = yield make()
             if isinstance(reply, expect):
                 return reply
             self._refused(reply, expect, attempt)
         raise SessionLost("the daemon keeps forgetting this client")  # pragma: no cover
+
+    def _same_instance(self, instance: int) -> None:
+        """Raise ``LeaseEnded`` if a request bound to a lease of ``instance`` (0:
+        none) would go to another daemon instance: after a restart, the call's
+        hello went to a daemon that never granted the lease."""
+        if instance and instance != self._instance:
+            raise LeaseEnded(
+                "the daemon restarted since this lease was granted: the lease ended with it"
+            )
 
     def _refused(self, reply: p.AnyReply, expect: type[R], attempt: int) -> None:
         """A reply other than the ``expect`` asked for: its error is raised, unless
@@ -337,7 +349,9 @@ class _Core(PageCopies):
         count = -1 if pages is None else pages
         return (
             yield from self._exchange(
-                lambda: p.Commit(id=0, lease=res.lease, pages=count, mask=mask), p.CommitOk
+                lambda: p.Commit(id=0, lease=res.lease, pages=count, mask=mask),
+                p.CommitOk,
+                res.instance,
             )
         )
 
@@ -420,7 +434,9 @@ class _Core(PageCopies):
         if handle.closed or not handle.lease or handle.instance != self._instance:
             raise UnknownLease("this handle holds no open lease to renew")
         sent = time.monotonic()
-        ok = yield from self._exchange(lambda: p.Renew(id=0, lease=handle.lease), p.RenewOk)
+        ok = yield from self._exchange(
+            lambda: p.Renew(id=0, lease=handle.lease), p.RenewOk, handle.instance
+        )
         handle.state.deadline = sent + ok.ttl_s - self._margin  # for every view of it too
         return None
 
@@ -429,14 +445,20 @@ class _Core(PageCopies):
             return FetchProgress(planned=0, completed=0, done=True, failed=False)
         if pf.instance != self._instance:
             raise UnknownLease("the daemon restarted since this prefetch; start it again")
-        ok = yield from self._exchange(lambda: p.Progress(id=0, lease=pf.lease), p.ProgressOk)
+        ok = yield from self._exchange(
+            lambda: p.Progress(id=0, lease=pf.lease), p.ProgressOk, pf.instance
+        )
         return FetchProgress(ok.planned, ok.completed, ok.done, ok.failed)
 
     def _release(self, handle: Reservation | Hit | Fetch) -> Exchange:
         send, ours = self._releasing(handle), True  # a view is refused before anything
         try:
             if send:
-                yield from self._exchange(lambda: p.Release(id=0, lease=handle.lease), p.Ok)
+                yield from self._exchange(
+                    lambda: p.Release(id=0, lease=handle.lease), p.Ok, handle.instance
+                )
+        except LeaseEnded:
+            pass  # it ended with the daemon that granted it: released
         except ForeignLease:
             ours = False
             raise

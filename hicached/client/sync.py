@@ -37,6 +37,7 @@ from hicached.errors import (
     DaemonUnavailable,
     DeadlineExceeded,
     ForeignLease,
+    LeaseEnded,
     SessionLost,
 )
 from hicached.wire import protocol as p
@@ -173,14 +174,15 @@ class Client(_Core):
             self._turn.release()
         return result
 
-    def _call(self, make: Callable[[], p.Request], expect: type[R]) -> R:
+    def _call(self, make: Callable[[], p.Request], expect: type[R], instance: int = 0) -> R:
         """``_exchange`` without a generator to drive: the path of the operations
-        an engine makes every step (match, exists_keys, prefetch)."""
+        an engine makes every step (match, exists_keys, prefetch, release)."""
         self._take_turn()
         try:
             for attempt in range(_SESSION_TRIES):
                 if self._hello is None:
                     self.connect()
+                self._same_instance(instance)
                 reply = self._roundtrip(make())  # made anew: a new hello may renumber them
                 if isinstance(reply, expect):
                     return reply
@@ -281,7 +283,9 @@ class Client(_Core):
         send = self._releasing(handle)  # a view is refused before anything
         try:
             if send:
-                self._call(lambda: p.Release(id=0, lease=handle.lease), p.Ok)
+                self._call(lambda: p.Release(id=0, lease=handle.lease), p.Ok, handle.instance)
+        except LeaseEnded:
+            pass  # it ended with the daemon that granted it: released
         except ForeignLease:
             raise  # another client's lease: this handle stays as it was
         except BaseException:
