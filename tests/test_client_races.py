@@ -17,7 +17,12 @@ import numpy as np
 import pytest
 
 import hicached
-from hicached.errors import BadRequest, HicachedError, StaleHandle, UnknownLease
+from hicached.errors import (
+    BadRequest,
+    HicachedError,
+    StaleHandle,
+    UnknownLease,
+)
 from tests.support import NS, PAGE_BYTES, PAGE_TOKENS, Daemon, in_child, page_bytes_for
 
 
@@ -286,3 +291,61 @@ def test_an_async_release_that_finds_the_daemon_restarted_is_done(daemon: Daemon
             assert hit.closed and (await c.stats()).leases == 0
 
     asyncio.run(run())
+
+
+def test_a_lease_granted_to_a_cancelled_call_is_released(daemon: Daemon) -> None:
+    """A match cancelled while its reply was on the way: the read lease the
+    daemon granted reached no handle, and pinned its pages until it expired
+    (leases.ttl_s, 30 s); it is released once its reply arrives."""
+
+    async def run() -> None:
+        async with hicached.AsyncClient(daemon.endpoint, timeout=3.0) as c:
+            ns = await c.register(**NS)
+            toks = np.arange(4 * PAGE_TOKENS, dtype=np.uint32)
+            await c.store(ns, toks, page_bytes_for(toks))
+            for _ in range(5):
+                call = asyncio.get_running_loop().create_task(c.match(ns, toks))
+                for _ in range(1000):  # until its request is out, waiting for the reply
+                    if c._pending:
+                        break
+                    await asyncio.sleep(0)
+                call.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await call
+            for _ in range(100):  # the replies arrive after the cancels: 5 s at most
+                if not (await c.stats()).leases:
+                    break
+                await asyncio.sleep(0.05)
+            stats = await c.stats()
+            assert stats.leases == 0 and stats.pinned_pages == 0
+
+    asyncio.run(run())
+
+
+def test_a_lease_granted_to_an_interrupted_call_is_released(daemon: Daemon) -> None:
+    """A match interrupted (KeyboardInterrupt) while the daemon was about to
+    answer: the next call meets the late reply and releases the read lease it
+    grants, which no handle holds (its pages stayed pinned until it expired)."""
+    c = daemon.client(timeout=5.0)
+    try:
+        ns = c.register(**NS)
+        toks = np.arange(4 * PAGE_TOKENS, dtype=np.uint32)
+        c.store(ns, toks, page_bytes_for(toks))
+        assert daemon.proc is not None
+        os.kill(daemon.proc.pid, signal.SIGSTOP)  # the match waits for its reply
+        interrupt = threading.Timer(0.3, os.kill, args=(os.getpid(), signal.SIGINT))
+        try:
+            interrupt.start()
+            with pytest.raises(KeyboardInterrupt):
+                c.match(ns, toks)
+        finally:
+            interrupt.join(5)
+            os.kill(daemon.proc.pid, signal.SIGCONT)  # now it answers, before the deadline
+        for _ in range(100):
+            if not c.stats().leases:
+                break
+            time.sleep(0.05)
+        stats = c.stats()
+        assert stats.leases == 0 and stats.pinned_pages == 0
+    finally:
+        c.close()

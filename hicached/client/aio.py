@@ -115,11 +115,9 @@ class AsyncClient(_Core):
             except msgspec.MsgspecError:
                 continue  # not a reply this client understands
             future = self._pending.pop(reply.id, None)
-            if future is None:
-                self._reporter.answered(
-                    reply, self.endpoint
-                )  # the gather report's, which no call waits for
-            elif not future.done():
+            if future is None or future.done():  # its call was cancelled, or timed out
+                self._unclaimed(self._sock, reply)
+            else:
                 future.set_result(reply)
 
     def _bind(self) -> None:
@@ -187,6 +185,10 @@ class AsyncClient(_Core):
         try:
             await sock.send(payload)
             return await asyncio.wait_for(future, budget)
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self._unclaimed(sock, future.result())  # it came, but the call is cancelled
+            raise
         except asyncio.TimeoutError:
             if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
                 self._redial(sock)  # the connection went away: for the next call

@@ -87,6 +87,8 @@ _IN_L2 = bytes(b & 1 for b in range(256))
 _IN_L3 = bytes(b >> 1 & 1 for b in range(256))
 _MAX_WAIT_S = 1e9  # the longest timeout: about 31 years, a deadline that still fits
 _NOBLOCK = int(zmq.NOBLOCK)  # pyzmq converts its enum flags on every call
+# replies that grant a lease (0: none granted)
+_LEASING = (p.MatchOk, p.ReserveOk, p.ReserveKeysOk, p.PrefetchOk)
 Exchange = Generator[p.Request, p.AnyReply, Any]
 
 
@@ -537,6 +539,22 @@ class _Core(PageCopies):
             log.debug("gather report not sent to %s: %s", self.endpoint, exc)
             return
         self._reporter.sent(report.id)
+
+    def _unclaimed(self, sock: zmq.Socket[Any], reply: p.AnyReply) -> None:
+        """A reply no call waits for: the late one of a call that was cancelled
+        or interrupted (or of a loop before), or the gather report's. A lease
+        it grants reached no handle: it is released now, without waiting,
+        rather than pin its pages (or hold its slots) until it expires."""
+        lease = reply.lease if isinstance(reply, _LEASING) else 0
+        if not lease:
+            self._reporter.answered(reply, self.endpoint)
+            return
+        try:  # the plain send, even on asyncio; its Ok is another unclaimed reply
+            zmq.Socket.send(sock, self._stamp(p.Release(id=0, lease=lease)), _NOBLOCK)
+        except (zmq.ZMQError, HicachedError) as exc:
+            log.debug(
+                "lease %d of a call given up not released at %s: %s", lease, self.endpoint, exc
+            )
 
     def _unavailable(self) -> DaemonUnavailable:
         what = "" if self._hello else " (is it running?)"

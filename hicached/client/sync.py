@@ -155,9 +155,9 @@ class Client(_Core):
             else:
                 if reply.id == request_id:
                     return reply
-                # the late reply of a request that timed out, or of the gather
-                # report, which no call waits for; drop it
-                self._reporter.answered(reply, self.endpoint)
+                # the late reply of a request that timed out or was interrupted,
+                # or of the gather report, which no call waits for
+                self._unclaimed(sock, reply)
             # a daemon that sends nothing but other messages never lets recv
             # time out: the deadline is checked after each of them too
             if time.monotonic() >= sent + budget:
