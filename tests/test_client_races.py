@@ -19,6 +19,7 @@ import pytest
 import hicached
 from hicached.errors import (
     BadRequest,
+    DaemonUnavailable,
     HicachedError,
     StaleHandle,
     UnknownLease,
@@ -348,4 +349,28 @@ def test_a_lease_granted_to_an_interrupted_call_is_released(daemon: Daemon) -> N
         stats = c.stats()
         assert stats.leases == 0 and stats.pinned_pages == 0
     finally:
+        c.close()
+
+
+def test_close_from_a_signal_handler_during_a_call_ends_the_call_cleanly(daemon: Daemon) -> None:
+    """close() from a signal handler (an engine's shutdown on SIGTERM) that runs
+    on the thread of a call waiting for its reply: the socket closes under
+    that call, which raised zmq's ZMQError ("Socket operation on non-socket");
+    it ends with DaemonUnavailable, as a call of another thread does."""
+    c = daemon.client(timeout=3.0)
+    c.register(**NS)
+    assert daemon.proc is not None
+    before = signal.signal(signal.SIGUSR1, lambda *_: c.close())
+    os.kill(daemon.proc.pid, signal.SIGSTOP)  # the call waits for its reply
+    closer = threading.Timer(0.3, os.kill, args=(os.getpid(), signal.SIGUSR1))
+    try:
+        closer.start()
+        with pytest.raises(DaemonUnavailable, match="closed"):
+            c.stats()
+        with pytest.raises(BadRequest, match="closed"):
+            c.stats()
+    finally:
+        closer.join(5)
+        signal.signal(signal.SIGUSR1, before)
+        os.kill(daemon.proc.pid, signal.SIGCONT)
         c.close()

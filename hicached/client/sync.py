@@ -122,8 +122,20 @@ class Client(_Core):
             )
 
     def _roundtrip(self, request: p.Request) -> p.AnyReply:
+        sock = self._sock
+        try:
+            return self._ask(sock, request)
+        except zmq.ZMQError:
+            # close() in a signal handler that ran on this call's thread (an
+            # engine's shutdown) closed the socket under the call
+            if sock.closed:
+                raise DaemonUnavailable("client closed") from None
+            raise
+
+    def _ask(self, sock: zmq.Socket[Any], request: p.Request) -> p.AnyReply:
+        """Send ``request`` and wait, at most ``timeout``, for its reply."""
         payload, request_id, budget = self._stamp(request), request.id, self.timeout
-        sent, sock = time.monotonic(), self._sock
+        sent = time.monotonic()
         try:
             sock.send(payload, _NOBLOCK)
         except zmq.Again:
