@@ -374,3 +374,20 @@ def test_close_from_a_signal_handler_during_a_call_ends_the_call_cleanly(daemon:
         signal.signal(signal.SIGUSR1, before)
         os.kill(daemon.proc.pid, signal.SIGCONT)
         c.close()
+
+
+def test_a_number_too_large_for_the_wire_is_a_bad_request(daemon: Daemon) -> None:
+    """An integer argument past what msgpack carries (2**64) raised msgspec's
+    OverflowError from the encoder; it is a BadRequest, and the client goes on."""
+    with daemon.client(timeout=2.0) as c:
+        ns = c.register(**NS)
+        toks = np.arange(2 * PAGE_TOKENS, dtype=np.uint32)
+        with pytest.raises(BadRequest, match="too large"):
+            c.prefetch(ns, toks, max_pages=2**70)
+        res = c.reserve(ns, toks)
+        with pytest.raises(BadRequest, match="too large"):
+            c.commit(res, 2**70)
+        with pytest.raises(BadRequest, match="too large"):
+            c.register(**{**NS, "page_bytes": 2**70})
+        c.abort(res)
+        assert c.stats().leases == 0

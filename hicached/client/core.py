@@ -516,7 +516,13 @@ class _Core(PageCopies):
     def _stamped(self, request: p.Request, budget: float | None = None) -> bytes:
         request.id = next(self._ids)
         request.deadline_ms = int((time.time() + (budget or self.timeout)) * 1000)
-        raw = _encode(request)
+        try:
+            raw = _encode(request)
+        except OverflowError:  # msgpack carries integers in -2**63..2**64-1
+            raise BadRequest(
+                f"a number in this {type(request).__name__} request is too large to send "
+                "(a page count, size or id past 2**64)"
+            ) from None
         hello = self._hello
         if hello is not None and len(raw) > hello.max_message_bytes:
             # the daemon would refuse it, or past twice the limit drop the
