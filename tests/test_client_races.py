@@ -391,3 +391,23 @@ def test_a_number_too_large_for_the_wire_is_a_bad_request(daemon: Daemon) -> Non
             c.register(**{**NS, "page_bytes": 2**70})
         c.abort(res)
         assert c.stats().leases == 0
+
+
+def test_a_view_selected_with_bools_copies_the_pages_they_number(daemon: Daemon) -> None:
+    """select() takes page numbers; bools are 0 and 1 as everywhere in Python.
+    The offsets were picked as numbers and the generations as a numpy mask,
+    so the view's fence checked other slots' generations than its own (or
+    raised IndexError)."""
+    with daemon.client(timeout=2.0) as c:
+        ns = c.register(**NS)
+        toks = np.arange(2 * PAGE_TOKENS, dtype=np.uint32)
+        want = page_bytes_for(toks)
+        c.store(ns, toks, want)
+        hit = c.match(ns, toks)
+        view = hit.select([True, False])
+        assert view.offsets == [hit.offsets[1], hit.offsets[0]]
+        assert list(view.gens) == [hit.gens[1], hit.gens[0]]
+        assert np.array_equal(c.read_pages(view), want[[1, 0]])
+        with pytest.raises(IndexError, match="page numbers"):
+            hit.select([0.5])
+        c.release(hit)

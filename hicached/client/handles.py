@@ -11,6 +11,7 @@ while it copied is reported as a miss (``StaleHandle``), never as bytes.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Self
@@ -102,11 +103,14 @@ class _Leased:
     def select(self, pages: Sequence[int]) -> Self:
         """A view on some of this handle's slots, in the given order, for copies;
         it shares the lease (its deadline, its end) with this handle."""
-        idx = list(pages)
+        try:  # numbers, one way for both lists: numpy takes bools as a mask
+            idx = [operator.index(i) for i in pages]
+        except TypeError:
+            raise IndexError("pages are page numbers (integers)") from None
         offsets = self.offsets
         if any(not 0 <= i < len(offsets) for i in idx):
             raise IndexError(f"pages must be in 0..{len(offsets) - 1}")
-        gens = self.gens[idx] if len(self.gens) else self.gens
+        gens = self.gens[np.asarray(idx, dtype=np.intp)] if len(self.gens) else self.gens
         view = replace(self, offsets=[offsets[i] for i in idx], gens=gens, view=True)  # type: ignore[type-var]
         return view
 
