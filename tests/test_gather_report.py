@@ -32,7 +32,7 @@ ENGINE = textwrap.dedent(
     if mode != "no-torch":
         import torch  # as every engine has it
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    for name in ("hicached.client.core", "hicached.client.report"):
+    for name in ("hicached.client.dealer", "hicached.client.report"):
         logging.getLogger(name).setLevel(logging.DEBUG)
     from hicached.client import Client, gather_choice
 

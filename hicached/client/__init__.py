@@ -1,5 +1,5 @@
 """The engine side's client: the exchanges both transports drive (core), the
-pool view that survives a daemon restart (poolview), the sync and asyncio
+socket they go over (dealer), the pool view that survives a daemon restart (poolview), the sync and asyncio
 clients, handles, the fenced copies (mapping), the measured pick of their
 scattered-copy kernels (gather) and the CUDA path."""
 

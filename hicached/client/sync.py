@@ -13,7 +13,6 @@ import zmq
 import zmq.asyncio
 
 from hicached.client.core import (
-    _NOBLOCK,
     _SESSION_TRIES,
     CurveKeys,
     Exchange,
@@ -24,6 +23,7 @@ from hicached.client.core import (
     _released,
     _run,
 )
+from hicached.client.dealer import _NOBLOCK
 from hicached.client.handles import (
     Fetch,
     FetchProgress,
