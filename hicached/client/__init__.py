@@ -1,7 +1,8 @@
 """The engine side's client: the exchanges both transports drive (core), the
-socket they go over (dealer), the pool view that survives a daemon restart (poolview), the sync and asyncio
-clients, handles, the fenced copies (mapping), the measured pick of their
-scattered-copy kernels (gather) and the CUDA path."""
+socket they go over (dealer), the pool view that survives a daemon restart
+(poolview), the sync and asyncio clients, handles, the fenced copies
+(mapping), the measured pick of their scattered-copy kernels (gather) and the
+CUDA path."""
 
 from hicached.client.aio import AsyncClient
 from hicached.client.core import CurveKeys
