@@ -17,6 +17,7 @@ from hicached.config import load_config
 from hicached.errors import HicachedError
 
 if TYPE_CHECKING:
+    from hicached.config import Config
     from hicached.wire import protocol as p
 
 
@@ -43,6 +44,7 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     # (sizes that are not whole slabs, a pool too small for them) fails here too
     arena_layout(config, endpoint(config), runtime_dir(config))
     client_group_id(config.events.group, "events.group")  # as serve resolves it
+    _check_metrics_access(config)
     if config.storage.backend:
         # the backend must be installed, and its options valid as a whole: what
         # its start would refuse (a missing bucket, ...) fails here already
@@ -52,6 +54,25 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
         backend_options(config, load_backend_class(config.storage.backend))
     print(f"{args.path}: ok")
     return 0
+
+
+def _check_metrics_access(config: Config) -> None:
+    """The metrics token file as serve reads it; root checks it for whichever
+    user will run the daemon, so its owner is checked only as that user. With
+    tenants and no credential, a warning: every scrape would be refused."""
+    m = config.metrics
+    if not m.enabled:
+        return
+    if m.token_file:
+        from hicached.daemon.metrics_http import read_token
+
+        read_token(m.token_file, check_owner=os.geteuid() != 0)
+    elif config.tenants and not m.authenticated:
+        print(
+            "warning: metrics: with [tenants] every scrape is refused (401) until "
+            "metrics.token_file (or client_ca) is set (docs/operations.md, Metrics)",
+            file=sys.stderr,
+        )
 
 
 def _cmd_status(args: argparse.Namespace) -> int:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import secrets
+from pathlib import Path
+
 import numpy as np
 
 from hicached.testing import DaemonProcess as Daemon
@@ -14,6 +18,7 @@ __all__ = [
     "PAGE_TOKENS",
     "Daemon",
     "free_tcp_port",
+    "metrics_token",
     "page_bytes_for",
 ]
 
@@ -46,3 +51,14 @@ def page_bytes_for(tokens: np.ndarray, page_bytes: int = PAGE_BYTES, salt: int =
         seed = hash((salt, tuple(int(t) for t in tokens[: (i + 1) * PAGE_TOKENS]))) & 0xFFFFFFFF
         out[i] = np.random.default_rng(seed).integers(0, 256, page_bytes, dtype=np.uint8)
     return out
+
+
+def metrics_token(directory: Path, name: str = "metrics.token") -> tuple[str, str]:
+    """A bearer token in a file of this user's, mode 0600, in ``directory``:
+    (the ``[metrics]`` lines of a daemon that requires it, the token)."""
+    token = secrets.token_hex(32)
+    path = directory / name
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")  # a trailing newline, as `openssl rand -hex 32 > FILE` leaves
+    return f'port = 0\ntoken_file = "{path}"', token
