@@ -117,6 +117,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
         "dropped:    " + _pairs(stats.dropped),
         "matched:    " + _pairs(stats.match_pages),
     ]
+    if stats.tenant is not None:
+        lines.append(_tenant_line(stats.tenant))
     if stats.adopted_pages or stats.adoption_dropped:
         lines.append(
             f"adopted:    {stats.adopted_pages} pages at start; dropped "
@@ -185,6 +187,19 @@ def _gather_lines(clients: list[p.GatherClient], protocol: tuple[int, int] | Non
     if len(measured) > _GATHER_SHOWN:
         lines.append(f"            and {len(measured) - _GATHER_SHOWN} more measured (--json)")
     return lines
+
+
+def _tenant_line(t: p.TenantStats) -> str:
+    """The asking peer's own tenant (1.8, with [tenants]): the lines above are
+    the daemon's totals, this one is the tenant's alone."""
+    quota = [f"{t.max_slots} pages"] if t.max_slots else []
+    quota += [f"{t.max_bytes / (1 << 20):.1f} MiB"] if t.max_bytes else []
+    return (
+        f"tenant:     {t.tenant}: {t.pages} pages, {t.slots} slots "
+        f"({t.bytes / (1 << 20):.1f} MiB), quota {' and '.join(quota) or 'none'}; "
+        f"matched asked={t.asked} l2={t.hits}; evicted {t.evicted} "
+        f"({t.quota_evicted} for its quota)"
+    )
 
 
 def _collector_line(c: p.CollectorStats | None, protocol: tuple[int, int] | None) -> str:

@@ -6,6 +6,9 @@ HTTP; the users of tests/test_tenants.py (root only) for a tenant's own view."""
 
 from __future__ import annotations
 
+import contextlib
+import encodings.idna  # noqa: F401  (loaded here: the forks as other users may not read it)
+import io
 import json
 import os
 import pwd
@@ -23,6 +26,7 @@ import numpy as np
 import pytest
 
 from hicached import Client
+from hicached.cli import main
 from hicached.config import parse_config
 from hicached.daemon.metrics_http import MIN_TOKEN_CHARS, read_token
 from hicached.errors import ConfigError
@@ -308,14 +312,15 @@ def _as(uid: int, work: Callable[[], dict[str, object]]) -> dict[str, object]:
     return result
 
 
-def test_a_tenants_user_scrapes_nothing_and_its_status_names_no_other_tenant(
+def test_a_tenants_user_scrapes_nothing_and_its_status_shows_its_own_tenant_alone(
     two_tenants: tuple[Daemon, str], users: Users, tmp_path: Path
 ) -> None:
     """alpha and beta each store pages as their own users; then each user,
     and a user of no tenant, asks for the daemon's status over the client
-    socket and scrapes the metrics port: the status is the daemon's totals and
-    the user's own clients, with no tenant's name in it, and the scrape is
-    refused (the token file is root's: no user reads it)."""
+    socket (the stats request, and `hicached status`) and scrapes the metrics
+    port: the status is the daemon's totals (counts, no names) and the user's
+    own tenant's figures, never the other's, and the scrape is refused (the
+    token file is root's: no user reads it)."""
     d, token = two_tenants
     (alpha, _), (beta, _), (nobody, _) = users.ids
     url = _endpoint(d)
@@ -330,13 +335,21 @@ def test_a_tenants_user_scrapes_nothing_and_its_status_names_no_other_tenant(
                     c.store(ns, tokens, page_bytes_for(tokens))
                     c.release(c.match(ns, tokens))
                 stats = msgspec.to_builtins(c.stats())
+            status = io.StringIO()
+            with contextlib.redirect_stdout(status):
+                assert main(["status", "--endpoint", d.endpoint]) == 0
             try:
                 with open(token_file, "rb"):
                     readable = True
             except PermissionError:
                 readable = False
-            status, body, _ = _get(url)
-            return {"stats": stats, "scrape": [status, body.decode()], "readable": readable}
+            code, body, _ = _get(url)
+            return {
+                "stats": stats,
+                "status": status.getvalue(),
+                "scrape": [code, body.decode()],
+                "readable": readable,
+            }
 
         return work
 
@@ -344,14 +357,24 @@ def test_a_tenants_user_scrapes_nothing_and_its_status_names_no_other_tenant(
     seen["nobody"] = _as(nobody, tenant(0))
     # the daemon's totals, as they stood when each asked: counts, no names
     pages = {"alpha": 3, "beta": 8, "nobody": 8}
+    own = {"alpha": 3, "beta": 5}
     for who, out in seen.items():
         assert out["scrape"] == [401, ""], (who, out["scrape"])
         assert out["readable"] is False, who
-        stats = out["stats"]
-        assert isinstance(stats, dict)
-        text = json.dumps(stats)
-        assert "alpha" not in text and "beta" not in text, (who, text)
+        stats, status = out["stats"], out["status"]
+        assert isinstance(stats, dict) and isinstance(status, str)
+        others = {"alpha", "beta"} - {who}
+        for text in (json.dumps(stats), status):
+            assert not any(name in text for name in others), (who, text)
         assert stats["pages"] == pages[who], who
+        if who == "nobody":  # a peer of no tenant: no tenant's figures at all
+            assert stats["tenant"] is None and "tenant:" not in status
+            continue
+        mine = stats["tenant"]
+        assert isinstance(mine, dict)
+        assert (mine["tenant"], mine["pages"], mine["slots"]) == (who, own[who], own[who])
+        assert (mine["asked"], mine["hits"], mine["max_slots"]) == (own[who], own[who], 0)
+        assert f"tenant:     {who}: {own[who]} pages, {own[who]} slots" in status, status
     # the operator's scrape, with the token, has each tenant by name
     figures = scrape(url, token=token)
     assert figures[("hicached_tenant_pages", (("tenant", "alpha"),))] == 3

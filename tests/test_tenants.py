@@ -142,7 +142,14 @@ def test_status_names_a_tenant_only_its_own_clients() -> None:
         everyone = {"engine-alpha-a1", "engine-alpha-a2", "engine-beta-b1"}
         if not tenants:
             assert listed(cache, b"a1", None) == listed(cache, b"x", None) == everyone
+            assert cache.stats(None).tenant is None
             continue
+        # its own tenant's figures, never another's; none for a peer of no tenant
+        for peer in ("alpha", "beta"):
+            own = cache.stats(peer).tenant
+            assert own is not None and own.tenant == peer
+        assert cache.stats("!uid 7, gid 7, pid 1").tenant is None
+        assert cache.stats().tenant is None  # the metrics' snapshot: tenants are its labels
         assert listed(cache, b"a1", "alpha") == {"engine-alpha-a1", "engine-alpha-a2"}
         assert listed(cache, b"b1", "beta") == {"engine-beta-b1"}
         assert listed(cache, b"probe", "beta") == {"engine-beta-b1"}  # without a session
