@@ -17,6 +17,7 @@ from hicached.config import load_config
 from hicached.errors import HicachedError
 
 if TYPE_CHECKING:
+    from hicached.config import Config
     from hicached.wire import protocol as p
 
 
@@ -43,6 +44,7 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     # (sizes that are not whole slabs, a pool too small for them) fails here too
     arena_layout(config, endpoint(config), runtime_dir(config))
     client_group_id(config.events.group, "events.group")  # as serve resolves it
+    _check_metrics_access(config)
     if config.storage.backend:
         # the backend must be installed, and its options valid as a whole: what
         # its start would refuse (a missing bucket, ...) fails here already
@@ -52,6 +54,25 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
         backend_options(config, load_backend_class(config.storage.backend))
     print(f"{args.path}: ok")
     return 0
+
+
+def _check_metrics_access(config: Config) -> None:
+    """The metrics token file as serve reads it; root checks it for whichever
+    user will run the daemon, so its owner is checked only as that user. With
+    tenants and no credential, a warning: every scrape would be refused."""
+    m = config.metrics
+    if not m.enabled:
+        return
+    if m.token_file:
+        from hicached.daemon.metrics_http import read_token
+
+        read_token(m.token_file, check_owner=os.geteuid() != 0)
+    elif config.tenants and not m.authenticated:
+        print(
+            "warning: metrics: with [tenants] every scrape is refused (401) until "
+            "metrics.token_file (or client_ca) is set (docs/operations.md, Metrics)",
+            file=sys.stderr,
+        )
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
@@ -96,6 +117,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
         "dropped:    " + _pairs(stats.dropped),
         "matched:    " + _pairs(stats.match_pages),
     ]
+    if stats.tenant is not None:
+        lines.append(_tenant_line(stats.tenant))
     if stats.adopted_pages or stats.adoption_dropped:
         lines.append(
             f"adopted:    {stats.adopted_pages} pages at start; dropped "
@@ -164,6 +187,19 @@ def _gather_lines(clients: list[p.GatherClient], protocol: tuple[int, int] | Non
     if len(measured) > _GATHER_SHOWN:
         lines.append(f"            and {len(measured) - _GATHER_SHOWN} more measured (--json)")
     return lines
+
+
+def _tenant_line(t: p.TenantStats) -> str:
+    """The asking peer's own tenant (1.8, with [tenants]): the lines above are
+    the daemon's totals, this one is the tenant's alone."""
+    quota = [f"{t.max_slots} pages"] if t.max_slots else []
+    quota += [f"{t.max_bytes / (1 << 20):.1f} MiB"] if t.max_bytes else []
+    return (
+        f"tenant:     {t.tenant}: {t.pages} pages, {t.slots} slots "
+        f"({t.bytes / (1 << 20):.1f} MiB), quota {' and '.join(quota) or 'none'}; "
+        f"matched asked={t.asked} l2={t.hits}; evicted {t.evicted} "
+        f"({t.quota_evicted} for its quota)"
+    )
 
 
 def _collector_line(c: p.CollectorStats | None, protocol: tuple[int, int] | None) -> str:

@@ -7,7 +7,6 @@ ConfigError naming the key, e.g. ``pool.size_mib: ... - at `$.pool```.
 
 from __future__ import annotations
 
-import ipaddress
 import math
 import os
 import re
@@ -21,6 +20,7 @@ from hicached.access_config import TENANT_NAME_RE, CurveConfig, TenantConfig
 from hicached.endpoints import check_distinct, check_endpoint
 from hicached.errors import ConfigError
 from hicached.events_config import MAX_HWM, EventsConfig
+from hicached.metrics_config import MetricsConfig
 from hicached_backends.options import (
     FileOptions,
     MemoryOptions,
@@ -271,44 +271,6 @@ class StorageConfig(msgspec.Struct, **_Section):
             raise ValueError(
                 "scan_retry_s must not be negative (0 = a failed scan is not tried again)"
             )
-
-
-class MetricsConfig(msgspec.Struct, **_Section):
-    """Prometheus metrics over HTTP at /metrics (docs/operations.md)."""
-
-    # Serve metrics at all.
-    enabled: bool = True
-    # Address to listen on: a loopback address, unless client certificates are
-    # required (client_ca), since metrics carry no other authentication.
-    host: str = "127.0.0.1"
-    # TCP port; 0 = any free port (logged, and shown by `hicached status`).
-    port: int = 9395
-    # Server certificate and key (PEM files) for HTTPS; both or neither.
-    tls_cert: str = ""
-    tls_key: str = ""
-    # CA bundle (PEM) that scrapers' client certificates must chain to; with it,
-    # HTTPS requires a client certificate, and host may be any address.
-    client_ca: str = ""
-    # Seconds a scrape waits for the daemon's snapshot before it fails.
-    scrape_timeout_s: float = 2.0
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ValueError("port must be 0-65535")
-        if bool(self.tls_cert) != bool(self.tls_key):
-            raise ValueError("tls_cert and tls_key go together")
-        if self.client_ca and not self.tls_cert:
-            raise ValueError("client_ca needs tls_cert and tls_key")
-        try:
-            loopback = self.host == "localhost" or ipaddress.ip_address(self.host).is_loopback
-        except ValueError:
-            raise ValueError(f"host {self.host!r}: give an IP address or localhost") from None
-        if not loopback and not self.client_ca:
-            raise ValueError(
-                f"host {self.host!r}: metrics are served off loopback only with client "
-                "certificates (set tls_cert, tls_key and client_ca)"
-            )
-        positive(self, "scrape_timeout_s")
 
 
 class LogConfig(msgspec.Struct, **_Section):

@@ -294,14 +294,20 @@ def mooncake_master() -> Iterator[MooncakeMaster]:
 
 
 def scrape(
-    url: str, timeout: float = 5.0, context: ssl.SSLContext | None = None
+    url: str,
+    timeout: float = 5.0,
+    context: ssl.SSLContext | None = None,
+    token: str | None = None,
 ) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """GET a Prometheus endpoint; {(sample name, sorted labels): value}."""
+    """GET a Prometheus endpoint (with ``token`` as its bearer token);
+    {(sample name, sorted labels): value}."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(url, timeout=timeout, context=context) as reply:
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    request = urllib.request.Request(url, headers=headers)
+    with urllib.request.urlopen(request, timeout=timeout, context=context) as reply:
         text = reply.read().decode()
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value

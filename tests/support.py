@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +24,7 @@ __all__ = [
     "Daemon",
     "free_tcp_port",
     "in_child",
+    "metrics_token",
     "page_bytes_for",
 ]
 
@@ -83,3 +86,14 @@ def in_child(work: Callable[[], str], limit: float = 30.0) -> str:
     finally:
         with contextlib.suppress(OSError):
             os.close(read)
+
+
+def metrics_token(directory: Path, name: str = "metrics.token") -> tuple[str, str]:
+    """A bearer token in a file of this user's, mode 0600, in ``directory``:
+    (the ``[metrics]`` lines of a daemon that requires it, the token)."""
+    token = secrets.token_hex(32)
+    path = directory / name
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")  # a trailing newline, as `openssl rand -hex 32 > FILE` leaves
+    return f'port = 0\ntoken_file = "{path}"', token

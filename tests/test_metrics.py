@@ -20,7 +20,14 @@ from hicached.config import parse_config
 from hicached.errors import ConfigError
 from hicached.testing import scrape
 from tests.l3util import FILE_STORE, evict_everything, settle_writes, storage
-from tests.support import NS, PAGE_TOKENS, Daemon, free_tcp_port, page_bytes_for
+from tests.support import (
+    NS,
+    PAGE_TOKENS,
+    Daemon,
+    free_tcp_port,
+    metrics_token,
+    page_bytes_for,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -102,7 +109,7 @@ def test_a_taken_port_fails_startup_with_the_key_named(
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ('host = "0.0.0.0"', "off loopback only with client certificates"),
+        ('host = "0.0.0.0"', "off loopback only over HTTPS to scrapers that authenticate"),
         ('host = "example.org"', "give an IP address or localhost"),
         ('tls_cert = "/c.pem"', "tls_cert and tls_key go together"),
         ('client_ca = "/ca.pem"', "client_ca needs tls_cert"),
@@ -211,9 +218,11 @@ def test_docs_list_every_metric_with_its_type_and_labels(
     and with the labels it says."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    metrics, token = metrics_token(tmp_path)  # with tenants, scrapes need it
     d = daemon_factory(
         size_mib=8,
         slab_mib=1,
+        metrics=metrics,
         storage=storage("file"),
         tail=FILE_STORE
         + f'[events]\nendpoint = "ipc://{tmp_path}/events.sock"\n'
@@ -227,7 +236,8 @@ def test_docs_list_every_metric_with_its_type_and_labels(
         settle_writes(c)
         c.release(c.match(ns, stored))
         url = c.stats().metrics_endpoint
-    with urllib.request.urlopen(url, timeout=5) as reply:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=5) as reply:
         families = list(text_string_to_metric_families(reply.read().decode()))
     exported: dict[str, tuple[str, set[str] | None]] = {}
     for family in families:

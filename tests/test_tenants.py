@@ -36,7 +36,7 @@ from hicached.hashing import pack_tokens
 from hicached.namespace import NamespaceSpec, namespace_digest
 from hicached.tenants import TenantMap
 from hicached.testing import scrape
-from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
+from tests.support import NS, PAGE_TOKENS, Daemon, metrics_token, page_bytes_for
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = 4096
@@ -142,7 +142,14 @@ def test_status_names_a_tenant_only_its_own_clients() -> None:
         everyone = {"engine-alpha-a1", "engine-alpha-a2", "engine-beta-b1"}
         if not tenants:
             assert listed(cache, b"a1", None) == listed(cache, b"x", None) == everyone
+            assert cache.stats(None).tenant is None
             continue
+        # its own tenant's figures, never another's; none for a peer of no tenant
+        for peer in ("alpha", "beta"):
+            own = cache.stats(peer).tenant
+            assert own is not None and own.tenant == peer
+        assert cache.stats("!uid 7, gid 7, pid 1").tenant is None
+        assert cache.stats().tenant is None  # the metrics' snapshot: tenants are its labels
         assert listed(cache, b"a1", "alpha") == {"engine-alpha-a1", "engine-alpha-a2"}
         assert listed(cache, b"b1", "beta") == {"engine-beta-b1"}
         assert listed(cache, b"probe", "beta") == {"engine-beta-b1"}  # without a session
@@ -488,13 +495,15 @@ def _result(proc: subprocess.Popen[str], timeout: float = 120) -> dict[str, obje
 
 
 @pytest.fixture
-def tenant_daemon(users: Users) -> Iterator[Daemon]:
+def tenant_daemon(users: Users, tmp_path: Path) -> Iterator[Daemon]:
     """A daemon (as root) whose client group holds the users; alpha is the first
-    user's uid, beta the second user's primary gid, the third user no tenant."""
+    user's uid, beta the second user's primary gid, the third user no tenant.
+    Its metrics take the token in ``tmp_path / "metrics.token"``."""
     (alpha_uid, _), (_, beta_gid), _ = users.ids
     d = Daemon(
         size_mib=16,
         extra=f'client_group = "{users.group}"',
+        metrics=metrics_token(tmp_path)[0],
         tail=(
             f"[tenants.alpha]\nuids = [{alpha_uid}]\nmax_pages = 1024\n"
             f"[tenants.beta]\ngids = [{beta_gid}]\nmax_pages = 1024\n"
@@ -536,7 +545,7 @@ def test_an_ipc_peers_tenant_comes_from_its_uid(tenant_daemon: Daemon, users: Us
 
 
 def test_quota_pressure_from_one_tenant_never_evicts_anothers_pages(
-    tenant_daemon: Daemon, users: Users
+    tenant_daemon: Daemon, users: Users, tmp_path: Path
 ) -> None:
     """alpha stores 3,500 sequences (14,000 pages) against a quota of 1,024
     pages, beta 200 (800 pages) within its own; meanwhile each looks up 5,000
@@ -564,7 +573,8 @@ def test_quota_pressure_from_one_tenant_never_evicts_anothers_pages(
     assert int(a["checked"]) > 0 and int(b["checked"]) > 0
     with tenant_daemon.client() as c:
         stats = c.stats()
-    figures = scrape(stats.metrics_endpoint)
+    token = (tmp_path / "metrics.token").read_text().strip()
+    figures = scrape(stats.metrics_endpoint, token=token)
 
     def value(name: str, **labels: str) -> float:
         return figures[(name, tuple(sorted(labels.items())))]

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import get_args
 
+import msgspec
 import numpy as np
 
 from hicached.cache.adopt import Adopted, adopt
@@ -57,7 +58,7 @@ from hicached.cache.writes import Writes
 from hicached.config import Config
 from hicached.errors import BadRequest, HicachedError
 from hicached.state.index import PageIndex
-from hicached.state.l2 import L2, TenantFigures, Victims
+from hicached.state.l2 import L2, TenantBook, TenantFigures, Victims
 from hicached.state.l3state import KnownKeys
 from hicached.state.pool import SlotPool
 from hicached.wire import protocol as p
@@ -387,21 +388,15 @@ class Cache:
 
     def tenant_figures(self) -> list[TenantFigures]:
         """Per-tenant figures for metrics, in name order."""
-        return [
-            TenantFigures(
-                tenant=book.name,
-                pages=book.pages,
-                slots=book.slots,
-                bytes=book.bytes,
-                max_slots=book.max_slots,
-                max_bytes=book.max_bytes,
-                asked=book.asked,
-                hits=book.hits,
-                evicted=book.evicted,
-                quota_evicted=book.quota_evicted,
-            )
-            for book in sorted(self.l2.books.values(), key=lambda b: b.name)
-        ]
+        return [_figures(book) for book in sorted(self.l2.books.values(), key=lambda b: b.name)]
+
+    def _own_tenant(self, viewer: str | None) -> p.TenantStats | None:
+        """The figures of ``viewer``'s own tenant, for its stats: with tenants on
+        (a viewer), and one it belongs to; never another tenant's."""
+        book = self.l2.books.get(viewer) if viewer is not None else None
+        if book is None:
+            return None
+        return p.TenantStats(**msgspec.structs.asdict(_figures(book)))
 
     def stats(self, viewer: str | None = None) -> p.DaemonStats:
         """The daemon's figures, as ``viewer`` (the asking peer, ``handle``'s
@@ -462,4 +457,20 @@ class Cache:
             adoption_dropped=dict(self.adopted.dropped) if self.adopted else {},
             gather_clients=self.clients.gather_clients(viewer),
             collector=self._collector() if self._collector is not None else None,
+            tenant=self._own_tenant(viewer),
         )
+
+
+def _figures(book: TenantBook) -> TenantFigures:
+    return TenantFigures(
+        tenant=book.name,
+        pages=book.pages,
+        slots=book.slots,
+        bytes=book.bytes,
+        max_slots=book.max_slots,
+        max_bytes=book.max_bytes,
+        asked=book.asked,
+        hits=book.hits,
+        evicted=book.evicted,
+        quota_evicted=book.quota_evicted,
+    )

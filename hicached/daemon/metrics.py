@@ -1,10 +1,11 @@
 """Prometheus metrics: the daemon's counters and gauges, plus latency histograms.
 
-The HTTP server (prometheus_client's, in its own thread) answers a scrape
-with a snapshot that the event loop takes (``Cache.stats``), so every figure
-of one scrape comes from one moment; the scrape waits for it at most
-``metrics.scrape_timeout_s``. Histograms are observed on the loop and copied
-by the scrape in one step (``LoopHistogram``). Names and labels: docs/operations.md.
+The HTTP server (daemon/metrics_http.py, in its own thread, which also decides
+who may scrape) answers a scrape with a snapshot that the event loop takes
+(``Cache.stats``), so every figure of one scrape comes from one moment; the
+scrape waits for it at most ``metrics.scrape_timeout_s``. Histograms are
+observed on the loop and copied by the scrape in one step (``LoopHistogram``).
+Names and labels: docs/operations.md.
 """
 
 from __future__ import annotations
@@ -13,11 +14,9 @@ import asyncio
 import bisect
 import concurrent.futures
 import logging
-import threading
 from collections.abc import Callable, Iterator
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -28,7 +27,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from hicached.config import MetricsConfig
-from hicached.errors import ConfigError
+from hicached.daemon.metrics_http import Gate, Listener, read_token
 from hicached.state.l2 import TenantFigures
 from hicached.wire import protocol as p
 
@@ -312,10 +311,28 @@ def _counter(name: str, doc: str, label: str, values: dict[str, int]) -> Counter
     return family
 
 
+class _Refused(Collector):
+    """Scrapes the endpoint refused (no token or a wrong one), counted by its
+    request threads: probes by local users show here."""
+
+    def __init__(self, gate: Gate) -> None:
+        self.gate = gate
+
+    def collect(self) -> Iterator[Metric]:
+        yield _total(
+            "hicached_metrics_refused",
+            "Scrapes refused for a missing or wrong bearer token (401).",
+            self.gate.refused,
+        )
+
+
 class Metrics:
     """The daemon's registry and its HTTP endpoint."""
 
-    def __init__(self, config: MetricsConfig, take: Callable[[], p.DaemonStats]) -> None:
+    def __init__(
+        self, config: MetricsConfig, take: Callable[[], p.DaemonStats], *, tenants: bool = False
+    ) -> None:
+        """``tenants``: the daemon runs with [tenants], so scrapes must authenticate."""
         self.config = config
         self.registry = CollectorRegistry(auto_describe=False)
         self._snapshot = _Snapshot(take, config.scrape_timeout_s)
@@ -352,8 +369,12 @@ class Metrics:
         self.registry.register(self.l3_seconds)
         self.registry.register(self.gc_seconds)
         self.registry.register(self.reloads)
-        self._server: WSGIServer | None = None
-        self._thread: threading.Thread | None = None
+        # with tenants, a scrape without a credential is refused (daemon/metrics_http.py)
+        self.gate = Gate(
+            make_wsgi_app(self.registry), None, locked=tenants and not config.authenticated
+        )
+        self.registry.register(_Refused(self.gate))
+        self._listener = Listener(config, self.gate)
         self.endpoint = ""
 
     @property
@@ -383,35 +404,32 @@ class Metrics:
         self.reloads.add(result)
 
     def start(self) -> None:
-        """Listen; the scrapes ask the running loop for snapshots."""
+        """Read the token, listen; the scrapes ask the running loop for snapshots."""
         c = self.config
-        self._snapshot.loop = asyncio.get_running_loop()
-        try:
-            self._server, self._thread = start_http_server(
+        if c.token_file:
+            self.gate.use(read_token(c.token_file))
+        elif self.gate.locked:
+            log.warning(
+                "metrics: with [tenants] every scrape is refused (401) until scrapers "
+                "authenticate: the metrics name every tenant, and %s:%d is open to every "
+                "local user; set metrics.token_file (or client_ca), or enabled = false "
+                "(docs/operations.md, Metrics)",
+                c.host,
                 c.port,
-                addr=c.host,
-                registry=self.registry,
-                certfile=c.tls_cert or None,
-                keyfile=c.tls_key or None,
-                client_cafile=c.client_ca or None,
-                client_auth_required=bool(c.client_ca),
             )
-        except OSError as exc:
-            raise ConfigError(
-                f"metrics.port: cannot listen on {c.host}:{c.port}: {exc.strerror or exc}"
-            ) from None
-        host, port = str(self._server.server_address[0]), self._server.server_address[1]
-        scheme = "https" if c.tls_cert else "http"
-        host = f"[{host}]" if ":" in host else host
-        self.endpoint = f"{scheme}://{host}:{port}/metrics"
-        log.info("metrics on %s", self.endpoint)
+        self._snapshot.loop = asyncio.get_running_loop()
+        self._listener.start()
+        self.endpoint = self._listener.endpoint
+        log.info(
+            "metrics on %s%s",
+            self.endpoint,
+            " (bearer token required)" if c.token_file else "",
+        )
+
+    def use_token(self, token: bytes) -> bool:
+        """Take a token read again at a reload; True when it changed."""
+        return self.gate.use(token)
 
     def stop(self) -> None:
         self._snapshot.loop = None
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+        self._listener.stop()

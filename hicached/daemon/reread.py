@@ -1,7 +1,7 @@
-"""Reading the config file for a reload (SIGHUP): off the event loop, on a
-thread of its own, under a deadline (``server.reload_timeout_s``), since a
-file on a hung filesystem blocks whoever reads it. What the reload then
-changes is daemon/reload.py's."""
+"""Reading the config file for a reload (SIGHUP), and the metrics token file
+with it: off the event loop, on a thread of its own, under a deadline
+(``server.reload_timeout_s``), since a file on a hung filesystem blocks
+whoever reads it. What the reload then changes is daemon/reload.py's."""
 
 from __future__ import annotations
 
@@ -10,12 +10,21 @@ import contextlib
 import os
 import stat
 import threading
+from typing import NamedTuple
 
 from hicached.config import Config, load_config
 from hicached.daemon.access import client_group_id
+from hicached.daemon.metrics_http import read_token
 from hicached.errors import ConfigError
 
-__all__ = ["ConfigReader", "NotRegular", "ReadTimeout"]
+__all__ = ["ConfigReader", "NotRegular", "ReadTimeout", "Reread"]
+
+
+class Reread(NamedTuple):
+    """What a reload read: the config, and the metrics token (None when none was asked)."""
+
+    config: Config
+    token: bytes | None
 
 
 class NotRegular(ConfigError):
@@ -41,7 +50,9 @@ class ConfigReader:
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
 
-    async def read(self, path: str, timeout: float) -> Config:
+    async def read(self, path: str, timeout: float, token_file: str = "") -> Reread:
+        """The config at ``path`` and, with ``token_file`` (the running daemon's
+        metrics.token_file: a new path needs a restart), the token in it."""
         hung = self._thread
         if hung is not None and hung.is_alive():
             raise ReadTimeout(
@@ -49,11 +60,11 @@ class ConfigReader:
                 "(a hung filesystem?)"
             )
         loop = asyncio.get_running_loop()
-        done: asyncio.Future[Config] = loop.create_future()
+        done: asyncio.Future[Reread] = loop.create_future()
 
         def work() -> None:
             try:
-                outcome: Config | BaseException = _read(path)
+                outcome: Reread | BaseException = _read(path, token_file)
             except BaseException as exc:  # handed to the loop, which raises it
                 outcome = exc
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
@@ -70,7 +81,7 @@ class ConfigReader:
             ) from None
 
 
-def _settle(done: asyncio.Future[Config], outcome: Config | BaseException) -> None:
+def _settle(done: asyncio.Future[Reread], outcome: Reread | BaseException) -> None:
     if done.done():  # the reload gave up waiting
         return
     if isinstance(outcome, BaseException):
@@ -79,8 +90,10 @@ def _settle(done: asyncio.Future[Config], outcome: Config | BaseException) -> No
         done.set_result(outcome)
 
 
-def _read(path: str) -> Config:
-    """The config at ``path``, on the reader's thread: the stat may hang too."""
+def _read(path: str, token_file: str) -> Reread:
+    """The config at ``path`` (and the token in ``token_file``), on the reader's
+    thread: the stat may hang too. A bad token file fails the reload as a bad
+    config does: nothing changes, the token before it stays."""
     try:
         regular = stat.S_ISREG(os.stat(path).st_mode)
     except OSError:
@@ -91,4 +104,4 @@ def _read(path: str) -> Config:
     # the group events.group names, looked up here: a restart applies it, and
     # one that names no group would fail it (the lookup may ask a directory service)
     client_group_id(config.events.group, "events.group")
-    return config
+    return Reread(config, read_token(token_file) if token_file else None)

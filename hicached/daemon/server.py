@@ -168,7 +168,7 @@ class Server:
                 self.tier = tier
                 log.info("L3: %s backend, %s", cfg.storage.backend, cfg.storage.write_policy)
             if cfg.metrics.enabled:
-                metrics = Metrics(cfg.metrics, self.cache.stats)
+                metrics = Metrics(cfg.metrics, self.cache.stats, tenants=bool(cfg.tenants))
                 metrics.start()
                 self.metrics = metrics
                 self.cache.serve_metrics(metrics.endpoint)
@@ -462,7 +462,11 @@ class Server:
             log.warning("SIGHUP: started without a config file (--config); nothing to reload")
             return "invalid"
         try:
-            wanted = await self._reader.read(path, self.config.server.reload_timeout_s)
+            metrics = self.metrics
+            token_file = self.config.metrics.token_file if metrics is not None else ""
+            wanted, token = await self._reader.read(
+                path, self.config.server.reload_timeout_s, token_file
+            )
             config, applied, refused = reload_plan(self.config, wanted)
         except ReadTimeout as exc:
             log.error("reload: %s; the daemon keeps running with its config as it was", exc)
@@ -490,6 +494,8 @@ class Server:
             log.info(
                 "reload: tenant %s is past its new quota: %d of its pages evicted", name, pages
             )
+        if metrics is not None and token is not None and metrics.use_token(token):
+            applied["metrics.token_file"] = "(a new token)"  # never the token itself
         changes = ", ".join(f"{key} = {value!r}" for key, value in applied.items())
         log.info("reload of %s: %s", path, changes or "nothing to change")
         return "applied"

@@ -17,7 +17,7 @@ from hicached.errors import HicachedError, error_from_code
 from hicached.wire.namespace import EventMeta, NamespaceSpec
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 7
+PROTOCOL_MINOR = 8
 # the first minor version whose clients map a tenant's arena (HelloOk.pool_base)
 ARENAS_MINOR = 4
 # the first minor version whose daemons take a client's gather report
@@ -26,6 +26,8 @@ GATHER_MINOR = 5
 EVENT_META_MINOR = 6
 # the first minor version whose daemons report their garbage collector in stats
 COLLECTOR_MINOR = 7
+# the first minor version whose daemons report the asking peer's own tenant in stats
+TENANT_STATS_MINOR = 8
 
 # The largest reply a client takes by default (its socket's ZMQ_MAXMSGSIZE): a
 # larger message, from a broken or hostile endpoint, is refused by libzmq from
@@ -383,6 +385,25 @@ class CollectorStats(msgspec.Struct, kw_only=True):
     collected: list[int]
 
 
+class TenantStats(msgspec.Struct, kw_only=True):
+    """The asking peer's own tenant's share of L2 (1.8; with [tenants] only):
+    ``pages`` indexed, ``slots`` and ``bytes`` charged (indexed, under a lease,
+    on their way back), its quota (0 = none), the pages its matches asked for
+    and found in L2, and its pages evicted (``quota_evicted`` of them to keep
+    it within its quota). Another tenant's figures are never in a peer's stats."""
+
+    tenant: str
+    pages: int
+    slots: int
+    bytes: int
+    max_slots: int
+    max_bytes: int
+    asked: int
+    hits: int
+    evicted: int
+    quota_evicted: int
+
+
 class DaemonStats(msgspec.Struct, kw_only=True):
     instance: int
     uptime_s: float
@@ -432,6 +453,9 @@ class DaemonStats(msgspec.Struct, kw_only=True):
     # the garbage collector's pauses and what is frozen (1.7); None from an older
     # daemon, or a cache no daemon runs
     collector: CollectorStats | None = None
+    # the asking peer's own tenant (1.8): None without [tenants], for a peer that
+    # belongs to no tenant, from an older daemon, and in the metrics' snapshot
+    tenant: TenantStats | None = None
 
 
 class StatsOk(Reply, tag="stats_ok"):

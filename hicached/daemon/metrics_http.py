@@ -1,0 +1,244 @@
+"""The metrics endpoint over HTTP(S): the listener, its TLS, and who may scrape.
+
+A loopback port is open to every local user. With ``[tenants]`` that includes
+every tenant's users, and the metrics name every tenant with its pages, hits
+and bytes; tenants are not to see each other. So a scrape proves who it is:
+a bearer token (``metrics.token_file``, the header Prometheus sends from
+``authorization.credentials_file``) or a client certificate
+(``metrics.client_ca``). With tenants and neither configured, every scrape is
+refused: the daemon still serves its clients, and the scrape's 401 (with the
+warning logged at start) says what is missing. Without tenants a token is
+optional, and required once set. A refused scrape gets 401 with an empty body,
+whatever was wrong, and is counted (``hicached_metrics_refused_total``).
+
+The token is read at start and again at each reload (daemon/reread.py), and
+compared in constant time (digests of the same length, ``hmac.compare_digest``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import re
+import socket
+import ssl
+import stat
+import threading
+from collections.abc import Callable, Iterable
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from hicached.config import MetricsConfig
+from hicached.errors import ConfigError
+
+__all__ = ["MIN_TOKEN_CHARS", "Gate", "Listener", "read_token"]
+
+log = logging.getLogger("hicached.metrics")
+
+# A token shorter than this is guessable by a local user who tries; `openssl
+# rand -hex 32` gives 64.
+MIN_TOKEN_CHARS = 16
+# A token file larger than this is not a token (a wrong path, a certificate).
+MAX_TOKEN_BYTES = 4096
+# Visible ASCII, no spaces: what an Authorization header carries unchanged.
+_TOKEN = re.compile(rb"[\x21-\x7e]+")
+# Seconds a scraper may take to finish its TLS handshake and send its request:
+# past it, its connection is closed and its thread freed.
+REQUEST_TIMEOUT_S = 10.0
+
+WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+
+
+def read_token(path: str, *, check_owner: bool = True) -> bytes:
+    """The bearer token in ``path``, without surrounding whitespace (Prometheus
+    trims its credentials file the same way). ConfigError, naming the key,
+    unless the file is a regular file of this process's user (``check_owner``)
+    that no one else may read or change, holding one token of at least
+    MIN_TOKEN_CHARS visible ASCII characters."""
+    where = f"metrics.token_file: {path}"
+    try:
+        # O_NONBLOCK: a FIFO put there would hold the open until someone writes
+        fd = os.open(path, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot open it: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{where}: not a regular file")
+        if check_owner and st.st_uid != os.geteuid():
+            raise ConfigError(
+                f"{where}: owned by uid {st.st_uid}, not by the daemon's user (uid "
+                f"{os.geteuid()}); chown it to that user"
+            )
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o077:
+            raise ConfigError(
+                f"{where}: mode {mode:04o} lets its group or others read or change it; "
+                "make it 0600 (or 0400)"
+            )
+        chunks, size = [], 0
+        while size <= MAX_TOKEN_BYTES:
+            chunk = os.read(fd, MAX_TOKEN_BYTES + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read it: {exc.strerror}") from None
+    finally:
+        os.close(fd)
+    if size > MAX_TOKEN_BYTES:
+        raise ConfigError(f"{where}: larger than {MAX_TOKEN_BYTES} bytes; it holds one token")
+    token = b"".join(chunks).strip()
+    if not _TOKEN.fullmatch(token):
+        raise ConfigError(
+            f"{where}: must hold one token of visible ASCII characters (no spaces), "
+            "e.g. what `openssl rand -hex 32` prints"
+        )
+    if len(token) < MIN_TOKEN_CHARS:
+        raise ConfigError(
+            f"{where}: the token has {len(token)} characters, fewer than "
+            f"{MIN_TOKEN_CHARS}; make a longer one (`openssl rand -hex 32`)"
+        )
+    return token
+
+
+def _digest(token: bytes) -> bytes:
+    return hashlib.sha256(token).digest()
+
+
+class Gate:
+    """WSGI middleware in front of the exposition app: a scrape gets through
+    when it shows the token (or when no token is wanted), else 401.
+
+    ``token`` None and ``locked``: nothing gets through (tenants, and no
+    credential configured). ``token`` None, not locked: everything does (no
+    tenants and no token, or client certificates did the checking). Runs on
+    the server's request threads; the token is replaced by one assignment."""
+
+    def __init__(self, app: WSGIApp, token: bytes | None, *, locked: bool = False) -> None:
+        self.app = app
+        self.locked = locked
+        self._digest = _digest(token) if token is not None else None
+        self._lock = threading.Lock()
+        self.refused = 0
+
+    def use(self, token: bytes) -> bool:
+        """Take ``token`` from now on; True when it differs from the one before."""
+        new = _digest(token)
+        changed = self._digest is None or not hmac.compare_digest(new, self._digest)
+        self._digest = new
+        return changed
+
+    def allows(self, header: str | None) -> bool:
+        """Whether an Authorization header value lets a scrape through."""
+        digest = self._digest
+        if digest is None:
+            return not self.locked
+        scheme, _, credentials = (header or "").strip().partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        # digests: equal lengths, so the comparison time says nothing of the token
+        presented = _digest(credentials.strip().encode("latin-1", "replace"))
+        return hmac.compare_digest(presented, digest)
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        if self.allows(environ.get("HTTP_AUTHORIZATION")):
+            return self.app(environ, start_response)
+        with self._lock:
+            self.refused += 1
+        start_response(
+            "401 Unauthorized",
+            [("WWW-Authenticate", 'Bearer realm="hicached"'), ("Content-Length", "0")],
+        )
+        return [b""]
+
+
+class _Handler(WSGIRequestHandler):
+    """Logs nothing per request; a scraper that sends nothing (or stalls its
+    TLS handshake) is cut off after REQUEST_TIMEOUT_S."""
+
+    timeout = REQUEST_TIMEOUT_S
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a scrape in flight never holds up the daemon's exit
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # a failed handshake (no or a wrong client certificate, plain HTTP to the
+        # HTTPS port) or a scraper that went away: its connection ends, no traceback
+        log.debug("metrics: a scrape from %s failed", client_address, exc_info=True)
+
+
+def _tls(c: MetricsConfig) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(certfile=c.tls_cert, keyfile=c.tls_key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(
+            f"metrics.tls_cert: cannot load {c.tls_cert} with its key {c.tls_key}: {exc}"
+        ) from None
+    if c.client_ca:
+        try:
+            context.load_verify_locations(cafile=c.client_ca)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"metrics.client_ca: cannot load {c.client_ca}: {exc}") from None
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+class Listener:
+    """The HTTP(S) server, on a thread of its own, serving ``app`` behind ``gate``."""
+
+    def __init__(self, config: MetricsConfig, gate: Gate) -> None:
+        self.config = config
+        self.gate = gate
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+        self.endpoint = ""
+
+    def start(self) -> None:
+        c = self.config
+        context = _tls(c) if c.tls_cert else None
+        try:
+            family, _, _, _, sockaddr = socket.getaddrinfo(
+                c.host, c.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
+            server_class = type("MetricsServer", (_Server,), {"address_family": family})
+            server: WSGIServer = make_server(
+                str(sockaddr[0]), c.port, self.gate, server_class, handler_class=_Handler
+            )
+        except OSError as exc:
+            raise ConfigError(
+                f"metrics.port: cannot listen on {c.host}:{c.port}: {exc.strerror or exc}"
+            ) from None
+        if context is not None:
+            # the handshake runs on the request's thread, under its timeout, not
+            # in accept(), where a peer that stalls it would stop every scrape
+            server.socket = context.wrap_socket(
+                server.socket, server_side=True, do_handshake_on_connect=False
+            )
+        self._server = server
+        self._thread = threading.Thread(
+            target=server.serve_forever, name="hicached-metrics", daemon=True
+        )
+        self._thread.start()
+        host, port = str(server.server_address[0]), server.server_address[1]
+        scheme = "https" if c.tls_cert else "http"
+        host = f"[{host}]" if ":" in host else host
+        self.endpoint = f"{scheme}://{host}:{port}/metrics"
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
