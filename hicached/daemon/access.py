@@ -48,11 +48,19 @@ def ensure_private_dir(
 
 def client_group_id(name: str, key: str = "server.client_group") -> int | None:
     """The gid of a group key (server.client_group, events.group): a name or a
-    number; None when unset, ConfigError when the host has no such group."""
+    number; None when unset, ConfigError when the host has no such group. A
+    number is looked up too: one the host lacks would give a socket to nobody's
+    group, and 4294967295, chown's "leave the group as it is", would leave it
+    the daemon's own group's."""
     if not name:
         return None
+    if name.isascii() and name.isdigit():  # str.isdigit takes "²", which int refuses
+        try:
+            return grp.getgrgid(int(name)).gr_gid
+        except (KeyError, OverflowError):
+            raise ConfigError(f"{key}: no group numbered {name} on this host") from None
     try:
-        return int(name) if name.isdigit() else grp.getgrnam(name).gr_gid
+        return grp.getgrnam(name).gr_gid
     except KeyError:
         raise ConfigError(f"{key}: no group named {name!r} on this host") from None
 
