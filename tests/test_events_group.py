@@ -280,6 +280,24 @@ def test_a_group_the_clients_group_may_be_without_tenants() -> None:
     assert parse_config(text).events.group == "cg"
 
 
+def test_the_clients_group_by_its_number_is_refused_with_tenants(users: Users) -> None:
+    """With [tenants], events.group may not be server.client_group, whose members
+    are every tenant's users. The config compared the two strings only: the
+    clients' group by name in one and by number in the other passed, and every
+    tenant's users read every tenant's token ids from the events. The start
+    compares the groups themselves: exit 2, and check-config says so too."""
+    d = _daemon(users, str(users.gid), where="own", tenants=True)
+    try:
+        message = "events.group: with [tenants] it must not be server.client_group"
+        with pytest.raises(RuntimeError, match="exited with 2") as info:
+            d.start()
+        assert message in str(info.value)
+        checked = _cli("check-config", str(d.config))
+        assert checked.returncode == 2 and message in checked.stderr, checked.stderr
+    finally:
+        d.cleanup()
+
+
 @pytest.mark.parametrize(
     ("group", "message"),
     [

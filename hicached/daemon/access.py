@@ -65,6 +65,19 @@ def client_group_id(name: str, key: str = "server.client_group") -> int | None:
         raise ConfigError(f"{key}: no group named {name!r} on this host") from None
 
 
+def events_group_id(config: Config) -> int | None:
+    """events.group's gid (``client_group_id``). With [tenants] it may not be
+    server.client_group's, whose members are every tenant's users: the config
+    compares the two strings, this the groups (one named, the other numbered)."""
+    gid = client_group_id(config.events.group, "events.group")
+    if gid is not None and config.tenants and gid == client_group_id(config.server.client_group):
+        raise ConfigError(
+            f"events.group: with [tenants] it must not be server.client_group (group {gid}), "
+            "whose members are every tenant's users: name a group of the routers' users"
+        )
+    return gid
+
+
 def share_with_group(path: Path, group: int, mode: int, key: str = "server.client_group") -> None:
     """Give ``path`` (ours) to ``group`` with ``mode``; no chown when it has that group."""
     try:
@@ -121,7 +134,7 @@ class Access:
         """server.client_group's gid (ConfigError when no such group, or no
         group named by events.group)."""
         self.client_gid = client_group_id(self.config.server.client_group)
-        self.events_gid = client_group_id(self.config.events.group, "events.group")
+        self.events_gid = events_group_id(self.config)
         return self.client_gid
 
     def stop(self) -> None:

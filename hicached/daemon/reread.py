@@ -12,7 +12,7 @@ import stat
 import threading
 
 from hicached.config import Config, load_config
-from hicached.daemon.access import client_group_id
+from hicached.daemon.access import events_group_id
 from hicached.errors import ConfigError
 
 __all__ = ["ConfigReader", "NotRegular", "ReadTimeout"]
@@ -90,5 +90,5 @@ def _read(path: str) -> Config:
     config = load_config(path)
     # the group events.group names, looked up here: a restart applies it, and
     # one that names no group would fail it (the lookup may ask a directory service)
-    client_group_id(config.events.group, "events.group")
+    events_group_id(config)
     return config
