@@ -37,13 +37,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_check_config(args: argparse.Namespace) -> int:
     config = load_config(args.path)
     from hicached.config import endpoint, runtime_dir
-    from hicached.daemon.access import client_group_id
+    from hicached.daemon.access import events_group_id
     from hicached.daemon.arenas import arena_layout
 
     # tenant arenas are sized from the config alone: what serve refuses of them
     # (sizes that are not whole slabs, a pool too small for them) fails here too
     arena_layout(config, endpoint(config), runtime_dir(config))
-    client_group_id(config.events.group, "events.group")  # as serve resolves it
+    events_group_id(config)  # as serve resolves it
     _check_metrics_access(config)
     if config.storage.backend:
         # the backend must be installed, and its options valid as a whole: what

@@ -31,6 +31,7 @@ from hicached_backends.record import (
     all_within,
     checksums,
     nbytes,
+    other_version,
     pack_headers,
     verify_many,
 )
@@ -284,7 +285,7 @@ class MooncakeBackend(Backend):
             chunk: Sequence[PageRef], addresses: list[int], headers: list[int]
         ) -> list[bool]:
             def blocking() -> tuple[
-                list[int], list[bool]
+                list[int], list[bool], list[bool]
             ]:  # the store call and the checks, off the loop
                 ptrs, sizes = self._ptrs(chunk, addresses, headers)
                 chunk_keys = [p.key for p in chunk]
@@ -304,18 +305,25 @@ class MooncakeBackend(Backend):
                     code == HEADER_BYTES + len(page.buf) and good
                     for page, code, good in zip(chunk, codes, verified, strict=True)
                 ]
-                return codes, oks
+                # another format version's record: another writer's, never removed
+                theirs = [
+                    code >= HEADER_BYTES and other_version(self._headers[h])
+                    for code, h in zip(codes, headers, strict=True)
+                ]
+                return codes, oks, theirs
 
-            codes, oks = await self._blocking(blocking)
+            codes, oks, theirs = await self._blocking(blocking)
             self._failed(codes, "get")
             bad = [
-                page.key
-                for page, code, ok in zip(chunk, codes, oks, strict=True)
+                (page.key, other)
+                for page, code, ok, other in zip(chunk, codes, oks, theirs, strict=True)
                 if code > 0 and not ok
             ]
             self.counters["bad_objects"] += len(bad)
-            if bad:  # not one of another size: that may be the reader's (BUFFER_SIZE_MISMATCH)
-                await self._remove_bad(ns, bad)
+            # not one of another size: that may be the reader's (BUFFER_SIZE_MISMATCH)
+            doomed = [key for key, other in bad if not other]
+            if doomed:
+                await self._remove_bad(ns, doomed)
             # A page gone (removed by another host, evicted by the store) or bad is
             # forgotten, as S3 does: else it stays known, a match counts it as an L3
             # hit no read can serve, and it is never written again. A failed call
@@ -344,7 +352,8 @@ class MooncakeBackend(Backend):
 
     async def _remove_bad(self, ns: bytes, keys: list[bytes]) -> None:
         """Remove objects under these pages' names whose bytes are not the pages'
-        records (another writer's, damaged). Mooncake answers a
+        records (damaged, another page's, no record; a record of another format
+        version is another writer's and stays, ``get``). Mooncake answers a
         put of a key it holds with success and keeps what it had: left in place,
         every later store of the page would be acknowledged, learned as held,
         counted as an L3 hit and read as the same bad object, for ever. An

@@ -43,6 +43,7 @@ __all__ = [
     "checksums",
     "native_checksum",
     "nbytes",
+    "other_version",
     "pack_header",
     "pack_headers",
     "parse_header",
@@ -120,6 +121,15 @@ def parse_header(header: bytes | bytearray | memoryview) -> Header | None:
     if _CHECK.unpack_from(header, _BODY.size)[0] != xxhash.xxh32_intdigest(body):
         return None
     return Header(generation, ns, key, length, csum)
+
+
+def other_version(record: bytes | bytearray | memoryview | np.ndarray) -> bool:
+    """Whether ``record`` begins as a record of another format version: another
+    writer's (a host running an older or newer hicached on a shared store),
+    which a reader of this version can neither read nor judge bad, so it must
+    never remove it."""
+    lead = bytes(record[:6])
+    return lead[:4] == MAGIC and len(lead) == 6 and lead[4:6] != VERSION.to_bytes(2, "little")
 
 
 def verify_many(

@@ -27,7 +27,7 @@ import botocore.exceptions
 
 from hicached_backends.base import Backend, BackendEnv, BackendError, PageRef, let_go
 from hicached_backends.options import S3Options
-from hicached_backends.record import HEADER_BYTES, MAGIC, VERSION, pack_header, verify
+from hicached_backends.record import HEADER_BYTES, other_version, pack_header, verify
 
 log = logging.getLogger("hicached.s3")
 
@@ -275,7 +275,7 @@ class S3Backend(Backend):
         while it holds them (If-Match: a write of the page since then stays). A
         record of another format version is another writer's and stays (a miss
         here). A delete that fails leaves the object, forgotten all the same."""
-        if body[:4] == MAGIC and body[4:6] != VERSION.to_bytes(2, "little"):
+        if other_version(body):
             return
         if not etag or hashlib.md5(body, usedforsecurity=False).hexdigest() != etag.strip('"'):
             return

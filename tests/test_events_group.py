@@ -278,3 +278,50 @@ def test_a_group_the_clients_group_may_be_without_tenants() -> None:
         'group = "cg"\n'
     )
     assert parse_config(text).events.group == "cg"
+
+
+def test_the_clients_group_by_its_number_is_refused_with_tenants(users: Users) -> None:
+    """With [tenants], events.group may not be server.client_group, whose members
+    are every tenant's users. The config compared the two strings only: the
+    clients' group by name in one and by number in the other passed, and every
+    tenant's users read every tenant's token ids from the events. The start
+    compares the groups themselves: exit 2, and check-config says so too."""
+    d = _daemon(users, str(users.gid), where="own", tenants=True)
+    try:
+        message = "events.group: with [tenants] it must not be server.client_group"
+        with pytest.raises(RuntimeError, match="exited with 2") as info:
+            d.start()
+        assert message in str(info.value)
+        checked = _cli("check-config", str(d.config))
+        assert checked.returncode == 2 and message in checked.stderr, checked.stderr
+    finally:
+        d.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("group", "message"),
+    [
+        # (gid_t)-1: chown's "leave the group as it is", so the sockets stayed
+        # 0660 of the daemon's own group
+        ("4294967295", "events.group: no group numbered 4294967295 on this host"),
+        ("3999999999", "events.group: no group numbered 3999999999 on this host"),
+        ("99999999999999999999", "events.group: no group numbered 99999999999999999999"),
+        ("\u00b2", "events.group: no group named '\u00b2' on this host"),  # isdigit, not int
+    ],
+)
+def test_a_group_number_the_host_lacks_fails_the_start(group: str, message: str) -> None:
+    """A group given by a number the host has no group for is refused as a name
+    the host lacks is (docs/events.md): it was taken as is, and a root daemon
+    gave its sockets to no one's group, or, for 4294967295, left them 0660 of
+    its own group; a number past 32 bits, or a digit that is not 0-9, ended the
+    start with a traceback."""
+    d = _own_group_daemon(where="own")
+    d.config.write_text(d.config.read_text().replace(f'"{os.getgid()}"', json.dumps(group)))
+    try:
+        with pytest.raises(RuntimeError, match="exited with 2") as info:
+            d.start()
+        assert message in str(info.value)
+        checked = _cli("check-config", str(d.config))
+        assert checked.returncode == 2 and message in checked.stderr, checked.stderr
+    finally:
+        d.cleanup()

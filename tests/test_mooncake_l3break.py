@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 
 from hicached.hashing import pack_tokens, page_keys
+from hicached_backends.base import BackendEnv, PageRef
+from hicached_backends.options import MooncakeOptions
+from hicached_backends.record import pack_header
 from tests.l3util import evict_everything, l3_count, settle_writes, storage, wait_for, wait_prefetch
 from tests.services import MooncakeMaster
 from tests.support import NS, PAGE_BYTES, PAGE_TOKENS, Daemon, page_bytes_for
@@ -95,4 +100,54 @@ def test_a_bad_object_is_removed_so_the_page_can_be_written_again(
             assert np.array_equal(c.load(ns, toks), page_bytes_for(toks))
     finally:
         other.close()
+        mooncake.stop()
+
+
+def test_a_record_of_another_format_version_is_not_removed() -> None:
+    """A record of another format version under a page's name is another
+    writer's (a host running a newer hicached on the same store, mid-upgrade):
+    a miss here, and left alone, as S3 leaves it. Mooncake's read removed every
+    object it read whole that failed verification, so two versions sharing a
+    store removed each other's pages. The backend alone, on a real master of
+    its own (a shared one may place the records on a stopped daemon's segment,
+    and the put fails), the records put there by a second backend's store client."""
+    from hicached_backends.mooncake import MooncakeBackend
+
+    mooncake = MooncakeMaster()
+
+    def make() -> MooncakeBackend:
+        options = MooncakeOptions(
+            master=mooncake.master,
+            metadata_server=mooncake.metadata,
+            global_segment_mib=32,
+            local_buffer_mib=16,
+        )
+        return MooncakeBackend(options, BackendEnv(Path("/nonexistent")))
+
+    ns, keys = bytes(range(16)), [bytes([k]) * 16 for k in (101, 102)]
+    page = 4096
+    newer = bytearray(pack_header(ns, keys[0], bytes(page)) + bytes(page))
+    newer[4:6] = (2).to_bytes(2, "little")
+    damaged = bytearray(pack_header(ns, keys[1], bytes(page)) + bytes(page))
+    damaged[-1] ^= 0xFF
+    names = MooncakeBackend.names(ns, keys)
+    here, other = make(), make()
+    loop = asyncio.new_event_loop()
+    try:
+        for b in (here, other):
+            loop.run_until_complete(b.open())
+        loop.run_until_complete(here.delete(ns, keys))
+        assert other._store.put(names[0], bytes(newer)) == 0
+        assert other._store.put(names[1], bytes(damaged)) == 0
+        bufs = [bytearray(page) for _ in keys]
+        read = [PageRef(k, memoryview(b)) for k, b in zip(keys, bufs, strict=True)]
+        assert loop.run_until_complete(here.get(ns, read)) == [False, False]
+        assert here.counters["bad_objects"] == 2
+        assert here.counters["bad_removed"] == 1  # the damaged record of this version
+        assert other._store.is_exist(names[1]) != 1
+        assert other._store.is_exist(names[0]) == 1, "another format version's record was removed"
+    finally:
+        for b in (here, other):
+            loop.run_until_complete(b.close())
+        loop.close()
         mooncake.stop()

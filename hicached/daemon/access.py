@@ -48,13 +48,34 @@ def ensure_private_dir(
 
 def client_group_id(name: str, key: str = "server.client_group") -> int | None:
     """The gid of a group key (server.client_group, events.group): a name or a
-    number; None when unset, ConfigError when the host has no such group."""
+    number; None when unset, ConfigError when the host has no such group. A
+    number is looked up too: one the host lacks would give a socket to nobody's
+    group, and 4294967295, chown's "leave the group as it is", would leave it
+    the daemon's own group's."""
     if not name:
         return None
+    if name.isascii() and name.isdigit():  # str.isdigit takes "²", which int refuses
+        try:
+            return grp.getgrgid(int(name)).gr_gid
+        except (KeyError, OverflowError):
+            raise ConfigError(f"{key}: no group numbered {name} on this host") from None
     try:
-        return int(name) if name.isdigit() else grp.getgrnam(name).gr_gid
+        return grp.getgrnam(name).gr_gid
     except KeyError:
         raise ConfigError(f"{key}: no group named {name!r} on this host") from None
+
+
+def events_group_id(config: Config) -> int | None:
+    """events.group's gid (``client_group_id``). With [tenants] it may not be
+    server.client_group's, whose members are every tenant's users: the config
+    compares the two strings, this the groups (one named, the other numbered)."""
+    gid = client_group_id(config.events.group, "events.group")
+    if gid is not None and config.tenants and gid == client_group_id(config.server.client_group):
+        raise ConfigError(
+            f"events.group: with [tenants] it must not be server.client_group (group {gid}), "
+            "whose members are every tenant's users: name a group of the routers' users"
+        )
+    return gid
 
 
 def share_with_group(path: Path, group: int, mode: int, key: str = "server.client_group") -> None:
@@ -113,7 +134,7 @@ class Access:
         """server.client_group's gid (ConfigError when no such group, or no
         group named by events.group)."""
         self.client_gid = client_group_id(self.config.server.client_group)
-        self.events_gid = client_group_id(self.config.events.group, "events.group")
+        self.events_gid = events_group_id(self.config)
         return self.client_gid
 
     def stop(self) -> None:

@@ -13,7 +13,7 @@ import threading
 from typing import NamedTuple
 
 from hicached.config import Config, load_config
-from hicached.daemon.access import client_group_id
+from hicached.daemon.access import events_group_id
 from hicached.daemon.metrics_http import read_token
 from hicached.errors import ConfigError
 
@@ -103,5 +103,5 @@ def _read(path: str, token_file: str) -> Reread:
     config = load_config(path)
     # the group events.group names, looked up here: a restart applies it, and
     # one that names no group would fail it (the lookup may ask a directory service)
-    client_group_id(config.events.group, "events.group")
+    events_group_id(config)
     return Reread(config, read_token(token_file) if token_file else None)
