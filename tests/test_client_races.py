@@ -335,12 +335,16 @@ def test_a_lease_granted_to_an_interrupted_call_is_released(daemon: Daemon) -> N
         assert daemon.proc is not None
         os.kill(daemon.proc.pid, signal.SIGSTOP)  # the match waits for its reply
         interrupt = threading.Timer(0.3, os.kill, args=(os.getpid(), signal.SIGINT))
+        # Python's own handler: a process started in the background by a shell
+        # without job control inherits SIGINT ignored, and keeps it so
+        before = signal.signal(signal.SIGINT, signal.default_int_handler)
         try:
             interrupt.start()
             with pytest.raises(KeyboardInterrupt):
                 c.match(ns, toks)
         finally:
             interrupt.join(5)
+            signal.signal(signal.SIGINT, before)
             os.kill(daemon.proc.pid, signal.SIGCONT)  # now it answers, before the deadline
         for _ in range(100):
             if not c.stats().leases:
