@@ -32,7 +32,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import get_args
 
-import msgspec
 import numpy as np
 
 from hicached.cache.adopt import Adopted, adopt
@@ -58,7 +57,7 @@ from hicached.cache.writes import Writes
 from hicached.config import Config
 from hicached.errors import BadRequest, HicachedError
 from hicached.state.index import PageIndex
-from hicached.state.l2 import L2, TenantBook, TenantFigures, Victims
+from hicached.state.l2 import L2, TenantBook, Victims
 from hicached.state.l3state import KnownKeys
 from hicached.state.pool import SlotPool
 from hicached.wire import protocol as p
@@ -386,7 +385,7 @@ class Cache:
                     evicted[name] = n
         return evicted
 
-    def tenant_figures(self) -> list[TenantFigures]:
+    def tenant_figures(self) -> list[p.TenantStats]:
         """Per-tenant figures for metrics, in name order."""
         return [_figures(book) for book in sorted(self.l2.books.values(), key=lambda b: b.name)]
 
@@ -396,7 +395,7 @@ class Cache:
         book = self.l2.books.get(viewer) if viewer is not None else None
         if book is None:
             return None
-        return p.TenantStats(**msgspec.structs.asdict(_figures(book)))
+        return _figures(book)
 
     def stats(self, viewer: str | None = None) -> p.DaemonStats:
         """The daemon's figures, as ``viewer`` (the asking peer, ``handle``'s
@@ -461,8 +460,9 @@ class Cache:
         )
 
 
-def _figures(book: TenantBook) -> TenantFigures:
-    return TenantFigures(
+def _figures(book: TenantBook) -> p.TenantStats:
+    """One tenant's figures, as metrics and its own peers' stats carry them."""
+    return p.TenantStats(
         tenant=book.name,
         pages=book.pages,
         slots=book.slots,

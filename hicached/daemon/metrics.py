@@ -28,7 +28,6 @@ from prometheus_client.utils import floatToGoString
 
 from hicached.config import MetricsConfig
 from hicached.daemon.metrics_http import Gate, Listener, read_token
-from hicached.state.l2 import TenantFigures
 from hicached.wire import protocol as p
 
 log = logging.getLogger("hicached.metrics")
@@ -99,13 +98,13 @@ class _Snapshot(Collector):
         self.take = take
         self.timeout_s = timeout_s
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.tenants: Callable[[], list[TenantFigures]] | None = None
+        self.tenants: Callable[[], list[p.TenantStats]] | None = None
 
-    def snapshot(self) -> tuple[p.DaemonStats, list[TenantFigures]]:
+    def snapshot(self) -> tuple[p.DaemonStats, list[p.TenantStats]]:
         loop = self.loop
         if loop is None:
             raise RuntimeError("the daemon is not running")
-        result: concurrent.futures.Future[tuple[p.DaemonStats, list[TenantFigures]]]
+        result: concurrent.futures.Future[tuple[p.DaemonStats, list[p.TenantStats]]]
         result = concurrent.futures.Future()
 
         def take() -> None:
@@ -239,7 +238,7 @@ def _collector_families(c: p.CollectorStats) -> Iterator[Metric]:
     )
 
 
-def _tenant_families(tenants: list[TenantFigures]) -> Iterator[Metric]:
+def _tenant_families(tenants: list[p.TenantStats]) -> Iterator[Metric]:
     """Per-tenant figures (docs/operations.md, Tenants)."""
     pages = GaugeMetricFamily("hicached_tenant_pages", "L2 pages by tenant.", labels=["tenant"])
     slots = GaugeMetricFamily(
@@ -378,12 +377,12 @@ class Metrics:
         self.endpoint = ""
 
     @property
-    def tenants(self) -> Callable[[], list[TenantFigures]] | None:
+    def tenants(self) -> Callable[[], list[p.TenantStats]] | None:
         """Where a scrape takes per-tenant figures from (on the loop, with the rest)."""
         return self._snapshot.tenants
 
     @tenants.setter
-    def tenants(self, take: Callable[[], list[TenantFigures]] | None) -> None:
+    def tenants(self, take: Callable[[], list[p.TenantStats]] | None) -> None:
         self._snapshot.tenants = take
 
     def observe_request(self, op: str, seconds: float) -> None:

@@ -38,8 +38,6 @@ import heapq
 import itertools
 from collections.abc import Callable, Iterator
 
-import msgspec
-
 from hicached.state.index import PageIndex
 from hicached.state.keyindex import KeyIndex
 from hicached.state.pool import NO_ARENA, SlotPool
@@ -107,24 +105,6 @@ class TenantBook:
             fit = (self.max_bytes - self.bytes) // page_bytes
             room = fit if room is None else min(room, fit)
         return None if room is None else max(0, room)
-
-
-class TenantFigures(msgspec.Struct, frozen=True):
-    """One tenant's share of L2 (daemon/metrics.py): ``pages`` indexed, ``slots`` and
-    ``bytes`` charged (indexed, under a lease, on their way back), its quota
-    (0 = none), and counters of the pages its matches asked for and found, and
-    of its pages evicted (``quota_evicted`` of them to keep it within its quota)."""
-
-    tenant: str
-    pages: int
-    slots: int
-    bytes: int
-    max_slots: int
-    max_bytes: int
-    asked: int
-    hits: int
-    evicted: int
-    quota_evicted: int
 
 
 class L2:

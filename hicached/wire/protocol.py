@@ -386,11 +386,12 @@ class CollectorStats(msgspec.Struct, kw_only=True):
 
 
 class TenantStats(msgspec.Struct, kw_only=True):
-    """The asking peer's own tenant's share of L2 (1.8; with [tenants] only):
-    ``pages`` indexed, ``slots`` and ``bytes`` charged (indexed, under a lease,
-    on their way back), its quota (0 = none), the pages its matches asked for
-    and found in L2, and its pages evicted (``quota_evicted`` of them to keep
-    it within its quota). Another tenant's figures are never in a peer's stats."""
+    """One tenant's share of L2 (with [tenants] only): ``pages`` indexed,
+    ``slots`` and ``bytes`` charged (indexed, under a lease, on their way
+    back), its quota (0 = none), the pages its matches asked for and found in
+    L2, and its pages evicted (``quota_evicted`` of them to keep it within its
+    quota). A peer's stats carry its own tenant's (1.8), never another's; the
+    metrics (daemon/metrics.py) every tenant's."""
 
     tenant: str
     pages: int
