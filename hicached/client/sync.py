@@ -293,19 +293,22 @@ class Client(_Core):
         """End a handle's lease: unpin a hit, abort a reservation, cancel a prefetch."""
         # ``_release`` without a generator to drive: an engine releases every hit
         send = self._releasing(handle)  # a view is refused before anything
-        try:
-            if send:
-                self._call(lambda: p.Release(id=0, lease=handle.lease), p.Ok, handle.instance)
-        except LeaseEnded:
-            pass  # it ended with the daemon that granted it: released
-        except ForeignLease:
-            raise  # another client's lease: this handle stays as it was
-        except BaseException:
-            _released(handle)
-            raise
-        _released(handle)
+        # one turn for the release and the report after it (the lock is
+        # reentrant): another thread's call in between could hold the report
+        # past its timeout, and a release that was done would raise
         self._take_turn()
         try:
+            try:
+                if send:
+                    self._call(lambda: p.Release(id=0, lease=handle.lease), p.Ok, handle.instance)
+            except LeaseEnded:
+                pass  # it ended with the daemon that granted it: released
+            except ForeignLease:
+                raise  # another client's lease: this handle stays as it was
+            except BaseException:
+                _released(handle)
+                raise
+            _released(handle)
             self._report_gather(self._sock)  # as after every call through _do
         finally:
             self._turn.release()
