@@ -230,9 +230,9 @@ def _collector_line(c: p.CollectorStats | None, protocol: tuple[int, int] | None
 
 def _shown(name: str) -> str:
     """A name a client chose (its hello's), or a publisher's topic or medium, as
-    a terminal may print it: control
-    and other unprintable characters escaped, so that it can neither add lines
-    to the status nor move the cursor or clear the screen."""
+    a terminal may print it: control and other unprintable characters escaped,
+    so that it can neither add lines to the output nor move the cursor or clear
+    the screen."""
     return name if name.isprintable() else name.encode("unicode_escape").decode("ascii")
 
 
