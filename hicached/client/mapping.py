@@ -371,7 +371,7 @@ class PoolMapping:
         idx, gidx = self._row_index(ns, offsets)
         if self._moved(gens, res, gidx) >= 0:
             raise StaleHandle("a slot of this reservation changed owner: reserve again")
-        rows = self._rows(array, ns.page_bytes)
+        rows = self.arena.rows(ns.page_bytes, array)
         stale = (
             "a slot changed owner during the write (the lease outlived its quarantine): "
             "do not commit"
@@ -424,7 +424,7 @@ class PoolMapping:
             raise StaleHandle(
                 "a page of this hit left its slot: it is a miss now", 0
             )  # none copied
-        rows = self._rows(array, ns.page_bytes)
+        rows = self.arena.rows(ns.page_bytes, array)
         stale = "a page was reused while it was read: it is a miss"
         if cuda_tensor(out):
             from hicached.client import cuda
@@ -510,7 +510,7 @@ class PoolMapping:
         idx, gidx = self._row_index(ns, handle.offsets)
         if self._moved(gens, handle, gidx) >= 0:
             raise StaleHandle(f"a slot of this {what} changed owner: it is a miss now")
-        pool = self._rows(array, ns.page_bytes)
+        pool = self.arena.rows(ns.page_bytes, array)
         stale = f"a slot of this {what} changed owner during the copy: a miss"
         if on_gpu:
             from hicached.client import cuda
@@ -552,12 +552,6 @@ class PoolMapping:
             self._inflight.popleft()
         self._inflight.append(pending)
         return pending
-
-    def _rows(self, array: np.ndarray, page_bytes: int) -> np.ndarray:
-        """``array`` (the pool's bytes, as ``_fence`` took them) as rows of
-        ``page_bytes``: slot ``offset`` is row ``offset // page_bytes``."""
-        n = self.arena.size // page_bytes
-        return array[: n * page_bytes].reshape(n, page_bytes)
 
     def _row_index(self, ns: Namespace, offsets: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Rows of ``offsets`` and their generation counters; a cache must never

@@ -240,10 +240,13 @@ class Arena:
             done = min(start + step, total)
         return done
 
-    def rows(self, page_bytes: int) -> np.ndarray:
-        """The arena as rows of ``page_bytes``: slot ``offset`` is row ``offset // page_bytes``."""
+    def rows(self, page_bytes: int, array: np.ndarray | None = None) -> np.ndarray:
+        """The arena as rows of ``page_bytes``: slot ``offset`` is row ``offset //
+        page_bytes``. ``array``: its bytes as a copy took them before (a view
+        that keeps the mapping alive across a close on another thread)."""
         n = self.size // page_bytes
-        return self.array[: n * page_bytes].reshape(n, page_bytes)
+        data = self.array if array is None else array
+        return data[: n * page_bytes].reshape(n, page_bytes)
 
     def close(self, keep: bool = False) -> None:
         """Drop the mapping (views must be gone) and, for the owner, the file
