@@ -13,6 +13,7 @@ import json
 import os
 import pwd
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -28,7 +29,7 @@ import pytest
 from hicached import Client
 from hicached.cli import main
 from hicached.config import parse_config
-from hicached.daemon.metrics_http import MIN_TOKEN_CHARS, read_token
+from hicached.daemon.metrics_http import MAX_SCRAPES, MIN_TOKEN_CHARS, read_token
 from hicached.errors import ConfigError
 from hicached.testing import scrape
 from tests.support import NS, PAGE_TOKENS, Daemon, free_tcp_port, metrics_token, page_bytes_for
@@ -380,3 +381,34 @@ def test_a_tenants_user_scrapes_nothing_and_its_status_shows_its_own_tenant_alon
     assert figures[("hicached_tenant_pages", (("tenant", "alpha"),))] == 3
     assert figures[("hicached_tenant_pages", (("tenant", "beta"),))] == 5
     assert figures[REFUSED] == 3
+
+
+def test_connections_past_the_scrape_bound_are_closed_and_counted(daemon: Daemon) -> None:
+    """Local users who open connections and send nothing each held a thread
+    for REQUEST_TIMEOUT_S, without bound. Past MAX_SCRAPES a connection is
+    closed unserved and counted; once the idle ones go, scrapes are served."""
+    url = _endpoint(daemon)
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(MAX_SCRAPES)]
+    try:
+        time.sleep(0.5)  # accepted, each on a thread that waits for a request line
+        extra = socket.create_connection(("127.0.0.1", port), timeout=5)
+        with extra:
+            extra.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+            try:
+                answer = extra.recv(64)
+            except ConnectionResetError:
+                answer = b""
+        assert answer == b"", answer  # closed, not answered
+    finally:
+        for s in idle:
+            s.close()
+    deadline = time.monotonic() + 10
+    while True:  # the idle ones' threads see them closed and free their slots
+        try:
+            seen = scrape(url)
+            break
+        except OSError:
+            assert time.monotonic() < deadline, "no scrape was served after the idle ones left"
+            time.sleep(0.1)
+    assert seen[("hicached_metrics_turned_away_total", ())] >= 1

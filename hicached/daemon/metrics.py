@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from hicached.config import MetricsConfig
-from hicached.daemon.metrics_http import Gate, Listener, read_token
+from hicached.daemon.metrics_http import MAX_SCRAPES, Gate, Listener, read_token
 from hicached.wire import protocol as p
 
 log = logging.getLogger("hicached.metrics")
@@ -312,16 +312,24 @@ def _counter(name: str, doc: str, label: str, values: dict[str, int]) -> Counter
 
 class _Refused(Collector):
     """Scrapes the endpoint refused (no token or a wrong one), counted by its
-    request threads: probes by local users show here."""
+    request threads, and connections it closed unserved while MAX_SCRAPES
+    were in flight: probes by local users show here."""
 
-    def __init__(self, gate: Gate) -> None:
+    def __init__(self, gate: Gate, listener: Listener) -> None:
         self.gate = gate
+        self.listener = listener
 
     def collect(self) -> Iterator[Metric]:
         yield _total(
             "hicached_metrics_refused",
             "Scrapes refused for a missing or wrong bearer token (401).",
             self.gate.refused,
+        )
+        yield _total(
+            "hicached_metrics_turned_away",
+            f"Connections to the metrics endpoint closed unserved: {MAX_SCRAPES} scrapes "
+            "were in flight.",
+            self.listener.turned_away,
         )
 
 
@@ -372,8 +380,8 @@ class Metrics:
         self.gate = Gate(
             make_wsgi_app(self.registry), None, locked=tenants and not config.authenticated
         )
-        self.registry.register(_Refused(self.gate))
         self._listener = Listener(config, self.gate)
+        self.registry.register(_Refused(self.gate, self._listener))
         self.endpoint = ""
 
     @property

@@ -28,13 +28,13 @@ import stat
 import threading
 from collections.abc import Callable, Iterable
 from socketserver import ThreadingMixIn
-from typing import Any
+from typing import Any, cast
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from hicached.config import MetricsConfig
 from hicached.errors import ConfigError
 
-__all__ = ["MIN_TOKEN_CHARS", "Gate", "Listener", "read_token"]
+__all__ = ["MAX_SCRAPES", "MIN_TOKEN_CHARS", "Gate", "Listener", "read_token"]
 
 log = logging.getLogger("hicached.metrics")
 
@@ -48,6 +48,11 @@ _TOKEN = re.compile(rb"[\x21-\x7e]+")
 # Seconds a scraper may take to finish its TLS handshake and send its request:
 # past it, its connection is closed and its thread freed.
 REQUEST_TIMEOUT_S = 10.0
+# Scrapes served at once, a thread each: a connection past them is closed at
+# once (and counted), so local users who open connections and send nothing
+# hold at most this many threads, each for REQUEST_TIMEOUT_S. Prometheus
+# scrapes one at a time.
+MAX_SCRAPES = 8
 
 WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
@@ -168,7 +173,28 @@ class _Handler(WSGIRequestHandler):
 
 
 class _Server(ThreadingMixIn, WSGIServer):
+    """A thread per scrape, at most MAX_SCRAPES at once."""
+
     daemon_threads = True  # a scrape in flight never holds up the daemon's exit
+    slots: threading.BoundedSemaphore
+    turned_away = 0  # connections closed unserved, MAX_SCRAPES being in flight
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.turned_away += 1  # the accept thread alone counts
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()  # no thread started: its slot is free again
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # a failed handshake (no or a wrong client certificate, plain HTTP to the
@@ -199,7 +225,8 @@ class Listener:
     def __init__(self, config: MetricsConfig, gate: Gate) -> None:
         self.config = config
         self.gate = gate
-        self._server: WSGIServer | None = None
+        self._server: _Server | None = None
+        self._turned_away = 0  # of servers stopped before
         self._thread: threading.Thread | None = None
         self.endpoint = ""
 
@@ -210,9 +237,16 @@ class Listener:
             family, _, _, _, sockaddr = socket.getaddrinfo(
                 c.host, c.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
             )[0]
-            server_class = type("MetricsServer", (_Server,), {"address_family": family})
-            server: WSGIServer = make_server(
-                str(sockaddr[0]), c.port, self.gate, server_class, handler_class=_Handler
+            server_class = type(
+                "MetricsServer",
+                (_Server,),
+                {"address_family": family, "slots": threading.BoundedSemaphore(MAX_SCRAPES)},
+            )
+            server = cast(
+                _Server,
+                make_server(
+                    str(sockaddr[0]), c.port, self.gate, server_class, handler_class=_Handler
+                ),
             )
         except OSError as exc:
             raise ConfigError(
@@ -234,8 +268,15 @@ class Listener:
         host = f"[{host}]" if ":" in host else host
         self.endpoint = f"{scheme}://{host}:{port}/metrics"
 
+    @property
+    def turned_away(self) -> int:
+        """Connections closed unserved since start, MAX_SCRAPES being in flight."""
+        server = self._server
+        return self._turned_away + (server.turned_away if server is not None else 0)
+
     def stop(self) -> None:
         if self._server is not None:
+            self._turned_away += self._server.turned_away
             self._server.shutdown()
             self._server.server_close()
             self._server = None
