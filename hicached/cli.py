@@ -239,6 +239,7 @@ def _shown(name: str) -> str:
 def _cmd_events(args: argparse.Namespace) -> int:
     """Print the KV event stream; replay from ``--from`` first, and replay any gap
     the live stream shows (when a replay endpoint is known)."""
+    import contextlib
     import time
 
     import zmq
@@ -330,6 +331,13 @@ def _cmd_events(args: argparse.Namespace) -> int:
 
     live_last = -1  # the last batch number the live stream showed
     sub = socket(zmq.SUB, endpoint)
+    # libzmq dials a publisher that went away again by itself, but gives a
+    # connection up for good after a protocol error, such as a message over
+    # ``most``: without a dial of our own the command would wait in silence.
+    drops = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    poller = zmq.Poller()
+    poller.register(sub, zmq.POLLIN)
+    poller.register(drops, zmq.POLLIN)
     try:
         sub.setsockopt(zmq.SUBSCRIBE, args.topic.encode())
         if args.from_seq is not None:
@@ -337,7 +345,19 @@ def _cmd_events(args: argparse.Namespace) -> int:
             replay(args.from_seq)
         idle_since = time.monotonic()
         while not (args.count and printed >= args.count):
-            if not sub.poll(100):
+            ready = dict(poller.poll(100))
+            if drops in ready:
+                drops.recv_multipart()  # one event: (event id and value, endpoint)
+                print(
+                    f"hicached events: the connection to {endpoint} dropped (the daemon "
+                    f"stopped, or sent a message over {most} bytes); dialing again",
+                    file=sys.stderr,
+                )
+                with contextlib.suppress(zmq.ZMQError):  # libzmq may have let it go
+                    sub.disconnect(endpoint)
+                sub.connect(endpoint)
+                continue
+            if sub not in ready:
                 if args.idle_exit and time.monotonic() - idle_since >= args.idle_exit:
                     break
                 continue
@@ -368,6 +388,8 @@ def _cmd_events(args: argparse.Namespace) -> int:
                     replay(last + 1)
             show(topic, seq_frame, payload)
     finally:
+        sub.disable_monitor()
+        drops.close()
         sub.close()
         ctx.term()
     return 0

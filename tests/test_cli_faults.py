@@ -117,3 +117,43 @@ def test_events_skips_what_is_not_a_batch_and_escapes_what_a_publisher_names(
     assert "\x1b" not in done.stdout
     assert lines[0].startswith("#") and "\\n\\x1b[31mred" in lines[0]
     assert lines[1].startswith("  BlockRemoved GPU\\n\\x1b[2Jfake line 1 blocks")
+
+
+def test_events_dials_again_after_a_message_over_its_bound() -> None:
+    """A message over the command's bound makes libzmq drop the connection as
+    a protocol error, and it never dials such a publisher again: the command
+    waited in silence for ever. Now it says so and dials again. The publisher
+    is a bare PUB socket (fault injection): after every other batch it sends
+    one message past the bound."""
+    from hicached.cli import EVENTS_MESSAGE_BYTES
+
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    done = threading.Event()
+    huge = b"x" * (EVENTS_MESSAGE_BYTES + 1)
+
+    def feed() -> None:
+        seq = 0
+        while not done.wait(0.2):
+            seq += 1
+            pub.send_multipart([b"kv", seq.to_bytes(8, "big"), _batch("GPU")])
+            if seq % 2 == 0:
+                pub.send_multipart([b"kv", b"\0" * 8, huge])
+
+    t = threading.Thread(target=feed, daemon=True)
+    t.start()
+    try:
+        done_cli = _events(
+            "--endpoint", f"tcp://127.0.0.1:{port}", "--count", "3", "--idle-exit", "8"
+        )
+    finally:
+        done.set()
+        t.join(10)
+        pub.close()
+        ctx.term()
+    assert done_cli.returncode == 0, done_cli.stderr
+    assert "Traceback" not in done_cli.stderr
+    assert done_cli.stdout.count("BlockRemoved") == 3, (done_cli.stdout, done_cli.stderr)
+    assert "dropped" in done_cli.stderr and "dialing again" in done_cli.stderr
