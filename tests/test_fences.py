@@ -209,6 +209,16 @@ def test_copies_check_their_handle_kind_and_never_fill_a_copy_of_out(rig: Rig) -
     transposed = np.zeros((PAGE, 4), dtype=np.uint8).T  # not contiguous: a copy would be filled
     with pytest.raises(ValueError, match="C-contiguous"):
         rig.mapping.read(hit, transposed)
+    # arrays of Python objects hold pointers, not pages: numpy's TypeError before
+    things = np.empty((4, PAGE // 8), dtype=object)
+    with pytest.raises(ValueError, match="Python objects"):
+        rig.mapping.read(hit, things)
+    with pytest.raises(ValueError, match="Python objects"):
+        rig.mapping.read(hit, [things[:, :1]], rows=[0, 1, 2, 3])
+    with pytest.raises(ValueError, match="Python objects"):
+        rig.mapping.write(res, things)
+    with pytest.raises(ValueError, match="Python objects"):
+        rig.mapping.write(res, [things[:, :1]], rows=[0, 1, 2, 3])
     assert (rig.mapping.read(hit) == 0x42).all()
 
 

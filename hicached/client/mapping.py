@@ -54,10 +54,20 @@ def _source(data: Any, pages: int, page_bytes: int) -> np.ndarray:
     page_bytes) bytes; a copy if it is not contiguous."""
     if type(data).__module__.startswith("torch"):
         data = data.detach().contiguous().view(-1).view(sys.modules["torch"].uint8).numpy()
-    view = np.ascontiguousarray(data).reshape(pages, -1).view(np.uint8)
+    array = np.ascontiguousarray(data)
+    _plain(array, "the data")
+    view = array.reshape(pages, -1).view(np.uint8)
     if view.shape[1] != page_bytes:
         raise ValueError(f"each page must be {page_bytes} bytes, got {view.shape[1]}")
     return view
+
+
+def _plain(array: np.ndarray, what: str) -> None:
+    """ValueError unless ``array`` holds its values as bytes: pages are bytes,
+    and an array of Python objects holds pointers (numpy refuses its view as
+    bytes with a TypeError)."""
+    if array.dtype.hasobject:
+        raise ValueError(f"{what} must hold numbers, not Python objects (dtype {array.dtype})")
 
 
 def _segment(seg: Any, writable: bool) -> np.ndarray:
@@ -75,6 +85,7 @@ def _segment(seg: Any, writable: bool) -> np.ndarray:
             seg = seg.contiguous().view(seg.shape[0], -1).view(torch.uint8).numpy()
     if not isinstance(seg, np.ndarray) or seg.ndim < 1:
         raise ValueError("segments must be arrays or tensors with one row per page or block")
+    _plain(seg, "a segment")
     if writable and not seg.flags.writeable:
         raise ValueError("segments to read into must be writable")
     flat = seg.reshape(seg.shape[0], -1)
@@ -163,6 +174,7 @@ def _destination(out: Any, pages: int, page_bytes: int) -> np.ndarray:
         out = out.detach().view(-1).view(sys.modules["torch"].uint8).numpy()
     if not isinstance(out, np.ndarray) or not out.flags.c_contiguous or not out.flags.writeable:
         raise ValueError("out must be a writable, C-contiguous array")
+    _plain(out, "out")
     if out.nbytes != pages * page_bytes:
         raise ValueError(f"out must hold {pages} pages of {page_bytes} bytes, not {out.nbytes}")
     return out.reshape(-1).view(np.uint8).reshape(pages, page_bytes)
