@@ -10,6 +10,7 @@ import time
 import msgspec
 
 from hicached import protocol as p
+from hicached.cache.chainorder import ChainOrder
 from hicached.events import Removed, Stored
 from hicached.hashing import pack_tokens
 from hicached.l3state import KnownKeys
@@ -130,3 +131,34 @@ def test_a_held_event_of_a_page_the_store_let_go_of_is_not_sent_when_the_record_
     h.tier.finish(parent)
     h.tier.finish(g)
     assert child not in l3_view(h.events()), "BlockStored sent after the store let the page go"
+
+
+def test_events_held_for_their_parents_are_bounded_in_bytes_too() -> None:
+    """A held event carries its page's token ids: bounded by count alone
+    (events.queue_events, 100,000), the events waiting behind a slow parent
+    write could take gigabytes. Past events.queue_mib the longest waiting goes
+    out as it is, counted as out of order, as past the count."""
+    out: list[str] = []
+    order: ChainOrder[str] = ChainOrder(100, out.append, max_bytes=1000, size=len)
+    for i in range(3):
+        order.add(f"k{i}".encode(), b"parent", "x" * 300, coming=True)
+    assert out == [] and order.bytes == 900 and len(order) == 3
+    order.add(b"k3", b"parent", "y" * 300, coming=True)  # 1200 bytes: the oldest goes out
+    assert out == ["x" * 300] and order.out_of_order == 1
+    assert order.bytes == 900 and len(order) == 3
+    order.drop(b"k1")  # a page L3 let go of: its event is never sent, its bytes freed
+    assert order.bytes == 600
+    order.ready(b"parent")  # the parent's went out: those held follow, in order
+    assert out == ["x" * 300, "x" * 300, "y" * 300] and order.bytes == 0 and len(order) == 0
+    # the daemon's own: the event queue's byte bound, and what a page's tokens take
+    h = Harness("write_through")
+    tiering = h.cache.tiering
+    assert tiering.order.max_bytes == h.config.events.queue_mib << 20
+    h.hello()
+    ns = h.register()
+    g, parent, child = h.store(ns, [1, 2, 3])
+    h.tier.finish(child)  # its parent's write runs: its event waits, tokens and all
+    assert tiering.order.holds(child) and tiering.order.bytes > 0
+    h.tier.finish(parent)
+    h.tier.finish(g)
+    assert len(tiering.order) == 0 and tiering.order.bytes == 0

@@ -11,8 +11,10 @@ is held until the parent's goes out, and then published right after it.
 A held event never outlives the reason it waits: a parent whose write fails,
 or that leaves L2 unwritten, releases those waiting for it as they are; a page
 that L3 lets go of before its event went out loses that event (a removal must
-never be followed by a stale BlockStored); at most ``limit`` events wait, and
-past that the longest waiting goes out as it is (counted in ``out_of_order``).
+never be followed by a stale BlockStored); at most ``limit`` events wait,
+taking at most ``max_bytes`` (as ``size`` counts them: an event carries its
+page's token ids), and past either the longest waiting goes out as it is
+(counted in ``out_of_order``).
 """
 
 from __future__ import annotations
@@ -28,13 +30,33 @@ _LOOP_STEPS = 64  # held parents looked through for a loop back to the page
 class ChainOrder(Generic[E]):
     """Events held for their parents' (keys are the daemon's page keys)."""
 
-    __slots__ = ("_emit", "_held", "_waiting", "limit", "out_of_order")
+    __slots__ = (
+        "_emit",
+        "_held",
+        "_size",
+        "_waiting",
+        "bytes",
+        "limit",
+        "max_bytes",
+        "out_of_order",
+    )
 
-    def __init__(self, limit: int, emit: Callable[[E], None]) -> None:
+    def __init__(
+        self,
+        limit: int,
+        emit: Callable[[E], None],
+        *,
+        max_bytes: int = 64 << 20,
+        size: Callable[[E], int] = lambda _: 0,
+    ) -> None:
         self.limit = limit
-        self.out_of_order = 0  # events sent before their parent's to stay within the limit
+        self.max_bytes = max_bytes
+        self.bytes = 0  # what the held events take, as ``size`` counts them
+        self.out_of_order = 0  # events sent before their parent's to stay within the limits
         self._emit = emit
-        self._held: dict[bytes, tuple[bytes, E]] = {}  # key -> (parent, event), oldest first
+        self._size = size
+        # key -> (parent, event, its size), oldest first
+        self._held: dict[bytes, tuple[bytes, E, int]] = {}
         self._waiting: dict[bytes, list[bytes]] = {}  # parent -> keys held for it
 
     def __len__(self) -> int:
@@ -51,12 +73,14 @@ class ChainOrder(Generic[E]):
         if key in self._held:
             self._unhold(key)
         if up is not None and coming and not self._loops(key, up):
-            self._held[key] = (up, event)
+            size = self._size(event)
+            self._held[key] = (up, event, size)
+            self.bytes += size
             self._waiting.setdefault(up, []).append(key)
-            while len(self._held) > self.limit:
+            while len(self._held) > self.limit or self.bytes > self.max_bytes:
                 oldest = next(iter(self._held))
                 self.out_of_order += 1
-                _, late = self._unhold(oldest)
+                late = self._unhold(oldest)
                 self._emit(late)
                 self.ready(oldest)
             return
@@ -86,6 +110,7 @@ class ChainOrder(Generic[E]):
             entry = self._held.pop(child, None)
             if entry is None:
                 continue
+            self.bytes -= entry[2]
             self._emit(entry[1])
             stack.extend(self._waiting.pop(child, [])[::-1])
 
@@ -105,10 +130,11 @@ class ChainOrder(Generic[E]):
         if not coming:
             self.ready(key)
 
-    def _unhold(self, key: bytes) -> tuple[bytes, E]:
-        up, event = self._held.pop(key)
+    def _unhold(self, key: bytes) -> E:
+        up, event, size = self._held.pop(key)
+        self.bytes -= size
         siblings = self._waiting[up]
         siblings.remove(key)
         if not siblings:
             del self._waiting[up]
-        return up, event
+        return event

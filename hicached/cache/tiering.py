@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
+from hicached.cache import eventlog
 from hicached.cache.chainorder import ChainOrder
 from hicached.cache.sessions import KeyedPage, Lease, NamespaceState
 from hicached.cache.writes import token_ids
@@ -82,6 +83,11 @@ class HeldEvent(NamedTuple):
     ns: NamespaceState
 
 
+def _held_bytes(event: HeldEvent) -> int:
+    """What a held event takes, as the event queue counts its events."""
+    return eventlog.EVENT_BYTES + eventlog.KEY_BYTES + eventlog.TOKEN_BYTES * len(event.tokens)
+
+
 @dataclass(slots=True)
 class InBoth:
     """An L2 page that L3 holds too: where it is, and when L3 took it."""
@@ -106,7 +112,13 @@ class Tiering:
         # BlockStored of its L3 write whenever it happens (the index keeps keys only).
         self.origins: dict[bytes, Origin] = {}
         # L3 BlockStored events that wait for their parent's: a chain's go out parent first
-        self.order: ChainOrder[HeldEvent] = ChainOrder(config.events.queue_events, self._publish)
+        # (within the event queue's bounds: each carries its page's token ids)
+        self.order: ChainOrder[HeldEvent] = ChainOrder(
+            config.events.queue_events,
+            self._publish,
+            max_bytes=config.events.queue_mib << 20,
+            size=_held_bytes,
+        )
         # L2 pages that L3 holds too, as far as this daemon wrote or read them: what
         # a rewrite needs when L3 lets one go while it stays in L2.
         self.both: dict[bytes, InBoth] = {}
