@@ -212,21 +212,30 @@ def test_kill9_under_keyed_masks_prefetches_and_write_back_loses_and_lies_about_
         d.cleanup()
 
 
-@pytest.mark.parametrize("failed_scans", [0, 1], ids=["scan", "scan-failed-once"])
+@pytest.mark.parametrize(
+    ("failed_scans", "scan"),
+    [(0, True), (1, True), (1000, True), (0, False)],
+    ids=["scan", "scan-failed-once", "scan-always-fails", "no-scan"],
+)
 def test_adopted_pages_whose_l3_writes_a_kill_cut_short_reach_l3_after_the_restart(
-    failed_scans: int,
+    failed_scans: int, scan: bool
 ) -> None:
     """Under write_through every committed page goes to L3. Fault injection: the
     faulty backend delays every write (``write_delay_s``), so a kill -9 right
     after the commits leaves their writes unfinished; with ``scan_failures``
-    the restart's first listing breaks off after one page. The restart adopts
+    the restart's listings break off after one page. The restart adopts
     the pages and, once L3's listing has ended (a scan tried again after
-    ``scan_retry_s`` where the first failed), writes those L3 lacks; a start
+    ``scan_retry_s`` where the first failed), writes those L3 lacks; where no
+    listing ends (every one fails, or no scan runs), it asks the store of each
+    and writes those it lacks (they waited for ever before). A start
     without the pool (L2 empty) then reads every page back from L3, byte for
     byte."""
+    listed = scan and failed_scans < 1000
     d = adopting(
         allow_faults=True,
-        storage=storage("faulty", more="scan_retry_s = 0.5\n"),
+        storage=storage(
+            "faulty", more=f"scan_retry_s = 0.5\nscan_on_start = {str(scan).lower()}\n"
+        ),
         tail='[storage.extra]\ninner = "file"\nwrite_delay_s = 1.0\n'
         f"scan_failures = {failed_scans}\n"
         "[storage.extra.inner_options]\ncapacity_mib = 32\nsegment_mib = 4\nio_threads = 2\n",
@@ -236,17 +245,25 @@ def test_adopted_pages_whose_l3_writes_a_kill_cut_short_reach_l3_after_the_resta
         d.start()
         with d.client() as c:
             ns = c.register(**SPEC)
+            c.store(ns, tokens(9), pattern(9))  # in L3 before the kill: never written again
+            wait_for(lambda: l3_count(c, "written") == PAGES, timeout=30)
             for s in seqs:
                 c.store(ns, tokens(s), pattern(s))
-            assert l3_count(c, "written") == 0  # every write still waits out its delay
+            assert l3_count(c, "written") == PAGES  # every other write waits out its delay
         d.kill()
         d.start()
         with d.client() as c:
             c.register(**SPEC)
-            assert c.stats().adopted_pages == len(seqs) * PAGES
+            assert c.stats().adopted_pages == (len(seqs) + 1) * PAGES
             wait_for(lambda: l3_count(c, "written") == len(seqs) * PAGES, timeout=60)
+            time.sleep(1.5)  # a write of a page L3 held would have ended by now
+            assert l3_count(c, "written") == len(seqs) * PAGES
             l3 = c.stats().l3
-            assert l3["scan_failed"] == failed_scans and l3["index_complete"] == 1
+            assert l3["index_complete"] == int(listed)
+            if listed:
+                assert l3["scan_failed"] == failed_scans
+            else:
+                assert l3["scan_failed"] >= int(scan)
         assert d.stop() == 0
         d.fresh = True  # a new pool: whatever is read now comes from L3
         d.start()

@@ -39,6 +39,8 @@ _SCAN_YIELD_PAGES = 4096  # the startup scan lets requests in after this many pa
 _SCAN_RETRY_MAX_S = 600.0
 # pages of L2 listed at once for the writes of adopted pages L3 lacks (about 3 ms)
 _LIST_BATCH_PAGES = 4096
+# calls in flight asking the store about adopted pages when no listing ended
+_ASK_AT_ONCE = 32
 
 
 def backend_options(config: Config, cls: type[Backend]) -> Any:
@@ -142,6 +144,7 @@ class Tier:
         # not know is asked of the backend meanwhile (and ever, without a scan).
         self.cache.l3.listed(False)
         if not self.config.scan_on_start:
+            self._write_adopted_unlisted("storage.scan_on_start is off")
             return
         self.scanning = True
         if self.config.scan_in_background or not await self._scan_store():
@@ -159,6 +162,7 @@ class Tier:
         wait = self.config.scan_retry_s
         if not tried and await self._scan_store():
             return
+        self._write_adopted_unlisted("the listing of L3 failed")
         while wait > 0:
             log.info("L3 scan again in %.1fs", wait)
             await asyncio.sleep(wait)
@@ -233,9 +237,12 @@ class Tier:
                 log.info("L3 cannot be listed: keys not known are asked of the store")
             if self.on_scanned is not None:
                 self.on_scanned()
-            batches = cache.adopted_unwritten(_LIST_BATCH_PAGES)
-            if batches is not None:
-                self._adopted = asyncio.get_running_loop().create_task(self._write_adopted(batches))
+            if self._adopted is None or self._adopted.done():  # else it asks the store
+                batches = cache.adopted_unwritten(_LIST_BATCH_PAGES)
+                if batches is not None:
+                    self._adopted = asyncio.get_running_loop().create_task(
+                        self._write_adopted(batches)
+                    )
             return True
         finally:
             if listed or not self.config.scan_retry_s or self._stopping:
@@ -243,15 +250,57 @@ class Tier:
             announce()  # what was found before a stop or a failure is in L3 all the same
             self.scanning = False
 
+    def _write_adopted_unlisted(self, why: str) -> None:
+        """Adopted pages wait for L3's listing to say which it lacks; a store that
+        cannot be listed (a bucket without the list permission, a scan turned
+        off) would leave them unwritten for good, lost to L3 when they leave L2.
+        Without a listing each is asked of the store (``exists``) and written
+        where it does not hold it. Once: a listing that ends later finds the
+        pages written by then in L3 and writes any other."""
+        if self._adopted is not None or self._stopping:
+            return
+        batches = self.cache.adopted_unwritten(_LIST_BATCH_PAGES)
+        if batches is None:
+            return
+        log.info("%s: adopted pages are asked of the store and written where it lacks them", why)
+        loop = asyncio.get_running_loop()
+        self._adopted = loop.create_task(self._write_adopted(batches, ask=True))
+
+    async def _lacking(
+        self, pages: list[tuple[NamespaceState, bytes, int, int]]
+    ) -> list[tuple[NamespaceState, bytes, int, int]]:
+        """Of ``pages``, those the store does not say it holds (asked one key a
+        call, at most _ASK_AT_ONCE calls at once); those it holds are learned.
+        A page it cannot tell of now (down, late) is written: a write is
+        idempotent, a page left unwritten may be lost."""
+        lacking = []
+        for start in range(0, len(pages), _ASK_AT_ONCE):
+            part = pages[start : start + _ASK_AT_ONCE]
+            held = await asyncio.gather(
+                *(self.dispatcher.exists(ns.digest, [key]) for ns, key, _, _ in part)
+            )
+            for page, count in zip(part, held, strict=True):
+                if count:
+                    self.cache.learn_l3(page[0].digest, [page[1]])
+                else:
+                    lacking.append(page)
+        return lacking
+
     async def _write_adopted(
-        self, batches: Iterator[list[tuple[NamespaceState, bytes, int, int]]]
+        self,
+        batches: Iterator[list[tuple[NamespaceState, bytes, int, int]]],
+        *,
+        ask: bool = False,
     ) -> None:
         """Queue writes of adopted pages L3 lacks as the write queue has room (none
         is dropped for lack of it), until all are queued or the daemon stops;
-        requests are served between two batches of the listing."""
+        requests are served between two batches of the listing. ``ask``: no
+        listing ended, so each page is asked of the store first."""
         counts = FlushCounts()
         try:
             for pages in batches:
+                if ask:
+                    pages = await self._lacking(pages)
                 counts.pages += len(pages)
                 await self._queue_writes(pages, math.inf, counts)
                 await asyncio.sleep(0)  # a batch L3 has whole queues nothing: yield all the same
