@@ -316,3 +316,55 @@ def test_the_keys_known_in_l3_are_bounded() -> None:
     assert all(key in known for key in keys[-5:])  # the newest are kept
     assert keys[0] not in known
     assert known.leading(keys, 95) == 5 and known.leading(keys, 0) == 0
+
+
+def test_a_cuda_copy_being_queued_is_drained_before_the_pool_is_unregistered(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A copy on one thread passed its fence; close() on another (Client.close,
+    a restart's remap) unregistered the pool while the copy was being queued
+    with the pool's CUDA view: a kernel over memory CUDA no longer maps. Now
+    the unregister waits for the copy being queued and drains it, and a copy
+    that starts after close() began is refused. Fault injection: CUDA's
+    calls are fakes that record their order (this host may have no GPU)."""
+    import threading
+    import time
+
+    from hicached.client import cuda
+
+    order: list[str] = []
+
+    class Event:
+        def query(self) -> bool:
+            return True
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, other: object) -> float:
+            return 0.0
+
+    monkeypatch.setattr(cuda, "mark", lambda device, timing=False: Event())
+    monkeypatch.setattr(cuda, "unregister", lambda array: order.append("unregister"))
+    mapping = rig.mapping
+    mapping._pinned, mapping._mapped = True, "the pool's CUDA view"
+    queuing = threading.Event()
+
+    def launch() -> str:
+        order.append("launch")
+        queuing.set()
+        time.sleep(0.3)  # the close on the other thread runs now, or waits
+        order.append(f"queued with {mapping._mapped}")
+        return "kernel"
+
+    res = rig.reserve(list(range(4)))
+    none = np.empty(0, dtype=np.int64)
+    closer = threading.Thread(target=lambda: (queuing.wait(5), mapping.close()))
+    closer.start()
+    pending = mapping._on_gpu("cuda:0", launch, res, none, none, "stale")
+    closer.join(10)
+    assert order == ["launch", "queued with the pool's CUDA view", "unregister"]
+    assert pending.done()
+    with pytest.raises(StaleHandle, match="closed"):
+        mapping._on_gpu("cuda:0", launch, res, none, none, "stale")
+    assert order[-1] == "unregister"  # nothing launched after the close

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -300,6 +301,10 @@ class PoolMapping:
         # mapping stays registered and mapped until they are done
         self._inflight: deque[PendingCopy] = deque()
         self._closed = False  # close() began: no copy begins through this mapping
+        # held while a CUDA copy is queued and while the pool is unregistered: a copy
+        # on one thread never launches with the pool's CUDA view that another
+        # thread's unpin (Client.close, a restart's remap) is taking away
+        self._launching = threading.Lock()
 
     # -- handles -------------------------------------------------------------------
 
@@ -553,16 +558,24 @@ class PoolMapping:
         stale: str,
         out: Any = None,
     ) -> PendingCopy:
-        """Queue a CUDA copy between two events on the current stream."""
+        """Queue a CUDA copy between two events on the current stream; refused
+        (StaleHandle) once close() began, which may have unregistered the pool
+        since the fence was checked."""
         from hicached.client import cuda
 
-        begin = cuda.mark(device, timing=True)
-        path = launch()
-        end = cuda.mark(device, timing=True)
-        pending = PendingCopy(path, gens, gidx, handle.gens, stale, out, begin=begin, end=end)
-        while self._inflight and self._inflight[0].done():
-            self._inflight.popleft()
-        self._inflight.append(pending)
+        with self._launching:
+            if self._closed:
+                raise StaleHandle(
+                    "this client's mapping of the pool was closed during the copy's start "
+                    "(the client closed, or the daemon restarted): nothing was copied"
+                )
+            begin = cuda.mark(device, timing=True)
+            path = launch()
+            end = cuda.mark(device, timing=True)
+            pending = PendingCopy(path, gens, gidx, handle.gens, stale, out, begin=begin, end=end)
+            while self._inflight and self._inflight[0].done():
+                self._inflight.popleft()
+            self._inflight.append(pending)
         return pending
 
     def _row_index(self, ns: Namespace, offsets: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -578,12 +591,13 @@ class PoolMapping:
 
     def pin(self) -> None:
         """Register the mapping with CUDA as pinned memory (once)."""
-        if self._pinned:
-            return
-        from hicached.client import cuda
+        with self._launching:
+            if self._pinned:
+                return
+            from hicached.client import cuda
 
-        self._mapped = cuda.register(self.arena.array)
-        self._pinned = True
+            self._mapped = cuda.register(self.arena.array)
+            self._pinned = True
 
     @property
     def pinned(self) -> bool:
@@ -591,12 +605,14 @@ class PoolMapping:
 
     def unpin(self) -> None:
         """Unregister the mapping from CUDA (if pinned), once the copies still in
-        flight through it are done."""
-        if self._pinned and self._drained():
-            from hicached.client import cuda
+        flight through it are done; a copy being queued on another thread is
+        queued first, and drained with the rest."""
+        with self._launching:
+            if self._pinned and self._drained():
+                from hicached.client import cuda
 
-            self._pinned, self._mapped = False, None
-            cuda.unregister(self.arena.array)
+                self._pinned, self._mapped = False, None
+                cuda.unregister(self.arena.array)
 
     def _drained(self) -> bool:
         """Wait (up to _DRAIN_S) for the CUDA copies still moving bytes through
