@@ -118,10 +118,10 @@ class RequestLoop:
                 frames, peer, more = [routing_id, frame.bytes], user_id(frame), frame.more
             else:
                 frames, peer, more = [routing_id, recv(_NOBLOCK)], None, bool(get(_RCVMORE))
-            while more:  # not a request (_handle counts it): take the rest
-                extra = recv(_NOBLOCK, copy=False)
-                frames.append(extra.bytes)
-                more = extra.more
+            if more:  # not a request (_handle counts it): the rest is read and let go
+                frames.append(b"")  # one frame past a request's two, however many came
+                while more:  # (a peer may send millions: none is kept)
+                    more = recv(_NOBLOCK, copy=False).more
             try:
                 self._handle(frames, peer)
             except Exception as exc:  # a bug: this request fails, the others go on
