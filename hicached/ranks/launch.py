@@ -21,6 +21,22 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+# Imported once by the fork server, before it forks any rank: a rank forked
+# from it starts in milliseconds, where one spawned imports torch anew (seconds
+# of CPU each, for every rank of every launch). The server imports, computes
+# nothing and starts no thread pool, so the forks inherit no lock held.
+_PRELOAD = ["torch", "torch.distributed", "hicached.ranks.agreement"]
+
+
+def _context() -> Any:
+    """Ranks are forked from a fork server (one per launching process, started
+    at the first launch) that imported torch; spawned where there is none."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
 
 def _rank_main(
     fn: Callable[..., Any],
@@ -92,7 +108,7 @@ def launch(
 
     world = tp * cp * pp
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     out = ctx.Queue()
     procs = [
         ctx.Process(
