@@ -351,3 +351,40 @@ def test_a_reload_takes_the_shares_and_refuses_one_past_its_bound() -> None:
         "tenants.a.max_namespaces": 3,
     }
     assert refused == [] and config.tenants["a"].max_clients == 6
+
+
+# -- the wire ---------------------------------------------------------------------------
+
+
+class _TenantStats18(msgspec.Struct, kw_only=True):
+    """stats.tenant as a 1.8 client decodes it."""
+
+    tenant: str
+    pages: int
+    slots: int
+    bytes: int
+    max_slots: int
+    max_bytes: int
+    asked: int
+    hits: int
+    evicted: int
+    quota_evicted: int
+
+
+def test_older_clients_decode_the_figures_and_an_older_daemons_read_as_none() -> None:
+    from hicached.cli import _tenant_line
+
+    cache = _cache(clients=8, alpha={}, beta={})
+    _lease(cache, b"a", "alpha", 1)
+    figures = cache.stats("alpha").tenant
+    assert figures is not None
+    assert (figures.clients, figures.leases, figures.namespaces) == (1, 1, 1)
+    assert (figures.max_clients, figures.max_leases, figures.max_namespaces) == (4, 32768, 128)
+    wire = msgspec.msgpack.encode(figures)
+    old = msgspec.msgpack.decode(wire, type=_TenantStats18)  # the new fields are ignored
+    assert old.tenant == "alpha" and old.slots == 2
+    from_old = msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=p.TenantStats)
+    assert (from_old.clients, from_old.max_clients) == (0, 0)
+    assert _tenant_line(figures).endswith("; clients 1/4 leases 1/32768 namespaces 1/128")
+    assert _tenant_line(from_old).endswith("(0 for its quota)")  # an older daemon's: no shares
+    assert p.PROTOCOL_MINOR >= p.TENANT_BOUNDS_MINOR == 9

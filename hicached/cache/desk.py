@@ -20,6 +20,10 @@ at construction:
 - cache/prefetch.py: prefetches, and what the tier's reads of them mean;
 - cache/tiering.py: L3 writes, rewrites, write-backs and L3 events.
 
+With tenants, cache/shares.py gives each tenant its share of the bounds
+every client shares (sessions, leases, namespaces), which the rooms count
+against as they open and close what they hold.
+
 The state below them lives in state/ (pool, index, L2 allocation and
 eviction, the set of keys L3 holds); what the desk keeps itself is the
 figures (requests, errors, drops), expiry, reloads and stats.

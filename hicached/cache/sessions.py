@@ -7,8 +7,9 @@ the daemon's state.
   are configured, the peer it is: its tenant, named by the connection's
   credentials (daemon/requests.py), never by what it sends. It ends on
   ``goodbye``, when it has been idle for ``server.session_idle_s`` without a
-  lease, or when the session table is full and a newcomer needs its place
-  (the longest idle session that holds no lease goes first).
+  lease, or when the session table (or, with tenants, its tenant's share of
+  it) is full and a newcomer needs its place (the longest idle session that
+  holds no lease goes first; with tenants, only one of the newcomer's tenant).
 - A *namespace* lives while a session has it registered, a page of it is in
   L2, or a lease or an L3 write of it is open; then it is forgotten, so
   ``pool.max_namespaces`` bounds the live ones, not a lifetime count.
