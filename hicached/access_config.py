@@ -30,6 +30,14 @@ class CurveConfig(msgspec.Struct, **_Section):
                 raise ValueError(f"{name} must be an absolute path")
 
 
+# A tenant's part of each bound all clients share: its key in [tenants.NAME] ->
+# the daemon-wide key it is a part of.
+SHARED_BOUNDS = {
+    "max_clients": "server.max_clients",
+    "max_leases": "leases.max_leases",
+    "max_namespaces": "pool.max_namespaces",
+}
+
 # A tenant's name, as in the namespace field it fills (wire/namespace.py checks the same).
 TENANT_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -63,6 +71,15 @@ class TenantConfig(msgspec.Struct, **_Section):
     # arenas sized here. Its pages never leave it and no other tenant's enter it.
     # Only a restart changes it.
     arena_mib: int = 0
+    # The tenant's part of the daemon's shared bounds (cache/shares.py): client
+    # sessions, open leases and live namespaces its peers may hold at once, so
+    # that one tenant's clients cannot take them all. 0 = an equal share: the
+    # daemon-wide bound (server.max_clients, leases.max_leases,
+    # pool.max_namespaces) divided by the number of tenants, rounded up; at most
+    # that bound. Change on SIGHUP.
+    max_clients: int = 0
+    max_leases: int = 0
+    max_namespaces: int = 0
 
     def problem(self) -> str:
         """What is wrong with this table on its own ("" when nothing), as
@@ -70,6 +87,9 @@ class TenantConfig(msgspec.Struct, **_Section):
         for name in ("max_pages", "max_mib", "arena_mib"):
             if getattr(self, name) < 0:
                 return f"{name}: must be 0 (no limit) or positive"
+        for name in SHARED_BOUNDS:
+            if getattr(self, name) < 0:
+                return f"{name}: must be 0 (an equal share) or positive"
         for name in ("uids", "gids"):
             if any(i < 0 for i in getattr(self, name)):
                 return f"{name}: ids are not negative"

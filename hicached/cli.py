@@ -191,14 +191,21 @@ def _gather_lines(clients: list[p.GatherClient], protocol: tuple[int, int] | Non
 
 def _tenant_line(t: p.TenantStats) -> str:
     """The asking peer's own tenant (1.8, with [tenants]): the lines above are
-    the daemon's totals, this one is the tenant's alone."""
+    the daemon's totals, this one is the tenant's alone; from 1.9 also what it
+    holds of its share of the shared bounds."""
     quota = [f"{t.max_slots} pages"] if t.max_slots else []
     quota += [f"{t.max_bytes / (1 << 20):.1f} MiB"] if t.max_bytes else []
+    held = (
+        f"; clients {t.clients}/{t.max_clients} leases {t.leases}/{t.max_leases} "
+        f"namespaces {t.namespaces}/{t.max_namespaces}"
+        if t.max_clients  # 0 from a daemon older than 1.9
+        else ""
+    )
     return (
         f"tenant:     {t.tenant}: {t.pages} pages, {t.slots} slots "
         f"({t.bytes / (1 << 20):.1f} MiB), quota {' and '.join(quota) or 'none'}; "
         f"matched asked={t.asked} l2={t.hits}; evicted {t.evicted} "
-        f"({t.quota_evicted} for its quota)"
+        f"({t.quota_evicted} for its quota){held}"
     )
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from hicached.access_config import TENANT_NAME_RE, CurveConfig, TenantConfig
+from hicached.access_config import SHARED_BOUNDS, TENANT_NAME_RE, CurveConfig, TenantConfig
 from hicached.endpoints import check_distinct, check_endpoint
 from hicached.errors import ConfigError
 from hicached.events_config import MAX_HWM, EventsConfig
@@ -373,6 +373,7 @@ class Config(msgspec.Struct, **_Section):
             problem = tenant.problem()
             if problem:
                 raise ValueError(f"tenants.{name}.{problem}")
+            self._check_shares(name, tenant)
             if tenant.curve_keys and not self.curve.secret_key_file:
                 raise ValueError(
                     f"tenants.{name}.curve_keys: CURVE keys name tenants only with "
@@ -405,6 +406,18 @@ class Config(msgspec.Struct, **_Section):
                 "use an ipc:// endpoint (each tenant gets an arena of its own) or leave "
                 "client_group unset (the pool stays the daemon's own)"
             )
+
+    def _check_shares(self, name: str, tenant: TenantConfig) -> None:
+        """A tenant's part of a shared bound is within the bound (cache/shares.py)."""
+        for key, whole in SHARED_BOUNDS.items():
+            section, field = whole.split(".")
+            bound = getattr(getattr(self, section), field)
+            value = getattr(tenant, key)
+            if value > bound:
+                raise ValueError(
+                    f"tenants.{name}.{key}: {value} is more than {whole} ({bound}), which "
+                    "bounds every tenant together: lower it, or 0 for an equal share"
+                )
 
 
 def parse_config(text: str | bytes, source: str = "<config>") -> Config:

@@ -20,6 +20,10 @@ pages of 4 KiB):
 - ``keyed_leased_us``: a ``match_keys`` of 64 engine keys with a read lease
   (a pin on every page), then its release.
 
+With ``HICACHED_BENCH_TENANTS=1`` the cache runs with one tenant and every
+request comes from its peer (what a daemon with ``[tenants]`` does: the
+tenant's shares are counted on every session, lease and namespace).
+
 Prints one JSON object: per figure, each side's median over the rounds (a
 round's figure is the median of 5 batches), the lowest and highest, new/base,
 and the median of each round's new/base (``paired``).
@@ -47,12 +51,17 @@ def measure() -> dict[str, float]:
 
     from hicached.cache import OP_NAMES, Cache
     from hicached.cache.journal import Recorder
-    from hicached.config import Config, PoolConfig
+    from hicached.config import Config, PoolConfig, TenantConfig
     from hicached.daemon.metrics import Metrics
     from hicached.wire import protocol as p
     from hicached.wire.hashing import pack_tokens
 
-    config = Config(pool=PoolConfig(size_mib=256, slab_mib=64, max_page_bytes=4 << 20))
+    tenants = os.environ.get("HICACHED_BENCH_TENANTS") == "1"
+    config = Config(
+        pool=PoolConfig(size_mib=256, slab_mib=64, max_page_bytes=4 << 20),
+        tenants={"alpha": TenantConfig(uids=[0])} if tenants else {},
+    )
+    peer = "alpha" if tenants else None
     journal = Recorder()
     cache = Cache(config, pool_path="/unused", journal=journal)
     metrics = Metrics(config.metrics, cache.stats)
@@ -66,7 +75,7 @@ def measure() -> dict[str, float]:
         if request.deadline_ms and request.deadline_ms < time.time() * 1000:
             raise AssertionError("past its deadline")
         started = clock()
-        reply = handle(rid, request)
+        reply = handle(rid, request, peer)
         observe(OP_NAMES[type(request)], clock() - started)
         if journal.waiting:  # as the journal file's flush, before each reply
             journal.take()
@@ -173,7 +182,10 @@ def main() -> None:
         sides = [("base", base), ("new", new)]
         for side, checkout in sides if i % 2 == 0 else sides[::-1]:
             runs[side].append(run(checkout))
-    out: dict[str, object] = {"rounds": rounds}
+    out: dict[str, object] = {
+        "rounds": rounds,
+        "tenants": os.environ.get("HICACHED_BENCH_TENANTS") == "1",
+    }
     for key in FIGURES:
         b = [r[key] for r in runs["base"]]
         n = [r[key] for r in runs["new"]]

@@ -146,8 +146,7 @@ def adopt(desk: Cache, records: list[Record], quarantine_until: float) -> Adopte
         if digest in desk.names.by_digest:  # two ids for one spec: only the first
             continue
         ns = NamespaceState(ns_id, spec, digest, index, book, kind, events=record.events)
-        desk.names.by_id[ns_id] = ns
-        desk.names.by_digest[digest] = ns
+        desk.names.add(ns)
         states[ns_id] = ns
     # 3. the pages into their indexes
     by_ns: dict[int, list[PageRecord]] = {}

@@ -3,9 +3,12 @@
 A session is one client's connection (a ZeroMQ routing id) and, with tenants
 on, the peer it is (cache/sessions.py). The table is bounded
 (``server.max_clients``): a newcomer to a full table takes the place of the
-longest idle session that holds no lease, or is refused. A session that
-ends takes its leases with it (their fresh slots go to quarantine) and its
-namespaces lose a user.
+longest idle session that holds no lease, or is refused. With tenants, a
+tenant's sessions are bounded too (its share, cache/shares.py), and a
+newcomer takes the place of its own tenant's sessions only, never another
+tenant's: one tenant cannot lock out or churn another's clients. A session
+that ends takes its leases with it (their fresh slots go to quarantine) and
+its namespaces lose a user.
 
 A session also holds what its client's process reported of its scattered-copy
 kernels (``gather``, protocol 1.5; client/gather.py): facts about the client,
@@ -18,6 +21,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from hicached.cache.sessions import Handlers, Session
+from hicached.cache.shares import over, share_of
 from hicached.errors import (
     BadRequest,
     ForeignTenant,
@@ -41,6 +45,8 @@ class Clients:
     def __init__(self, desk: Cache) -> None:
         self.desk = desk
         self.sessions: OrderedDict[bytes, Session] = OrderedDict()
+        # sessions by share (Session.share), with tenants on: counted at hello and end
+        self.held: dict[str, int] = {}
         self._next = 1
         # tenant arenas (daemon/arenas.py): each tenant's file, the only one its clients map
         self.arenas: dict[str, TenantArena] | None = None
@@ -71,11 +77,20 @@ class Clients:
         if session is not None:
             _same_peer(session, peer)
         else:
+            share = None if peer is None else share_of(peer)
+            if share is not None:
+                bounds = desk.shares.of(share)
+                held = self.held.get(share, 0)
+                if bounds is not None and held >= bounds.clients:
+                    self._make_room(share, f"{over(share, 'clients', held)}, each with a lease")
             if len(self.sessions) >= config.server.max_clients:
-                self._make_room()
+                self._make_room(share, _full(len(self.sessions), share))
             session = Session(self._next, routing_id, msg.client[:64], msg.pid, desk.clock(), peer)
+            session.share = share
             self._next += 1
             self.sessions[routing_id] = session
+            if share is not None:
+                self.held[share] = self.held.get(share, 0) + 1
         return p.HelloOk(
             id=msg.id,
             major=p.PROTOCOL_MAJOR,
@@ -131,12 +146,17 @@ class Clients:
                 )
         return out
 
-    def _make_room(self) -> None:
-        """The session table is full: the longest idle session without a lease
-        (one without namespaces first) makes way; with none, the newcomer is refused."""
+    def _make_room(self, share: str | None, full: str) -> None:
+        """A bound is reached: the longest idle session without a lease (one
+        without namespaces first) makes way; with tenants (``share`` not None)
+        only one of the newcomer's own share, never another tenant's. With
+        none, the newcomer is refused: ``full`` says why.
+
+        Walks the table in order (at most ``server.max_clients`` sessions), on
+        a hello at a bound only."""
         fallback = None
         for session in self.sessions.values():  # least recently seen first
-            if session.leases:
+            if session.leases or (share is not None and session.share != share):
                 continue
             if not session.namespaces:
                 self.end(session)
@@ -144,10 +164,7 @@ class Clients:
             if fallback is None:
                 fallback = session
         if fallback is None:
-            raise ResourceExhausted(
-                f"{len(self.sessions)} clients hold leases, the limit (server.max_clients); "
-                "close idle clients or raise the limit"
-            )
+            raise ResourceExhausted(f"{full}: close idle clients or raise the limit")
         self.end(fallback)
 
     def session(self, routing_id: bytes, peer: str | None = None) -> Session:
@@ -168,6 +185,8 @@ class Clients:
         """Forget a client: its leases end (write slots to quarantine), its
         namespaces lose a user."""
         del self.sessions[session.routing_id]
+        if session.share is not None:
+            self.held[session.share] -= 1
         desk = self.desk
         for lease_id in list(session.leases):
             lease = desk.leases.get(lease_id)
@@ -196,6 +215,17 @@ def _same_peer(session: Session, peer: str | None) -> None:
             "this client id belongs to a session of another peer: connect again "
             "without setting a routing id"
         )
+
+
+def _full(clients: int, share: str | None) -> str:
+    """Why a newcomer to a full session table is refused."""
+    if share is None:
+        return f"{clients} clients hold leases, the limit (server.max_clients)"
+    whose = "peers of no tenant" if share.startswith("!") else f"tenant {share!r}"
+    return (
+        f"{clients} clients are connected, the limit (server.max_clients), and none of "
+        f"{whose} is idle without a lease (another tenant's never makes way)"
+    )
 
 
 def _session_id(session: Session) -> int:

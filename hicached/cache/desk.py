@@ -20,6 +20,10 @@ at construction:
 - cache/prefetch.py: prefetches, and what the tier's reads of them mean;
 - cache/tiering.py: L3 writes, rewrites, write-backs and L3 events.
 
+With tenants, cache/shares.py gives each tenant its share of the bounds
+every client shares (sessions, leases, namespaces), which the rooms count
+against as they open and close what they hold.
+
 The state below them lives in state/ (pool, index, L2 allocation and
 eviction, the set of keys L3 holds); what the desk keeps itself is the
 figures (requests, errors, drops), expiry, reloads and stats.
@@ -52,6 +56,7 @@ from hicached.cache.sessions import (
     PrefetchState,
     Session,
 )
+from hicached.cache.shares import Bounds, Shares
 from hicached.cache.tiering import HeldEvent, InBoth, Origin, Tiering, TierPort
 from hicached.cache.writes import Writes
 from hicached.config import Config
@@ -112,6 +117,7 @@ class Cache:
             self.l2.on_free = self.journal.freed
         self.adopted: Adopted | None = None  # what this daemon took over at start
         self._set_quotas(config)
+        self.shares = Shares(config)  # each tenant's part of the shared bounds
         server = config.server
         self.key_cache = KeyCache(server.key_cache_pages, server.key_cache_token_mib << 20)
         self.events = EventLog(
@@ -376,6 +382,7 @@ class Cache:
         self.config = config
         self.policy = write_policy(config.storage.write_policy)
         self._set_quotas(config)
+        self.shares.configure(config)
         evicted = {}
         for name in config.tenants:
             book = self.l2.book(name)
@@ -387,7 +394,8 @@ class Cache:
 
     def tenant_figures(self) -> list[p.TenantStats]:
         """Per-tenant figures for metrics, in name order."""
-        return [_figures(book) for book in sorted(self.l2.books.values(), key=lambda b: b.name)]
+        books = sorted(self.l2.books.values(), key=lambda b: b.name)
+        return [self._figures(book) for book in books]
 
     def _own_tenant(self, viewer: str | None) -> p.TenantStats | None:
         """The figures of ``viewer``'s own tenant, for its stats: with tenants on
@@ -395,7 +403,31 @@ class Cache:
         book = self.l2.books.get(viewer) if viewer is not None else None
         if book is None:
             return None
-        return _figures(book)
+        return self._figures(book)
+
+    def _figures(self, book: TenantBook) -> p.TenantStats:
+        """One tenant's figures, as metrics and its own peers' stats carry them:
+        its share of L2, and with tenants what it holds of the shared bounds."""
+        name = book.name
+        bounds = self.shares.of(name) or Bounds(0, 0, 0)
+        return p.TenantStats(
+            tenant=name,
+            pages=book.pages,
+            slots=book.slots,
+            bytes=book.bytes,
+            max_slots=book.max_slots,
+            max_bytes=book.max_bytes,
+            asked=book.asked,
+            hits=book.hits,
+            evicted=book.evicted,
+            quota_evicted=book.quota_evicted,
+            clients=self.clients.held.get(name, 0),
+            leases=self.leases.held.get(name, 0),
+            namespaces=self.names.held.get(name, 0) if bounds.clients else 0,
+            max_clients=bounds.clients,
+            max_leases=bounds.leases,
+            max_namespaces=bounds.namespaces,
+        )
 
     def stats(self, viewer: str | None = None) -> p.DaemonStats:
         """The daemon's figures, as ``viewer`` (the asking peer, ``handle``'s
@@ -458,19 +490,3 @@ class Cache:
             collector=self._collector() if self._collector is not None else None,
             tenant=self._own_tenant(viewer),
         )
-
-
-def _figures(book: TenantBook) -> p.TenantStats:
-    """One tenant's figures, as metrics and its own peers' stats carry them."""
-    return p.TenantStats(
-        tenant=book.name,
-        pages=book.pages,
-        slots=book.slots,
-        bytes=book.bytes,
-        max_slots=book.max_slots,
-        max_bytes=book.max_bytes,
-        asked=book.asked,
-        hits=book.hits,
-        evicted=book.evicted,
-        quota_evicted=book.quota_evicted,
-    )

@@ -4,11 +4,12 @@ A *write* lease belongs to a reservation (its fresh slots, plus a pin on the
 pages that were already present so they cannot be evicted before the
 commit); a *read* lease pins the pages a match returned; a *prefetch* lease
 is a write lease whose fresh slots are filled from L3 in the background.
-Leases expire after ``leases.ttl_s`` so a client that dies cannot hold
-memory forever; the fresh slots of a write lease that ends without a commit
-of all of them sit in quarantine (``free_after``: one rule for every end)
-so a copy a client began just before its deadline cannot land in another
-key's page.
+With tenants, a tenant's sessions hold at most its share of
+``leases.max_leases`` at once (cache/shares.py). Leases expire after
+``leases.ttl_s`` so a client that dies cannot hold memory forever; the fresh
+slots of a write lease that ends without a commit of all of them sit in
+quarantine (``free_after``: one rule for every end) so a copy a client began
+just before its deadline cannot land in another key's page.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import secrets
 from typing import TYPE_CHECKING
 
 from hicached.cache.sessions import Handlers, Lease, LeaseTable, NamespaceState, Session
+from hicached.cache.shares import over
 from hicached.errors import ForeignLease, ResourceExhausted, UnknownLease
 from hicached.wire import protocol as p
 
@@ -43,6 +45,12 @@ class Leasing:
         """A lease of ``session`` on the indexed pages in ``pinned``, pinned now."""
         desk = self.desk
         config = desk.config.leases
+        share = session.share
+        if share is not None:  # with tenants: its tenant's share first (cache/shares.py)
+            bounds = desk.shares.of(share)
+            held = self.table.held.get(share, 0)
+            if bounds is not None and held >= bounds.leases:
+                raise ResourceExhausted(f"{over(share, 'leases', held)}: release or commit sooner")
         if len(self.table) >= config.max_leases:
             raise ResourceExhausted(
                 f"{len(self.table)} leases are open, the limit (leases.max_leases): "

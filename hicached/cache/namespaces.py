@@ -5,8 +5,10 @@ id that is never reused (from a random start, so a stale id of this daemon
 or the one before a restart names no other namespace). It lives while a
 session has it registered, a page of it is in L2, or a lease or L3 write of
 it is open (``NamespaceState.unused``); ``pool.max_namespaces`` bounds the
-live ones, and a newcomer to a full table pushes out the oldest namespace no
-client has registered (only its own tenant's, with tenants on).
+live ones, and with tenants each tenant's share of it bounds the tenant's
+(cache/shares.py). A newcomer to a full table, or past its tenant's share,
+pushes out the oldest namespace no client has registered (only its own
+tenant's, with tenants on).
 
 Its kind (cache/kinds.py) is chosen here, once; so are the checks every
 request makes of the pages it names (``token_keys``, ``engine_keys``).
@@ -21,6 +23,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from hicached.cache.sessions import Handlers, NamespaceState, Session
+from hicached.cache.shares import over
 from hicached.errors import (
     BadRequest,
     ForeignTenant,
@@ -58,6 +61,8 @@ class Namespaces:
         self.desk = desk
         self.by_id: dict[int, NamespaceState] = {}
         self.by_digest: dict[bytes, NamespaceState] = {}
+        # the live namespaces of each tenant (by its book's name), counted as they come and go
+        self.held: dict[str, int] = {}
         self._ids = itertools.count(secrets.randbits(40) + 1)
 
     def handlers(self) -> Handlers:
@@ -95,26 +100,44 @@ class Namespaces:
             desk.journal.namespace(ns.id, ns.book.name, spec, meta)
         if ns is None:
             book = desk.l2.book(spec.tenant if session.peer is not None else DEFAULT_TENANT)
-            limit = config.pool.max_namespaces
-            if len(self.by_id) >= limit:
-                self._drop_an_unused_namespace(book)
-            if len(self.by_id) >= limit:
-                raise ResourceExhausted(
-                    f"{len(self.by_id)} namespaces are in use, the limit (pool.max_namespaces)"
-                )
+            self._make_room(book)
             index = desk.l2.index(spec.page_bytes, book.name, spec.keyed)
             kind = desk.keyed if spec.keyed else desk.tokens
             ns_id = next(self._ids)
             while ns_id in self.by_id:  # an id adopted from the daemon before
                 ns_id = next(self._ids)
             ns = NamespaceState(ns_id, spec, digest, index, book, kind, events=meta)
-            self.by_id[ns.id] = ns
-            self.by_digest[digest] = ns
+            self.add(ns)
             desk.journal.namespace(ns.id, book.name, spec, meta)
         if ns.id not in session.namespaces:
             session.namespaces.add(ns.id)
             ns.sessions += 1
         return p.NamespaceOk(id=msg.id, ns=ns.id, digest=digest)
+
+    def add(self, ns: NamespaceState) -> None:
+        """A new live namespace (registered, or adopted at start)."""
+        self.by_id[ns.id] = ns
+        self.by_digest[ns.digest] = ns
+        name = ns.book.name
+        self.held[name] = self.held.get(name, 0) + 1
+
+    def _make_room(self, book: TenantBook) -> None:
+        """Room for one more namespace of ``book``'s tenant, within its share
+        (with tenants) and the daemon's bound: an unused one of the same
+        tenant is dropped to make it, else ResourceExhausted."""
+        bounds = self.desk.shares.of(book.name)
+        if bounds is not None and self.held.get(book.name, 0) >= bounds.namespaces:
+            self._drop_an_unused_namespace(book)
+            held = self.held.get(book.name, 0)
+            if held >= bounds.namespaces:
+                raise ResourceExhausted(f"{over(book.name, 'namespaces', held)}, all in use")
+        limit = self.desk.config.pool.max_namespaces
+        if len(self.by_id) >= limit:
+            self._drop_an_unused_namespace(book)
+        if len(self.by_id) >= limit:
+            raise ResourceExhausted(
+                f"{len(self.by_id)} namespaces are in use, the limit (pool.max_namespaces)"
+            )
 
     def _drop_an_unused_namespace(self, book: TenantBook) -> None:
         """Make room for a new namespace: the oldest one no client has registered
@@ -146,6 +169,11 @@ class Namespaces:
         if ns.unused and self.by_id.get(ns.id) is ns:
             del self.by_id[ns.id]
             del self.by_digest[ns.digest]
+            name = ns.book.name
+            if self.held[name] > 1:
+                self.held[name] -= 1
+            else:
+                del self.held[name]  # salts of tenants off: not one entry kept per name ever used
             self.desk.journal.forget_namespace(ns.id)
 
     def of(self, session: Session, ns_id: int) -> NamespaceState:

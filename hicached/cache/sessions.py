@@ -7,8 +7,9 @@ the daemon's state.
   are configured, the peer it is: its tenant, named by the connection's
   credentials (daemon/requests.py), never by what it sends. It ends on
   ``goodbye``, when it has been idle for ``server.session_idle_s`` without a
-  lease, or when the session table is full and a newcomer needs its place
-  (the longest idle session that holds no lease goes first).
+  lease, or when the session table (or, with tenants, its tenant's share of
+  it) is full and a newcomer needs its place (the longest idle session that
+  holds no lease goes first; with tenants, only one of the newcomer's tenant).
 - A *namespace* lives while a session has it registered, a page of it is in
   L2, or a lease or an L3 write of it is open; then it is forgotten, so
   ``pool.max_namespaces`` bounds the live ones, not a lifetime count.
@@ -75,6 +76,9 @@ class Session:
     # Who the peer is: its tenant's name; "!..." = a peer no tenant lists (what
     # it is, for messages); None = tenants are off, a namespace names its own.
     peer: str | None = None
+    # the share of the shared bounds it counts against (cache/shares.py): its
+    # tenant's name, "!" for a peer of no tenant; None = tenants are off
+    share: str | None = None
     namespaces: set[int] = field(default_factory=set)
     leases: set[int] = field(default_factory=set)
     # the client process's scattered-copy kernels, as it last reported them
@@ -136,11 +140,13 @@ class Lease:
 
 class LeaseTable:
     """Open leases in deadline order, with ids that are hard to guess after a
-    restart (ownership is checked either way)."""
+    restart (ownership is checked either way), and how many each tenant's
+    sessions hold (``held``, by ``Session.share``; with tenants on)."""
 
     def __init__(self, first_id: int) -> None:
         self._leases: OrderedDict[int, Lease] = OrderedDict()
         self._next = first_id
+        self.held: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -157,11 +163,19 @@ class LeaseTable:
 
     def add(self, lease: Lease) -> None:
         self._leases[lease.id] = lease
-        lease.session.leases.add(lease.id)
+        session = lease.session
+        session.leases.add(lease.id)
+        share = session.share
+        if share is not None:
+            self.held[share] = self.held.get(share, 0) + 1
 
     def pop(self, lease: Lease) -> None:
         del self._leases[lease.id]
-        lease.session.leases.discard(lease.id)
+        session = lease.session
+        session.leases.discard(lease.id)
+        share = session.share
+        if share is not None:
+            self.held[share] -= 1
 
     def renew(self, lease: Lease, deadline: float) -> None:
         """Move the deadline on; the lease goes to the end of the order."""

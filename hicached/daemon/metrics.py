@@ -265,7 +265,27 @@ def _tenant_families(tenants: list[p.TenantStats]) -> Iterator[Metric]:
         "Each tenant's pages evicted from L2: to keep it within its quota, or otherwise.",
         labels=["tenant", "cause"],
     )
+    held = GaugeMetricFamily(
+        "hicached_tenant_held",
+        "What each tenant's clients hold of the bounds every client shares: client "
+        "sessions, open leases, live namespaces (with [tenants]).",
+        labels=["tenant", "of"],
+    )
+    share = GaugeMetricFamily(
+        "hicached_tenant_share",
+        "Each tenant's bound on client sessions, open leases and live namespaces: "
+        "tenants.NAME.max_clients and the like, or its equal share (with [tenants]).",
+        labels=["tenant", "of"],
+    )
     for t in tenants:
+        if t.max_clients:  # a tenant of the config: it has a share of the shared bounds
+            for of, n, bound in (
+                ("clients", t.clients, t.max_clients),
+                ("leases", t.leases, t.max_leases),
+                ("namespaces", t.namespaces, t.max_namespaces),
+            ):
+                held.add_metric([t.tenant, of], n)
+                share.add_metric([t.tenant, of], bound)
         pages.add_metric([t.tenant], t.pages)
         slots.add_metric([t.tenant], t.slots)
         size.add_metric([t.tenant], t.bytes)
@@ -275,7 +295,7 @@ def _tenant_families(tenants: list[p.TenantStats]) -> Iterator[Metric]:
         matched.add_metric([t.tenant, "l2"], t.hits)
         evicted.add_metric([t.tenant, "quota"], t.quota_evicted)
         evicted.add_metric([t.tenant, "other"], t.evicted - t.quota_evicted)
-    yield from (pages, slots, size, quota, matched, evicted)
+    yield from (pages, slots, size, quota, matched, evicted, held, share)
 
 
 _GENERATION = ("0", "1", "2")  # label values, made once: observed on every collection

@@ -18,7 +18,8 @@ __all__ = ["RELOADABLE", "reload_plan"]
 
 # What a running daemon takes again from its config file on SIGHUP (docs/operations.md,
 # Reloading); any other change needs a restart. The quotas of the tenants it runs
-# with (tenants.NAME.max_pages and max_mib) change too.
+# with (tenants.NAME.max_pages and max_mib) and their shares of the shared bounds
+# (max_clients, max_leases, max_namespaces) change too.
 RELOADABLE = frozenset(
     {
         "server.max_clients",
@@ -34,7 +35,7 @@ RELOADABLE = frozenset(
         "log.level",
     }
 )
-_RELOADABLE_TENANT_KEYS = ("max_pages", "max_mib")
+_RELOADABLE_TENANT_KEYS = ("max_pages", "max_mib", "max_clients", "max_leases", "max_namespaces")
 
 
 def reload_plan(running: Config, wanted: Config) -> tuple[Config, dict[str, Any], list[str]]:

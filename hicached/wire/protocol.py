@@ -17,7 +17,7 @@ from hicached.errors import HicachedError, error_from_code
 from hicached.wire.namespace import EventMeta, NamespaceSpec
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 8
+PROTOCOL_MINOR = 9
 # the first minor version whose clients map a tenant's arena (HelloOk.pool_base)
 ARENAS_MINOR = 4
 # the first minor version whose daemons take a client's gather report
@@ -28,6 +28,9 @@ EVENT_META_MINOR = 6
 COLLECTOR_MINOR = 7
 # the first minor version whose daemons report the asking peer's own tenant in stats
 TENANT_STATS_MINOR = 8
+# the first minor version whose daemons report a tenant's sessions, leases and
+# namespaces against its share of the shared bounds (TenantStats.clients and after)
+TENANT_BOUNDS_MINOR = 9
 
 # The largest reply a client takes by default (its socket's ZMQ_MAXMSGSIZE): a
 # larger message, from a broken or hostile endpoint, is refused by libzmq from
@@ -391,7 +394,11 @@ class TenantStats(msgspec.Struct, kw_only=True):
     back), its quota (0 = none), the pages its matches asked for and found in
     L2, and its pages evicted (``quota_evicted`` of them to keep it within its
     quota). A peer's stats carry its own tenant's (1.8), never another's; the
-    metrics (daemon/metrics.py) every tenant's."""
+    metrics (daemon/metrics.py) every tenant's.
+
+    From 1.9, what the tenant's peers hold of the bounds every client shares,
+    and its share of each (cache/shares.py): client sessions, open leases and
+    live namespaces; all 0 without [tenants] and from an older daemon."""
 
     tenant: str
     pages: int
@@ -403,6 +410,12 @@ class TenantStats(msgspec.Struct, kw_only=True):
     hits: int
     evicted: int
     quota_evicted: int
+    clients: int = 0
+    leases: int = 0
+    namespaces: int = 0
+    max_clients: int = 0
+    max_leases: int = 0
+    max_namespaces: int = 0
 
 
 class DaemonStats(msgspec.Struct, kw_only=True):

@@ -1,0 +1,390 @@
+"""Each tenant's share of the bounds every client shares (cache/shares.py):
+sessions, leases and namespaces, on the daemon's state in-process, exact
+order; the config keys and their reload. Real daemons: test_tenant_shares_daemon.py."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+
+from hicached import protocol as p
+from hicached.cache import Cache
+from hicached.cache.shares import NO_TENANT, Bounds, Shares, equal_share
+from hicached.config import (
+    Config,
+    LeaseConfig,
+    PoolConfig,
+    ServerConfig,
+    TenantConfig,
+    parse_config,
+)
+from hicached.daemon.reload import reload_plan
+from hicached.errors import ConfigError, ResourceExhausted, SessionLost
+from hicached.hashing import pack_tokens
+
+PAGE = 4096
+SPEC = p.NamespaceSpec(model="m", kv_dtype="bf16", layout="l", page_tokens=1, page_bytes=PAGE)
+HELLO = p.Hello(id=1, major=p.PROTOCOL_MAJOR, minor=p.PROTOCOL_MINOR)
+NOBODY = "!uid 7, gid 7, pid 1"  # a peer no tenant lists
+
+
+def _cache(
+    clients: int = 1024, leases: int = 65536, namespaces: int = 256, **tenants: object
+) -> Cache:
+    config = Config(
+        server=ServerConfig(max_clients=clients),
+        leases=LeaseConfig(max_leases=leases),
+        pool=PoolConfig(size_mib=1, slab_mib=1, max_page_bytes=PAGE, max_namespaces=namespaces),
+        tenants={name: msgspec.convert(t, TenantConfig) for name, t in tenants.items()},
+    )
+    return Cache(config, pool_path="x")
+
+
+def _call(cache: Cache, rid: bytes, peer: str | None, request: p.Request) -> p.AnyReply:
+    return cache.handle(rid, p.request_decoder.decode(p.encode(request)), peer)
+
+
+def _hello(cache: Cache, rid: bytes, peer: str | None) -> p.AnyReply:
+    return _call(cache, rid, peer, HELLO)
+
+
+def _refused(reply: p.AnyReply, key: str) -> str:
+    assert isinstance(reply, p.Error), reply
+    assert reply.code == ResourceExhausted.code and key in reply.message, reply
+    return reply.message
+
+
+def _register(cache: Cache, rid: bytes, peer: str, model: str = "m") -> p.AnyReply:
+    spec = msgspec.structs.replace(SPEC, model=model)
+    return _call(cache, rid, peer, p.RegisterNamespace(id=2, spec=spec))
+
+
+def _ns(cache: Cache, rid: bytes, peer: str, model: str = "m") -> int:
+    ok = _register(cache, rid, peer, model)
+    assert isinstance(ok, p.NamespaceOk), ok
+    return ok.ns
+
+
+def _reserve(cache: Cache, rid: bytes, peer: str, ns: int, first: int) -> p.AnyReply:
+    return _call(cache, rid, peer, p.Reserve(id=3, ns=ns, tokens=pack_tokens([first, first + 1])))
+
+
+def _lease(cache: Cache, rid: bytes, peer: str, first: int) -> int:
+    """A session of ``peer`` holding a write lease (hello, register, reserve)."""
+    assert isinstance(_hello(cache, rid, peer), p.HelloOk)
+    ok = _reserve(cache, rid, peer, _ns(cache, rid, peer), first)
+    assert isinstance(ok, p.ReserveOk) and ok.lease, ok
+    return ok.lease
+
+
+def test_shares_are_equal_parts_rounded_up_unless_a_tenant_names_its_own() -> None:
+    assert [equal_share(1024, n) for n in (1, 2, 3, 1024, 2000)] == [1024, 512, 342, 1, 1]
+    config = parse_config(
+        "[server]\nmax_clients = 10\n[leases]\nmax_leases = 100\n[pool]\nmax_namespaces = 5\n"
+        "[tenants.a]\nuids = [1]\nmax_clients = 7\nmax_namespaces = 5\n"
+        "[tenants.b]\nuids = [2]\n[tenants.c]\nuids = [3]\nmax_leases = 1\n"
+    )
+    shares = Shares(config)
+    assert shares.of("a") == Bounds(7, 34, 5)
+    assert shares.of("b") == Bounds(4, 34, 2)
+    assert shares.of("c") == Bounds(4, 1, 2)
+    assert shares.of(NO_TENANT) == Bounds(4, 0, 0)  # peers of no tenant: sessions only
+    assert shares.of("gone") is None  # a tenant the config does not list: no share
+    assert Shares(Config()).bounds == {}  # without tenants nothing is bounded per tenant
+
+
+def test_a_tenant_at_its_clients_bound_makes_room_from_its_own_idle_sessions_only() -> None:
+    cache = _cache(clients=8, alpha={"max_clients": 3}, beta={})
+    assert isinstance(_hello(cache, b"b-idle", "beta"), p.HelloOk)  # the longest idle of all
+    _lease(cache, b"a1", "alpha", 100)
+    _lease(cache, b"a2", "alpha", 200)
+    assert isinstance(_hello(cache, b"a-idle", "alpha"), p.HelloOk)
+    assert isinstance(_hello(cache, b"a-new", "alpha"), p.HelloOk)  # alpha's own idle goes
+    assert list(cache.sessions) == [b"b-idle", b"a1", b"a2", b"a-new"]
+    gone = _call(cache, b"a-idle", "alpha", p.Renew(id=4, lease=1))
+    assert isinstance(gone, p.Error) and gone.code == SessionLost.code
+    _reserve(cache, b"a-new", "alpha", _ns(cache, b"a-new", "alpha"), 300)
+    message = _refused(_hello(cache, b"a-more", "alpha"), "tenants.alpha.max_clients")
+    assert message.startswith("tenant 'alpha' holds 3 clients, its limit")
+    assert b"b-idle" in cache.sessions  # never another tenant's
+    for rid in (b"b2", b"b3", b"b4"):  # beta's own share (4) is untouched by alpha's
+        assert isinstance(_hello(cache, rid, "beta"), p.HelloOk)
+    assert (cache.clients.held["alpha"], cache.clients.held["beta"]) == (3, 4)
+    assert cache.stats("alpha").tenant == _tenant(cache, "alpha")
+    assert (cache.stats("alpha").tenant.clients, cache.stats("beta").tenant.clients) == (3, 4)
+
+
+def _tenant(cache: Cache, name: str) -> p.TenantStats:
+    (figures,) = [t for t in cache.tenant_figures() if t.tenant == name]
+    return figures
+
+
+def test_a_full_table_takes_only_the_newcomers_own_tenants_idle_session() -> None:
+    """The daemon-wide table is full while alpha is below its share: a newcomer
+    of alpha takes the place of alpha's own longest idle session, not beta's
+    (idle longer); a newcomer whose tenant has no idle session is refused,
+    naming server.max_clients, though other tenants' sessions are idle; peers
+    of no tenant make room among themselves."""
+    cache = _cache(clients=6, alpha={"max_clients": 5}, beta={})
+    assert isinstance(_hello(cache, b"b-idle", "beta"), p.HelloOk)
+    for rid in (b"a1", b"a2", b"a3"):
+        assert isinstance(_hello(cache, rid, "alpha"), p.HelloOk)
+    assert isinstance(_hello(cache, b"n1", NOBODY), p.HelloOk)
+    assert isinstance(_hello(cache, b"n2", "!uid 8, gid 8, pid 2"), p.HelloOk)
+    assert len(cache.sessions) == 6
+    assert isinstance(_hello(cache, b"a4", "alpha"), p.HelloOk)
+    assert list(cache.sessions) == [b"b-idle", b"a2", b"a3", b"n1", b"n2", b"a4"]
+    _reserve(cache, b"b-idle", "beta", _ns(cache, b"b-idle", "beta"), 100)  # now it holds a lease
+    message = _refused(_hello(cache, b"b2", "beta"), "server.max_clients")
+    assert "none of tenant 'beta' is idle without a lease" in message
+    assert len(cache.sessions) == 6 and b"a2" in cache.sessions and b"n1" in cache.sessions
+    assert isinstance(_hello(cache, b"n3", "!uid 9, gid 9, pid 3"), p.HelloOk)
+    assert list(cache.sessions) == [b"a2", b"a3", b"n2", b"a4", b"b-idle", b"n3"]
+
+
+def test_peers_of_no_tenant_share_one_equal_part_of_the_sessions() -> None:
+    cache = _cache(clients=8, alpha={}, beta={})  # a share is 4
+    assert isinstance(_hello(cache, b"a", "alpha"), p.HelloOk)  # idle longest of all
+    for i in range(5):
+        assert isinstance(_hello(cache, bytes([i]), f"!uid {i}, gid {i}, pid {i}"), p.HelloOk)
+    assert cache.clients.held[NO_TENANT] == 4 and b"a" in cache.sessions
+    assert list(cache.sessions)[1:] == [bytes([i]) for i in range(1, 5)]  # the first made way
+
+
+def test_without_tenants_a_full_table_takes_anyones_idle_session_as_before() -> None:
+    cache = _cache(clients=2)
+    for rid in (b"x", b"y", b"z"):
+        assert isinstance(_hello(cache, rid, None), p.HelloOk)
+    assert list(cache.sessions) == [b"y", b"z"] and cache.clients.held == {}
+
+
+def test_a_tenants_leases_past_its_share_are_refused_and_nothing_is_left_half_made() -> None:
+    cache = _cache(alpha={"max_leases": 2}, beta={})
+    assert isinstance(_hello(cache, b"a", "alpha"), p.HelloOk)
+    ns = _ns(cache, b"a", "alpha")
+    keyed = _ns_of(cache, b"a", "alpha", msgspec.structs.replace(SPEC, key_scheme="engine"))
+    stored = _reserve(cache, b"a", "alpha", ns, 100)
+    assert isinstance(stored, p.ReserveOk)
+    assert isinstance(_call(cache, b"a", "alpha", p.Commit(id=4, lease=stored.lease)), p.CommitOk)
+    for first in (200, 300):
+        assert isinstance(_reserve(cache, b"a", "alpha", ns, first), p.ReserveOk)
+    before = (cache.pool.used_bytes, _tenant(cache, "alpha"), len(cache.leases))
+    assert before[1].slots == 6 and before[1].leases == 2 and before[1].max_leases == 2
+    message = _refused(_reserve(cache, b"a", "alpha", ns, 400), "tenants.alpha.max_leases")
+    assert message.startswith("tenant 'alpha' holds 2 leases, its limit")
+    assert (cache.pool.used_bytes, _tenant(cache, "alpha"), len(cache.leases)) == before
+    keys = p.ReserveKeys(id=5, ns=keyed, keys=[b"k1", b"k2"])
+    _refused(_call(cache, b"a", "alpha", keys), "tenants.alpha.max_leases")
+    assert (cache.pool.used_bytes, _tenant(cache, "alpha"), len(cache.leases)) == before
+    # a match that would lease what it found is refused; one without a lease is not
+    toks = pack_tokens([100, 101])
+    match = p.Match(id=6, ns=ns, tokens=toks)
+    _refused(_call(cache, b"a", "alpha", match), "tenants.alpha.max_leases")
+    hit = _call(cache, b"a", "alpha", p.Match(id=6, ns=ns, tokens=toks, lease=False))
+    assert isinstance(hit, p.MatchOk) and hit.hits == 2
+    prefetch = p.Prefetch(id=7, ns=ns, tokens=toks)  # no L3: it leases its L2 hit
+    _refused(_call(cache, b"a", "alpha", prefetch), "tenants.alpha.max_leases")
+    for i in range(3):  # beta leases on: its share (32768) is its own
+        _lease(cache, f"b{i}".encode(), "beta", 1000 * i)
+    assert cache.leases.held == {"alpha": 2, "beta": 3}
+    lease = min(cache.sessions[b"a"].leases)
+    assert isinstance(_call(cache, b"a", "alpha", p.Release(id=7, lease=lease)), p.Ok)
+    assert isinstance(_call(cache, b"a", "alpha", match), p.MatchOk)  # room again
+    assert isinstance(_call(cache, b"a", "alpha", p.Goodbye(id=8)), p.Ok)
+    assert cache.leases.held == {"alpha": 0, "beta": 3}
+
+
+def _ns_of(cache: Cache, rid: bytes, peer: str, spec: p.NamespaceSpec) -> int:
+    ok = _call(cache, rid, peer, p.RegisterNamespace(id=2, spec=spec))
+    assert isinstance(ok, p.NamespaceOk), ok
+    return ok.ns
+
+
+def test_a_tenants_namespaces_past_its_share_drop_its_unused_one_or_are_refused() -> None:
+    cache = _cache(alpha={"max_namespaces": 2}, beta={})
+    assert isinstance(_hello(cache, b"old", "alpha"), p.HelloOk)
+    old = _ns(cache, b"old", "alpha", "old")
+    ok = _reserve(cache, b"old", "alpha", old, 1)
+    assert isinstance(ok, p.ReserveOk)
+    assert isinstance(_call(cache, b"old", "alpha", p.Commit(id=4, lease=ok.lease)), p.CommitOk)
+    assert isinstance(_call(cache, b"old", "alpha", p.Goodbye(id=5)), p.Ok)
+    assert cache.namespaces[old].pages == 2  # unused but for its pages: it lives on
+    assert isinstance(_hello(cache, b"a", "alpha"), p.HelloOk)
+    first = _ns(cache, b"a", "alpha", "first")
+    for i in range(4):  # beta registers and its namespaces stay, whatever alpha does
+        assert isinstance(_hello(cache, b"b", "beta"), p.HelloOk)
+        _ns(cache, b"b", "beta", f"beta-{i}")
+    second = _ns(cache, b"a", "alpha", "second")  # alpha's unused one makes way
+    assert old not in cache.namespaces and {first, second} <= set(cache.namespaces)
+    assert cache.l2.books["alpha"].pages == 0
+    message = _refused(_register(cache, b"a", "alpha", "third"), "tenants.alpha.max_namespaces")
+    assert message.startswith("tenant 'alpha' holds 2 namespaces, its limit")
+    assert cache.names.held == {"alpha": 2, "beta": 4}
+    assert (_tenant(cache, "alpha").namespaces, _tenant(cache, "beta").namespaces) == (2, 4)
+    assert isinstance(_call(cache, b"a", "alpha", p.Goodbye(id=6)), p.Ok)  # both go
+    assert cache.names.held == {"beta": 4}
+    assert isinstance(_hello(cache, b"a", "alpha"), p.HelloOk)
+    _ns(cache, b"a", "alpha", "third")
+
+
+def test_a_reload_moves_the_shares() -> None:
+    cache = _cache(clients=8, alpha={"max_clients": 1}, beta={})
+    _lease(cache, b"a1", "alpha", 1)
+    _refused(_hello(cache, b"a2", "alpha"), "tenants.alpha.max_clients")
+    config = cache.config
+    tenants = {
+        **config.tenants,
+        "alpha": msgspec.structs.replace(config.tenants["alpha"], max_clients=2),
+    }
+    cache.reconfigure(msgspec.structs.replace(config, tenants=tenants))
+    assert isinstance(_hello(cache, b"a2", "alpha"), p.HelloOk)
+    assert _tenant(cache, "beta").max_clients == 4
+    server = msgspec.structs.replace(config.server, max_clients=16)
+    cache.reconfigure(msgspec.structs.replace(cache.config, server=server))
+    assert _tenant(cache, "beta").max_clients == 8  # an equal share follows its bound
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_counts_match_the_tables_under_random_work(seed: int) -> None:
+    """Counted one step at each open and close, never by walking a table: after
+    any mix of hellos, goodbyes, registrations, leases, releases, commits and
+    expiries, each tenant's counts are what its sessions, leases and
+    namespaces are, and within its share."""
+    now = [0.0]
+    config = Config(
+        server=ServerConfig(max_clients=12, session_idle_s=50.0),
+        leases=LeaseConfig(max_leases=20, ttl_s=5.0),
+        pool=PoolConfig(size_mib=1, slab_mib=1, max_page_bytes=PAGE, max_namespaces=8),
+        tenants={
+            "a": TenantConfig(max_clients=5),
+            "b": TenantConfig(max_leases=4),
+            "c": TenantConfig(),
+        },
+    )
+    cache = Cache(config, pool_path="x", clock=lambda: now[0])
+    rng = random.Random(seed)
+    peers = ["a", "b", "c", NOBODY]
+    for _ in range(3000):
+        peer = rng.choice(peers)
+        rid = f"{peer}{rng.randrange(8)}".encode()
+        op = rng.randrange(8)
+        if op == 0:
+            _hello(cache, rid, peer)
+        elif op == 1:
+            _call(cache, rid, peer, p.Goodbye(id=1))
+        elif op in (2, 3):
+            _register(cache, rid, peer, f"m{rng.randrange(4)}")
+        elif op == 4 and rid in cache.sessions and cache.sessions[rid].namespaces:
+            ns = rng.choice(sorted(cache.sessions[rid].namespaces))
+            _reserve(cache, rid, peer, ns, rng.randrange(50))
+        elif op == 5 and rid in cache.sessions and cache.sessions[rid].leases:
+            lease = rng.choice(sorted(cache.sessions[rid].leases))
+            _call(cache, rid, peer, rng.choice([p.Release, p.Commit])(id=1, lease=lease))
+        elif op == 6:
+            now[0] += rng.random() * 3
+            cache.expire()
+        shares = {s.share for s in cache.sessions.values()}
+        counted = {
+            share: sum(s.share == share for s in cache.sessions.values()) for share in shares
+        }
+        assert {k: v for k, v in cache.clients.held.items() if v} == counted
+        leases: dict[str, int] = {}
+        for lease in cache.leases:
+            share = lease.session.share
+            assert share is not None
+            leases[share] = leases.get(share, 0) + 1
+        assert {k: v for k, v in cache.leases.held.items() if v} == leases
+        spaces: dict[str, int] = {}
+        for ns in cache.namespaces.values():
+            spaces[ns.book.name] = spaces.get(ns.book.name, 0) + 1
+        assert cache.names.held == spaces
+        for share, n in counted.items():
+            bounds = cache.shares.of(share)
+            assert bounds is not None and n <= bounds.clients
+        for name, n in leases.items():
+            assert n <= cache.shares.of(name).leases  # type: ignore[union-attr]
+        for name, n in spaces.items():
+            assert n <= cache.shares.of(name).namespaces  # type: ignore[union-attr]
+
+
+# -- the config -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            "[tenants.a]\nmax_clients = 1025\n",
+            "tenants.a.max_clients: 1025 is more than server.max_clients (1024)",
+        ),
+        (
+            "[leases]\nmax_leases = 10\n[tenants.a]\nmax_leases = 11\n",
+            "tenants.a.max_leases: 11 is more than leases.max_leases (10)",
+        ),
+        (
+            "[tenants.a]\nmax_namespaces = 257\n",
+            "tenants.a.max_namespaces: 257 is more than pool.max_namespaces (256)",
+        ),
+        ("[tenants.a]\nmax_clients = -1\n", "tenants.a.max_clients: must be 0 (an equal share)"),
+        ("[tenants.a]\nmax_leases = -2\n", "tenants.a.max_leases: must be 0 (an equal share)"),
+        ("[tenants.a]\nmax_namespaces = -3\n", "tenants.a.max_namespaces: must be 0"),
+    ],
+)
+def test_bad_shares_name_their_key(text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=r"^x\.toml: ") as info:
+        parse_config(text, "x.toml")
+    assert message in str(info.value)
+
+
+def test_a_reload_takes_the_shares_and_refuses_one_past_its_bound() -> None:
+    running = parse_config("[server]\nmax_clients = 8\n[tenants.a]\nuids = [1]\nmax_clients = 4\n")
+    wanted = parse_config(
+        "[server]\nmax_clients = 8\n[tenants.a]\nuids = [1]\nmax_clients = 6\n"
+        "max_leases = 9\nmax_namespaces = 3\n"
+    )
+    config, applied, refused = reload_plan(running, wanted)
+    assert applied == {
+        "tenants.a.max_clients": 6,
+        "tenants.a.max_leases": 9,
+        "tenants.a.max_namespaces": 3,
+    }
+    assert refused == [] and config.tenants["a"].max_clients == 6
+
+
+# -- the wire ---------------------------------------------------------------------------
+
+
+class _TenantStats18(msgspec.Struct, kw_only=True):
+    """stats.tenant as a 1.8 client decodes it."""
+
+    tenant: str
+    pages: int
+    slots: int
+    bytes: int
+    max_slots: int
+    max_bytes: int
+    asked: int
+    hits: int
+    evicted: int
+    quota_evicted: int
+
+
+def test_older_clients_decode_the_figures_and_an_older_daemons_read_as_none() -> None:
+    from hicached.cli import _tenant_line
+
+    cache = _cache(clients=8, alpha={}, beta={})
+    _lease(cache, b"a", "alpha", 1)
+    figures = cache.stats("alpha").tenant
+    assert figures is not None
+    assert (figures.clients, figures.leases, figures.namespaces) == (1, 1, 1)
+    assert (figures.max_clients, figures.max_leases, figures.max_namespaces) == (4, 32768, 128)
+    wire = msgspec.msgpack.encode(figures)
+    old = msgspec.msgpack.decode(wire, type=_TenantStats18)  # the new fields are ignored
+    assert old.tenant == "alpha" and old.slots == 2
+    from_old = msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=p.TenantStats)
+    assert (from_old.clients, from_old.max_clients) == (0, 0)
+    assert _tenant_line(figures).endswith("; clients 1/4 leases 1/32768 namespaces 1/128")
+    assert _tenant_line(from_old).endswith("(0 for its quota)")  # an older daemon's: no shares
+    assert p.PROTOCOL_MINOR >= p.TENANT_BOUNDS_MINOR == 9
