@@ -30,7 +30,7 @@ from hicached.config import Config, parse_config
 from hicached.events import END_SEQ, block_hash
 from hicached.server import Server
 from tests.support import NS, PAGE_BYTES, PAGE_TOKENS
-from tests.test_vllm_events import vllm_decode, vllm_python  # noqa: F401 (a fixture)
+from tests.test_vllm_events import VllmDecoder, vllm_decode, vllm_python  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.timeout(1200)
 
@@ -183,7 +183,7 @@ async def quiet(server: Server) -> int:
 
 async def test_a_late_subscriber_rebuilds_the_daemons_pages_across_restarts(
     where: Path,
-    vllm_python: Path,  # noqa: F811 (the fixture)
+    vllm_python: VllmDecoder,  # noqa: F811 (the fixture)
 ) -> None:
     rng = random.Random(20261122)
     ctx = zmq.asyncio.Context()

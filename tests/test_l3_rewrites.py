@@ -18,6 +18,7 @@ from tests.l3util import settle_writes, storage, wait_for
 from tests.support import NS, PAGE_BYTES, PAGE_TOKENS, Daemon
 from tests.test_vllm_events import (  # noqa: F401 (fixtures)
     Capture,
+    VllmDecoder,
     events_dir,
     events_toml,
     vllm_decode,
@@ -85,7 +86,7 @@ def test_an_l3_smaller_than_l2_is_written_a_bounded_number_of_times(
 def test_events_of_an_undersized_l3_carry_tokens_and_go_out_parents_first(
     daemon_factory: Callable[..., Daemon],
     events_dir: Path,  # noqa: F811 (the fixture)
-    vllm_python: Path,  # noqa: F811 (the fixture)
+    vllm_python: VllmDecoder,  # noqa: F811 (the fixture)
     policy: str,
 ) -> None:
     """Under the same workload, with sequences that share their heads: vLLM's own

@@ -13,8 +13,10 @@ test that needs it waits for the build.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import select
 import shutil
 import signal
 import socket
@@ -47,28 +49,77 @@ MODEL = str(NS["model"])
 Frames = list[tuple[bytes, bytes, bytes]]
 
 
+class VllmDecoder:
+    """tests/engines/vllm_events.py serving in the vLLM venv, one process for a
+    test run: each command is a JSON line in and out (an import of vLLM takes
+    seconds, and every test asks it once or more)."""
+
+    def __init__(self, python: Path) -> None:
+        self.python = python
+        self.errors = tempfile.TemporaryFile()  # noqa: SIM115 (closed by close())
+        self.proc: subprocess.Popen[str] | None = None
+
+    def _started(self) -> subprocess.Popen[str]:
+        if self.proc is None or self.proc.poll() is not None:
+            if self.proc is not None:  # it died: its pipes go with it
+                self.proc.stdin.close()  # type: ignore[union-attr]
+                self.proc.stdout.close()  # type: ignore[union-attr]
+            self.proc = subprocess.Popen(
+                [str(self.python), str(DECODER), "serve"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self.errors,
+                text=True,
+            )
+        return self.proc
+
+    def ask(self, args: tuple[str, ...], timeout: float) -> dict[str, Any]:
+        proc = self._started()
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write(json.dumps(list(args)) + "\n")
+        proc.stdin.flush()
+        ready, _, _ = select.select([proc.stdout], [], [], timeout)
+        if not ready:
+            proc.kill()  # the next command starts another
+            proc.wait()
+            raise AssertionError(f"vLLM's decoder gave no answer to {args} in {timeout}s")
+        line = proc.stdout.readline()
+        if not line:
+            self.errors.seek(0)
+            raise AssertionError(f"vLLM's decoder died: {self.errors.read()[-4000:]!r}")
+        out: dict[str, Any] = json.loads(line)
+        assert "error" not in out, out["error"][-4000:]
+        return out
+
+    def close(self) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()  # type: ignore[union-attr]
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc.stdout.close()  # type: ignore[union-attr]
+        self.errors.close()
+
+
 @pytest.fixture(scope="session")
-def vllm_python() -> Path:
-    """The vLLM venv's python, built on first use."""
-    return venv.build()
+def vllm_python() -> Iterator[VllmDecoder]:
+    """vLLM's own classes, in the vLLM venv (built on first use)."""
+    decoder = VllmDecoder(venv.build())
+    yield decoder
+    decoder.close()
 
 
-def vllm(python: Path, *args: str, timeout: float = 300) -> dict[str, Any]:
-    """Run the decoder in the vLLM venv; its JSON answer."""
-    done = subprocess.run(
-        [str(python), str(DECODER), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    out: dict[str, Any] = json.loads(done.stdout)
+def vllm(decoder: VllmDecoder, *args: str, timeout: float = 300) -> dict[str, Any]:
+    """A command of the decoder in the vLLM venv; its JSON answer."""
+    out = decoder.ask(args, timeout)
     assert out["vllm"] == venv.VLLM.split("==")[1]
     return out
 
 
-def vllm_decode(python: Path, frames: Frames, layout: str = "map") -> list[dict[str, Any]]:
+def vllm_decode(python: VllmDecoder, frames: Frames, layout: str = "map") -> list[dict[str, Any]]:
     """Frames decoded by vLLM's classes; each batch must re-encode to its own values
     (and, in the array layout, its own bytes)."""
     with tempfile.NamedTemporaryFile(suffix=".msgpack") as capture:
@@ -190,7 +241,7 @@ def check_l3_chain(events: list[dict[str, Any]], keys: list[bytes], toks: np.nda
 
 
 def test_write_through_and_eviction_events_are_vllms_own(
-    vllm_python: Path, daemon_factory: Callable[..., Daemon], events_dir: Path
+    vllm_python: VllmDecoder, daemon_factory: Callable[..., Daemon], events_dir: Path
 ) -> None:
     d = daemon_factory(size_mib=1, storage='backend = "memory"\n', tail=events_toml(events_dir))
     cap = Capture(f"ipc://{events_dir}/events.sock")
@@ -235,7 +286,7 @@ def test_write_through_and_eviction_events_are_vllms_own(
 
 
 def test_write_back_events_carry_tokens_and_parent(
-    vllm_python: Path, daemon_factory: Callable[..., Daemon], events_dir: Path
+    vllm_python: VllmDecoder, daemon_factory: Callable[..., Daemon], events_dir: Path
 ) -> None:
     d = daemon_factory(
         size_mib=1,
@@ -266,7 +317,7 @@ def test_write_back_events_carry_tokens_and_parent(
 
 
 def test_a_restart_announces_what_the_l3_scan_found(
-    vllm_python: Path, daemon_factory: Callable[..., Daemon], events_dir: Path
+    vllm_python: VllmDecoder, daemon_factory: Callable[..., Daemon], events_dir: Path
 ) -> None:
     d = daemon_factory(
         size_mib=4,
@@ -300,7 +351,7 @@ def test_a_restart_announces_what_the_l3_scan_found(
 
 
 def test_a_graceful_stop_delivers_the_events_of_every_page_it_flushed(
-    vllm_python: Path, daemon_factory: Callable[..., Daemon], events_dir: Path
+    vllm_python: VllmDecoder, daemon_factory: Callable[..., Daemon], events_dir: Path
 ) -> None:
     # write_back with a slow store and a short write queue: the stop flushes in
     # steps; every page's L3 event must reach the subscriber before the sockets close.
@@ -335,7 +386,7 @@ def test_a_graceful_stop_delivers_the_events_of_every_page_it_flushed(
 
 
 def test_a_replay_of_more_than_5000_batches_to_a_slow_vllm_reader_is_complete(
-    vllm_python: Path, daemon_factory: Callable[..., Daemon], events_dir: Path
+    vllm_python: VllmDecoder, daemon_factory: Callable[..., Daemon], events_dir: Path
 ) -> None:
     pages = 5200  # one event per page's L3 write: more than 5,000 batches
     d = daemon_factory(
@@ -362,7 +413,7 @@ def test_a_replay_of_more_than_5000_batches_to_a_slow_vllm_reader_is_complete(
 
 
 def test_replay_and_live_frames_are_laid_out_as_vllms_publisher_lays_them_out(
-    vllm_python: Path, daemon_factory: Callable[..., Daemon], events_dir: Path
+    vllm_python: VllmDecoder, daemon_factory: Callable[..., Daemon], events_dir: Path
 ) -> None:
     ref = vllm(vllm_python, "reference", str(events_dir))
     d = daemon_factory(tail=events_toml(events_dir))
@@ -385,7 +436,7 @@ def test_replay_and_live_frames_are_laid_out_as_vllms_publisher_lays_them_out(
 
 
 def test_the_older_array_layout_is_what_array_like_vllm_classes_read(
-    vllm_python: Path, daemon_factory: Callable[..., Daemon], events_dir: Path
+    vllm_python: VllmDecoder, daemon_factory: Callable[..., Daemon], events_dir: Path
 ) -> None:
     d = daemon_factory(
         size_mib=1,
@@ -422,7 +473,7 @@ def test_the_older_array_layout_is_what_array_like_vllm_classes_read(
 
 
 def test_vllm_reads_each_pages_kv_cache_group_and_spec_kind(
-    vllm_python: Path, daemon_factory: Callable[..., Daemon], events_dir: Path
+    vllm_python: VllmDecoder, daemon_factory: Callable[..., Daemon], events_dir: Path
 ) -> None:
     """Two groups of a hybrid model under one block hash: vLLM's classes read
     group_idx (from the offload keys), kv_cache_spec_kind and the window (from
@@ -490,7 +541,7 @@ def test_vllm_reads_each_pages_kv_cache_group_and_spec_kind(
 
 
 def test_a_batch_over_batch_kib_is_split_between_pages_and_vllm_reads_it_in_order(
-    vllm_python: Path, daemon_factory: Callable[..., Daemon], events_dir: Path
+    vllm_python: VllmDecoder, daemon_factory: Callable[..., Daemon], events_dir: Path
 ) -> None:
     """Three commits in one flush, the middle one's event (600 pages, about 54 KB)
     alone over events.batch_kib (16): it goes out as several batches of at most

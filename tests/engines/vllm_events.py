@@ -4,6 +4,7 @@ event frames with vLLM's own classes and prints what they hold as JSON.
     python vllm_events.py decode CAPTURE       frames a test captured (msgpack file)
     python vllm_events.py replay ENDPOINT START [PAUSE_EVERY PAUSE_S]
     python vllm_events.py reference DIR        vLLM's own publisher, for comparison
+    python vllm_events.py serve                each command as a JSON line on stdin
 
 ``decode`` decodes each payload as vLLM's subscribers do (a msgspec Decoder of
 ``KVEventBatch``) and encodes the result again with vLLM's classes: ``same``
@@ -201,18 +202,37 @@ def _version() -> str:
     return str(vllm.__version__)
 
 
-def main(argv: list[str]) -> None:
+def run(argv: list[str]) -> dict[str, Any]:
     if argv[0] == "decode":
-        out = cmd_decode(argv[1])
-    elif argv[0] == "replay":
+        return cmd_decode(argv[1])
+    if argv[0] == "replay":
         every = int(argv[3]) if len(argv) > 3 else 0
         pause = float(argv[4]) if len(argv) > 4 else 0.0
-        out = cmd_replay(argv[1], int(argv[2]), every, pause)
-    elif argv[0] == "reference":
-        out = cmd_reference(argv[1] if len(argv) > 1 else tempfile.mkdtemp())
-    else:
-        raise SystemExit(__doc__)
-    json.dump(out, sys.stdout)
+        return cmd_replay(argv[1], int(argv[2]), every, pause)
+    if argv[0] == "reference":
+        return cmd_reference(argv[1] if len(argv) > 1 else tempfile.mkdtemp())
+    raise SystemExit(__doc__)
+
+
+def serve() -> None:
+    """Commands, one JSON list of arguments a line on stdin, each answered with
+    one JSON line on stdout: vLLM is imported once for all of a test run's
+    (seconds each time). A command that fails answers {"error": traceback}."""
+    import traceback
+
+    for line in sys.stdin:
+        try:
+            out = run(json.loads(line))
+        except (Exception, SystemExit):
+            out = {"error": traceback.format_exc()}
+        print(json.dumps(out), flush=True)
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["serve"]:
+        serve()
+        return
+    json.dump(run(argv), sys.stdout)
 
 
 if __name__ == "__main__":
