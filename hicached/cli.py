@@ -102,6 +102,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(msgspec.to_builtins(stats), indent=2, sort_keys=True))
         return 0
+    if stats.scope == "tenant":
+        print("\n".join(_tenant_status(stats, client.endpoint, protocol)))
+        return 0
     mib = 1 << 20
     used_pct = 100.0 * stats.pool_used_bytes / stats.pool_bytes if stats.pool_bytes else 0.0
     lines = [
@@ -186,6 +189,29 @@ def _gather_lines(clients: list[p.GatherClient], protocol: tuple[int, int] | Non
         )
     if len(measured) > _GATHER_SHOWN:
         lines.append(f"            and {len(measured) - _GATHER_SHOWN} more measured (--json)")
+    return lines
+
+
+def _tenant_status(
+    stats: p.DaemonStats, endpoint: str, protocol: tuple[int, int] | None
+) -> list[str]:
+    """Status as a tenant's peer sees it (1.10): its own tenant's figures, the
+    L3 tier's health; the daemon's totals are the operator's."""
+    mib = 1 << 20
+    lines = [
+        f"hicached at {endpoint} (instance {stats.instance:x}, up {stats.uptime_s:.0f}s)",
+        f"pool:       {stats.pool_bytes / mib:.1f} MiB",
+    ]
+    if stats.tenant is not None:
+        lines.append(_tenant_line(stats.tenant))
+    if stats.l3_backend:
+        lines.append(f"L3:         {stats.l3_backend} {stats.l3_state}")
+    lines.extend(_gather_lines(stats.gather_clients, protocol))
+    lines.append(f"metrics:    {stats.metrics_endpoint or 'off'}")
+    lines.append(
+        "daemon:     its totals are not shown to a tenant's peers: ask as a user of no "
+        "tenant (root, the daemon's user), or scrape the metrics"
+    )
     return lines
 
 

@@ -99,7 +99,7 @@ def test_state_and_cache_import_no_io_even_through_other_modules() -> None:
 def test_every_request_type_has_exactly_one_handler() -> None:
     cache = Cache(Config(), pool_path="/nonexistent")
     handled = set(cache._handlers)
-    before_a_session = {p.Hello, p.Goodbye}  # Cache.handle answers these itself
+    before_a_session = {p.Hello, p.Goodbye, p.Stats}  # Cache.handle answers these itself
     assert not handled & before_a_session
     assert handled | before_a_session == set(get_args(p.AnyRequest))
 

@@ -356,8 +356,9 @@ def test_a_tenants_user_scrapes_nothing_and_its_status_shows_its_own_tenant_alon
 
     seen = {"alpha": _as(alpha, tenant(3)), "beta": _as(beta, tenant(5))}
     seen["nobody"] = _as(nobody, tenant(0))
-    # the daemon's totals, as they stood when each asked: counts, no names
-    pages = {"alpha": 3, "beta": 8, "nobody": 8}
+    # the daemon's totals, as they stood when each asked: for a peer of no tenant;
+    # a tenant's peer sees none of them (the others' activity), only its own figures
+    pages = {"alpha": 0, "beta": 0, "nobody": 8}
     own = {"alpha": 3, "beta": 5}
     for who, out in seen.items():
         assert out["scrape"] == [401, ""], (who, out["scrape"])
@@ -370,7 +371,10 @@ def test_a_tenants_user_scrapes_nothing_and_its_status_shows_its_own_tenant_alon
         assert stats["pages"] == pages[who], who
         if who == "nobody":  # a peer of no tenant: no tenant's figures at all
             assert stats["tenant"] is None and "tenant:" not in status
+            assert stats["scope"] == "daemon" and "pages:      8 indexed" in status, status
             continue
+        assert stats["scope"] == "tenant" and stats["requests"] == {} and stats["clients"] == 0
+        assert "indexed" not in status and "its totals are not shown" in status, status
         mine = stats["tenant"]
         assert isinstance(mine, dict)
         assert (mine["tenant"], mine["pages"], mine["slots"]) == (who, own[who], own[who])

@@ -122,7 +122,7 @@ def test_one_tenant_at_its_clients_share_neither_refuses_nor_ends_anothers_sessi
         assert _clients(a_idle.stats()) == 3
         a_new = stack.enter_context(t.client("a"))  # alpha's own idle session goes
         stats = a_new.stats()
-        assert (_clients(stats), stats.clients) == (3, 4)
+        assert (_clients(stats), stats.clients, stats.scope) == (3, 0, "tenant")  # no totals
         assert _clients(b_idle.stats()) == 1  # beta's is still there
         a_new.reserve(a_new.register(**NS), _toks(3))
         with pytest.raises(ResourceExhausted, match=r"tenants\.alpha\.max_clients") as info:
@@ -315,7 +315,10 @@ def test_users_of_a_tenant_at_its_share_lock_out_no_other_tenants_user(
                 assert stats.tenant is not None
                 return {"clients": stats.tenant.clients, "all": stats.clients}
 
-        assert as_user(pwd.getpwuid(beta_uid), beta) == {"clients": 2, "all": 4}
+        # its own figures; the daemon's totals (4 clients) are not a tenant's to see
+        assert as_user(pwd.getpwuid(beta_uid), beta) == {"clients": 2, "all": 0}
+        with d.client() as c:  # the operator (root, the daemon's user) sees them
+            assert c.stats().clients == 4  # alpha's two, beta's idle one, and this one
         with d.client() as c:
             endpoint = c.stats().metrics_endpoint
         figures = scrape(endpoint, token=token)

@@ -154,8 +154,14 @@ def test_status_names_a_tenant_only_its_own_clients() -> None:
         assert listed(cache, b"b1", "beta") == {"engine-beta-b1"}
         assert listed(cache, b"probe", "beta") == {"engine-beta-b1"}  # without a session
         assert listed(cache, b"n", "!uid 7, gid 7, pid 1") == set()
-        ok = _call(cache, b"b1", "beta", p.Stats(id=1))
-        assert isinstance(ok, p.StatsOk) and ok.stats.clients == 3
+        ok = _call(cache, b"b1", "beta", p.Stats(id=1))  # a tenant's peer: no totals
+        assert isinstance(ok, p.StatsOk) and ok.stats.scope == "tenant"
+        assert ok.stats.clients == 0 and ok.stats.requests == {} and ok.stats.pages == 0
+        assert ok.stats.tenant is not None and ok.stats.tenant.clients == 1
+        ok = cache.handle(b"b1", p.Stats(id=2), "beta", operator=True)  # root, the daemon's user
+        assert isinstance(ok, p.StatsOk) and ok.stats.scope == "daemon" and ok.stats.clients == 3
+        ok = _call(cache, b"n", "!uid 7, gid 7, pid 1", p.Stats(id=3))  # a peer of no tenant
+        assert isinstance(ok, p.StatsOk) and ok.stats.scope == "daemon" and ok.stats.clients == 3
         assert {c.client for c in cache.stats().gather_clients} == everyone  # the metrics'
 
 

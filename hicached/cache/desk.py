@@ -154,10 +154,9 @@ class Cache:
         self.match_pages = self.reads.pages
         self.l3_counters = self.tiering.counters
         self.writing = self.tiering.writing
-        # what answers each request of a session (hello and goodbye come before one)
-        self._handlers: Handlers = {
-            p.Stats: lambda session, msg: p.StatsOk(id=msg.id, stats=self.stats(session.peer))
-        }
+        # what answers each request of a session (hello, goodbye and stats, which
+        # may come without one, are answered by handle itself)
+        self._handlers: Handlers = {}
         rooms = (self.clients, self.names, self.leasing, self.reads, self.writes, self.prefetches)
         for room in rooms:
             table = room.handlers()
@@ -169,7 +168,12 @@ class Cache:
     # -- dispatch ------------------------------------------------------------------
 
     def handle(
-        self, routing_id: bytes, request: p.AnyRequest, peer: str | None = None
+        self,
+        routing_id: bytes,
+        request: p.AnyRequest,
+        peer: str | None = None,
+        *,
+        operator: bool = False,
     ) -> p.AnyReply | L3Lookup:
         """Apply one request; never raises for a request's own faults. A match
         or exists may return an ``L3Lookup`` to finish once L3 was asked.
@@ -177,6 +181,8 @@ class Cache:
         ``peer``: who sent it, as the connection's credentials say (daemon/server.py):
         its tenant's name, "!..." for a peer no tenant lists, or None when
         tenants are off. A session stays with the peer that opened it.
+        ``operator``: the peer runs as root or as the daemon's own user
+        (daemon/tenants.py), who may see the daemon's totals in any case.
         """
         kind = type(request)
         op = OP_NAMES[kind]
@@ -184,7 +190,7 @@ class Cache:
         requests[op] = requests.get(op, 0) + 1
         try:
             handler = self._handlers.get(kind)
-            if handler is not None and kind is not p.Stats:  # a session's request
+            if handler is not None:  # a session's request
                 reply: p.AnyReply | L3Lookup = handler(
                     self.clients.session(routing_id, peer), request
                 )
@@ -194,14 +200,13 @@ class Cache:
             if isinstance(request, p.Goodbye):
                 self.clients.goodbye(routing_id, peer)
                 return p.Ok(id=request.id)
-            if isinstance(request, p.Stats) and routing_id not in self.sessions:
+            if isinstance(request, p.Stats):
                 # a probe takes no client slot: `hicached status` answers even
-                # while every slot is held by clients with leases (crashed ones too)
-                return p.StatsOk(id=request.id, stats=self.stats(peer))
-            session = self.clients.session(routing_id, peer)
-            if handler is not None:
-                stats: p.AnyReply = handler(session, request)  # Stats, with a session
-                return stats
+                # while every slot is held by clients with leases (crashed ones
+                # too); a session's own stays with its peer
+                if routing_id in self.sessions:
+                    self.clients.session(routing_id, peer)
+                return p.StatsOk(id=request.id, stats=self.stats(peer, operator=operator))
             raise BadRequest(f"unhandled request {op}")  # pragma: no cover
         except HicachedError as exc:
             self.count_error(exc.code)
@@ -397,6 +402,42 @@ class Cache:
         books = sorted(self.l2.books.values(), key=lambda b: b.name)
         return [self._figures(book) for book in books]
 
+    def _tenant_view(self, tenant: str) -> p.DaemonStats:
+        """Stats for a peer of ``tenant``: the daemon's totals (pages, requests,
+        hits, errors, L3 counters, the collector's pauses) add up every
+        tenant's activity, which a tenant is not to see, so they are zeros and
+        empty; what it may see is its own tenant's figures (``tenant``), its
+        own clients' gather reports, its pool (its arena, where it has one)
+        and the L3 tier's health."""
+        arenas = self.clients.arenas
+        arena = arenas.get(tenant) if arenas is not None else None
+        tier = self.tier
+        return p.DaemonStats(
+            instance=self.instance,
+            uptime_s=round(self.clock() - self.started, 3),
+            pool_bytes=arena.size if arena is not None else self.pool.arena_bytes,
+            pool_used_bytes=0,
+            pool_free_bytes=0,
+            slab_bytes=self.pool.slab_bytes,
+            pages=0,
+            pinned_pages=0,
+            reserved_pages=0,
+            namespaces=0,
+            clients=0,
+            leases=0,
+            requests={},
+            errors={},
+            dropped={},
+            evicted_pages=0,
+            expired_leases=0,
+            l3_backend=self.config.storage.backend if tier is not None else "",
+            l3_state=getattr(tier, "state", "") if tier is not None else "",
+            metrics_endpoint=self.metrics_endpoint,
+            gather_clients=self.clients.gather_clients(tenant),
+            tenant=self._own_tenant(tenant),
+            scope="tenant",
+        )
+
     def _own_tenant(self, viewer: str | None) -> p.TenantStats | None:
         """The figures of ``viewer``'s own tenant, for its stats: with tenants on
         (a viewer), and one it belongs to; never another tenant's."""
@@ -429,10 +470,15 @@ class Cache:
             max_namespaces=bounds.namespaces,
         )
 
-    def stats(self, viewer: str | None = None) -> p.DaemonStats:
+    def stats(self, viewer: str | None = None, *, operator: bool = False) -> p.DaemonStats:
         """The daemon's figures, as ``viewer`` (the asking peer, ``handle``'s
-        ``peer``) may see them: with tenants on, the clients listed by name
-        (``gather_clients``) are its own tenant's only; the rest are counts."""
+        ``peer``) may see them: with tenants on, a tenant's peer gets its own
+        tenant's figures and none of the totals (``_tenant_view``) unless it is
+        the ``operator`` (root, the daemon's user: they can read the daemon's
+        memory anyway); a peer of no tenant (status only) gets the totals. The
+        clients listed by name (``gather_clients``) are the viewer's own only."""
+        if viewer is not None and not viewer.startswith("!") and not operator:
+            return self._tenant_view(viewer)
         pool = self.pool
         used = pool.used_bytes
         reserved = sum(len(lease.fresh) for lease in self.leases)

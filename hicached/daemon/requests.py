@@ -28,7 +28,7 @@ from hicached.cache import OP_NAMES, Cache, L3Lookup
 from hicached.config import ServerConfig
 from hicached.daemon.journal import JournalFile
 from hicached.daemon.metrics import Metrics
-from hicached.daemon.tenants import user_id
+from hicached.daemon.tenants import is_operator, user_id
 from hicached.daemon.tier import Tier
 from hicached.errors import BadRequest, HicachedError, TooLarge
 from hicached.wire import protocol as p
@@ -117,20 +117,25 @@ class RequestLoop:
                 frame = recv(_NOBLOCK, copy=False)
                 frames, peer, more = [routing_id, frame.bytes], user_id(frame), frame.more
             else:
+                frame = None
                 frames, peer, more = [routing_id, recv(_NOBLOCK)], None, bool(get(_RCVMORE))
             if more:  # not a request (_handle counts it): the rest is read and let go
                 frames.append(b"")  # one frame past a request's two, however many came
                 while more:  # (a peer may send millions: none is kept)
                     more = recv(_NOBLOCK, copy=False).more
             try:
-                self._handle(frames, peer)
+                self._handle(frames, peer, frame)
             except Exception as exc:  # a bug: this request fails, the others go on
                 self._fault(frames, exc)
             if not int(get(_EVENTS)) & _POLLIN:
                 return
         asyncio.get_running_loop().call_soon(self._drain)  # more may wait; let others run first
 
-    def _handle(self, frames: list[bytes], peer: str | None = None) -> None:
+    def _handle(
+        self, frames: list[bytes], peer: str | None = None, frame: zmq.Frame | None = None
+    ) -> None:
+        """One request; ``frame`` (with tenants) says whether its peer is the
+        operator, asked of stats alone."""
         cache = self.cache
         if len(frames) != 2:
             cache.count_drop("bad_frames")
@@ -157,11 +162,12 @@ class RequestLoop:
         if request.deadline_ms and request.deadline_ms < time.time() * 1000:
             cache.count_drop("past_deadline")
             return
+        operator = frame is not None and type(request) is p.Stats and is_operator(frame)
         if self.metrics is None:
-            reply = cache.handle(routing_id, request, peer)
+            reply = cache.handle(routing_id, request, peer, operator=operator)
         else:
             started = time.perf_counter()
-            reply = cache.handle(routing_id, request, peer)
+            reply = cache.handle(routing_id, request, peer, operator=operator)
             self.metrics.observe_request(OP_NAMES[type(request)], time.perf_counter() - started)
         if isinstance(reply, L3Lookup):  # L3's record is incomplete: the backend is asked
             self._lookup(routing_id, reply, request.deadline_ms)

@@ -6,12 +6,16 @@ peer's credentials as the kernel reports them (SO_PEERCRED, in the address
 ``<host>:<uid>:<gid>:<pid>``) and a tcp peer's CURVE public key. It answers the
 tenant's name as the connection's User-Id, which libzmq attaches to every
 message of that connection (``user_id``), and the cache checks each request
-against it.
+against it. An ipc peer that runs as root or as the daemon's own user (who
+can read the daemon's memory anyway) is marked the operator as well, in a
+property of the connection (``is_operator``): its stats carry the daemon's
+totals even where a tenant lists it.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -24,6 +28,8 @@ TENANT_DOMAIN = b"hicached-tenants"
 # is refused there, since the events name every tenant's pages and token ids
 EVENTS_DOMAIN = b"hicached-events"
 UNIDENTIFIED = "!a peer the daemon could not identify"
+# The connection property (ZAP metadata) that marks the operator's connections.
+OPERATOR = "X-Hicached-Operator"
 
 
 class TenantMap:
@@ -50,6 +56,14 @@ class TenantMap:
             return name or f"!uid {uid}, gid {gid}, pid {pid}"
         what = "an ipc peer without credentials" if self.ipc else f"tcp {address} without CURVE"
         return self.others or f"!{what}"
+
+    def operator(self, address: str) -> bool:
+        """Whether an ipc peer (its address as ``of_address`` reads it) runs as
+        root or as this daemon's user."""
+        parts = address.rsplit(":", 3)
+        if not (self.ipc and len(parts) == 4 and parts[1].isdigit()):
+            return False
+        return int(parts[1]) in (0, os.getuid())
 
     def of_key(self, key: bytes) -> str:
         """A peer whose (authorized) CURVE public key is ``key`` (Z85)."""
@@ -87,8 +101,10 @@ class PeerAuthenticator(ThreadAuthenticator):
         if domain == EVENTS_DOMAIN:
             self._events_peer(request_id, where, mechanism, credentials)
             return
+        operator = False
         if mechanism == b"NULL":
             peer = tenants.of_address(where)
+            operator = tenants.operator(where)
         elif mechanism == b"CURVE" and len(credentials) == 1:
             key = z85.encode(credentials[0])
             if key not in self.authorized:
@@ -102,7 +118,11 @@ class PeerAuthenticator(ThreadAuthenticator):
         self.log.debug(
             "peer %s: %s", where, f"tenant {peer}" if peer[0] != "!" else f"no tenant ({peer[1:]})"
         )
-        self._send_zap_reply(request_id, b"200", b"OK", peer)
+        name, value = OPERATOR.encode(), b"1" if operator else b"0"
+        metadata = bytes([len(name)]) + name + len(value).to_bytes(4, "big") + value
+        self.zap_socket.send_multipart(
+            [b"1.0", request_id, b"200", b"OK", peer.encode("utf-8", "replace"), metadata]
+        )
 
     def _events_peer(
         self, request_id: bytes, where: str, mechanism: bytes, credentials: list[bytes]
@@ -127,6 +147,14 @@ class PeerAuthenticator(ThreadAuthenticator):
             self._send_zap_reply(request_id, b"400", b"A tenant's key")
             return
         self._send_zap_reply(request_id, b"200", b"OK", "events")
+
+
+def is_operator(frame: zmq.Frame) -> bool:
+    """Whether the message's connection is the operator's (``OPERATOR``)."""
+    try:
+        return bool(frame.get(OPERATOR) == "1")
+    except zmq.ZMQError:  # the connection did not pass the ZAP handler
+        return False
 
 
 def user_id(frame: zmq.Frame) -> str:

@@ -17,7 +17,7 @@ from hicached.errors import HicachedError, error_from_code
 from hicached.wire.namespace import EventMeta, NamespaceSpec
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 9
+PROTOCOL_MINOR = 10
 # the first minor version whose clients map a tenant's arena (HelloOk.pool_base)
 ARENAS_MINOR = 4
 # the first minor version whose daemons take a client's gather report
@@ -31,6 +31,9 @@ TENANT_STATS_MINOR = 8
 # the first minor version whose daemons report a tenant's sessions, leases and
 # namespaces against its share of the shared bounds (TenantStats.clients and after)
 TENANT_BOUNDS_MINOR = 9
+# the first minor version whose daemons keep their totals from tenants' peers
+# (DaemonStats.scope "tenant": only the asking peer's own tenant's figures)
+TENANT_VIEW_MINOR = 10
 
 # The largest reply a client takes by default (its socket's ZMQ_MAXMSGSIZE): a
 # larger message, from a broken or hostile endpoint, is refused by libzmq from
@@ -470,6 +473,10 @@ class DaemonStats(msgspec.Struct, kw_only=True):
     # the asking peer's own tenant (1.8): None without [tenants], for a peer that
     # belongs to no tenant, from an older daemon, and in the metrics' snapshot
     tenant: TenantStats | None = None
+    # what the figures above cover (1.10): "daemon", its totals; "tenant", for a
+    # peer of a tenant, which is not to see the others' activity: the totals are
+    # zeros and empty, and ``tenant`` holds its own figures
+    scope: str = "daemon"
 
 
 class StatsOk(Reply, tag="stats_ok"):
