@@ -388,3 +388,122 @@ def test_older_clients_decode_the_figures_and_an_older_daemons_read_as_none() ->
     assert _tenant_line(figures).endswith("; clients 1/4 leases 1/32768 namespaces 1/128")
     assert _tenant_line(from_old).endswith("(0 for its quota)")  # an older daemon's: no shares
     assert p.PROTOCOL_MINOR >= p.TENANT_BOUNDS_MINOR == 9
+
+
+def _recount(cache: Cache) -> None:
+    """Each share's counts are what its sessions, leases and namespaces are."""
+    counted: dict[str, int] = {}
+    for s in cache.sessions.values():
+        assert s.share is not None
+        counted[s.share] = counted.get(s.share, 0) + 1
+    assert {k: v for k, v in cache.clients.held.items() if v} == counted
+    assert all(v >= 0 for v in cache.clients.held.values())
+    leases: dict[str, int] = {}
+    for lease in cache.leases:
+        share = lease.session.share
+        assert share is not None
+        leases[share] = leases.get(share, 0) + 1
+    assert {k: v for k, v in cache.leases.held.items() if v} == leases
+    assert all(v >= 0 for v in cache.leases.held.values())
+    spaces: dict[str, int] = {}
+    for ns in cache.namespaces.values():
+        spaces[ns.book.name] = spaces.get(ns.book.name, 0) + 1
+        assert not ns.unused, f"namespace {ns.id} is unused yet counted live"
+    assert cache.names.held == spaces
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_counts_match_the_tables_under_every_kind_of_lease(seed: int) -> None:
+    """The paths the mix above lacks: key-addressed namespaces (reserve_keys,
+    a commit with a mask, match_keys), leased matches, prefetches (with no
+    L3: their L2 part), renewals, a hello from a routing id another peer
+    holds, a goodbye of the wrong peer, undelivered replies, evictions for a
+    full pool, and reloads that move the shares under held counts."""
+    now = [0.0]
+    config = Config(
+        server=ServerConfig(max_clients=12, session_idle_s=50.0),
+        leases=LeaseConfig(max_leases=20, ttl_s=5.0, quarantine_s=1.0),
+        pool=PoolConfig(size_mib=1, slab_mib=1, max_page_bytes=PAGE, max_namespaces=8),
+        tenants={
+            "a": TenantConfig(max_clients=5),
+            "b": TenantConfig(max_leases=4),
+            "c": TenantConfig(),
+        },
+    )
+    cache = Cache(config, pool_path="x", clock=lambda: now[0])
+    rng = random.Random(seed)
+    peers = ["a", "b", "c", NOBODY]
+    keyed = msgspec.structs.replace(SPEC, key_scheme="vllm-sha256")
+
+    def keys(n: int) -> list[bytes]:
+        first = rng.randrange(40)
+        return [(first + i).to_bytes(32, "little") for i in range(n)]
+
+    for _ in range(4000):
+        peer = rng.choice(peers)
+        owner = peer if rng.random() < 0.9 else rng.choice(peers)  # at times another's id
+        rid = f"{owner}{rng.randrange(6)}".encode()
+        session = cache.sessions.get(rid)
+        spaces = sorted(session.namespaces) if session is not None else []
+        held = sorted(session.leases) if session is not None else []
+        op = rng.choices(range(13), [2, 0.5, 1, 1, 3, 3, 2, 2, 3, 3, 1, 1, 0.5])[0]
+        if op == 0:
+            _hello(cache, rid, peer)
+        elif op == 1:
+            _call(cache, rid, peer, p.Goodbye(id=1))
+        elif op == 2:
+            _register(cache, rid, peer, f"m{rng.randrange(3)}")
+        elif op == 3:
+            spec = msgspec.structs.replace(keyed, model=f"k{rng.randrange(3)}")
+            _call(cache, rid, peer, p.RegisterNamespace(id=2, spec=spec))
+        elif op in (4, 5) and spaces:
+            ns = rng.choice(spaces)
+            if cache.namespaces[ns].spec.keyed:
+                _call(cache, rid, peer, p.ReserveKeys(id=3, ns=ns, keys=keys(3)))
+            else:
+                _reserve(cache, rid, peer, ns, rng.randrange(40))
+        elif op == 6 and spaces:
+            ns = rng.choice(spaces)
+            if cache.namespaces[ns].spec.keyed:
+                _call(cache, rid, peer, p.MatchKeys(id=4, ns=ns, keys=keys(3)))
+            else:
+                tokens = pack_tokens(list(range(rng.randrange(40), 45)))
+                _call(cache, rid, peer, p.Match(id=4, ns=ns, tokens=tokens))
+        elif op == 7 and spaces:
+            ns = rng.choice(spaces)
+            if cache.namespaces[ns].spec.keyed:
+                _call(cache, rid, peer, p.PrefetchKeys(id=5, ns=ns, keys=keys(3)))
+            else:
+                tokens = pack_tokens(list(range(rng.randrange(40), 45)))
+                _call(cache, rid, peer, p.Prefetch(id=5, ns=ns, tokens=tokens))
+        elif op in (8, 9) and held:
+            lease = rng.choice(held)
+            mask = bytes(rng.randrange(2) for _ in range(3))
+            msg = rng.choice(
+                [
+                    p.Release(id=1, lease=lease),
+                    p.Commit(id=1, lease=lease),
+                    p.Commit(id=1, lease=lease, pages=1),
+                    p.Commit(id=1, lease=lease, mask=mask),
+                    p.Renew(id=1, lease=lease),
+                ]
+            )
+            _call(cache, rid, peer, msg)
+        elif op == 10:
+            now[0] += rng.random() * 3
+            cache.expire()
+        elif op == 11:
+            tenants = {
+                name: msgspec.structs.replace(
+                    t,
+                    max_clients=rng.choice([0, 1, 3, 6]),
+                    max_leases=rng.choice([0, 1, 4, 9]),
+                    max_namespaces=rng.choice([0, 1, 2, 5]),
+                )
+                for name, t in cache.config.tenants.items()
+            }
+            cache.reconfigure(msgspec.structs.replace(cache.config, tenants=tenants))
+        elif op == 12 and held:
+            cache.undelivered(rid, p.ReserveOk(id=1, lease=rng.choice(held), present=0, offsets=[]))
+        _recount(cache)
+    assert cache.leases.held and cache.names.held  # the mix reached them
