@@ -124,7 +124,8 @@ def _tenant(cache: Cache, name: str) -> p.TenantStats:
 def test_a_full_table_takes_only_the_newcomers_own_tenants_idle_session() -> None:
     """The daemon-wide table is full while alpha is below its share: a newcomer
     of alpha takes the place of alpha's own longest idle session, not beta's
-    (idle longer); a newcomer whose tenant has no idle session is refused,
+    (idle longer); a newcomer whose tenant has none takes that of an idle peer
+    of no tenant (status only), and with none of those either is refused,
     naming server.max_clients, though other tenants' sessions are idle; peers
     of no tenant make room among themselves."""
     cache = _cache(clients=6, alpha={"max_clients": 5}, beta={})
@@ -137,11 +138,37 @@ def test_a_full_table_takes_only_the_newcomers_own_tenants_idle_session() -> Non
     assert isinstance(_hello(cache, b"a4", "alpha"), p.HelloOk)
     assert list(cache.sessions) == [b"b-idle", b"a2", b"a3", b"n1", b"n2", b"a4"]
     _reserve(cache, b"b-idle", "beta", _ns(cache, b"b-idle", "beta"), 100)  # now it holds a lease
-    message = _refused(_hello(cache, b"b2", "beta"), "server.max_clients")
-    assert "none of tenant 'beta' is idle without a lease" in message
-    assert len(cache.sessions) == 6 and b"a2" in cache.sessions and b"n1" in cache.sessions
+    assert isinstance(_hello(cache, b"b2", "beta"), p.HelloOk)  # n1, of no tenant, made way
+    assert list(cache.sessions) == [b"a2", b"a3", b"n2", b"a4", b"b-idle", b"b2"]
+    _reserve(cache, b"b2", "beta", _ns(cache, b"b2", "beta"), 200)
     assert isinstance(_hello(cache, b"n3", "!uid 9, gid 9, pid 3"), p.HelloOk)
-    assert list(cache.sessions) == [b"a2", b"a3", b"n2", b"a4", b"b-idle", b"n3"]
+    assert list(cache.sessions) == [b"a2", b"a3", b"a4", b"b-idle", b"b2", b"n3"]
+    _call(cache, b"n3", "!uid 9, gid 9, pid 3", p.Goodbye(id=1))
+    assert isinstance(_hello(cache, b"a5", "alpha"), p.HelloOk)
+    message = _refused(_hello(cache, b"b3", "beta"), "server.max_clients")
+    assert "none of tenant 'beta' is idle without a lease" in message
+    assert list(cache.sessions) == [b"a2", b"a3", b"a4", b"b-idle", b"b2", b"a5"]
+
+
+def test_peers_of_no_tenant_cannot_lock_a_tenant_out_of_a_full_table() -> None:
+    """The shares add up to more than the table (each tenant's equal share,
+    rounded up, and one more for the peers of no tenant): with alpha at its
+    share, any local user that belongs to no tenant could fill the rest of
+    the table with idle sessions (a hello, nothing else), and beta, holding
+    no session at all, was refused every one for good. Their sessions are
+    status only: one makes way for a tenant's newcomer below its share."""
+    cache = _cache(clients=4, alpha={}, beta={})  # shares of 2 each, and 2 of no tenant
+    _lease(cache, b"a1", "alpha", 100)
+    _lease(cache, b"a2", "alpha", 200)
+    for i in range(2):
+        assert isinstance(_hello(cache, bytes([i]), f"!uid {i}, gid {i}, pid {i}"), p.HelloOk)
+    assert len(cache.sessions) == 4
+    assert isinstance(_hello(cache, b"b1", "beta"), p.HelloOk)
+    assert isinstance(_hello(cache, b"b2", "beta"), p.HelloOk)
+    assert list(cache.sessions) == [b"a1", b"a2", b"b1", b"b2"]
+    assert cache.clients.held == {"alpha": 2, NO_TENANT: 0, "beta": 2}
+    message = _refused(_hello(cache, b"n", "!uid 9, gid 9, pid 9"), "server.max_clients")
+    assert "none of peers of no tenant is idle" in message  # and never a tenant's session
 
 
 def test_peers_of_no_tenant_share_one_equal_part_of_the_sessions() -> None:
