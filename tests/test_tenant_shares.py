@@ -534,3 +534,43 @@ def test_the_counts_match_the_tables_under_every_kind_of_lease(seed: int) -> Non
             cache.undelivered(rid, p.ReserveOk(id=1, lease=rng.choice(held), present=0, offsets=[]))
         _recount(cache)
     assert cache.leases.held and cache.names.held  # the mix reached them
+
+
+def test_a_share_of_namespaces_lowered_under_what_is_held_drops_as_many_unused_as_it_takes() -> (
+    None
+):
+    """A reload lowered alpha's share of namespaces below the unused ones it
+    holds (kept for their pages): each registration dropped one unused
+    namespace, its pages gone, and was refused all the same, until as many
+    registrations as the tenant was over had each lost pages for nothing.
+    Now one registration drops as many unused ones as it takes."""
+    cache = _cache(alpha={"max_namespaces": 4}, beta={})
+    assert isinstance(_hello(cache, b"old", "alpha"), p.HelloOk)
+    for i in range(4):
+        ns = _ns(cache, b"old", "alpha", f"old-{i}")
+        ok = _reserve(cache, b"old", "alpha", ns, 10 * i)
+        assert isinstance(ok, p.ReserveOk)
+        assert isinstance(_call(cache, b"old", "alpha", p.Commit(id=4, lease=ok.lease)), p.CommitOk)
+    assert isinstance(_call(cache, b"old", "alpha", p.Goodbye(id=5)), p.Ok)
+    assert cache.names.held["alpha"] == 4 and cache.l2.books["alpha"].pages == 8
+    tenants = dict(cache.config.tenants)
+    tenants["alpha"] = msgspec.structs.replace(tenants["alpha"], max_namespaces=2)
+    cache.reconfigure(msgspec.structs.replace(cache.config, tenants=tenants))
+    assert isinstance(_hello(cache, b"a", "alpha"), p.HelloOk)
+    assert isinstance(_register(cache, b"a", "alpha", "new"), p.NamespaceOk)
+    assert cache.names.held["alpha"] == 2  # the oldest three made way, one unused is kept
+    assert cache.l2.books["alpha"].pages == 2
+    # the daemon-wide bound alike, tenants off
+    cache = _cache(namespaces=4)
+    assert isinstance(_hello(cache, b"old", None), p.HelloOk)
+    for i in range(4):
+        ns = _ns(cache, b"old", None, f"old-{i}")  # type: ignore[arg-type]
+        ok = _reserve(cache, b"old", None, ns, 10 * i)  # type: ignore[arg-type]
+        assert isinstance(ok, p.ReserveOk)
+        assert isinstance(_call(cache, b"old", None, p.Commit(id=4, lease=ok.lease)), p.CommitOk)
+    assert isinstance(_call(cache, b"old", None, p.Goodbye(id=5)), p.Ok)
+    pool = msgspec.structs.replace(cache.config.pool, max_namespaces=2)
+    cache.reconfigure(msgspec.structs.replace(cache.config, pool=pool))
+    assert isinstance(_hello(cache, b"a", None), p.HelloOk)
+    assert isinstance(_register(cache, b"a", None, "new"), p.NamespaceOk)  # type: ignore[arg-type]
+    assert len(cache.namespaces) == 2
