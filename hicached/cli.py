@@ -149,6 +149,11 @@ def _cmd_status(args: argparse.Namespace) -> int:
 # The largest message `hicached events` takes from a publisher: batches of a
 # daemon with events.batch_kib up to 64 MiB (or its config's, if larger).
 EVENTS_MESSAGE_BYTES = 64 << 20
+# After a dropped connection `hicached events` dials again this long after,
+# doubling at each drop up to the most, back to the least once a message came:
+# a publisher that drops every connection at once is dialed a few times a
+# second at most, not as fast as TCP connects (and a line on stderr for each).
+_REDIAL_S = (0.1, 5.0)
 _GATHER_SHOWN = 8  # measured clients given a line each; --json has them all
 _HOW = {"measured": "measured", "forced": "set by HICACHED_GATHER", "no_torch": "without torch"}
 
@@ -377,24 +382,31 @@ def _cmd_events(args: argparse.Namespace) -> int:
             time.sleep(0.2)  # let the subscription reach the daemon: nothing falls between
             replay(args.from_seq)
         idle_since = time.monotonic()
+        pause, redial_at = _REDIAL_S[0], None  # redial_at: when to dial after a drop
         while not (args.count and printed >= args.count):
             ready = dict(poller.poll(100))
+            now = time.monotonic()
             if drops in ready:
                 drops.recv_multipart()  # one event: (event id and value, endpoint)
-                print(
-                    f"hicached events: the connection to {endpoint} dropped (the daemon "
-                    f"stopped, or sent a message over {most} bytes); dialing again",
-                    file=sys.stderr,
-                )
-                with contextlib.suppress(zmq.ZMQError):  # libzmq may have let it go
-                    sub.disconnect(endpoint)
+                if redial_at is None:
+                    print(
+                        f"hicached events: the connection to {endpoint} dropped (the daemon "
+                        f"stopped, or sent a message over {most} bytes); dialing again "
+                        f"in {pause:.1f} s",
+                        file=sys.stderr,
+                    )
+                    # libzmq's own redials stop too: the next dial is ours, paced
+                    with contextlib.suppress(zmq.ZMQError):  # libzmq may have let it go
+                        sub.disconnect(endpoint)
+                    redial_at, pause = now + pause, min(pause * 2, _REDIAL_S[1])
+            if redial_at is not None and now >= redial_at:
                 sub.connect(endpoint)
-                continue
+                redial_at = None
             if sub not in ready:
-                if args.idle_exit and time.monotonic() - idle_since >= args.idle_exit:
+                if args.idle_exit and now - idle_since >= args.idle_exit:
                     break
                 continue
-            idle_since = time.monotonic()
+            idle_since, pause = time.monotonic(), _REDIAL_S[0]
             frames = sub.recv_multipart()
             if len(frames) != 3 or len(frames[1]) != 8:  # not (topic, seq, payload)
                 print(

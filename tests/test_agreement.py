@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from hicached.ranks import RankError, launch
@@ -232,3 +235,46 @@ def test_a_later_stage_wrong_on_the_last_step_is_raised_by_stage_0_at_close(how:
     assert results[1]["where"] == "agree" and results[1]["error"].startswith(kind), results
     assert results[0]["where"] == "close", results
     assert results[0]["error"].startswith(kind), results
+
+
+_FORKED_LAUNCH = """
+import os
+from hicached.ranks import launch
+from tests import rankfns
+
+if __name__ == "__main__":
+    launch(rankfns.agree_steps, 2, tp=2, timeout=15)
+    child = os.fork()
+    if child == 0:
+        try:
+            launch(rankfns.agree_steps, 2, tp=2, timeout=15)
+        except BaseException as exc:
+            print(f"child: {type(exc).__name__}: {exc}", flush=True)
+            os._exit(1)
+        os._exit(0)
+    raise SystemExit(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
+"""
+
+
+def test_a_process_forked_after_a_launch_launches_ranks_too(tmp_path: Path) -> None:
+    """A process forked from one that had launched ranks inherits the record
+    of its parent's fork server; the stdlib's check of that server (waitpid on
+    another's child) failed there with ChildProcessError and nothing started.
+    Such a process now spawns its ranks. In a process of its own, not this
+    test runner's, which holds threads a fork would copy."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "forked_launch.py"
+    script.write_text(_FORKED_LAUNCH)
+    root = str(Path(__file__).resolve().parent.parent)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": root},
+        check=False,
+    )
+    assert done.returncode == 0, (done.stdout, done.stderr[-2000:])

@@ -157,3 +157,39 @@ def test_events_dials_again_after_a_message_over_its_bound() -> None:
     assert "Traceback" not in done_cli.stderr
     assert done_cli.stdout.count("BlockRemoved") == 3, (done_cli.stdout, done_cli.stderr)
     assert "dropped" in done_cli.stderr and "dialing again" in done_cli.stderr
+
+
+def test_events_paces_its_dials_to_a_publisher_that_drops_every_connection() -> None:
+    """Each dropped connection was dialed again at once: an endpoint that
+    accepts and closes every connection (fault injection: a bare TCP socket,
+    no ZeroMQ) was dialed as fast as TCP connects, a line on stderr each
+    (tens of thousands a second's worth), and --idle-exit went unseen while
+    the drops kept the command busy. Now the dials back off, doubling from
+    0.1 s, and the command leaves when it is idle for --idle-exit."""
+    import socket
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    accepted = [0]
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:  # closed: the test is over
+                return
+            accepted[0] += 1
+            conn.close()
+
+    t = threading.Thread(target=accept, daemon=True)
+    t.start()
+    try:
+        done = _events("--endpoint", f"tcp://127.0.0.1:{port}", "--idle-exit", "2")
+    finally:
+        server.close()
+        t.join(10)
+    assert done.returncode == 0, done.stderr
+    assert "dialing again in 0.1 s" in done.stderr and "dialing again in 0.2 s" in done.stderr
+    lines = done.stderr.splitlines()
+    # 0.1 + 0.2 + 0.4 + 0.8 + 1.6 s of pauses fill the 2 s: a handful of dials
+    assert 2 <= len(lines) <= 10 and accepted[0] <= 10, (len(lines), accepted[0])

@@ -368,3 +368,95 @@ def test_a_cuda_copy_being_queued_is_drained_before_the_pool_is_unregistered(
     with pytest.raises(StaleHandle, match="closed"):
         mapping._on_gpu("cuda:0", launch, res, none, none, "stale")
     assert order[-1] == "unregister"  # nothing launched after the close
+
+
+def test_a_close_from_a_signal_handler_on_the_copying_thread_is_done_after_the_copy(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine's shutdown closes the client in a signal handler, which runs on
+    whichever thread the signal lands: that may be the thread queuing a CUDA
+    copy, holding the launch lock, and the close waited for that lock for
+    ever (a lock its own thread held). Now the close is left to the copy's
+    thread and done as soon as the copy is queued: the copy is drained, then
+    the pool unregistered and unmapped. Fault injection: CUDA's calls are
+    fakes that record their order, and the signal handler's close is called
+    from inside the launch, on its thread, where the signal would run it."""
+    import threading
+
+    from hicached.client import cuda
+
+    order: list[str] = []
+
+    class Event:
+        def query(self) -> bool:
+            return True
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, other: object) -> float:
+            return 0.0
+
+    monkeypatch.setattr(cuda, "mark", lambda device, timing=False: Event())
+    monkeypatch.setattr(cuda, "unregister", lambda array: order.append("unregister"))
+    mapping = rig.mapping
+    mapping._pinned, mapping._mapped = True, "the pool's CUDA view"
+
+    def launch() -> str:
+        order.append("launch")
+        mapping.close()  # the signal handler, on this thread
+        order.append(f"closed; queued with {mapping._mapped}")
+        return "kernel"
+
+    res = rig.reserve(list(range(4)))
+    none = np.empty(0, dtype=np.int64)
+    got: list[object] = []
+    copier = threading.Thread(
+        target=lambda: got.append(mapping._on_gpu("cuda:0", launch, res, none, none, "stale")),
+        daemon=True,  # a regression waits for ever: the test fails, the process exits
+    )
+    copier.start()
+    copier.join(10)
+    assert not copier.is_alive(), "the close in the copy's thread waited for its own lock"
+    assert order == ["launch", "closed; queued with the pool's CUDA view", "unregister"]
+    assert got and got[0].done()  # type: ignore[attr-defined]
+    assert not mapping.pinned and mapping.arena.array.size == 0  # unmapped after the copy
+    with pytest.raises(StaleHandle, match="closed"):
+        mapping._on_gpu("cuda:0", launch, res, none, none, "stale")
+    assert order[-1] == "unregister"
+
+
+def test_an_unpin_from_a_signal_handler_while_the_pool_drains_unregisters_once(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A close whose unpin waits for copies in flight can itself be interrupted
+    by a signal handler that closes the client again on the same thread: the
+    pool is unregistered once, not twice (CUDA refuses an unregister of memory
+    it does not have registered). Fault injection: fake CUDA calls; the
+    handler's close is called from the wait for the copy in flight."""
+    import threading
+
+    from hicached.client import cuda
+
+    order: list[str] = []
+
+    class Copy:
+        def done(self) -> bool:
+            return False
+
+        def wait(self, timeout: float) -> bool:
+            order.append("drain")
+            if order.count("drain") == 1:
+                mapping.close()  # the signal handler, on this thread
+            return True
+
+    monkeypatch.setattr(cuda, "unregister", lambda array: order.append("unregister"))
+    mapping = rig.mapping
+    mapping._pinned, mapping._mapped = True, "the pool's CUDA view"
+    mapping._inflight.append(Copy())  # type: ignore[arg-type]
+    closer = threading.Thread(target=mapping.close, daemon=True)  # a regression waits for ever
+    closer.start()
+    closer.join(10)
+    assert not closer.is_alive(), "the nested close waited for its own thread's lock"
+    assert order == ["drain", "unregister"]
+    assert not mapping.pinned and mapping.arena.array.size == 0

@@ -416,3 +416,50 @@ def test_connections_past_the_scrape_bound_are_closed_and_counted(daemon: Daemon
             assert time.monotonic() < deadline, "no scrape was served after the idle ones left"
             time.sleep(0.1)
     assert seen[("hicached_metrics_turned_away_total", ())] >= 1
+
+
+def test_a_scraper_that_trickles_its_request_is_cut_off_and_frees_its_slot(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """REQUEST_TIMEOUT_S bounded each read, not the request: a local user who
+    sends a byte of a request now and then, each within the timeout, held a
+    scrape's slot for as long as it liked, and MAX_SCRAPES of them turned
+    every scrape away for good. The whole request now has REQUEST_TIMEOUT_S.
+    The listener runs in-process on a real socket, its timeout shortened."""
+    import threading
+
+    from hicached.daemon import metrics_http
+    from hicached.metrics_config import MetricsConfig
+
+    monkeypatch.setattr(metrics_http, "REQUEST_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(metrics_http._Handler, "timeout", 0.5)
+
+    def app(environ: dict[str, object], start_response: Callable[..., object]) -> list[bytes]:
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"up 1\n"]
+
+    listener = metrics_http.Listener(
+        MetricsConfig(port=free_tcp_port()), metrics_http.Gate(app, None)
+    )
+    listener.start()
+    stop = threading.Event()
+    port = int(listener.endpoint.rsplit(":", 1)[1].split("/")[0])
+
+    def trickle() -> None:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)) as s:
+            s.sendall(b"GET /metrics HTTP/1.0\r\n")
+            while not stop.wait(0.2):  # a header byte at a time, each within the timeout
+                s.sendall(b"X")
+
+    slow = [threading.Thread(target=trickle, daemon=True) for _ in range(MAX_SCRAPES)]
+    try:
+        for t in slow:
+            t.start()
+        time.sleep(1.5)  # each is past its whole-request time, still sending
+        status, body, _ = _get(listener.endpoint)
+        assert (status, body) == (200, b"up 1\n")
+    finally:
+        stop.set()
+        for t in slow:
+            t.join(5)
+        listener.stop()

@@ -124,7 +124,8 @@ def _tenant(cache: Cache, name: str) -> p.TenantStats:
 def test_a_full_table_takes_only_the_newcomers_own_tenants_idle_session() -> None:
     """The daemon-wide table is full while alpha is below its share: a newcomer
     of alpha takes the place of alpha's own longest idle session, not beta's
-    (idle longer); a newcomer whose tenant has no idle session is refused,
+    (idle longer); a newcomer whose tenant has none takes that of an idle peer
+    of no tenant (status only), and with none of those either is refused,
     naming server.max_clients, though other tenants' sessions are idle; peers
     of no tenant make room among themselves."""
     cache = _cache(clients=6, alpha={"max_clients": 5}, beta={})
@@ -137,11 +138,37 @@ def test_a_full_table_takes_only_the_newcomers_own_tenants_idle_session() -> Non
     assert isinstance(_hello(cache, b"a4", "alpha"), p.HelloOk)
     assert list(cache.sessions) == [b"b-idle", b"a2", b"a3", b"n1", b"n2", b"a4"]
     _reserve(cache, b"b-idle", "beta", _ns(cache, b"b-idle", "beta"), 100)  # now it holds a lease
-    message = _refused(_hello(cache, b"b2", "beta"), "server.max_clients")
-    assert "none of tenant 'beta' is idle without a lease" in message
-    assert len(cache.sessions) == 6 and b"a2" in cache.sessions and b"n1" in cache.sessions
+    assert isinstance(_hello(cache, b"b2", "beta"), p.HelloOk)  # n1, of no tenant, made way
+    assert list(cache.sessions) == [b"a2", b"a3", b"n2", b"a4", b"b-idle", b"b2"]
+    _reserve(cache, b"b2", "beta", _ns(cache, b"b2", "beta"), 200)
     assert isinstance(_hello(cache, b"n3", "!uid 9, gid 9, pid 3"), p.HelloOk)
-    assert list(cache.sessions) == [b"a2", b"a3", b"n2", b"a4", b"b-idle", b"n3"]
+    assert list(cache.sessions) == [b"a2", b"a3", b"a4", b"b-idle", b"b2", b"n3"]
+    _call(cache, b"n3", "!uid 9, gid 9, pid 3", p.Goodbye(id=1))
+    assert isinstance(_hello(cache, b"a5", "alpha"), p.HelloOk)
+    message = _refused(_hello(cache, b"b3", "beta"), "server.max_clients")
+    assert "none of tenant 'beta' is idle without a lease" in message
+    assert list(cache.sessions) == [b"a2", b"a3", b"a4", b"b-idle", b"b2", b"a5"]
+
+
+def test_peers_of_no_tenant_cannot_lock_a_tenant_out_of_a_full_table() -> None:
+    """The shares add up to more than the table (each tenant's equal share,
+    rounded up, and one more for the peers of no tenant): with alpha at its
+    share, any local user that belongs to no tenant could fill the rest of
+    the table with idle sessions (a hello, nothing else), and beta, holding
+    no session at all, was refused every one for good. Their sessions are
+    status only: one makes way for a tenant's newcomer below its share."""
+    cache = _cache(clients=4, alpha={}, beta={})  # shares of 2 each, and 2 of no tenant
+    _lease(cache, b"a1", "alpha", 100)
+    _lease(cache, b"a2", "alpha", 200)
+    for i in range(2):
+        assert isinstance(_hello(cache, bytes([i]), f"!uid {i}, gid {i}, pid {i}"), p.HelloOk)
+    assert len(cache.sessions) == 4
+    assert isinstance(_hello(cache, b"b1", "beta"), p.HelloOk)
+    assert isinstance(_hello(cache, b"b2", "beta"), p.HelloOk)
+    assert list(cache.sessions) == [b"a1", b"a2", b"b1", b"b2"]
+    assert cache.clients.held == {"alpha": 2, NO_TENANT: 0, "beta": 2}
+    message = _refused(_hello(cache, b"n", "!uid 9, gid 9, pid 9"), "server.max_clients")
+    assert "none of peers of no tenant is idle" in message  # and never a tenant's session
 
 
 def test_peers_of_no_tenant_share_one_equal_part_of_the_sessions() -> None:
@@ -388,3 +415,162 @@ def test_older_clients_decode_the_figures_and_an_older_daemons_read_as_none() ->
     assert _tenant_line(figures).endswith("; clients 1/4 leases 1/32768 namespaces 1/128")
     assert _tenant_line(from_old).endswith("(0 for its quota)")  # an older daemon's: no shares
     assert p.PROTOCOL_MINOR >= p.TENANT_BOUNDS_MINOR == 9
+
+
+def _recount(cache: Cache) -> None:
+    """Each share's counts are what its sessions, leases and namespaces are."""
+    counted: dict[str, int] = {}
+    for s in cache.sessions.values():
+        assert s.share is not None
+        counted[s.share] = counted.get(s.share, 0) + 1
+    assert {k: v for k, v in cache.clients.held.items() if v} == counted
+    assert all(v >= 0 for v in cache.clients.held.values())
+    leases: dict[str, int] = {}
+    for lease in cache.leases:
+        share = lease.session.share
+        assert share is not None
+        leases[share] = leases.get(share, 0) + 1
+    assert {k: v for k, v in cache.leases.held.items() if v} == leases
+    assert all(v >= 0 for v in cache.leases.held.values())
+    spaces: dict[str, int] = {}
+    for ns in cache.namespaces.values():
+        spaces[ns.book.name] = spaces.get(ns.book.name, 0) + 1
+        assert not ns.unused, f"namespace {ns.id} is unused yet counted live"
+    assert cache.names.held == spaces
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_counts_match_the_tables_under_every_kind_of_lease(seed: int) -> None:
+    """The paths the mix above lacks: key-addressed namespaces (reserve_keys,
+    a commit with a mask, match_keys), leased matches, prefetches (with no
+    L3: their L2 part), renewals, a hello from a routing id another peer
+    holds, a goodbye of the wrong peer, undelivered replies, evictions for a
+    full pool, and reloads that move the shares under held counts."""
+    now = [0.0]
+    config = Config(
+        server=ServerConfig(max_clients=12, session_idle_s=50.0),
+        leases=LeaseConfig(max_leases=20, ttl_s=5.0, quarantine_s=1.0),
+        pool=PoolConfig(size_mib=1, slab_mib=1, max_page_bytes=PAGE, max_namespaces=8),
+        tenants={
+            "a": TenantConfig(max_clients=5),
+            "b": TenantConfig(max_leases=4),
+            "c": TenantConfig(),
+        },
+    )
+    cache = Cache(config, pool_path="x", clock=lambda: now[0])
+    rng = random.Random(seed)
+    peers = ["a", "b", "c", NOBODY]
+    keyed = msgspec.structs.replace(SPEC, key_scheme="vllm-sha256")
+
+    def keys(n: int) -> list[bytes]:
+        first = rng.randrange(40)
+        return [(first + i).to_bytes(32, "little") for i in range(n)]
+
+    for _ in range(4000):
+        peer = rng.choice(peers)
+        owner = peer if rng.random() < 0.9 else rng.choice(peers)  # at times another's id
+        rid = f"{owner}{rng.randrange(6)}".encode()
+        session = cache.sessions.get(rid)
+        spaces = sorted(session.namespaces) if session is not None else []
+        held = sorted(session.leases) if session is not None else []
+        op = rng.choices(range(13), [2, 0.5, 1, 1, 3, 3, 2, 2, 3, 3, 1, 1, 0.5])[0]
+        if op == 0:
+            _hello(cache, rid, peer)
+        elif op == 1:
+            _call(cache, rid, peer, p.Goodbye(id=1))
+        elif op == 2:
+            _register(cache, rid, peer, f"m{rng.randrange(3)}")
+        elif op == 3:
+            spec = msgspec.structs.replace(keyed, model=f"k{rng.randrange(3)}")
+            _call(cache, rid, peer, p.RegisterNamespace(id=2, spec=spec))
+        elif op in (4, 5) and spaces:
+            ns = rng.choice(spaces)
+            if cache.namespaces[ns].spec.keyed:
+                _call(cache, rid, peer, p.ReserveKeys(id=3, ns=ns, keys=keys(3)))
+            else:
+                _reserve(cache, rid, peer, ns, rng.randrange(40))
+        elif op == 6 and spaces:
+            ns = rng.choice(spaces)
+            if cache.namespaces[ns].spec.keyed:
+                _call(cache, rid, peer, p.MatchKeys(id=4, ns=ns, keys=keys(3)))
+            else:
+                tokens = pack_tokens(list(range(rng.randrange(40), 45)))
+                _call(cache, rid, peer, p.Match(id=4, ns=ns, tokens=tokens))
+        elif op == 7 and spaces:
+            ns = rng.choice(spaces)
+            if cache.namespaces[ns].spec.keyed:
+                _call(cache, rid, peer, p.PrefetchKeys(id=5, ns=ns, keys=keys(3)))
+            else:
+                tokens = pack_tokens(list(range(rng.randrange(40), 45)))
+                _call(cache, rid, peer, p.Prefetch(id=5, ns=ns, tokens=tokens))
+        elif op in (8, 9) and held:
+            lease = rng.choice(held)
+            mask = bytes(rng.randrange(2) for _ in range(3))
+            msg = rng.choice(
+                [
+                    p.Release(id=1, lease=lease),
+                    p.Commit(id=1, lease=lease),
+                    p.Commit(id=1, lease=lease, pages=1),
+                    p.Commit(id=1, lease=lease, mask=mask),
+                    p.Renew(id=1, lease=lease),
+                ]
+            )
+            _call(cache, rid, peer, msg)
+        elif op == 10:
+            now[0] += rng.random() * 3
+            cache.expire()
+        elif op == 11:
+            tenants = {
+                name: msgspec.structs.replace(
+                    t,
+                    max_clients=rng.choice([0, 1, 3, 6]),
+                    max_leases=rng.choice([0, 1, 4, 9]),
+                    max_namespaces=rng.choice([0, 1, 2, 5]),
+                )
+                for name, t in cache.config.tenants.items()
+            }
+            cache.reconfigure(msgspec.structs.replace(cache.config, tenants=tenants))
+        elif op == 12 and held:
+            cache.undelivered(rid, p.ReserveOk(id=1, lease=rng.choice(held), present=0, offsets=[]))
+        _recount(cache)
+    assert cache.leases.held and cache.names.held  # the mix reached them
+
+
+def test_a_share_of_namespaces_lowered_under_what_is_held_drops_as_many_unused_as_it_takes() -> (
+    None
+):
+    """A reload lowered alpha's share of namespaces below the unused ones it
+    holds (kept for their pages): each registration dropped one unused
+    namespace, its pages gone, and was refused all the same, until as many
+    registrations as the tenant was over had each lost pages for nothing.
+    Now one registration drops as many unused ones as it takes."""
+    cache = _cache(alpha={"max_namespaces": 4}, beta={})
+    assert isinstance(_hello(cache, b"old", "alpha"), p.HelloOk)
+    for i in range(4):
+        ns = _ns(cache, b"old", "alpha", f"old-{i}")
+        ok = _reserve(cache, b"old", "alpha", ns, 10 * i)
+        assert isinstance(ok, p.ReserveOk)
+        assert isinstance(_call(cache, b"old", "alpha", p.Commit(id=4, lease=ok.lease)), p.CommitOk)
+    assert isinstance(_call(cache, b"old", "alpha", p.Goodbye(id=5)), p.Ok)
+    assert cache.names.held["alpha"] == 4 and cache.l2.books["alpha"].pages == 8
+    tenants = dict(cache.config.tenants)
+    tenants["alpha"] = msgspec.structs.replace(tenants["alpha"], max_namespaces=2)
+    cache.reconfigure(msgspec.structs.replace(cache.config, tenants=tenants))
+    assert isinstance(_hello(cache, b"a", "alpha"), p.HelloOk)
+    assert isinstance(_register(cache, b"a", "alpha", "new"), p.NamespaceOk)
+    assert cache.names.held["alpha"] == 2  # the oldest three made way, one unused is kept
+    assert cache.l2.books["alpha"].pages == 2
+    # the daemon-wide bound alike, tenants off
+    cache = _cache(namespaces=4)
+    assert isinstance(_hello(cache, b"old", None), p.HelloOk)
+    for i in range(4):
+        ns = _ns(cache, b"old", None, f"old-{i}")  # type: ignore[arg-type]
+        ok = _reserve(cache, b"old", None, ns, 10 * i)  # type: ignore[arg-type]
+        assert isinstance(ok, p.ReserveOk)
+        assert isinstance(_call(cache, b"old", None, p.Commit(id=4, lease=ok.lease)), p.CommitOk)
+    assert isinstance(_call(cache, b"old", None, p.Goodbye(id=5)), p.Ok)
+    pool = msgspec.structs.replace(cache.config.pool, max_namespaces=2)
+    cache.reconfigure(msgspec.structs.replace(cache.config, pool=pool))
+    assert isinstance(_hello(cache, b"a", None), p.HelloOk)
+    assert isinstance(_register(cache, b"a", None, "new"), p.NamespaceOk)  # type: ignore[arg-type]
+    assert len(cache.namespaces) == 2

@@ -5,8 +5,9 @@ on, the peer it is (cache/sessions.py). The table is bounded
 (``server.max_clients``): a newcomer to a full table takes the place of the
 longest idle session that holds no lease, or is refused. With tenants, a
 tenant's sessions are bounded too (its share, cache/shares.py), and a
-newcomer takes the place of its own tenant's sessions only, never another
-tenant's: one tenant cannot lock out or churn another's clients. A session
+newcomer takes the place of its own tenant's sessions only (or of an idle
+peer of no tenant, which holds status only), never another tenant's: one
+tenant cannot lock out or churn another's clients. A session
 that ends takes its leases with it (their fresh slots go to quarantine) and
 its namespaces lose a user.
 
@@ -21,7 +22,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from hicached.cache.sessions import Handlers, Session
-from hicached.cache.shares import over, share_of
+from hicached.cache.shares import NO_TENANT, over, share_of
 from hicached.errors import (
     BadRequest,
     ForeignTenant,
@@ -84,7 +85,10 @@ class Clients:
                 if bounds is not None and held >= bounds.clients:
                     self._make_room(share, f"{over(share, 'clients', held)}, each with a lease")
             if len(self.sessions) >= config.server.max_clients:
-                self._make_room(share, _full(len(self.sessions), share))
+                # status-only peers of no tenant make way for a tenant below its
+                # share too: their share and the tenants' add up to more than the
+                # table, and any local user could else lock a tenant out
+                self._make_room(share, _full(len(self.sessions), share), NO_TENANT)
             session = Session(self._next, routing_id, msg.client[:64], msg.pid, desk.clock(), peer)
             session.share = share
             self._next += 1
@@ -146,17 +150,18 @@ class Clients:
                 )
         return out
 
-    def _make_room(self, share: str | None, full: str) -> None:
+    def _make_room(self, share: str | None, full: str, also: str | None = None) -> None:
         """A bound is reached: the longest idle session without a lease (one
         without namespaces first) makes way; with tenants (``share`` not None)
-        only one of the newcomer's own share, never another tenant's. With
-        none, the newcomer is refused: ``full`` says why.
+        only one of the newcomer's own share (or of ``also``: the peers of no
+        tenant, at the daemon-wide bound), never another tenant's. With none,
+        the newcomer is refused: ``full`` says why.
 
         Walks the table in order (at most ``server.max_clients`` sessions), on
         a hello at a bound only."""
         fallback = None
         for session in self.sessions.values():  # least recently seen first
-            if session.leases or (share is not None and session.share != share):
+            if session.leases or (share is not None and session.share not in (share, also)):
                 continue
             if not session.namespaces:
                 self.end(session)

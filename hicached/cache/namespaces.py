@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -125,19 +126,35 @@ class Namespaces:
         """Room for one more namespace of ``book``'s tenant, within its share
         (with tenants) and the daemon's bound: an unused one of the same
         tenant is dropped to make it, else ResourceExhausted."""
-        bounds = self.desk.shares.of(book.name)
-        if bounds is not None and self.held.get(book.name, 0) >= bounds.namespaces:
-            self._drop_an_unused_namespace(book)
-            held = self.held.get(book.name, 0)
-            if held >= bounds.namespaces:
-                raise ResourceExhausted(f"{over(book.name, 'namespaces', held)}, all in use")
-        limit = self.desk.config.pool.max_namespaces
-        if len(self.by_id) >= limit:
-            self._drop_an_unused_namespace(book)
-        if len(self.by_id) >= limit:
-            raise ResourceExhausted(
-                f"{len(self.by_id)} namespaces are in use, the limit (pool.max_namespaces)"
+        name = book.name
+        bounds = self.desk.shares.of(name)
+        if bounds is not None:
+            self._drop_until(
+                book,
+                lambda: self.held.get(name, 0),
+                bounds.namespaces,
+                lambda held: f"{over(name, 'namespaces', held)}, all in use",
             )
+        self._drop_until(
+            book,
+            lambda: len(self.by_id),
+            self.desk.config.pool.max_namespaces,
+            lambda n: f"{n} namespaces are in use, the limit (pool.max_namespaces)",
+        )
+
+    def _drop_until(
+        self, book: TenantBook, count: Callable[[], int], limit: int, full: Callable[[int], str]
+    ) -> None:
+        """Drop unused namespaces of ``book``'s tenant until ``count()`` is below
+        ``limit``, else ResourceExhausted saying ``full``. As many as it takes: a
+        bound lowered by a reload (or adopted past) may be several behind, and
+        one dropped at a time lost its pages with the request refused all the same."""
+        held = count()
+        while held >= limit:
+            self._drop_an_unused_namespace(book)
+            if count() == held:
+                raise ResourceExhausted(full(held))
+            held = count()
 
     def _drop_an_unused_namespace(self, book: TenantBook) -> None:
         """Make room for a new namespace: the oldest one no client has registered

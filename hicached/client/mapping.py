@@ -22,12 +22,13 @@ checked once its bytes have moved, before anyone may use them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -303,8 +304,12 @@ class PoolMapping:
         self._closed = False  # close() began: no copy begins through this mapping
         # held while a CUDA copy is queued and while the pool is unregistered: a copy
         # on one thread never launches with the pool's CUDA view that another
-        # thread's unpin (Client.close, a restart's remap) is taking away
-        self._launching = threading.Lock()
+        # thread's unpin (Client.close, a restart's remap) is taking away.
+        # Reentrant (see _turn): a signal handler that closes the client (an
+        # engine's shutdown) runs on the thread that may hold it
+        self._launching = threading.RLock()
+        self._busy = False  # a holder of _launching is inside its turn
+        self._deferred: Callable[[], None] | None = None  # what a nested call left to it
 
     # -- handles -------------------------------------------------------------------
 
@@ -563,7 +568,7 @@ class PoolMapping:
         since the fence was checked."""
         from hicached.client import cuda
 
-        with self._launching:
+        with self._turn():
             if self._closed:
                 raise StaleHandle(
                     "this client's mapping of the pool was closed during the copy's start "
@@ -589,9 +594,31 @@ class PoolMapping:
 
     # -- CUDA --------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _turn(self, then: Callable[[], None] | None = None) -> Iterator[bool]:
+        """Hold ``_launching``: yields True for this thread's turn, False for a
+        call nested in it. A signal handler runs on a thread that may be inside
+        its turn (queuing a copy, pinning, draining), and waiting for the lock
+        there would wait for itself; so a nested unpin or close (``then``) is
+        left to the turn and done as it ends, never under a copy being queued."""
+        with self._launching:
+            if self._busy:  # only this thread gets here while another call is in its turn
+                if then is not None and (self._deferred is None or then == self.close):
+                    self._deferred = then
+                yield False
+                return
+            self._busy = True
+            try:
+                yield True
+            finally:
+                self._busy = False
+                deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            deferred()
+
     def pin(self) -> None:
         """Register the mapping with CUDA as pinned memory (once)."""
-        with self._launching:
+        with self._turn():
             if self._pinned:
                 return
             from hicached.client import cuda
@@ -607,12 +634,16 @@ class PoolMapping:
         """Unregister the mapping from CUDA (if pinned), once the copies still in
         flight through it are done; a copy being queued on another thread is
         queued first, and drained with the rest."""
-        with self._launching:
-            if self._pinned and self._drained():
-                from hicached.client import cuda
+        with self._turn(self.unpin) as mine:
+            if mine:
+                self._unpin()
 
-                self._pinned, self._mapped = False, None
-                cuda.unregister(self.arena.array)
+    def _unpin(self) -> None:
+        if self._pinned and self._drained():
+            from hicached.client import cuda
+
+            self._pinned, self._mapped = False, None
+            cuda.unregister(self.arena.array)
 
     def _drained(self) -> bool:
         """Wait (up to _DRAIN_S) for the CUDA copies still moving bytes through
@@ -635,6 +666,8 @@ class PoolMapping:
         (see ``_drained``) stays mapped, since freeing it under them could
         corrupt another mapping's memory."""
         self._closed = True  # before the arena empties: see _fence
-        self.unpin()
-        if not self._pinned:
-            self.arena.close()
+        with self._turn(self.close) as mine:
+            if mine:
+                self._unpin()
+                if not self._pinned:
+                    self.arena.close()

@@ -17,6 +17,7 @@ compared in constant time (digests of the same length, ``hmac.compare_digest``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -163,10 +164,34 @@ class Gate:
 
 
 class _Handler(WSGIRequestHandler):
-    """Logs nothing per request; a scraper that sends nothing (or stalls its
-    TLS handshake) is cut off after REQUEST_TIMEOUT_S."""
+    """Logs nothing per request; a scraper that has not finished its TLS
+    handshake and request REQUEST_TIMEOUT_S after it connected is cut off.
+    The socket's timeout bounds each read only: a request trickled a byte at
+    a time, each within it, would hold a scrape's slot for as long as its
+    sender liked, so a timer shuts the connection at the request's deadline."""
 
     timeout = REQUEST_TIMEOUT_S
+
+    def setup(self) -> None:
+        super().setup()
+        self._cutoff = threading.Timer(REQUEST_TIMEOUT_S, self._cut)
+        self._cutoff.daemon = True
+        self._cutoff.start()
+
+    def _cut(self) -> None:
+        # the plain socket's shutdown (an SSLSocket's drops its TLS object under
+        # the reading thread): the read this thread waits in ends at once
+        with contextlib.suppress(OSError):
+            socket.socket.shutdown(self.connection, socket.SHUT_RDWR)
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        self._cutoff.cancel()  # the request is in: its answer is written under the timeout
+        return ok
+
+    def finish(self) -> None:
+        self._cutoff.cancel()
+        super().finish()
 
     def log_message(self, format: str, *args: Any) -> None:
         pass

@@ -26,15 +26,23 @@ from typing import Any
 # of CPU each, for every rank of every launch). The server imports, computes
 # nothing and starts no thread pool, so the forks inherit no lock held.
 _PRELOAD = ["torch", "torch.distributed", "hicached.ranks.agreement"]
+# The process whose launches use the fork server (0: none yet). A process
+# forked from it (os.fork, a "fork" Process) inherits multiprocessing's record
+# of that server, its parent's child, and the stdlib's check of it fails there
+# (ChildProcessError from waitpid): such a process spawns its ranks.
+_server_of = 0
 
 
 def _context() -> Any:
     """Ranks are forked from a fork server (one per launching process, started
-    at the first launch) that imported torch; spawned where there is none."""
-    if "forkserver" not in mp.get_all_start_methods():
+    at the first launch) that imported torch; spawned where there is none, or
+    where the one known is a parent's."""
+    global _server_of
+    if "forkserver" not in mp.get_all_start_methods() or _server_of not in (0, os.getpid()):
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
+    _server_of = os.getpid()
     return ctx
 
 
