@@ -139,11 +139,12 @@ def test_one_tenant_at_its_clients_share_neither_refuses_nor_ends_anothers_sessi
         b2.reserve(b2.register(**NS), _toks(5))
         b3 = stack.enter_context(t.client("b"))  # n1, of no tenant, makes way
         stats = b3.stats()
-        assert (_clients(stats), stats.clients) == (3, 6)
+        assert (_clients(stats), stats.scope) == (3, "tenant")  # the totals: from the metrics
         with pytest.raises(ResourceExhausted, match=r"server\.max_clients") as info:
             stack.enter_context(t.client("n"))  # a tenant's session never makes way for it
         assert "none of peers of no tenant is idle without a lease" in str(info.value)
         figures = scrape(stats.metrics_endpoint, token=t.token)  # t.figures() connects as n
+    assert figures[("hicached_clients", ())] == 6  # the table stayed full
     # alpha's figures in the metrics: what it holds and its shares
     held = {
         (tenant, of): figures[("hicached_tenant_held", (("of", of), ("tenant", tenant)))]
