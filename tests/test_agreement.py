@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -278,3 +279,37 @@ def test_a_process_forked_after_a_launch_launches_ranks_too(tmp_path: Path) -> N
         check=False,
     )
     assert done.returncode == 0, (done.stdout, done.stderr[-2000:])
+
+
+def test_a_rank_that_fails_to_start_ends_the_ranks_started_before_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fault injection: the second rank's start raises (as a fork that finds no
+    memory would). The first rank, waiting for its peers, was left running
+    and the result queue open; now the error comes out and nothing runs on."""
+    import importlib
+
+    launcher = importlib.import_module("hicached.ranks.launch")  # the module, not the function
+    real = launcher._context()
+    made: list[Any] = []
+
+    class NoStart:
+        pid = None
+
+        def start(self) -> None:
+            raise OSError("no memory for another rank")
+
+    class Failing:
+        def Queue(self) -> Any:
+            return real.Queue()
+
+        def Process(self, **kwargs: Any) -> Any:
+            if made:
+                return NoStart()
+            made.append(real.Process(**kwargs))
+            return made[-1]
+
+    monkeypatch.setattr(launcher, "_context", Failing)
+    with pytest.raises(OSError, match="no memory"):
+        launch(rankfns.agree_steps, 1, tp=2, timeout=10, deadline=30)
+    assert len(made) == 1 and made[0].pid is not None and not made[0].is_alive()

@@ -127,8 +127,16 @@ def launch(
         for r in range(world)
     ]
     started = time.monotonic()
-    for proc in procs:
-        proc.start()
+    try:
+        for proc in procs:
+            proc.start()
+    except BaseException:  # one failed to start (no memory, no fork server): none runs on
+        for proc in procs:
+            if proc.pid is not None:
+                proc.kill()
+                proc.join(5)
+        out.close()
+        raise
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     ready: set[int] = set()
