@@ -107,14 +107,16 @@ async def test_a_failing_handler_gets_an_internal_error_and_the_batch_goes_on(
     loop = asyncio.get_running_loop()
     batch = {"open": False, "next_in_it": False}
 
-    def faulty(routing_id: bytes, request: p.AnyRequest, *peer: str) -> p.AnyReply:
+    def faulty(
+        routing_id: bytes, request: p.AnyRequest, *peer: str, **operator: bool
+    ) -> p.AnyReply:
         if request.id == 666:  # the injected fault
             batch["open"] = True
             loop.call_soon(batch.update, {"open": False})  # runs once this drain returns
             raise KeyError("injected fault")
         if request.id == 667:
             batch["next_in_it"] = batch["open"]
-        return handle(routing_id, request, *peer)
+        return handle(routing_id, request, *peer, **operator)
 
     monkeypatch.setattr(cache, "handle", faulty)
     a.send(p.Stats(id=666))
