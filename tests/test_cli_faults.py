@@ -169,15 +169,17 @@ def test_events_paces_its_dials_to_a_publisher_that_drops_every_connection() -> 
     import socket
 
     server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.1)  # a close from another thread does not end a blocked accept
     port = server.getsockname()[1]
     accepted = [0]
+    over = threading.Event()
 
     def accept() -> None:
-        while True:
+        while not over.is_set():
             try:
                 conn, _ = server.accept()
-            except OSError:  # closed: the test is over
-                return
+            except TimeoutError:
+                continue
             accepted[0] += 1
             conn.close()
 
@@ -186,8 +188,9 @@ def test_events_paces_its_dials_to_a_publisher_that_drops_every_connection() -> 
     try:
         done = _events("--endpoint", f"tcp://127.0.0.1:{port}", "--idle-exit", "2")
     finally:
-        server.close()
+        over.set()
         t.join(10)
+        server.close()
     assert done.returncode == 0, done.stderr
     assert "dialing again in 0.1 s" in done.stderr and "dialing again in 0.2 s" in done.stderr
     lines = done.stderr.splitlines()
