@@ -7,6 +7,7 @@ HTTP; the users of tests/test_tenants.py (root only) for a tenant's own view."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import encodings.idna  # noqa: F401  (loaded here: the forks as other users may not read it)
 import io
 import json
@@ -42,6 +43,8 @@ from tests.test_tenants import Users, users
 _ = (users,)  # a fixture, used by name
 
 REFUSED = ("hicached_metrics_refused_total", ())
+CLONE_NEWUSER = 0x10000000  # sched.h
+PR_SET_DUMPABLE = 4  # linux/prctl.h
 
 
 def _get(url: str, authorization: str | None = None) -> tuple[int, bytes, dict[str, str]]:
@@ -429,6 +432,24 @@ def test_a_tenants_peer_that_claims_the_operator_property_still_gets_its_tenants
     spoof = _as(alpha, lambda: _raw_stats(d.endpoint, claim))
     assert spoof == {"scope": "tenant", "pages": 0}, spoof
     assert _raw_stats(d.endpoint, claim) == {"scope": "daemon", "pages": 2}
+
+    def root_in_a_user_namespace() -> dict[str, object]:
+        """alpha's user, root in a user namespace of its own: the kernel reports
+        the uid it maps to (alpha's) to the daemon, not 0."""
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_DUMPABLE, 1)  # lost at setuid: /proc/self would stay root's
+        gid = os.getgid()
+        if libc.unshare(CLONE_NEWUSER) != 0:
+            return {"skip": os.strerror(ctypes.get_errno())}
+        Path("/proc/self/setgroups").write_text("deny")
+        Path("/proc/self/uid_map").write_text(f"0 {alpha} 1")
+        Path("/proc/self/gid_map").write_text(f"0 {gid} 1")
+        assert os.getuid() == 0
+        return _raw_stats(d.endpoint)
+
+    nested = _as(alpha, root_in_a_user_namespace)
+    if "skip" not in nested:  # user namespaces may be off for users here
+        assert nested == {"scope": "tenant", "pages": 0}, nested
 
 
 def test_connections_past_the_scrape_bound_are_closed_and_counted(daemon: Daemon) -> None:
