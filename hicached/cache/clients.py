@@ -88,7 +88,9 @@ class Clients:
                 # status-only peers of no tenant make way for a tenant below its
                 # share too: their share and the tenants' add up to more than the
                 # table, and any local user could else lock a tenant out
-                self._make_room(share, _full(len(self.sessions), share), NO_TENANT)
+                self._make_room(
+                    share, _full(len(self.sessions), config.server.max_clients, share), NO_TENANT
+                )
             session = Session(self._next, routing_id, msg.client[:64], msg.pid, desk.clock(), peer)
             session.share = share
             self._next += 1
@@ -222,14 +224,18 @@ def _same_peer(session: Session, peer: str | None) -> None:
         )
 
 
-def _full(clients: int, share: str | None) -> str:
-    """Why a newcomer to a full session table is refused."""
+def _full(clients: int, limit: int, share: str | None) -> str:
+    """Why a newcomer to a full session table is refused. With tenants (``share``
+    not None) the table's count is not said: it adds up every tenant's clients,
+    which a tenant's peer is not to learn (stats keep it from them too); the
+    bound is the config's."""
     if share is None:
         return f"{clients} clients hold leases, the limit (server.max_clients)"
     whose = "peers of no tenant" if share.startswith("!") else f"tenant {share!r}"
     return (
-        f"{clients} clients are connected, the limit (server.max_clients), and none of "
-        f"{whose} is idle without a lease (another tenant's never makes way)"
+        f"the daemon's client sessions, every tenant's together, are at their limit "
+        f"(server.max_clients = {limit}), and none of {whose} is idle without a lease "
+        "(another tenant's never makes way)"
     )
 
 

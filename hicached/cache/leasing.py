@@ -52,9 +52,15 @@ class Leasing:
             if bounds is not None and held >= bounds.leases:
                 raise ResourceExhausted(f"{over(share, 'leases', held)}: release or commit sooner")
         if len(self.table) >= config.max_leases:
+            # with tenants, no count: it adds up every tenant's leases, which a
+            # tenant's peer is not to learn (stats keep it from them too)
+            what = (
+                f"{len(self.table)} leases are open, the limit"
+                if share is None
+                else "the daemon's open leases, every tenant's together, are at the limit"
+            )
             raise ResourceExhausted(
-                f"{len(self.table)} leases are open, the limit (leases.max_leases): "
-                "release or commit leases sooner"
+                f"{what} (leases.max_leases = {config.max_leases}): release or commit leases sooner"
             )
         lease = Lease(self.table.next_id(), session, ns, desk.clock() + config.ttl_s, pinned)
         lease.pins = ns.kind.pins(pinned)
