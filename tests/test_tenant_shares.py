@@ -621,3 +621,17 @@ def test_a_refusal_at_a_daemon_wide_bound_tells_a_tenant_no_other_tenants_counts
     _lease(cache, b"x", None, 1)  # type: ignore[arg-type]
     refused = _reserve(cache, b"x", None, _ns(cache, b"x", None), 50)  # type: ignore[arg-type]
     assert "1 leases are open, the limit" in _refused(refused, "leases.max_leases = 1")
+
+
+def test_a_tenants_lease_ids_say_nothing_of_the_leases_others_opened_between() -> None:
+    """Lease ids counted up from a random start: alpha's client, taking a lease
+    before and after, read from the gap how many leases every other tenant
+    opened between (the activity its stats keep from it). Now each id is
+    random: the gap is no count."""
+    cache = _cache(alpha={}, beta={})
+    first = _lease(cache, b"a1", "alpha", 0)
+    for i in range(5):  # beta's activity between alpha's two leases
+        _lease(cache, b"b%d" % i, "beta", 10 * (i + 1))
+    second = _lease(cache, b"a2", "alpha", 100)
+    assert second - first != 6, (first, second)
+    assert len({first, second, *(lease.id for lease in cache.leases)}) == 7  # unique all the same

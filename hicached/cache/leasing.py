@@ -14,7 +14,6 @@ just before its deadline cannot land in another key's page.
 
 from __future__ import annotations
 
-import secrets
 from typing import TYPE_CHECKING
 
 from hicached.cache.sessions import Handlers, Lease, LeaseTable, NamespaceState, Session
@@ -33,9 +32,9 @@ class Leasing:
 
     def __init__(self, desk: Cache) -> None:
         self.desk = desk
-        # Lease ids count up from a random start: unique, and unlikely to be
+        # Lease ids are random (LeaseTable.next_id): unique, and unlikely to be
         # valid again after a restart (ownership is checked either way).
-        self.table = LeaseTable(secrets.randbits(62))
+        self.table = LeaseTable()
         self.expired = 0  # leases ended at their deadline
 
     def handlers(self) -> Handlers:
