@@ -635,3 +635,25 @@ def test_a_tenants_lease_ids_say_nothing_of_the_leases_others_opened_between() -
     second = _lease(cache, b"a2", "alpha", 100)
     assert second - first != 6, (first, second)
     assert len({first, second, *(lease.id for lease in cache.leases)}) == 7  # unique all the same
+
+
+def test_a_tenants_session_ids_say_nothing_of_the_clients_others_opened() -> None:
+    """Session ids counted up from 1: the id alpha's client got at hello said
+    how many clients every tenant had opened since the start, and the gap
+    between two how many between. Now each is random, unique among the live
+    sessions; the gather reports keep the sessions' order of coming."""
+    cache = _cache(alpha={}, beta={})
+    first = _hello(cache, b"a1", "alpha")
+    for i in range(5):  # beta's clients between alpha's two
+        assert isinstance(_hello(cache, b"b%d" % i, "beta"), p.HelloOk)
+    second = _hello(cache, b"a2", "alpha")
+    assert isinstance(first, p.HelloOk) and isinstance(second, p.HelloOk)
+    assert (first.session, second.session) != (1, 7), (first.session, second.session)
+    assert len({s.id for s in cache.sessions.values()}) == 7 == len(cache.clients.ids)
+    report = p.GatherReport(id=9, how="no_torch", read="numpy", write="numpy")
+    for rid in (b"a2", b"a1"):
+        assert isinstance(_call(cache, rid, "alpha", report), p.Ok)
+    shown = [c.session for c in cache.stats("alpha").gather_clients]
+    assert shown == [first.session, second.session]  # the order they came in
+    assert isinstance(_call(cache, b"a1", "alpha", p.Goodbye(id=10)), p.Ok)
+    assert first.session not in cache.clients.ids

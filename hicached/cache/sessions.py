@@ -80,6 +80,7 @@ class Session:
     # the share of the shared bounds it counts against (cache/shares.py): its
     # tenant's name, "!" for a peer of no tenant; None = tenants are off
     share: str | None = None
+    seq: int = 0  # the sessions' order of coming (the id is random: cache/clients.py)
     namespaces: set[int] = field(default_factory=set)
     leases: set[int] = field(default_factory=set)
     # the client process's scattered-copy kernels, as it last reported them
