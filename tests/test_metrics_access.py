@@ -7,6 +7,7 @@ HTTP; the users of tests/test_tenants.py (root only) for a tenant's own view."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import encodings.idna  # noqa: F401  (loaded here: the forks as other users may not read it)
 import io
 import json
@@ -25,13 +26,16 @@ from pathlib import Path
 import msgspec
 import numpy as np
 import pytest
+import zmq
 
 from hicached import Client
 from hicached.cli import main
 from hicached.config import parse_config
 from hicached.daemon.metrics_http import MAX_SCRAPES, MIN_TOKEN_CHARS, read_token
+from hicached.daemon.tenants import OPERATOR
 from hicached.errors import ConfigError
 from hicached.testing import scrape
+from hicached.wire import protocol as p
 from tests.support import NS, PAGE_TOKENS, Daemon, free_tcp_port, metrics_token, page_bytes_for
 from tests.test_client_group import as_user
 from tests.test_tenants import Users, users
@@ -39,6 +43,8 @@ from tests.test_tenants import Users, users
 _ = (users,)  # a fixture, used by name
 
 REFUSED = ("hicached_metrics_refused_total", ())
+CLONE_NEWUSER = 0x10000000  # sched.h
+PR_SET_DUMPABLE = 4  # linux/prctl.h
 
 
 def _get(url: str, authorization: str | None = None) -> tuple[int, bytes, dict[str, str]]:
@@ -385,6 +391,65 @@ def test_a_tenants_user_scrapes_nothing_and_its_status_shows_its_own_tenant_alon
     assert figures[("hicached_tenant_pages", (("tenant", "alpha"),))] == 3
     assert figures[("hicached_tenant_pages", (("tenant", "beta"),))] == 5
     assert figures[REFUSED] == 3
+
+
+def _raw_stats(endpoint: str, metadata: bytes = b"") -> dict[str, object]:
+    """One stats request on a bare DEALER, its handshake carrying ``metadata``
+    (ZMQ_METADATA, "Name:value"), as any peer may send it; its reply as builtins."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if metadata:
+            sock.setsockopt(zmq.METADATA, metadata)
+        sock.connect(endpoint)
+        sock.send(p.encode(p.Stats(id=1)))
+        assert sock.poll(10_000), "no reply to stats"
+        reply = p.reply_decoder.decode(sock.recv())
+        sock.close()
+    finally:
+        ctx.term()
+    assert isinstance(reply, p.StatsOk), reply
+    return {"scope": reply.stats.scope, "pages": reply.stats.pages}
+
+
+def test_a_tenants_peer_that_claims_the_operator_property_still_gets_its_tenants_view(
+    two_tenants: tuple[Daemon, str], users: Users
+) -> None:
+    """The operator mark is a connection property; a peer may send properties of
+    its own in its handshake (ZMQ_METADATA). alpha's user sending
+    X-Hicached-Operator:1 still gets its tenant's view: the ZAP handler's value
+    is the one the daemon reads. Root (the daemon's user) gets the totals."""
+    d, _ = two_tenants
+    (alpha, _), (beta, _), _ = users.ids
+
+    def store() -> dict[str, object]:
+        _store(d, pages=2)  # beta's pages: a total alpha is not to see
+        return {}
+
+    _as(beta, store)
+    claim = OPERATOR.encode() + b":1"
+    spoof = _as(alpha, lambda: _raw_stats(d.endpoint, claim))
+    assert spoof == {"scope": "tenant", "pages": 0}, spoof
+    assert _raw_stats(d.endpoint, claim) == {"scope": "daemon", "pages": 2}
+
+    def root_in_a_user_namespace() -> dict[str, object]:
+        """alpha's user, root in a user namespace of its own: the kernel reports
+        the uid it maps to (alpha's) to the daemon, not 0."""
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_DUMPABLE, 1)  # lost at setuid: /proc/self would stay root's
+        gid = os.getgid()
+        if libc.unshare(CLONE_NEWUSER) != 0:
+            return {"skip": os.strerror(ctypes.get_errno())}
+        Path("/proc/self/setgroups").write_text("deny")
+        Path("/proc/self/uid_map").write_text(f"0 {alpha} 1")
+        Path("/proc/self/gid_map").write_text(f"0 {gid} 1")
+        assert os.getuid() == 0
+        return _raw_stats(d.endpoint)
+
+    nested = _as(alpha, root_in_a_user_namespace)
+    if "skip" not in nested:  # user namespaces may be off for users here
+        assert nested == {"scope": "tenant", "pages": 0}, nested
 
 
 def test_connections_past_the_scrape_bound_are_closed_and_counted(daemon: Daemon) -> None:

@@ -574,3 +574,86 @@ def test_a_share_of_namespaces_lowered_under_what_is_held_drops_as_many_unused_a
     assert isinstance(_hello(cache, b"a", None), p.HelloOk)
     assert isinstance(_register(cache, b"a", None, "new"), p.NamespaceOk)  # type: ignore[arg-type]
     assert len(cache.namespaces) == 2
+
+
+def test_a_refusal_at_a_daemon_wide_bound_tells_a_tenant_no_other_tenants_counts() -> None:
+    """The daemon's tables (sessions, leases, namespaces) hold every tenant's;
+    their counts are the others' activity, which a tenant's stats no longer
+    show. A refusal at a daemon-wide bound said the count all the same ("9
+    clients are connected"), past the bound after a reload lowered it. Now it
+    names the bound, as the config sets it, and no count; without tenants
+    the count stays."""
+    mine = {"max_clients": 100, "max_leases": 100, "max_namespaces": 100}
+    cache = _cache(alpha=mine, beta=mine, gamma=mine)
+    assert isinstance(_hello(cache, b"a", "alpha"), p.HelloOk)
+    ns = _ns(cache, b"a", "alpha", "alpha")
+    _lease(cache, b"a2", "alpha", 1000)
+    for i in range(7):  # beta: 7 sessions, each with a namespace of its own and a lease
+        rid = b"b%d" % i
+        assert isinstance(_hello(cache, rid, "beta"), p.HelloOk)
+        assert isinstance(
+            _reserve(cache, rid, "beta", _ns(cache, rid, "beta", f"b{i}"), i), p.ReserveOk
+        )
+    assert (len(cache.sessions), len(cache.leases), len(cache.namespaces)) == (9, 8, 9)
+    # a reload lowers every daemon-wide bound below what is held (and the
+    # tenants' shares to fit; alpha's and gamma's are still above what they hold)
+    config = cache.config
+    four = {"max_clients": 4, "max_leases": 4, "max_namespaces": 4}
+    cache.reconfigure(
+        msgspec.structs.replace(
+            config,
+            tenants={k: msgspec.structs.replace(t, **four) for k, t in config.tenants.items()},
+            server=msgspec.structs.replace(config.server, max_clients=4),
+            leases=msgspec.structs.replace(config.leases, max_leases=4),
+            pool=msgspec.structs.replace(config.pool, max_namespaces=4),
+        )
+    )
+    refusals = [
+        _refused(_register(cache, b"a", "alpha", "another"), "pool.max_namespaces = 4"),
+        _refused(_reserve(cache, b"a", "alpha", ns, 500), "leases.max_leases = 4"),
+        _refused(_hello(cache, b"g", "gamma"), "server.max_clients = 4"),
+    ]
+    for message in refusals:
+        assert not any(str(n) in message for n in (8, 9)), message
+        assert "every tenant's together" in message, message
+    # without tenants, the count (all the operator's) stays in the message
+    cache = _cache(leases=1)
+    _lease(cache, b"x", None, 1)  # type: ignore[arg-type]
+    refused = _reserve(cache, b"x", None, _ns(cache, b"x", None), 50)  # type: ignore[arg-type]
+    assert "1 leases are open, the limit" in _refused(refused, "leases.max_leases = 1")
+
+
+def test_a_tenants_lease_ids_say_nothing_of_the_leases_others_opened_between() -> None:
+    """Lease ids counted up from a random start: alpha's client, taking a lease
+    before and after, read from the gap how many leases every other tenant
+    opened between (the activity its stats keep from it). Now each id is
+    random: the gap is no count."""
+    cache = _cache(alpha={}, beta={})
+    first = _lease(cache, b"a1", "alpha", 0)
+    for i in range(5):  # beta's activity between alpha's two leases
+        _lease(cache, b"b%d" % i, "beta", 10 * (i + 1))
+    second = _lease(cache, b"a2", "alpha", 100)
+    assert second - first != 6, (first, second)
+    assert len({first, second, *(lease.id for lease in cache.leases)}) == 7  # unique all the same
+
+
+def test_a_tenants_session_ids_say_nothing_of_the_clients_others_opened() -> None:
+    """Session ids counted up from 1: the id alpha's client got at hello said
+    how many clients every tenant had opened since the start, and the gap
+    between two how many between. Now each is random, unique among the live
+    sessions; the gather reports keep the sessions' order of coming."""
+    cache = _cache(alpha={}, beta={})
+    first = _hello(cache, b"a1", "alpha")
+    for i in range(5):  # beta's clients between alpha's two
+        assert isinstance(_hello(cache, b"b%d" % i, "beta"), p.HelloOk)
+    second = _hello(cache, b"a2", "alpha")
+    assert isinstance(first, p.HelloOk) and isinstance(second, p.HelloOk)
+    assert (first.session, second.session) != (1, 7), (first.session, second.session)
+    assert len({s.id for s in cache.sessions.values()}) == 7 == len(cache.clients.ids)
+    report = p.GatherReport(id=9, how="no_torch", read="numpy", write="numpy")
+    for rid in (b"a2", b"a1"):
+        assert isinstance(_call(cache, rid, "alpha", report), p.Ok)
+    shown = [c.session for c in cache.stats("alpha").gather_clients]
+    assert shown == [first.session, second.session]  # the order they came in
+    assert isinstance(_call(cache, b"a1", "alpha", p.Goodbye(id=10)), p.Ok)
+    assert first.session not in cache.clients.ids

@@ -18,6 +18,7 @@ kept for ``stats`` and forgotten with the session.
 
 from __future__ import annotations
 
+import secrets
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
@@ -48,7 +49,8 @@ class Clients:
         self.sessions: OrderedDict[bytes, Session] = OrderedDict()
         # sessions by share (Session.share), with tenants on: counted at hello and end
         self.held: dict[str, int] = {}
-        self._next = 1
+        self._next = 1  # sessions in the order they came (Session.seq)
+        self.ids: set[int] = set()  # the sessions' ids
         # tenant arenas (daemon/arenas.py): each tenant's file, the only one its clients map
         self.arenas: dict[str, TenantArena] | None = None
 
@@ -88,8 +90,13 @@ class Clients:
                 # status-only peers of no tenant make way for a tenant below its
                 # share too: their share and the tenants' add up to more than the
                 # table, and any local user could else lock a tenant out
-                self._make_room(share, _full(len(self.sessions), share), NO_TENANT)
-            session = Session(self._next, routing_id, msg.client[:64], msg.pid, desk.clock(), peer)
+                self._make_room(
+                    share, _full(len(self.sessions), config.server.max_clients, share), NO_TENANT
+                )
+            session_id = self._new_id()
+            session = Session(session_id, routing_id, msg.client[:64], msg.pid, desk.clock(), peer)
+            session.seq = self._next
+            self.ids.add(session_id)
             session.share = share
             self._next += 1
             self.sessions[routing_id] = session
@@ -127,7 +134,7 @@ class Clients:
         own sessions only: a report names its client and pid, which another
         tenant is not to see."""
         out = []
-        for session in sorted(self.sessions.values(), key=_session_id):
+        for session in sorted(self.sessions.values(), key=_session_seq):
             g = session.gather
             if g is not None and (viewer is None or session.peer == viewer):
                 out.append(
@@ -172,6 +179,16 @@ class Clients:
             raise ResourceExhausted(f"{full}: close idle clients or raise the limit")
         self.end(fallback)
 
+    def _new_id(self) -> int:
+        """A random id no session has. Not one counted up: the id a tenant's
+        client got at hello told it how many clients every tenant had opened
+        (since the start, and between two of its own), the activity its stats
+        keep from it."""
+        session_id = secrets.randbits(31) or 1
+        while session_id in self.ids:
+            session_id = secrets.randbits(31) or 1
+        return session_id
+
     def session(self, routing_id: bytes, peer: str | None = None) -> Session:
         session = self.sessions.get(routing_id)
         if session is None:
@@ -190,6 +207,7 @@ class Clients:
         """Forget a client: its leases end (write slots to quarantine), its
         namespaces lose a user."""
         del self.sessions[session.routing_id]
+        self.ids.discard(session.id)
         if session.share is not None:
             self.held[session.share] -= 1
         desk = self.desk
@@ -222,19 +240,23 @@ def _same_peer(session: Session, peer: str | None) -> None:
         )
 
 
-def _full(clients: int, share: str | None) -> str:
-    """Why a newcomer to a full session table is refused."""
+def _full(clients: int, limit: int, share: str | None) -> str:
+    """Why a newcomer to a full session table is refused. With tenants (``share``
+    not None) the table's count is not said: it adds up every tenant's clients,
+    which a tenant's peer is not to learn (stats keep it from them too); the
+    bound is the config's."""
     if share is None:
         return f"{clients} clients hold leases, the limit (server.max_clients)"
     whose = "peers of no tenant" if share.startswith("!") else f"tenant {share!r}"
     return (
-        f"{clients} clients are connected, the limit (server.max_clients), and none of "
-        f"{whose} is idle without a lease (another tenant's never makes way)"
+        f"the daemon's client sessions, every tenant's together, are at their limit "
+        f"(server.max_clients = {limit}), and none of {whose} is idle without a lease "
+        "(another tenant's never makes way)"
     )
 
 
-def _session_id(session: Session) -> int:
-    return session.id
+def _session_seq(session: Session) -> int:
+    return session.seq
 
 
 def _check_gather(msg: p.GatherReport) -> None:

@@ -14,7 +14,6 @@ just before its deadline cannot land in another key's page.
 
 from __future__ import annotations
 
-import secrets
 from typing import TYPE_CHECKING
 
 from hicached.cache.sessions import Handlers, Lease, LeaseTable, NamespaceState, Session
@@ -33,9 +32,9 @@ class Leasing:
 
     def __init__(self, desk: Cache) -> None:
         self.desk = desk
-        # Lease ids count up from a random start: unique, and unlikely to be
+        # Lease ids are random (LeaseTable.next_id): unique, and unlikely to be
         # valid again after a restart (ownership is checked either way).
-        self.table = LeaseTable(secrets.randbits(62))
+        self.table = LeaseTable()
         self.expired = 0  # leases ended at their deadline
 
     def handlers(self) -> Handlers:
@@ -52,9 +51,15 @@ class Leasing:
             if bounds is not None and held >= bounds.leases:
                 raise ResourceExhausted(f"{over(share, 'leases', held)}: release or commit sooner")
         if len(self.table) >= config.max_leases:
+            # with tenants, no count: it adds up every tenant's leases, which a
+            # tenant's peer is not to learn (stats keep it from them too)
+            what = (
+                f"{len(self.table)} leases are open, the limit"
+                if share is None
+                else "the daemon's open leases, every tenant's together, are at the limit"
+            )
             raise ResourceExhausted(
-                f"{len(self.table)} leases are open, the limit (leases.max_leases): "
-                "release or commit leases sooner"
+                f"{what} (leases.max_leases = {config.max_leases}): release or commit leases sooner"
             )
         lease = Lease(self.table.next_id(), session, ns, desk.clock() + config.ttl_s, pinned)
         lease.pins = ns.kind.pins(pinned)

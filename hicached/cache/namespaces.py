@@ -135,11 +135,13 @@ class Namespaces:
                 bounds.namespaces,
                 lambda held: f"{over(name, 'namespaces', held)}, all in use",
             )
+        config = self.desk.config
+        limit = config.pool.max_namespaces
         self._drop_until(
             book,
             lambda: len(self.by_id),
-            self.desk.config.pool.max_namespaces,
-            lambda n: f"{n} namespaces are in use, the limit (pool.max_namespaces)",
+            limit,
+            lambda n: _all_in_use(n, limit, bool(config.tenants)),
         )
 
     def _drop_until(
@@ -263,3 +265,15 @@ def _own_spec(session: Session, spec: NamespaceSpec) -> NamespaceSpec:
         f"namespace of tenant {spec.tenant!r} refused: this connection belongs to tenant "
         f"{peer!r} (its credentials say so); leave tenant unset or set it to {peer!r}"
     )
+
+
+def _all_in_use(held: int, limit: int, tenants: bool) -> str:
+    """Why a registration past the daemon's bound of namespaces is refused. With
+    tenants the count is not said: it adds up every tenant's namespaces, which a
+    tenant's peer is not to learn (stats keep it from them too)."""
+    if tenants:
+        return (
+            "the daemon's namespaces, every tenant's together, are all in use at the "
+            f"limit (pool.max_namespaces = {limit})"
+        )
+    return f"{held} namespaces are in use, the limit (pool.max_namespaces = {limit})"

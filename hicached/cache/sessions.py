@@ -21,6 +21,7 @@ the daemon's state.
 
 from __future__ import annotations
 
+import secrets
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -79,6 +80,7 @@ class Session:
     # the share of the shared bounds it counts against (cache/shares.py): its
     # tenant's name, "!" for a peer of no tenant; None = tenants are off
     share: str | None = None
+    seq: int = 0  # the sessions' order of coming (the id is random: cache/clients.py)
     namespaces: set[int] = field(default_factory=set)
     leases: set[int] = field(default_factory=set)
     # the client process's scattered-copy kernels, as it last reported them
@@ -143,9 +145,8 @@ class LeaseTable:
     restart (ownership is checked either way), and how many each tenant's
     sessions hold (``held``, by ``Session.share``; with tenants on)."""
 
-    def __init__(self, first_id: int) -> None:
+    def __init__(self) -> None:
         self._leases: OrderedDict[int, Lease] = OrderedDict()
-        self._next = first_id
         self.held: dict[str, int] = {}
 
     def __len__(self) -> int:
@@ -158,8 +159,15 @@ class LeaseTable:
         return self._leases.get(lease_id)
 
     def next_id(self) -> int:
-        self._next = (self._next + 1) & ((1 << 63) - 1) or 1
-        return self._next
+        """A random id that no open lease has. Not one counted up: the ids a
+        tenant's client got would tell it how many leases every tenant opened
+        in between (the activity its stats keep from it); from the OS's
+        random source, since a seeded generator's next outputs follow from
+        enough of its past ones."""
+        lease_id = secrets.randbits(63) or 1
+        while lease_id in self._leases:  # 2**-63 a lease: all but never
+            lease_id = secrets.randbits(63) or 1
+        return lease_id
 
     def add(self, lease: Lease) -> None:
         self._leases[lease.id] = lease
