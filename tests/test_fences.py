@@ -318,6 +318,31 @@ def test_the_keys_known_in_l3_are_bounded() -> None:
     assert known.leading(keys, 95) == 5 and known.leading(keys, 0) == 0
 
 
+class _Event:
+    """A CUDA event that has completed (fault injection: no GPU here)."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, other: object) -> float:
+        return 0.0
+
+
+def _fake_cuda(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Fault injection: CUDA's marks complete at once and its unregisters are
+    recorded in the list returned; the rig's mapping is taken as pinned."""
+    from hicached.client import cuda
+
+    order: list[str] = []
+    monkeypatch.setattr(cuda, "mark", lambda device, timing=False: _Event())
+    monkeypatch.setattr(cuda, "unregister", lambda array: order.append("unregister"))
+    rig.mapping._pinned, rig.mapping._mapped = True, "the pool's CUDA view"
+    return order
+
+
 def test_a_cuda_copy_being_queued_is_drained_before_the_pool_is_unregistered(
     rig: Rig, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -330,24 +355,8 @@ def test_a_cuda_copy_being_queued_is_drained_before_the_pool_is_unregistered(
     import threading
     import time
 
-    from hicached.client import cuda
-
-    order: list[str] = []
-
-    class Event:
-        def query(self) -> bool:
-            return True
-
-        def synchronize(self) -> None:
-            pass
-
-        def elapsed_time(self, other: object) -> float:
-            return 0.0
-
-    monkeypatch.setattr(cuda, "mark", lambda device, timing=False: Event())
-    monkeypatch.setattr(cuda, "unregister", lambda array: order.append("unregister"))
+    order = _fake_cuda(rig, monkeypatch)
     mapping = rig.mapping
-    mapping._pinned, mapping._mapped = True, "the pool's CUDA view"
     queuing = threading.Event()
 
     def launch() -> str:
@@ -383,24 +392,8 @@ def test_a_close_from_a_signal_handler_on_the_copying_thread_is_done_after_the_c
     from inside the launch, on its thread, where the signal would run it."""
     import threading
 
-    from hicached.client import cuda
-
-    order: list[str] = []
-
-    class Event:
-        def query(self) -> bool:
-            return True
-
-        def synchronize(self) -> None:
-            pass
-
-        def elapsed_time(self, other: object) -> float:
-            return 0.0
-
-    monkeypatch.setattr(cuda, "mark", lambda device, timing=False: Event())
-    monkeypatch.setattr(cuda, "unregister", lambda array: order.append("unregister"))
+    order = _fake_cuda(rig, monkeypatch)
     mapping = rig.mapping
-    mapping._pinned, mapping._mapped = True, "the pool's CUDA view"
 
     def launch() -> str:
         order.append("launch")
@@ -436,9 +429,7 @@ def test_an_unpin_from_a_signal_handler_while_the_pool_drains_unregisters_once(
     handler's close is called from the wait for the copy in flight."""
     import threading
 
-    from hicached.client import cuda
-
-    order: list[str] = []
+    order = _fake_cuda(rig, monkeypatch)
 
     class Copy:
         def done(self) -> bool:
@@ -450,9 +441,7 @@ def test_an_unpin_from_a_signal_handler_while_the_pool_drains_unregisters_once(
                 mapping.close()  # the signal handler, on this thread
             return True
 
-    monkeypatch.setattr(cuda, "unregister", lambda array: order.append("unregister"))
     mapping = rig.mapping
-    mapping._pinned, mapping._mapped = True, "the pool's CUDA view"
     mapping._inflight.append(Copy())  # type: ignore[arg-type]
     closer = threading.Thread(target=mapping.close, daemon=True)  # a regression waits for ever
     closer.start()
