@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import msgspec
 import numpy as np
@@ -14,9 +16,12 @@ import zmq
 
 from hicached import Client
 from hicached import protocol as p
+from hicached.cache import Cache
+from hicached.config import Config, PoolConfig
+from hicached.daemon.requests import SKIP_BATCH, RequestLoop
 from hicached.errors import BadRequest, ForeignLease, InvalidNamespace, TooLarge, UnknownLease
 from hicached.server import peek_request
-from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
+from tests.support import NS, PAGE_BYTES, PAGE_TOKENS, Daemon, page_bytes_for
 
 
 class Raw:
@@ -88,6 +93,44 @@ def test_wrong_frame_count_is_dropped_and_counted(small_daemon: Daemon, raw: Raw
     raw.send(*[b""] * 100_000)  # frames the daemon reads and lets go of, keeping none
     assert raw.recv(300) is None
     assert still_serving(small_daemon).dropped["bad_frames"] == 3
+
+
+def test_a_message_of_many_frames_is_read_over_several_turns(tmp_path: Path) -> None:
+    """The frames of a message that is not a request are let go of
+    ``SKIP_BATCH`` a turn, with the event loop free between turns; the request
+    behind them is then answered."""
+    config = Config(pool=PoolConfig(size_mib=2, slab_mib=1, max_page_bytes=PAGE_BYTES))
+    cache = Cache(config, pool_path="/nonexistent")
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router, dealer = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    endpoint = f"ipc://{tmp_path}/s"
+    router.bind(endpoint)
+    dealer.connect(endpoint)
+    frames = 3 * SKIP_BATCH + 5
+
+    async def run() -> int:
+        loop = RequestLoop(router, cache, config.server, tenants=False, metrics=None, tier=None)
+        dealer.send_multipart([b""] * frames)
+        dealer.send(p.encode(p.Hello(id=9, major=p.PROTOCOL_MAJOR, minor=p.PROTOCOL_MINOR)))
+        assert router.poll(5000) and router.poll(5000)  # both messages are in
+        loop._drain()  # one turn: the message's first SKIP_BATCH frames past its two
+        assert loop._skipping and cache.dropped["bad_frames"] == 1
+        turns = 0
+        while not dealer.poll(0):
+            assert turns < 100, "the request behind the frames was not answered"
+            await asyncio.sleep(0)
+            turns += 1
+        reply = p.reply_decoder.decode(dealer.recv())
+        assert isinstance(reply, p.HelloOk) and reply.id == 9
+        return turns
+
+    try:
+        assert asyncio.run(run()) >= 3  # three more turns read the rest, then the hello
+        assert cache.dropped["bad_frames"] == 1
+    finally:
+        router.close(0)
+        dealer.close(0)
+        ctx.term()
 
 
 def test_wrong_major_version_is_refused(small_daemon: Daemon, raw: Raw) -> None:

@@ -48,6 +48,9 @@ _SNDMORE_NOBLOCK = int(zmq.SNDMORE | zmq.NOBLOCK)
 _EVENTS = int(zmq.EVENTS)
 _RCVMORE = int(zmq.RCVMORE)
 _POLLIN = int(zmq.POLLIN)
+# frames past a request's two read and let go of in one turn of the event loop:
+# a message of millions of frames is read over many turns, other work between
+SKIP_BATCH = 4096
 
 
 class RequestLoop:
@@ -79,6 +82,7 @@ class RequestLoop:
         self.tier = tier
         self._fault_logged = -math.inf  # monotonic time of the last logged internal error
         self._faults_unlogged = 0  # internal errors since then, not logged
+        self._skipping = False  # the frames of a message that is not a request remain
 
     def start(self) -> None:
         """Read on the socket's readiness, and once now: messages may be queued."""
@@ -106,6 +110,8 @@ class RequestLoop:
         sock = self.sock
         if sock.closed:  # stopped, with a turn still queued
             return
+        if self._skipping and not self._skip():
+            return
         recv, get, tenants = sock.recv, sock.getsockopt, self.tenants
         for _ in range(self.config.drain_batch):
             try:
@@ -121,15 +127,30 @@ class RequestLoop:
                 frames, peer, more = [routing_id, recv(_NOBLOCK)], None, bool(get(_RCVMORE))
             if more:  # not a request (_handle counts it): the rest is read and let go
                 frames.append(b"")  # one frame past a request's two, however many came
-                while more:  # (a peer may send millions: none is kept)
-                    more = recv(_NOBLOCK, copy=False).more
             try:
                 self._handle(frames, peer, frame)
             except Exception as exc:  # a bug: this request fails, the others go on
                 self._fault(frames, exc)
+            if more:
+                self._skipping = True
+                if not self._skip():
+                    return
             if not int(get(_EVENTS)) & _POLLIN:
                 return
         asyncio.get_running_loop().call_soon(self._drain)  # more may wait; let others run first
+
+    def _skip(self) -> bool:
+        """Read and let go of the rest of a message that is not a request, up
+        to ``SKIP_BATCH`` frames (a peer may send millions: none is kept, and
+        the event loop is not held while they are read). False when frames
+        remain: another turn of the drain is queued to read on."""
+        recv = self.sock.recv
+        for _ in range(SKIP_BATCH):
+            if not recv(_NOBLOCK, copy=False).more:
+                self._skipping = False
+                return True
+        asyncio.get_running_loop().call_soon(self._drain)
+        return False
 
     def _handle(
         self, frames: list[bytes], peer: str | None = None, frame: zmq.Frame | None = None
