@@ -50,7 +50,9 @@ class TenantConfig(msgspec.Struct, **_Section):
     # credentials as the kernel reports them when it connects).
     uids: list[int] = msgspec.field(default_factory=list)
     # Local group ids: an ipc peer whose uid no tenant lists belongs to the
-    # tenant that lists its primary (effective) group id.
+    # tenant that lists its current (effective) group id, else to the tenant that
+    # lists a group its user is a member of (primary or supplementary, as passwd
+    # and group say; of several tenants' groups, the first tenant by name).
     gids: list[int] = msgspec.field(default_factory=list)
     # CURVE public certificates (NAME.key, as `hicached keygen` writes them) of the
     # tcp clients that belong to this tenant; a relative name is looked up in

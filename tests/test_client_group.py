@@ -105,16 +105,20 @@ def become(user: pwd.struct_passwd, primary: int | None = None) -> None:
 
 
 def as_user(
-    user: pwd.struct_passwd, work: Callable[[], dict[str, object]], timeout: float = 30.0
+    user: pwd.struct_passwd,
+    work: Callable[[], dict[str, object]],
+    timeout: float = 30.0,
+    primary: int | None = None,
 ) -> dict[str, object]:
-    """Run ``work`` in a fork of this process as ``user``; its result as a dict."""
+    """Run ``work`` in a fork of this process as ``user`` (``primary``: its
+    current gid instead of its own group); its result as a dict."""
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: no pytest from here on, only os._exit
         code = 0
         try:
             os.close(read)
-            become(user)
+            become(user, primary)
             result = work()
         except BaseException as exc:
             result, code = {"crash": f"{type(exc).__name__}: {exc}"}, 1

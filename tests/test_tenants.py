@@ -31,12 +31,20 @@ from hicached import Client, CurveKeys
 from hicached import protocol as p
 from hicached.cache import Cache
 from hicached.config import Config, PoolConfig, TenantConfig, parse_config
-from hicached.errors import ConfigError, DaemonUnavailable, DeadlineExceeded, ForeignTenant
+from hicached.daemon.arenas import check_memberships
+from hicached.errors import (
+    ConfigError,
+    DaemonUnavailable,
+    DeadlineExceeded,
+    ForeignTenant,
+    HicachedError,
+)
 from hicached.hashing import pack_tokens
 from hicached.namespace import NamespaceSpec, namespace_digest
-from hicached.tenants import TenantMap
+from hicached.tenants import Memberships, TenantMap, user_groups
 from hicached.testing import scrape
 from tests.support import NS, PAGE_TOKENS, Daemon, metrics_token, page_bytes_for
+from tests.test_client_group import as_user
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = 4096
@@ -304,6 +312,119 @@ def test_tenant_map_reads_ipc_credentials_and_curve_keys() -> None:
     assert strict.of_key(b"Z" * 40).startswith("!CURVE key ZZZ")
     tcp = TenantMap({"alpha": TenantConfig(uids=[1001])}, {}, ipc=False)
     assert tcp.of_address("1:1001:1:1") == "!tcp 1:1001:1:1 without CURVE"  # not credentials
+
+
+class _Groups:
+    """A user and group database of a few users (uid -> its groups), which
+    counts its lookups; a uid it does not list has no passwd entry."""
+
+    def __init__(self, groups: dict[int, list[int]]) -> None:
+        self.groups = groups
+        self.asked: list[int] = []
+
+    def __call__(self, uid: int) -> list[int]:
+        self.asked.append(uid)
+        return list(self.groups.get(uid, []))
+
+
+def test_an_ipc_peer_belongs_to_the_tenant_of_a_group_its_user_is_in_whatever_its_gid() -> None:
+    """The order: the uid listed, the current gid listed, a listed group the
+    user is a member of (primary or supplementary), the others tenant."""
+    tenants = {
+        "alpha": TenantConfig(uids=[1001]),
+        "beta": TenantConfig(gids=[2000]),
+        "gamma": TenantConfig(gids=[3000]),
+        "rest": TenantConfig(others=True),
+    }
+    db = _Groups({1001: [1001, 3000], 1002: [1002, 3000], 1003: [1003]})
+    m = TenantMap(tenants, {}, ipc=True, lookup=db)
+    assert m.of_address("localhost:1001:2000:7") == "alpha"  # the uid, before any group
+    assert m.of_address("localhost:1002:2000:7") == "beta"  # the current gid, before membership
+    assert db.asked == []  # decided without a lookup
+    # 1002 runs with its own group (or any other, as after sg or newgrp) current:
+    # still gamma's, whose group it is in, not the others'
+    assert m.of_address("localhost:1002:1002:7") == "gamma"
+    assert m.of_address("localhost:1002:4000:8") == "gamma"
+    assert m.of_address("localhost:1003:1003:7") == "rest"
+    strict = TenantMap({"gamma": TenantConfig(gids=[3000])}, {}, ipc=True, lookup=db)
+    assert strict.of_address("localhost:1002:1002:7") == "gamma"  # not a peer of no tenant
+    assert strict.of_address("localhost:1003:1003:7") == "!uid 1003, gid 1003, pid 7"
+    # with no tenant listing gids, nobody's groups are looked up
+    by_uid = TenantMap({"alpha": TenantConfig(uids=[1001])}, {}, ipc=True, lookup=db)
+    asked = len(db.asked)
+    assert by_uid.of_address("localhost:1002:1002:7") == "!uid 1002, gid 1002, pid 7"
+    assert len(db.asked) == asked
+
+
+def test_root_and_the_daemons_user_are_no_tenants_by_their_groups() -> None:
+    me = os.getuid()
+    db = _Groups({0: [0, 3000], me: [me, 3000]})
+    m = TenantMap({"gamma": TenantConfig(gids=[3000])}, {}, ipc=True, lookup=db)
+    assert m.of_address(f"localhost:{me}:{me}:7").startswith("!uid ")
+    assert m.of_address("localhost:0:0:7").startswith("!uid 0")
+    assert m.of_address("localhost:0:3000:7") == "gamma"  # its current gid still counts
+    assert db.asked == []
+
+
+def test_a_user_in_several_tenants_groups_gets_the_first_by_name_and_one_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [0.0]
+    tenants = {"zeta": TenantConfig(gids=[2000]), "eta": TenantConfig(gids=[3000])}
+    db = _Groups({1002: [1002, 2000, 3000]})
+    m = TenantMap(tenants, {}, ipc=True, lookup=db, clock=lambda: now[0])
+    with caplog.at_level("WARNING", logger="hicached.auth"):
+        assert m.of_address("localhost:1002:1002:7") == "eta"
+        now[0] += 3600.0  # looked up again, warned of no more
+        assert m.of_address("localhost:1002:1002:8") == "eta"
+        assert m.of_address("localhost:1002:2000:9") == "zeta"  # its current gid picks
+    assert len(db.asked) == 2
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        "uid 1002 is a member of groups of tenants eta, zeta: its connections whose "
+        "current gid no tenant lists belong to eta, the first by name; take it out "
+        "of all but one tenant's groups"
+    ]
+
+
+def test_a_uids_groups_are_kept_a_while_for_a_bounded_number_of_uids() -> None:
+    now = [100.0]
+    db = _Groups({1: [7], 2: [7], 3: [8]})
+    members = Memberships([7], db, ttl_s=60.0, limit=2, clock=lambda: now[0])
+    assert members.of(1) == members.of(1) == {7}
+    assert db.asked == [1]  # once, then kept
+    now[0] += 59.0
+    assert members.of(1) == {7} and db.asked == [1]
+    now[0] += 1.0  # 60 s on: expired, looked up anew
+    db.groups[1] = [9]  # taken out of the listed group meanwhile
+    assert members.of(1) == frozenset() and db.asked == [1, 1]
+    assert members.of(2) == {7} and members.of(3) == frozenset()  # 8 is listed by no tenant
+    assert list(members.known) == [2, 3]  # at the bound, the oldest answer (1's) went
+    assert members.of(2) == {7} and db.asked == [1, 1, 2, 3]
+    assert members.of(1) == frozenset() and db.asked == [1, 1, 2, 3, 1]
+    assert list(members.known) == [3, 1]
+
+
+def test_the_user_database_lookup_gives_a_users_groups_and_none_to_a_uid_without_entry() -> None:
+    me = pwd.getpwuid(os.getuid())
+    mine = user_groups(me.pw_uid)
+    assert set(mine) == set(os.getgrouplist(me.pw_name, me.pw_gid))
+    assert me.pw_gid in mine
+    assert Memberships([me.pw_gid, 2**31 - 2]).of(me.pw_uid) == {me.pw_gid}
+    stranger = next(uid for uid in range(2**31 - 3, 2**31 - 1000, -1) if not _has_entry(uid))
+    assert user_groups(stranger) == []
+    m = TenantMap({"beta": TenantConfig(gids=[me.pw_gid])}, {}, ipc=True)
+    assert m.of_address(f"localhost:{stranger}:{stranger}:7") == (
+        f"!uid {stranger}, gid {stranger}, pid 7"
+    )
+
+
+def _has_entry(uid: int) -> bool:
+    try:
+        pwd.getpwuid(uid)
+    except KeyError:
+        return False
+    return True
 
 
 @pytest.mark.parametrize(
@@ -629,3 +750,97 @@ def test_with_tenants_a_message_of_extra_frames_is_dropped_and_the_next_served(
     with d.client() as c:
         assert c.stats().dropped["bad_frames"] == 1
         assert c.register(**NS).digest == namespace_digest(NamespaceSpec(**NS, tenant="alpha"))
+
+
+@dataclass
+class Member:
+    """A user whom a tenant lists by a supplementary group alone."""
+
+    user: pwd.struct_passwd
+    gid: int  # the group, which no other user is in
+
+
+@pytest.fixture
+def member(users: Users) -> Iterator[Member]:
+    """A user in the client group and in a group of its own beside its primary
+    one, made for this test and removed after it."""
+    tag = f"hc{os.getpid() % 100000}"
+    group, name = f"{tag}g", f"{tag}m"
+    subprocess.run(["groupadd", group], check=True, capture_output=True)
+    try:
+        subprocess.run(
+            [*USERADD, "--groups", f"{users.group},{group}", name], check=True, capture_output=True
+        )
+        try:
+            yield Member(pwd.getpwnam(name), grp.getgrnam(group).gr_gid)
+        finally:
+            subprocess.run(["userdel", name], capture_output=True)
+    finally:
+        subprocess.run(["groupdel", group], capture_output=True)
+
+
+def _as_member(endpoint: str) -> Callable[[], dict[str, object]]:
+    def work() -> dict[str, object]:
+        out: dict[str, object] = {"gid": os.getegid()}
+        with Client(endpoint, timeout=5.0) as c:
+            try:
+                ns = c.register(**NS)
+                out["digest"] = ns.digest.hex()
+                toks = np.arange(2 * PAGE_TOKENS, dtype=np.uint32)
+                c.store(ns, toks, page_bytes_for(toks))
+                out["hits"] = c.match(ns, toks, lease=False).hits
+            except HicachedError as exc:
+                out["register"] = exc.code
+            stats = c.stats()
+            out["scope"] = stats.scope
+            out["tenant"] = stats.tenant.tenant if stats.tenant is not None else ""
+        return out
+
+    return work
+
+
+def test_a_user_a_tenant_lists_by_a_supplementary_group_is_its_whatever_its_current_gid(
+    users: Users, member: Member
+) -> None:
+    """beta lists a group that its user is in beside its own primary group: the
+    user's clients are beta's with its primary group current, and with another
+    of its groups current (as after sg or newgrp), never a peer of no tenant,
+    which would see the daemon's totals."""
+    (alpha_uid, _), _, _ = users.ids
+    d = Daemon(
+        size_mib=16,
+        extra=f'client_group = "{users.group}"',
+        tail=f"[tenants.alpha]\nuids = [{alpha_uid}]\n[tenants.beta]\ngids = [{member.gid}]\n",
+    )
+    os.chmod(d.dir, 0o711)
+    try:
+        d.start()
+        beta = namespace_digest(NamespaceSpec(**{**NS, "tenant": "beta"})).hex()
+        user = member.user
+        for current in (user.pw_gid, users.gid):
+            got = as_user(user, _as_member(d.endpoint), primary=current)
+            assert got == {
+                "gid": current,
+                "digest": beta,
+                "hits": 2,
+                "scope": "tenant",
+                "tenant": "beta",
+            }, (current, got)
+    finally:
+        d.cleanup()
+
+
+def test_a_user_in_two_tenants_groups_is_refused_at_start(users: Users, member: Member) -> None:
+    """The member is in the client group and a group of its own: with each
+    listed by a tenant it could open both arenas, and which tenant it is would
+    rest on its current gid alone. Listed by one of them it is that tenant's,
+    not the others tenant's, whose arena it cannot open."""
+    both = Config(
+        tenants={"alpha": TenantConfig(gids=[users.gid]), "beta": TenantConfig(gids=[member.gid])}
+    )
+    with pytest.raises(
+        ConfigError, match=f"uid {member.user.pw_uid}\\) is in groups of tenants 'alpha' and 'beta'"
+    ):
+        check_memberships(both)
+    one = {"beta": TenantConfig(gids=[member.gid]), "rest": TenantConfig(others=True)}
+    check_memberships(Config(tenants=one))

@@ -165,7 +165,11 @@ class Access:
             log.info(
                 "tenants %s; a connection's tenant comes from its %s",
                 ", ".join(sorted(cfg.tenants)),
-                "uid, then gid" if self.endpoint.startswith("ipc://") else "CURVE key",
+                (
+                    "uid, then current gid, then its user's groups"
+                    if self.endpoint.startswith("ipc://")
+                    else "CURVE key"
+                ),
             )
 
     def _load_curve(self) -> set[bytes]:

@@ -170,9 +170,11 @@ def grant(config: Config, client_gid: int | None) -> Grant:
 
 def check_memberships(config: Config) -> None:
     """Refuse tenants whose files another tenant's accounts could open: a local
-    account that belongs to one tenant (by its uid, else its primary group) but
-    is in a group another tenant's arena is given to. Accounts as passwd and
-    group list them; root and the daemon's own user open every file anyway."""
+    account that belongs to one tenant (by its uid, else its primary group, else
+    a listed group it is in, as daemon/tenants.py decides) but is in a group
+    another tenant's arena is given to, or that is in groups of several tenants.
+    Accounts as passwd and group list them; root and the daemon's own user open
+    every file anyway."""
     by_uid = {uid: name for name, t in config.tenants.items() for uid in t.uids}
     by_gid = {gid: name for name, t in config.tenants.items() for gid in t.gids}
     others = next((name for name, t in config.tenants.items() if t.others), "")
@@ -185,12 +187,23 @@ def check_memberships(config: Config) -> None:
     for user in pwd.getpwall():
         if user.pw_uid in (0, me):
             continue
-        tenant = by_uid.get(user.pw_uid) or by_gid.get(user.pw_gid) or others
-        if not tenant:
-            continue
         try:
             groups = os.getgrouplist(user.pw_name, user.pw_gid)
         except OSError:
+            groups = [user.pw_gid]
+        listed = sorted({granted[gid] for gid in groups if gid in granted})
+        tenant = by_uid.get(user.pw_uid) or by_gid.get(user.pw_gid)
+        if not tenant and len(listed) > 1:
+            named = ", ".join(
+                f"{_group_name(gid)} of {granted[gid]!r}" for gid in groups if gid in granted
+            )
+            raise ConfigError(
+                f"tenants: user {user.pw_name} (uid {user.pw_uid}) is in groups of tenants "
+                f"{' and '.join(map(repr, listed))} ({named}), whose arenas it could open "
+                "all: take it out of all but one tenant's groups"
+            )
+        tenant = tenant or (listed[0] if listed else others)
+        if not tenant:
             continue
         for gid in groups:
             owner = granted.get(gid)

@@ -10,12 +10,27 @@ against it. An ipc peer that runs as root or as the daemon's own user (who
 can read the daemon's memory anyway) is marked the operator as well, in a
 property of the connection (``is_operator``): its stats carry the daemon's
 totals even where a tenant lists it.
+
+An ipc peer's tenant: the one that lists its uid, else the one that lists its
+current (effective) gid, else the one that lists a group its user is a member
+of, else the others tenant. The kernel reports one gid, the current one, which
+a user changes at will among its groups (``sg``, ``newgrp``); without the
+membership rule a user whom a tenant lists by a group would connect with
+another current gid as a peer of no tenant, which sees the daemon's totals.
+Membership is what the user and group databases say (``os.getgrouplist``), not
+the groups of the connecting process, which the kernel does not report; the
+lookups may be slow (NSS, LDAP) and run on the ZAP handler's thread, which
+every new connection waits on, so each uid's answer is kept a while
+(``Memberships``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import pwd
+import time
+from collections.abc import Callable, Iterable
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
@@ -30,20 +45,87 @@ EVENTS_DOMAIN = b"hicached-events"
 UNIDENTIFIED = "!a peer the daemon could not identify"
 # The connection property (ZAP metadata) that marks the operator's connections.
 OPERATOR = "X-Hicached-Operator"
+# How long a uid's group membership is kept, and for how many uids at most.
+MEMBERSHIP_TTL_S = 60.0
+MEMBERSHIP_MAX_UIDS = 4096
+
+log = logging.getLogger("hicached.auth")
+
+
+def user_groups(uid: int) -> list[int]:
+    """The groups ``uid``'s user is a member of as passwd and group list them
+    now: its primary group and its supplementary ones. None for a uid without a
+    passwd entry (a process may run as any uid)."""
+    try:
+        user = pwd.getpwuid(uid)
+    except KeyError:
+        return []
+    try:
+        return os.getgrouplist(user.pw_name, user.pw_gid)
+    except OSError:
+        return [user.pw_gid]
+
+
+class Memberships:
+    """Which of the listed groups each uid's user is a member of, by ``lookup``
+    (``user_groups``), kept ``ttl_s`` seconds for at most ``limit`` uids: a
+    group added or taken away counts for new connections within ``ttl_s``.
+    Owned by the ZAP handler's thread."""
+
+    def __init__(
+        self,
+        listed: Iterable[int],
+        lookup: Callable[[int], Iterable[int]] = user_groups,
+        *,
+        ttl_s: float = MEMBERSHIP_TTL_S,
+        limit: int = MEMBERSHIP_MAX_UIDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        assert limit > 0, f"a bound of {limit} uids"
+        self.listed = frozenset(listed)
+        self.lookup = lookup
+        self.ttl_s = ttl_s
+        self.limit = limit
+        self.clock = clock
+        # uid -> (when the answer expires, the listed groups it is in), oldest first
+        self.known: dict[int, tuple[float, frozenset[int]]] = {}
+
+    def of(self, uid: int) -> frozenset[int]:
+        """The listed groups ``uid``'s user is a member of."""
+        now = self.clock()
+        kept = self.known.get(uid)
+        if kept is not None and now < kept[0]:
+            return kept[1]
+        groups = self.listed.intersection(self.lookup(uid)) if self.listed else frozenset()
+        self.known.pop(uid, None)
+        if len(self.known) >= self.limit:
+            del self.known[next(iter(self.known))]  # the oldest answer expires first
+        self.known[uid] = (now + self.ttl_s, groups)
+        return groups
 
 
 class TenantMap:
     """Who a peer is: its tenant's name, or "!<what it is>" when no tenant lists
-    it and none takes the others."""
+    it and none takes the others. ``lookup``: the groups of a uid's user
+    (``user_groups``; tests give their own)."""
 
     def __init__(
-        self, tenants: dict[str, TenantConfig], keys: dict[bytes, str], *, ipc: bool
+        self,
+        tenants: dict[str, TenantConfig],
+        keys: dict[bytes, str],
+        *,
+        ipc: bool,
+        lookup: Callable[[int], Iterable[int]] = user_groups,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.by_uid = {uid: name for name, t in tenants.items() for uid in t.uids}
         self.by_gid = {gid: name for name, t in tenants.items() for gid in t.gids}
         self.by_key = keys  # Z85 public key -> tenant
         self.others = next((name for name, t in tenants.items() if t.others), "")
         self.ipc = ipc
+        self.members = Memberships(self.by_gid, lookup, clock=clock)
+        # (uid, its tenants) already warned of: a user in several tenants' groups
+        self.warned: set[tuple[int, tuple[str, ...]]] = set()
 
     def of_address(self, address: str) -> str:
         """A peer without CURVE, by the address libzmq reports: over ipc
@@ -52,10 +134,32 @@ class TenantMap:
         parts = address.rsplit(":", 3)
         if self.ipc and len(parts) == 4 and all(part.isdigit() for part in parts[1:]):
             uid, gid, pid = (int(part) for part in parts[1:])
-            name = self.by_uid.get(uid) or self.by_gid.get(gid) or self.others
-            return name or f"!uid {uid}, gid {gid}, pid {pid}"
+            name = self.by_uid.get(uid) or self.by_gid.get(gid) or self._member(uid)
+            return name or self.others or f"!uid {uid}, gid {gid}, pid {pid}"
         what = "an ipc peer without credentials" if self.ipc else f"tcp {address} without CURVE"
         return self.others or f"!{what}"
+
+    def _member(self, uid: int) -> str:
+        """The tenant of a listed group that ``uid``'s user is a member of; of
+        several tenants' groups, the first tenant by name ("" when none). Root
+        and the daemon's own user are the operator, whatever their groups: only
+        their uid and current gid name a tenant of theirs."""
+        if not self.by_gid or uid in (0, os.getuid()):
+            return ""
+        tenants = tuple(sorted({self.by_gid[gid] for gid in self.members.of(uid)}))
+        if len(tenants) > 1 and (uid, tenants) not in self.warned:
+            if len(self.warned) >= self.members.limit:
+                self.warned.clear()
+            self.warned.add((uid, tenants))
+            log.warning(
+                "uid %d is a member of groups of tenants %s: its connections whose "
+                "current gid no tenant lists belong to %s, the first by name; take it "
+                "out of all but one tenant's groups",
+                uid,
+                ", ".join(tenants),
+                tenants[0],
+            )
+        return tenants[0] if tenants else ""
 
     def operator(self, address: str) -> bool:
         """Whether an ipc peer (its address as ``of_address`` reads it) runs as
