@@ -54,7 +54,7 @@ log = logging.getLogger("hicached.auth")
 
 def user_groups(uid: int) -> list[int]:
     """The groups ``uid``'s user is a member of as passwd and group list them
-    now: its primary group and its supplementary ones. None for a uid without a
+    now: its primary group and its supplementary ones; none for a uid without a
     passwd entry (a process may run as any uid)."""
     try:
         user = pwd.getpwuid(uid)
