@@ -270,3 +270,43 @@ def test_each_group_can_end_a_hit(missing: str) -> None:
     present[missing] = {"full": "xxxxxxx.", "sliding": "..xx...x", "state": "...x...."}[missing]
     kinds = {"full": FULL, "sliding": SLIDING, "state": STATE}
     assert restorable_end([view(kinds[n], p) for n, p in present.items()]) == 4 * CHUNK
+
+
+def test_a_window_with_a_lead_reads_the_chunk_before_it_where_it_is_there() -> None:
+    """A token budget may end a hit inside its last chunk; the window that ends
+    there reaches one chunk further back. That chunk is read where it is there,
+    never needed: without it the hit at the chunk's end stands as before."""
+    leading = Window(64, "sliding", lead=CHUNK)
+    full = view(FULL, "xxxxxxxx")
+    stored = view(leading, "....xxxx")  # chunks 5-8: the window at 8, and chunk 6 before it
+    assert restorable_end([full, stored]) == 8 * CHUNK
+    assert list(stored.wanted(8 * CHUNK)) == [5, 6, 7]
+    assert list(stored.needed(8 * CHUNK)) == [6, 7]
+    short = view(leading, "...xx.xx")  # a hole before the window: nothing more is read
+    assert list(short.wanted(8 * CHUNK)) == [6, 7]
+    assert restorable_end([full, short]) == 8 * CHUNK
+    assert list(view(SLIDING, "xxxxxxxx").wanted(8 * CHUNK)) == [6, 7]  # no lead: the window
+
+
+async def test_a_hit_ending_inside_a_chunk_finds_the_window_it_needs(daemon: Daemon) -> None:
+    """The sliding window's chunk before the window at the hit's end is leased
+    and answered with the hit, so an engine whose budget ends the hit inside
+    the last chunk still restores it; the state keeps its one page."""
+    with daemon.client() as c:
+        model = Model(c)
+        model.kinds["sliding"] = Window(64, "sliding", lead=CHUNK)
+        model.store(c, "full", range(8))
+        model.store(c, "sliding", [5, 6, 7])
+        model.store(c, "state", [6, 7])
+    answer, ac = await ask(daemon, model)
+    try:
+        assert answer.end == 8 * CHUNK
+        want = {*model.keys["full"], *model.keys["sliding"][5:], model.keys["state"][7]}
+        assert set(answer.hits) == want
+        read_hit(ac, model, answer)
+        with daemon.client() as c:
+            assert c.stats().pinned_pages == 8 + 3 + 1
+    finally:
+        for hit in answer.leases:
+            await ac.release(hit)
+        await ac.close()

@@ -9,8 +9,9 @@ state at the end: a window of one chunk). Each group's pages live in a
 key-addressed namespace of their own (their own page_bytes). A prefix ending
 at ``end`` can be restored only if *every* group has what its kind needs there,
 so a hit is the largest ``end`` that all groups accept (the intersection over
-groups), and the pages it reads are, per group, exactly what that group needs
-at ``end``: a half-present prefix is a miss, never a partial load.
+groups), and the pages it reads are, per group, what that group needs at
+``end`` (and, for a window with a ``lead``, the pages just before it that are
+there): a half-present prefix is a miss, never a partial load.
 
 ``restorable_end`` is that intersection, synchronous and without I/O.
 ``lookup`` asks the daemon: what the groups hold (a full-attention group's
@@ -107,10 +108,16 @@ class Window(Kind):
     """Sliding-window or chunked-local attention, or a recurrent state (a window
     of one chunk): only the chunks ending in the last ``tokens`` tokens before the
     end. The keys may have holes (an engine stores a window's chunks, not the
-    whole prefix), so each key is asked about on its own, without a lease."""
+    whole prefix), so each key is asked about on its own, without a lease.
+
+    ``lead``: tokens before the window that a hit also serves where they are
+    there, never needs: an engine whose hit a token budget ends inside the
+    last chunk needs the window that ends there, which reaches one chunk
+    further back (vLLM's ``load_window_size_in_chunks``)."""
 
     tokens: int
     name: str = "window"
+    lead: int = 0
 
     @property
     def label(self) -> str:
@@ -135,13 +142,14 @@ class GroupView:
     """One group's keys asked about, by the token position where each one's chunk
     ends (ascending), and which of them are there."""
 
-    __slots__ = ("_absent", "kind", "positions")
+    __slots__ = ("_absent", "_present", "kind", "positions")
 
     def __init__(self, kind: Kind, positions: Sequence[int], present: Sequence[bool]) -> None:
         assert len(positions) == len(present), "one presence flag per key"
         assert all(a < b for a, b in pairwise(positions)), "positions must ascend"
         self.kind = kind
         self.positions = list(positions)
+        self._present = [bool(p) for p in present]
         # absent[i]: how many of the first i keys are missing
         self._absent = [0, *accumulate(not p for p in present)]
 
@@ -149,6 +157,20 @@ class GroupView:
         """The indices of the keys a hit ending at ``end`` needs of this group."""
         lo = bisect_right(self.positions, self.kind.since(end))
         return range(lo, bisect_right(self.positions, end))
+
+    def wanted(self, end: int) -> range:
+        """The indices of the keys a hit ending at ``end`` reads of this group: the
+        keys it needs, and before them those of the kind's ``lead`` that are
+        there, in one run (a hole ends it)."""
+        need = self.needed(end)
+        lead = getattr(self.kind, "lead", 0)
+        if not lead or not need:
+            return need
+        lo = bisect_right(self.positions, self.kind.since(end) - lead)
+        start = need.start
+        while start > lo and self._present[start - 1]:
+            start -= 1
+        return range(start, need.stop)
 
     def restores(self, end: int) -> bool:
         """This group has a key ending at ``end`` and every key it needs there."""
@@ -230,7 +252,7 @@ async def lookup(
             end = restorable_end(views)
             if not end:
                 break
-            needs = [view.needed(end) for view in views]
+            needs = [view.wanted(end) for view in views]
             if not loaded:
                 loaded = True
                 await _load(client, groups, probes, needs, end, prefetch_timeout_s, on_pending)
@@ -279,7 +301,7 @@ async def _answer(
     if end:
         for n, (g, on) in enumerate(zip(groups, present, strict=True)):
             lease = leases[n]
-            need = GroupView(g.kind, g.positions, on).needed(end)
+            need = GroupView(g.kind, g.positions, on).wanted(end)
             assert lease is not None and _covers(lease, need), "an end beyond the leases"
             hit, start = lease
             handles[n] = hit

@@ -166,7 +166,12 @@ def kind_of(spec: Any, tokens_per_chunk: int) -> Kind:
             f"hicached's vLLM tier cannot offload a KV cache group of {type(spec).__name__}"
         )
     chunks = get_sliding_window_size_in_chunks(spec, tokens_per_chunk)
-    return Prefix() if chunks is None else Window(chunks * tokens_per_chunk, name)
+    if chunks is None:
+        return Prefix()
+    # a hit a token budget ends inside its last chunk needs a sliding window one
+    # chunk longer (vLLM's load_window_size_in_chunks): read where it is there
+    lead = tokens_per_chunk if name == "sliding" else 0
+    return Window(chunks * tokens_per_chunk, name, lead)
 
 
 def group_block_bytes(group: Any) -> int:
