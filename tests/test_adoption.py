@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import secrets
 import subprocess
 import sys
 import time
@@ -21,15 +22,19 @@ import numpy as np
 import pytest
 import zmq
 
+from hicached import protocol as p
+from hicached.cache import Cache
+from hicached.cache.journal import Recorder
+from hicached.config import Config, PoolConfig
 from hicached.daemon.journal import journal_path
 from hicached.daemon.publisher import END_SEQ
 from hicached.errors import StaleHandle
-from hicached.wire.arena import arena_path
+from hicached.wire.arena import Arena, arena_path
 from hicached.wire.events import BlockStored, batch_decoder, block_hash
 from hicached.wire.hashing import pack_tokens, page_keys
-from hicached.wire.journal import JOURNAL_VERSION, header_bytes, read_header
+from hicached.wire.journal import JOURNAL_VERSION, header_bytes, read_header, read_journal
 from hicached.wire.namespace import EventMeta
-from tests.adoption_worker import PAGES, SPEC, pattern, tokens
+from tests.adoption_worker import PAGE_BYTES, PAGES, SPEC, pattern, tokens
 from tests.l3util import FILE_STORE
 from tests.support import Daemon
 
@@ -187,6 +192,92 @@ def test_a_write_handle_from_before_the_restart_lands_in_no_other_page() -> None
                 assert stats.quarantined_pages == PAGES
     finally:
         d.cleanup()
+
+
+def test_the_oldest_unused_namespace_still_makes_way_first_after_a_restart() -> None:
+    """Namespace ids are random: the adopting daemon brings the namespaces back
+    in the order they were registered (the journal's), not in their ids'. A
+    full table then drops the oldest unused one first, as before the restart;
+    each adopted namespace keeps its id."""
+    n = 6
+    d = adopting()
+    d.config.write_text(d.config.read_text().replace("[pool]\n", f"[pool]\nmax_namespaces = {n}\n"))
+    d.start()
+    try:
+        specs = [{**SPEC, "model": f"test/ns-{i}"} for i in range(n)]
+        with d.client() as c:
+            ids = []
+            for i, spec in enumerate(specs):
+                ns = c.register(**spec)
+                assert c.store(ns, tokens(i), pattern(i)).published == PAGES
+                ids.append(ns.id)
+        assert d.stop() == 0
+        d.start()
+        with d.client() as c:
+            assert c.stats().namespaces == n
+            c.register(**{**SPEC, "model": "test/new"})  # the table is full: ns-0 makes way
+            newest = c.register(**specs[-1])
+            assert newest.id == ids[-1], "an adopted namespace keeps its id"
+            assert c.match(newest, tokens(n - 1), lease=False).hits == PAGES
+            for i in range(n - 2):  # each comes anew, and the oldest left, ns-(i+1), makes way
+                ns = c.register(**specs[i])
+                assert ns.id not in ids, (i, ns.id, ids)
+                assert c.match(ns, tokens(i), lease=False).hits == 0, f"ns-{i} was kept"
+    finally:
+        d.cleanup()
+
+
+def test_a_new_namespace_takes_no_id_adopted_or_still_named_by_the_journal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A random id may come out equal to one in use. The daemon never gives it:
+    not the id of a namespace adopted from the daemon before, nor that of a
+    forgotten namespace whose record the journal file still holds (replayed
+    after a restart, it would describe the new one), nor 0 (a client's
+    "none"). Once a snapshot of the journal left the forgotten one out, its
+    id may be drawn again. On the daemon's state in-process (the random
+    source forced)."""
+    arena = Arena.create(tmp_path / "pool", 4 << 20, populate=False)
+    config = Config(pool=PoolConfig(size_mib=4, slab_mib=1, max_page_bytes=PAGE_BYTES))
+
+    def daemon() -> Cache:
+        return Cache(config, pool_path=str(arena.path), gens=arena.gens, journal=Recorder())
+
+    def call(cache: Cache, rid: bytes, request: p.Request) -> p.AnyReply:
+        return cache.handle(rid, p.request_decoder.decode(p.encode(request)))
+
+    def register(cache: Cache, rid: bytes, model: str) -> int:
+        spec = msgspec.convert({**SPEC, "model": model}, p.NamespaceSpec)
+        ok = call(cache, rid, p.RegisterNamespace(id=2, spec=spec))
+        assert isinstance(ok, p.NamespaceOk), ok
+        return ok.ns
+
+    hello = p.Hello(id=1, major=p.PROTOCOL_MAJOR, minor=p.PROTOCOL_MINOR)
+    try:
+        before = daemon()
+        assert isinstance(call(before, b"c", hello), p.HelloOk)
+        kept = register(before, b"c", "kept")
+        ok = call(before, b"c", p.Reserve(id=3, ns=kept, tokens=pack_tokens(tokens(1))))
+        assert isinstance(ok, p.ReserveOk) and len(ok.offsets) == PAGES
+        assert isinstance(call(before, b"c", p.Commit(id=4, lease=ok.lease)), p.CommitOk)
+        records, torn = read_journal(memoryview(before.journal.snapshot()), 0)
+        assert records and not torn
+        after = daemon()  # the restart: same pool file, the journal's records
+        assert after.adopt(records).pages == PAGES and kept in after.namespaces
+        assert isinstance(call(after, b"c", hello), p.HelloOk)
+        assert register(after, b"c", "kept") == kept  # adopted: the same id
+        gone = register(after, b"c", "gone")
+        assert isinstance(call(after, b"c", p.Goodbye(id=5)), p.Ok)
+        assert gone not in after.namespaces and kept in after.namespaces  # kept by its pages
+        assert isinstance(call(after, b"d", hello), p.HelloOk)
+        real = secrets.randbits
+        draws = iter([kept, gone, 0, kept, gone])
+        monkeypatch.setattr(secrets, "randbits", lambda k: next(draws) if k == 63 else real(k))
+        assert register(after, b"d", "new") == 1  # not kept's, not gone's, not 0
+        after.journal.snapshot()  # the journal compacted: gone's record is no more
+        assert register(after, b"d", "newer") == gone
+    finally:
+        arena.close()
 
 
 def test_a_pool_of_another_layout_version_is_replaced(tmp_path: Path) -> None:

@@ -657,3 +657,41 @@ def test_a_tenants_session_ids_say_nothing_of_the_clients_others_opened() -> Non
     assert shown == [first.session, second.session]  # the order they came in
     assert isinstance(_call(cache, b"a1", "alpha", p.Goodbye(id=10)), p.Ok)
     assert first.session not in cache.clients.ids
+
+
+def test_a_tenants_namespace_ids_say_nothing_of_the_namespaces_others_registered() -> None:
+    """Namespace ids counted up from a random start: alpha's client, registering
+    a namespace before and after, read from the gap how many namespaces every
+    other tenant registered between (the activity its stats keep from it). Now
+    each id is random, 1 to 2**63 - 1: the gap is no count."""
+    cache = _cache(alpha={}, beta={})
+    assert isinstance(_hello(cache, b"a", "alpha"), p.HelloOk)
+    assert isinstance(_hello(cache, b"b", "beta"), p.HelloOk)
+    first = _ns(cache, b"a", "alpha", "first")
+    for i in range(5):  # beta's namespaces between alpha's two
+        _ns(cache, b"b", "beta", f"beta-{i}")
+    second = _ns(cache, b"a", "alpha", "second")
+    # counted up, the gap was 6; two random ids are this close once in 2**30
+    assert abs(second - first) >= 1 << 32, (first, second)
+    ids = list(cache.namespaces)
+    assert len(set(ids)) == 7 and {first, second} <= set(ids)  # unique all the same
+    assert all(0 < ns < 1 << 63 for ns in ids), ids  # a positive msgpack int64; never 0
+
+
+def test_the_oldest_unused_namespace_makes_way_first_whatever_its_id() -> None:
+    """A full table drops the namespaces no client has registered in the order
+    they came, not in their ids' order (random now)."""
+    cache = _cache(namespaces=6)
+    assert isinstance(_hello(cache, b"old", None), p.HelloOk)
+    came = []
+    for i in range(6):
+        ns = _ns(cache, b"old", None, f"old-{i}")  # type: ignore[arg-type]
+        ok = _reserve(cache, b"old", None, ns, 10 * i)  # type: ignore[arg-type]
+        assert isinstance(ok, p.ReserveOk)
+        assert isinstance(_call(cache, b"old", None, p.Commit(id=4, lease=ok.lease)), p.CommitOk)
+        came.append(ns)
+    assert isinstance(_call(cache, b"old", None, p.Goodbye(id=5)), p.Ok)
+    assert isinstance(_hello(cache, b"new", None), p.HelloOk)
+    for i in range(6):
+        _ns(cache, b"new", None, f"new-{i}")  # type: ignore[arg-type]
+        assert [ns for ns in came if ns in cache.namespaces] == came[i + 1 :], (i, came)

@@ -134,10 +134,13 @@ def adopt(desk: Cache, records: list[Record], quarantine_until: float) -> Adopte
         if pages.pop(slot, None) is not None:
             out.drop("geometry")
         allocs.pop(slot, None)
-    # 2. the namespaces, as they were registered
+    # 2. the namespaces, as they were registered and in that order (the journal's,
+    # not their ids', which are random): the oldest unused one still makes way first
     states: dict[int, NamespaceState] = {}
-    for ns_id in {page.ns for page in pages.values()}:
-        record = namespaces[ns_id]
+    used = {page.ns for page in pages.values()}
+    for ns_id, record in namespaces.items():
+        if ns_id not in used:
+            continue
         spec = record.spec
         book = desk.l2.book(record.tenant)
         index = desk.l2.index(spec.page_bytes, book.name, spec.keyed)

@@ -40,6 +40,11 @@ class Recorder:
         self.pending: list[bytes] = []
         self._frees: list[int] = []  # slots freed since the last record (one record)
         self.namespaces: dict[int, bytes] = {}  # ns id -> its record
+        # every ns id a record in the file names, a forgotten namespace's too,
+        # until a snapshot leaves those out: no new namespace takes one
+        # (cache/namespaces.py). Bounded as the file is: it is compacted once
+        # it is past a few times what it describes (``should_compact``)
+        self.named: set[int] = set()
         self.pages: dict[int, PageRecord] = {}  # slot -> the record of the page it holds
         # slot under a write lease -> (page size, tenant, quarantined until or 0)
         self.allocs: dict[int, tuple[int, str, float]] = {}
@@ -53,10 +58,12 @@ class Recorder:
     ) -> None:
         record = frame(NsRecord(ns, tenant, spec, events))
         self.namespaces[ns] = record
+        self.named.add(ns)
         self._add(record)
 
     def forget_namespace(self, ns: int) -> None:
-        """A namespace with no page left: a snapshot leaves it out."""
+        """A namespace with no page left: a snapshot leaves it out (until then
+        its id stays in ``named``)."""
         self.namespaces.pop(ns, None)
 
     def alloc(self, slots: list[int], page_bytes: int, tenant: str, until: float = 0.0) -> None:
@@ -113,6 +120,12 @@ class Recorder:
         self.written += len(data)
         return data
 
+    def unfiled(self) -> None:
+        """The records taken went to no file (a write failed and journaling
+        ended): none names a forgotten namespace, so ``named`` holds only the
+        live ones' ids, not one more for each namespace from then on."""
+        self.named = set(self.namespaces)
+
     def should_compact(self) -> bool:
         live = len(self.pages) * self.page_bytes + len(self.allocs) * 16
         return self.written > COMPACT_RATIO * live + COMPACT_FLOOR
@@ -134,6 +147,7 @@ class Recorder:
         ]
         data = b"".join([*self.namespaces.values(), *allocs, *pages])
         self.written = len(data)
+        self.named = set(self.namespaces)
         return data
 
 

@@ -1,14 +1,17 @@
 """Namespaces: what clients register, and how a request names pages in one.
 
 A namespace is found by the digest of its spec and named on the wire by an
-id that is never reused (from a random start, so a stale id of this daemon
-or the one before a restart names no other namespace). It lives while a
+id drawn at random (``next_id``), not counted up: with tenants, the ids a
+tenant's client got would tell it how many namespaces the other tenants
+registered in between. An id is none that a live namespace has (an adopted
+one's included) nor one the pool journal still names. It lives while a
 session has it registered, a page of it is in L2, or a lease or L3 write of
 it is open (``NamespaceState.unused``); ``pool.max_namespaces`` bounds the
 live ones, and with tenants each tenant's share of it bounds the tenant's
 (cache/shares.py). A newcomer to a full table, or past its tenant's share,
 pushes out the oldest namespace no client has registered (only its own
-tenant's, with tenants on).
+tenant's, with tenants on): oldest by when it came, which ``by_id`` keeps in
+its order, never by its id.
 
 Its kind (cache/kinds.py) is chosen here, once; so are the checks every
 request makes of the pages it names (``token_keys``, ``engine_keys``).
@@ -16,7 +19,6 @@ request makes of the pages it names (``token_keys``, ``engine_keys``).
 
 from __future__ import annotations
 
-import itertools
 import secrets
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -56,7 +58,9 @@ MAX_SLOTS_PER_SLAB = 1 << 16  # so a page size's slots a slab are listed in boun
 
 
 class Namespaces:
-    """The live namespaces, by id and by digest, oldest first."""
+    """The live namespaces, by id and by digest, oldest first (in the order they
+    came: registered, or adopted at start in the order the daemon before
+    registered them)."""
 
     def __init__(self, desk: Cache) -> None:
         self.desk = desk
@@ -64,7 +68,6 @@ class Namespaces:
         self.by_digest: dict[bytes, NamespaceState] = {}
         # the live namespaces of each tenant (by its book's name), counted as they come and go
         self.held: dict[str, int] = {}
-        self._ids = itertools.count(secrets.randbits(40) + 1)
 
     def handlers(self) -> Handlers:
         return {p.RegisterNamespace: self.register}
@@ -104,16 +107,30 @@ class Namespaces:
             self._make_room(book)
             index = desk.l2.index(spec.page_bytes, book.name, spec.keyed)
             kind = desk.keyed if spec.keyed else desk.tokens
-            ns_id = next(self._ids)
-            while ns_id in self.by_id:  # an id adopted from the daemon before
-                ns_id = next(self._ids)
-            ns = NamespaceState(ns_id, spec, digest, index, book, kind, events=meta)
+            ns = NamespaceState(self.next_id(), spec, digest, index, book, kind, events=meta)
             self.add(ns)
             desk.journal.namespace(ns.id, book.name, spec, meta)
         if ns.id not in session.namespaces:
             session.namespaces.add(ns.id)
             ns.sessions += 1
         return p.NamespaceOk(id=msg.id, ns=ns.id, digest=digest)
+
+    def next_id(self) -> int:
+        """A random id, 1 to 2**63 - 1 (a positive msgpack int64, as lease ids),
+        that no live namespace has (one adopted from the daemon before
+        included) and no record of the pool journal names (a forgotten
+        namespace's stay there until the journal is compacted: replayed, they
+        would describe the new one). Not one counted up: the ids a tenant's
+        client got would tell it how many namespaces every tenant registered
+        in between, the activity its stats keep from it; from the OS's random
+        source, since a seeded generator's next outputs follow from enough of
+        its past ones. A stale id names nothing a request can reach: a
+        request names only the namespaces its own session registered."""
+        taken, named = self.by_id, self.desk.journal.named
+        ns_id = secrets.randbits(63) or 1
+        while ns_id in taken or ns_id in named:  # 2**-63 an id each: all but never
+            ns_id = secrets.randbits(63) or 1
+        return ns_id
 
     def add(self, ns: NamespaceState) -> None:
         """A new live namespace (registered, or adopted at start)."""
@@ -164,7 +181,7 @@ class Namespaces:
         With tenants, only one of ``book``'s tenant: never another tenant's pages."""
         desk = self.desk
         tenants = bool(desk.config.tenants)
-        for ns in list(self.by_id.values()):  # oldest first
+        for ns in list(self.by_id.values()):  # oldest first (the order they came, not by id)
             if ns.sessions or ns.open or not ns.pages or (tenants and ns.book is not book):
                 continue
             victims = ns.index.drop_owner(ns.id, desk.pool.pins)

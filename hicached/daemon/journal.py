@@ -84,6 +84,7 @@ class JournalFile:
             return
         data = recorder.take()
         if self._fd is None:
+            recorder.unfiled()
             return
         try:
             view = memoryview(data)
