@@ -5,12 +5,15 @@ Options (in ``[storage.extra]``): ``inner`` names the real backend and
 ``inner_options`` its options table (its defaults when empty);
 ``read_delay_s`` maps a namespace digest (hex) to seconds added to every read
 of it; ``readable_pages`` maps a namespace digest to how many pages of it may
-be read in total before every further read fails; ``read_hold_s`` holds
+be read in total before every further read fails; ``read_gate`` maps a
+namespace digest to a file: every read of it waits until that file exists
+(checked every 10 ms: a store that answers when a test says so); ``read_hold_s`` holds
 every read's answer that long after the inner store gave it (what it read may
 be let go of meanwhile); ``write_delay_s`` is added
 to every write (a backend that hangs past ``storage.op_timeout_s``);
 ``scan_delay_s`` is added per page the startup scan lists (a slow listing);
-``exists_delay_s`` is added to every existence check (a slow L3 lookup);
+``exists_delay_s`` is added to every existence check (a slow L3 lookup), and
+every one waits until the file ``exists_gate`` names exists, if it names one;
 the first ``scan_failures`` listings fail after their first page, if any (a
 store that breaks off a listing), the later ones run whole.
 
@@ -56,9 +59,11 @@ class FaultyOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     read_delay_s: dict[str, float] = {}
     read_hold_s: float = 0.0
     readable_pages: dict[str, int] = {}
+    read_gate: dict[str, str] = {}
     write_delay_s: float = 0.0
     scan_delay_s: float = 0.0
     exists_delay_s: float = 0.0
+    exists_gate: str = ""
     scan_failures: int = 0
 
 
@@ -76,6 +81,14 @@ def _inner_options(options: FaultyOptions) -> tuple[type[Backend], Any]:
     except (msgspec.ValidationError, ValueError) as exc:
         raise ValueError(f"inner_options of {options.inner!r}: {exc}") from None
     return cls, inner
+
+
+async def _gate(path: str) -> None:
+    """Wait until the file ``path`` exists ("": at once)."""
+    while path:
+        if await asyncio.to_thread(os.path.exists, path):
+            return
+        await asyncio.sleep(0.01)
 
 
 class FaultyBackend(Backend):
@@ -116,6 +129,7 @@ class FaultyBackend(Backend):
         try:
             if self.options.exists_delay_s:
                 await asyncio.sleep(self.options.exists_delay_s)
+            await _gate(self.options.exists_gate)
             return await self.inner.exists(ns, keys)
         finally:
             self.calls -= 1
@@ -131,6 +145,7 @@ class FaultyBackend(Backend):
             self.calls -= 1
 
     async def _get(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
+        await _gate(self.options.read_gate.get(ns.hex(), ""))
         delay = self.options.read_delay_s.get(ns.hex(), 0.0)
         if delay:
             await asyncio.sleep(delay)

@@ -5,12 +5,13 @@ order; the config keys and their reload. Real daemons: test_tenant_shares_daemon
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import msgspec
 import pytest
 
 from hicached import protocol as p
-from hicached.cache import Cache
+from hicached.cache import Cache, Lease
 from hicached.cache.shares import NO_TENANT, Bounds, Shares, equal_share
 from hicached.config import (
     Config,
@@ -417,8 +418,63 @@ def test_older_clients_decode_the_figures_and_an_older_daemons_read_as_none() ->
     assert p.PROTOCOL_MINOR >= p.TENANT_BOUNDS_MINOR == 9
 
 
-def _recount(cache: Cache) -> None:
-    """Each share's counts are what its sessions, leases and namespaces are."""
+class HeldReads:
+    """An L3 port whose prefetch reads run until the test moves them on, one
+    step at a time, as daemon/tier.py's task would: the store is asked, its
+    pages are read in batches, and the reader finishes (after a read that
+    failed, a store that could not tell, or a stop alike)."""
+
+    down = False  # the store is up
+
+    def __init__(self, cache: Cache) -> None:
+        self.cache = cache
+        self.reading: dict[int, Lease] = {}  # by id(lease): prefetches whose reader runs
+        self.slots: dict[int, int] = {}  # by id(lease): pages planned and not yet read
+
+    def write(self, ns: object, key: bytes, slot: int, done: object) -> bool:
+        return False  # nothing reaches L3 here
+
+    def prefetch(self, lease: Lease) -> None:
+        self.reading[id(lease)] = lease
+
+    def lookup(self, ns: bytes, keys: list[bytes], answer: Callable[[int], None]) -> None:
+        answer(0)
+
+    def step(self, rng: random.Random) -> None:
+        """Move one running reader on by one step."""
+        if not self.reading:
+            return
+        key = rng.choice(sorted(self.reading))
+        lease, cache = self.reading[key], self.cache
+        pf = lease.prefetch
+        assert pf is not None
+        if key not in self.slots:  # the store is asked what it holds
+            cache.prefetch_started(lease)
+            available = rng.choice([None, 0, 1, 2, 3])
+            self.slots[key] = len(cache.prefetch_planned(lease, available))
+        elif self.slots[key] and not pf.ended and rng.random() < 0.7:
+            n = min(self.slots[key], rng.choice([1, 2]))
+            self.slots[key] -= n
+            if not cache.prefetch_progress(lease, [rng.random() < 0.9 for _ in range(n)]):
+                self.slots[key] = 0
+        else:  # done, failed (the store raised, timed out) or stopped: the reader ends
+            if self.slots[key] and rng.random() < 0.5:
+                pf.failed = True
+            self.finish(key)
+
+    def finish(self, key: int) -> None:
+        self.slots.pop(key, None)
+        self.cache.prefetch_finished(self.reading.pop(key))
+
+    def stop(self) -> None:
+        """The daemon stops: every reader ends, wherever it was."""
+        for key in sorted(self.reading):
+            self.finish(key)
+
+
+def _recount(cache: Cache, reads: HeldReads | None = None) -> None:
+    """Each share's counts are what its sessions, leases and namespaces are,
+    a prefetch lease that ended while its reader runs among its leases."""
     counted: dict[str, int] = {}
     for s in cache.sessions.values():
         assert s.share is not None
@@ -430,6 +486,19 @@ def _recount(cache: Cache) -> None:
         share = lease.session.share
         assert share is not None
         leases[share] = leases.get(share, 0) + 1
+    ended = 0
+    for lease in reads.reading.values() if reads is not None else ():
+        assert lease.prefetch is not None and lease.prefetch.running
+        if lease.prefetch.ended:  # out of the table, still counted
+            assert cache.leases.get(lease.id) is not lease
+            share = lease.session.share
+            assert share is not None
+            leases[share] = leases.get(share, 0) + 1
+            ended += 1
+        else:
+            assert cache.leases.get(lease.id) is lease
+    assert cache.leases.reading == ended
+    assert cache.leases.open == len(cache.leases) + ended
     assert {k: v for k, v in cache.leases.held.items() if v} == leases
     assert all(v >= 0 for v in cache.leases.held.values())
     spaces: dict[str, int] = {}
@@ -439,13 +508,19 @@ def _recount(cache: Cache) -> None:
     assert cache.names.held == spaces
 
 
+@pytest.mark.parametrize("l3", [False, True], ids=["l2", "l3"])
 @pytest.mark.parametrize("seed", range(3))
-def test_the_counts_match_the_tables_under_every_kind_of_lease(seed: int) -> None:
+def test_the_counts_match_the_tables_under_every_kind_of_lease(seed: int, l3: bool) -> None:
     """The paths the mix above lacks: key-addressed namespaces (reserve_keys,
     a commit with a mask, match_keys), leased matches, prefetches (with no
     L3: their L2 part), renewals, a hello from a routing id another peer
     holds, a goodbye of the wrong peer, undelivered replies, evictions for a
-    full pool, and reloads that move the shares under held counts."""
+    full pool, and reloads that move the shares under held counts. With
+    ``l3``, prefetches read from a store whose reads run until the test
+    moves them on: leases released, committed, expired, undelivered or of
+    sessions gone while their reads run count until the reader ends (after
+    its reads, a failed one, or at a stop); at the end, with every session
+    gone and every reader ended, nothing is counted."""
     now = [0.0]
     config = Config(
         server=ServerConfig(max_clients=12, session_idle_s=50.0),
@@ -458,6 +533,9 @@ def test_the_counts_match_the_tables_under_every_kind_of_lease(seed: int) -> Non
         },
     )
     cache = Cache(config, pool_path="x", clock=lambda: now[0])
+    reads = HeldReads(cache) if l3 else None
+    if reads is not None:
+        cache.use_tier(reads)
     rng = random.Random(seed)
     peers = ["a", "b", "c", NOBODY]
     keyed = msgspec.structs.replace(SPEC, key_scheme="vllm-sha256")
@@ -466,6 +544,7 @@ def test_the_counts_match_the_tables_under_every_kind_of_lease(seed: int) -> Non
         first = rng.randrange(40)
         return [(first + i).to_bytes(32, "little") for i in range(n)]
 
+    kept = 0  # the most leases counted at once after they ended, while their reads ran
     for _ in range(4000):
         peer = rng.choice(peers)
         owner = peer if rng.random() < 0.9 else rng.choice(peers)  # at times another's id
@@ -473,7 +552,7 @@ def test_the_counts_match_the_tables_under_every_kind_of_lease(seed: int) -> Non
         session = cache.sessions.get(rid)
         spaces = sorted(session.namespaces) if session is not None else []
         held = sorted(session.leases) if session is not None else []
-        op = rng.choices(range(13), [2, 0.5, 1, 1, 3, 3, 2, 2, 3, 3, 1, 1, 0.5])[0]
+        op = rng.choices(range(15), [2, 0.5, 1, 1, 3, 3, 2, 2, 3, 3, 1, 1, 0.5, 4, 0.05])[0]
         if op == 0:
             _hello(cache, rid, peer)
         elif op == 1:
@@ -532,8 +611,67 @@ def test_the_counts_match_the_tables_under_every_kind_of_lease(seed: int) -> Non
             cache.reconfigure(msgspec.structs.replace(cache.config, tenants=tenants))
         elif op == 12 and held:
             cache.undelivered(rid, p.ReserveOk(id=1, lease=rng.choice(held), present=0, offsets=[]))
-        _recount(cache)
+        elif op == 13 and reads is not None:
+            reads.step(rng)
+        elif op == 14 and reads is not None:
+            reads.stop()
+        _recount(cache, reads)
+        kept = max(kept, cache.leases.reading)
     assert cache.leases.held and cache.names.held  # the mix reached them
+    if reads is None:
+        return
+    assert kept  # and leases ended while their reads ran
+    for rid, session in list(cache.sessions.items()):
+        _call(cache, rid, session.peer, p.Goodbye(id=1))
+    _recount(cache, reads)
+    reads.stop()
+    _recount(cache, reads)
+    assert (cache.leases.open, cache.leases.reading) == (0, 0)
+    assert not any(cache.leases.held.values())
+
+
+def test_a_prefetch_ended_while_it_reads_counts_until_its_reader_ends() -> None:
+    """Released, expired, or its session gone while the store reads its pages,
+    a prefetch lease counts against its tenant's share and leases.max_leases
+    until its reader ends (its reads returned, failed, or the daemon
+    stopped): past either a lease is refused meanwhile, as ever naming the
+    key; then the count drops."""
+    now = [0.0]
+    config = Config(
+        leases=LeaseConfig(max_leases=3, ttl_s=5.0),
+        pool=PoolConfig(size_mib=1, slab_mib=1, max_page_bytes=PAGE),
+        tenants={"alpha": TenantConfig(max_leases=2), "beta": TenantConfig()},
+    )
+    cache = Cache(config, pool_path="x", clock=lambda: now[0])
+    reads = HeldReads(cache)
+    cache.use_tier(reads)
+    assert isinstance(_hello(cache, b"a", "alpha"), p.HelloOk)
+    ns = _ns(cache, b"a", "alpha")
+    fetches = []
+    for first in (100, 200):
+        ok = _call(cache, b"a", "alpha", p.Prefetch(id=5, ns=ns, tokens=pack_tokens([first])))
+        assert isinstance(ok, p.PrefetchOk) and ok.lease, ok
+        fetches.append(ok.lease)
+    reader = {lease.id: key for key, lease in reads.reading.items()}
+    assert isinstance(_call(cache, b"a", "alpha", p.Release(id=6, lease=fetches[0])), p.Ok)
+    now[0] += 6.0
+    assert cache.expire() == 1  # the second, at its deadline
+    assert (len(cache.leases), cache.leases.reading, cache.leases.open) == (0, 2, 2)
+    assert _tenant(cache, "alpha").leases == 2  # what it holds: both reads run
+    message = _refused(_reserve(cache, b"a", "alpha", ns, 300), "tenants.alpha.max_leases")
+    assert message.startswith("tenant 'alpha' holds 2 leases, its limit")
+    beta = _lease(cache, b"b", "beta", 1000)  # beta's share (2) is its own...
+    assert beta
+    message = _refused(_reserve(cache, b"b", "beta", _ns(cache, b"b", "beta"), 2000), "max_leases")
+    assert "leases.max_leases = 3" in message  # ...within the daemon's bound, alpha's reads in it
+    reads.finish(reader[fetches[0]])  # the first one's reads returned
+    assert _tenant(cache, "alpha").leases == 1 and cache.leases.open == 2
+    assert isinstance(_reserve(cache, b"a", "alpha", ns, 300), p.ReserveOk)
+    assert isinstance(_call(cache, b"a", "alpha", p.Goodbye(id=8)), p.Ok)
+    assert _tenant(cache, "alpha").leases == 1  # the reservation went with the session
+    reads.stop()  # the daemon stops: the last reader ends
+    assert cache.leases.held == {"alpha": 0, "beta": 1} and cache.leases.open == 1
+    assert cache.leases.reading == 0
 
 
 def test_a_share_of_namespaces_lowered_under_what_is_held_drops_as_many_unused_as_it_takes() -> (

@@ -19,8 +19,10 @@ import pytest
 from hicached import Client, CurveKeys
 from hicached import protocol as p
 from hicached.errors import ResourceExhausted
+from hicached.namespace import NamespaceSpec, namespace_digest
 from hicached.testing import scrape
-from tests.support import NS, PAGE_TOKENS, Daemon, metrics_token
+from tests.l3util import settle_writes, storage, wait_for, wait_prefetch
+from tests.support import NS, PAGE_BYTES, PAGE_TOKENS, Daemon, metrics_token
 from tests.test_client_group import as_user
 from tests.test_tenants import Users, users
 
@@ -38,9 +40,13 @@ def _keygen(directory: Path, name: str) -> tuple[Path, Path]:
 class Tenants:
     """A daemon over tcp with CURVE whose tenants are named by key: alpha's
     clients use key a, beta's key b; key n is authorized but no tenant lists
-    it (a peer of no tenant, which the harness connects as)."""
+    it (a peer of no tenant, which the harness connects as). ``storage``: TOML
+    inside ``[storage]``, and ``tables`` its own tables (``[storage.extra]``);
+    a ``faulty`` backend is allowed."""
 
-    def __init__(self, tmp: Path, server: str, tenants: str) -> None:
+    def __init__(
+        self, tmp: Path, server: str, tenants: str, storage: str = "", tables: str = ""
+    ) -> None:
         server_public, server_secret = _keygen(tmp / "server", "daemon")
         authorized = tmp / "authorized"
         authorized.mkdir()
@@ -55,8 +61,10 @@ class Tenants:
             curve=self.keys["n"],
             extra=server,
             metrics=metrics,
+            storage=storage,
+            allow_faults="faulty" in storage,
             tail=(
-                f'[curve]\nsecret_key_file = "{server_secret}"\n'
+                f'{tables}[curve]\nsecret_key_file = "{server_secret}"\n'
                 f'authorized_keys_dir = "{authorized}"\n'
                 f'[tenants.alpha]\ncurve_keys = ["a.key"]\n{tenants}\n'
                 '[tenants.beta]\ncurve_keys = ["b.key"]\n'
@@ -78,11 +86,11 @@ class Tenants:
 
 
 @pytest.fixture
-def tenants(tmp_path: Path) -> Iterator[Callable[[str, str], Tenants]]:
+def tenants(tmp_path: Path) -> Iterator[Callable[..., Tenants]]:
     made: list[Tenants] = []
 
-    def make(server: str, alpha: str) -> Tenants:
-        t = Tenants(tmp_path / str(len(made)), server, alpha)
+    def make(server: str, alpha: str, storage: str = "", tables: str = "") -> Tenants:
+        t = Tenants(tmp_path / str(len(made)), server, alpha, storage, tables)
         made.append(t)
         t.daemon.start()
         return t
@@ -203,6 +211,151 @@ def test_a_tenants_leases_and_namespaces_past_its_share_are_refused_not_anothers
             b.register(**{**NS, "model": f"test/beta-{i}"})
         stats = b.stats()
         assert stats.tenant is not None and stats.tenant.namespaces == 4
+
+
+def _gated_reads(tmp: Path, digest: str) -> tuple[str, str]:
+    """``[storage]`` and its tables for a faulty store over a file store whose
+    reads of namespace ``digest`` wait until the file ``tmp/open`` exists."""
+    return (
+        storage("faulty", more="concurrency = 4\nop_timeout_s = 60.0\nprefetch_batch_pages = 1\n"),
+        '[storage.extra]\ninner = "file"\n'
+        "[storage.extra.inner_options]\ncapacity_mib = 8\nsegment_mib = 2\nio_threads = 2\n"
+        f'[storage.extra.read_gate]\n"{digest}" = "{tmp / "open"}"\n',
+    )
+
+
+def _in_l3_alone(d: Daemon, write: Callable[[], None], operator: Callable[[], Client]) -> None:
+    """``write`` commits pages (written through to L3); a restart with a new
+    pool leaves them in L3 alone."""
+    write()
+    with operator() as n:
+        settle_writes(n)
+    assert d.stop() == 0
+    d.start()
+
+
+def test_a_prefetch_released_while_it_reads_counts_against_its_tenants_share_until_the_read_ends(
+    tenants: Callable[..., Tenants], tmp_path: Path
+) -> None:
+    """alpha's share is 2 leases. Two prefetches whose reads wait in the store
+    (fault injection: the faulty backend holds every read of alpha's namespace
+    until the test opens it) are released: both still count, so a third
+    prefetch or a reservation is refused naming tenants.alpha.max_leases
+    while the reads run (else a tenant could release and prefetch again and
+    keep any number of store reads running, up to every call slot). Its
+    held leases say 2 (stats and metrics). beta prefetches and reserves as
+    ever. Once the reads return the count drops and alpha prefetches again."""
+    alpha = namespace_digest(NamespaceSpec(**{**NS, "tenant": "alpha"})).hex()
+    store, tables = _gated_reads(tmp_path, alpha)
+    t = tenants("", "max_leases = 2", store, tables)
+    gate = tmp_path / "open"
+
+    def write() -> None:
+        with t.client("a") as a, t.client("b") as b:
+            for c, first in ((a, 0), (b, 5)):
+                ns = c.register(**NS)
+                for i in range(first, first + 3):
+                    c.commit(c.reserve(ns, _toks(i)))
+
+    _in_l3_alone(t.daemon, write, lambda: t.client("n"))
+    with t.client("a") as a, t.client("b") as b, t.client("n") as n:
+        ns = a.register(**NS)
+        fetches = [a.prefetch(ns, _toks(i)) for i in range(2)]
+        wait_for(lambda: n.stats().l3["store_calls_running"] == 2)  # both at the gate
+        for pf in fetches:
+            a.release(pf)
+        with pytest.raises(ResourceExhausted, match=r"tenants\.alpha\.max_leases") as info:
+            a.prefetch(ns, _toks(2))
+        assert str(info.value).startswith("tenant 'alpha' holds 2 leases, its limit")
+        with pytest.raises(ResourceExhausted, match=r"tenants\.alpha\.max_leases"):
+            a.reserve(ns, _toks(9))
+        held = a.stats().tenant
+        assert held is not None and (held.leases, held.max_leases) == (2, 2)
+        figures = scrape(a.stats().metrics_endpoint, token=t.token)
+        assert figures[("hicached_tenant_held", (("of", "leases"), ("tenant", "alpha")))] == 2
+        assert figures[("hicached_leases", ())] == 2  # out of the table, counted all the same
+        # beta's share is its own, and its reads are served beside alpha's waiting ones
+        bns = b.register(**NS)
+        bpf = b.prefetch(bns, _toks(5))
+        done = wait_prefetch(b, bpf)
+        assert (done.completed, done.failed) == (2, False)
+        assert b.commit(bpf).duplicates == 0
+        assert all(b.reserve(bns, _toks(i)).lease for i in range(10, 14))
+        # nothing above raced alpha's reads: they still wait, and still count
+        assert n.stats().l3["store_calls_running"] == 2
+        gate.touch()
+        wait_for(lambda: n.stats().l3["store_calls_running"] == 0)
+        wait_for(lambda: a.stats().tenant.leases == 0)  # type: ignore[union-attr]
+        pf = a.prefetch(ns, _toks(2))
+        done = wait_prefetch(a, pf)
+        assert (done.completed, done.failed) == (2, False)
+        a.commit(pf)
+        assert a.stats().tenant.leases == 0  # type: ignore[union-attr]
+
+
+def test_a_prefetch_released_while_it_reads_counts_against_the_daemons_bound_until_it_ends(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """Without tenants, leases.max_leases = 2 bounds the leases of every client
+    alike: two prefetches released while their reads wait in the store still
+    count, and a third lease is refused naming the bound until they return."""
+    digest = namespace_digest(NamespaceSpec(**NS)).hex()
+    store, tables = _gated_reads(tmp_path, digest)
+    d = daemon_factory(allow_faults=True, storage=store, tail=f"{tables}[leases]\nmax_leases = 2\n")
+
+    def write() -> None:
+        with d.client() as c:
+            ns = c.register(**NS)
+            for i in range(3):
+                c.store(ns, _toks(i), np.zeros((2, PAGE_BYTES), np.uint8))
+
+    _in_l3_alone(d, write, d.client)
+    with d.client() as c, d.client() as other:
+        ns = c.register(**NS)
+        fetches = [c.prefetch(ns, _toks(i)) for i in range(2)]
+        wait_for(lambda: c.stats().l3["store_calls_running"] == 2)  # both at the gate
+        for pf in fetches:
+            c.release(pf)
+        assert c.stats().leases == 2
+        ons = other.register(**NS)
+        with pytest.raises(ResourceExhausted, match=r"leases\.max_leases = 2") as info:
+            other.prefetch(ons, _toks(2))
+        assert "2 leases are open, the limit" in str(info.value)
+        assert c.stats().l3["store_calls_running"] == 2  # the reads still wait
+        (tmp_path / "open").touch()
+        wait_for(lambda: c.stats().leases == 0)
+        pf = other.prefetch(ons, _toks(2))
+        assert wait_prefetch(other, pf).completed == 2
+        other.commit(pf)
+
+
+def test_a_prefetch_whose_store_check_ran_past_its_timeout_counts_until_the_check_ends(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """A prefetch's first step asks the store which pages it holds; a check
+    past storage.op_timeout_s fails the prefetch (done, failed), but the
+    call still runs and holds its call slot (fault injection: every check
+    waits until the test opens the gate), so the lease counts until it ends,
+    released or not: leases.max_leases = 1 refuses a reservation meanwhile."""
+    gate = tmp_path / "open"
+    d = daemon_factory(
+        allow_faults=True,
+        storage=storage("faulty", more="op_timeout_s = 0.2\nscan_on_start = false\n"),
+        tail=f'[storage.extra]\nexists_gate = "{gate}"\n[leases]\nmax_leases = 1\n',
+    )
+    with d.client() as c:
+        ns = c.register(**NS)
+        pf = c.prefetch(ns, _toks(0))
+        done = wait_prefetch(c, pf)
+        assert (done.failed, done.completed) == (True, 0)
+        c.release(pf)
+        with pytest.raises(ResourceExhausted, match=r"leases\.max_leases = 1"):
+            c.reserve(ns, _toks(1))
+        stats = c.stats()
+        assert (stats.leases, stats.l3["store_calls_running"], stats.l3["timeouts"]) == (1, 1, 1)
+        gate.touch()
+        wait_for(lambda: c.stats().leases == 0)
+        c.commit(c.reserve(ns, _toks(1)))
 
 
 def _sighup(d: Daemon, config: str) -> str:

@@ -506,7 +506,7 @@ class Cache:
             reserved_pages=reserved,
             namespaces=len(self.namespaces),
             clients=len(self.sessions),
-            leases=len(self.leases),
+            leases=self.leases.open,  # ended prefetches whose reads run count too
             requests=dict(self.requests),
             errors=dict(self.errors),
             dropped=dict(self.dropped),

@@ -5,7 +5,10 @@ pages that were already present so they cannot be evicted before the
 commit); a *read* lease pins the pages a match returned; a *prefetch* lease
 is a write lease whose fresh slots are filled from L3 in the background.
 With tenants, a tenant's sessions hold at most its share of
-``leases.max_leases`` at once (cache/shares.py). Leases expire after
+``leases.max_leases`` at once (cache/shares.py). A prefetch lease that ends
+while its store reads run counts against both bounds until they have
+returned (LeaseTable.keep_reading): what bounds a client's leases bounds its
+reads of the store too. Leases expire after
 ``leases.ttl_s`` so a client that dies cannot hold memory forever; the fresh
 slots of a write lease that ends without a commit of all of them sit in
 quarantine (``free_after``: one rule for every end) so a copy a client began
@@ -50,11 +53,12 @@ class Leasing:
             held = self.table.held.get(share, 0)
             if bounds is not None and held >= bounds.leases:
                 raise ResourceExhausted(f"{over(share, 'leases', held)}: release or commit sooner")
-        if len(self.table) >= config.max_leases:
+        table_open = self.table.open
+        if table_open >= config.max_leases:
             # with tenants, no count: it adds up every tenant's leases, which a
             # tenant's peer is not to learn (stats keep it from them too)
             what = (
-                f"{len(self.table)} leases are open, the limit"
+                f"{table_open} leases are open, the limit"
                 if share is None
                 else "the daemon's open leases, every tenant's together, are at the limit"
             )
@@ -90,8 +94,9 @@ class Leasing:
         copy into its fresh slots may still be running, so they go to
         quarantine instead of the free list, as a key-addressed reservation's
         always do (``free_after``: one rule for every end). A prefetch reader may still be
-        writing into fresh slots: then they are left to it, and
-        the prefetch's end frees them (cache/prefetch.py).
+        writing into fresh slots: then they are left to it, the lease counts
+        on against its bounds (``LeaseTable.keep_reading``), and the
+        prefetch's end frees them and the count (cache/prefetch.py).
         """
         desk = self.desk
         if lease.pins:
@@ -104,6 +109,7 @@ class Leasing:
             pf.ended = True
             if pf.running:
                 ns.open += 1  # the reader still holds it; released when it finishes
+                self.table.keep_reading(lease)
                 return
         if lease.client_writes and (stale or lease.chain is not None):
             until = self.free_after(lease)

@@ -14,8 +14,11 @@ means is decided here:
 - ``progress``: a batch was read; a gap ends the prefetch, since nothing
   after it may ever be committed; a page L3 held unknown is announced
   (unless the store let pages go during the read);
-- ``finished``: the reader is done with the slots (freed here if the lease
-  ended meanwhile).
+- ``finished``: the reader is done with the slots and its store calls have
+  returned: the slots are freed here if the lease ended meanwhile, and the
+  lease stops counting against its bounds then, not at its end (a client
+  that releases a prefetch and opens another keeps no more reads running
+  than its leases allow).
 """
 
 from __future__ import annotations
@@ -161,7 +164,9 @@ class Prefetches:
         assert pf is not None
         ns = lease.ns
         if available is None:
-            pf.failed = True
+            # done: a check past its timeout may still run, and the lease counts
+            # until it ends (``finished``), but nothing more comes of it
+            pf.failed = pf.done = True
             pf.planned = 0
             desk.tiering.count("prefetch_store_silent")
             return []
@@ -218,7 +223,7 @@ class Prefetches:
         desk.events.stored([pf.keys[j]], parent, tokens, spec.page_tokens, medium, spec.model)
 
     def finished(self, lease: Lease) -> None:
-        """The reader is done with the lease's slots."""
+        """The reader is done with the lease's slots, and no store call of it runs."""
         desk = self.desk
         pf = lease.prefetch
         assert pf is not None
@@ -231,4 +236,5 @@ class Prefetches:
                 desk.l2.free(slot, ns.spec.page_bytes)
             lease.fresh = []
             ns.open -= 1
+            desk.leases.read_ended(lease)
             desk.names.forget_if_unused(ns)

@@ -97,7 +97,7 @@ class PrefetchState:
     completed: int = 0  # leading pages read and verified
     done: bool = False
     failed: bool = False
-    running: bool = True  # the reader may still write into fresh slots
+    running: bool = True  # the reader may still write into fresh slots, or call the store
     ended: bool = False  # the lease ended; the reader frees what is left
     known: int = 0  # leading keys the record of L3 knew when the store was asked
 
@@ -143,14 +143,27 @@ class Lease:
 class LeaseTable:
     """Open leases in deadline order, with ids that are hard to guess after a
     restart (ownership is checked either way), and how many each tenant's
-    sessions hold (``held``, by ``Session.share``; with tenants on)."""
+    sessions hold (``held``, by ``Session.share``; with tenants on).
+
+    A prefetch lease that ends while the tier's store calls for it still run
+    leaves the table but still counts (``reading``, and in ``held``) until
+    they have returned (``read_ended``): else a client could release and
+    prefetch again in a loop and keep more store reads running than its
+    bound of leases, up to every call slot the tenants share."""
 
     def __init__(self) -> None:
         self._leases: OrderedDict[int, Lease] = OrderedDict()
         self.held: dict[str, int] = {}
+        self.reading = 0  # leases ended whose prefetch reads still run
 
     def __len__(self) -> int:
         return len(self._leases)
+
+    @property
+    def open(self) -> int:
+        """What counts against ``leases.max_leases``: the leases in the table and
+        those ended while their reads run."""
+        return len(self._leases) + self.reading
 
     def __iter__(self) -> Iterator[Lease]:
         return iter(self._leases.values())
@@ -182,6 +195,21 @@ class LeaseTable:
         session = lease.session
         session.leases.discard(lease.id)
         share = session.share
+        if share is not None:
+            self.held[share] -= 1
+
+    def keep_reading(self, lease: Lease) -> None:
+        """``lease``, popped, ended while its prefetch reads run: it counts on."""
+        self.reading += 1
+        share = lease.session.share
+        if share is not None:
+            self.held[share] = self.held.get(share, 0) + 1
+
+    def read_ended(self, lease: Lease) -> None:
+        """The reads of ``lease``, kept counted by ``keep_reading``, have returned."""
+        assert self.reading > 0, "a read ended that was not counted"
+        self.reading -= 1
+        share = lease.session.share
         if share is not None:
             self.held[share] -= 1
 

@@ -449,12 +449,20 @@ class Dispatcher:
     async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int | None:
         """Leading keys held by the backend; None when it cannot tell now (down,
         or too late): not the same as 0, which says it holds none."""
+        return (await self.exists_late(ns, keys))[0]
+
+    async def exists_late(
+        self, ns: bytes, keys: Sequence[bytes]
+    ) -> tuple[int | None, asyncio.Future[Any] | None]:
+        """As ``exists``, with the backend call that ran past ``op_timeout_s``
+        and still runs (None: none does), for a caller whose bound must hold
+        until the call really ends (a prefetch: cache/prefetch.py)."""
         try:
-            return await self.call(self.backend.exists, ns, keys)
+            return await self.call(self.backend.exists, ns, keys), None
         except Unavailable:
-            return None
-        except _Late:
-            return None
+            return None, None
+        except _Late as late:
+            return None, late.task
 
     async def get(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
         """Read pages into their slots; all False when the backend fails.

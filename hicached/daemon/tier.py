@@ -497,14 +497,21 @@ class Tier:
         task.add_done_callback(self._prefetches.discard)
 
     async def _prefetch(self, lease: Lease) -> None:
+        """Ask the store, read what it holds, and tell the cache; the cache hears
+        ``finished`` only once no store call of the prefetch runs, since the
+        lease counts against its bounds until then (cache/prefetch.py): a
+        check past its timeout is waited for (the prefetch has failed, and
+        says so, meanwhile), as ``Dispatcher.get`` waits for its reads."""
         cache, pf, ns = self.cache, lease.prefetch, lease.ns
         assert pf is not None
         try:
             # What the cache learned may be stale, and another host may have written
             # more: ask; what the answer means is the cache's (cache/prefetch.py).
             cache.prefetch_started(lease)
-            available = await self.dispatcher.exists(ns.digest, pf.keys)
+            available, late = await self.dispatcher.exists_late(ns.digest, pf.keys)
             slots = cache.prefetch_planned(lease, available)
+            if late is not None:
+                await asyncio.wait({late})
             step = self.config.prefetch_batch_pages
             for start in range(0, len(slots), step):
                 if pf.ended:
