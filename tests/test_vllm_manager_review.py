@@ -1,7 +1,8 @@
 """Adversarial checks of hicached's vLLM scheduler side (tests/engines/
 vllm_manager_review_check.py, in the vLLM 0.32 venv against a real daemon,
 vLLM's own lookup loop deciding each hit from the manager's answers; the
-faults it injects are named there).
+faults it injects are named there). One check runs vLLM's scheduler side
+whole, from a token budget's lookup to the load its worker runs.
 """
 
 from __future__ import annotations
@@ -55,3 +56,43 @@ def test_a_hybrid_hit_needs_the_windows_pages_at_its_end(facts: dict[str, Any]) 
     assert got["A"]["load"] == [6, 2]
     assert got["B"]["second"] == [0, 0], got["B"]  # no group reports a hit
     assert "load" not in got["B"]
+
+
+def test_a_budget_that_ends_a_hybrid_hit_inside_a_chunk_loads_the_window_it_needs(
+    facts: dict[str, Any],
+) -> None:
+    """A token budget ends vLLM's hit at token 129, inside chunk 9 of 16 tokens;
+    the 32-token sliding window that ends there reaches into chunk 7, so vLLM
+    asks the window group for three chunks (``load_window_size_in_chunks``),
+    one more than the window's two at a chunk's end. The manager leases and
+    answers HIT for that chunk too (the window's ``lead``, from vLLM's spec),
+    so the hit is the budget's end, not a miss, and the load vLLM plans reads
+    the bytes stored from each block it fills."""
+    got = facts["budget"]
+    assert "error" not in got, got["error"]
+    assert got["window_chunks"] == 2 and got["load_window_chunks"] == 3
+    a = got["A"]
+    assert a["hit"] == 129, a  # a miss (0) when the chunk before the window is not answered
+    assert a["window_lookups"] == ["HIT"] * 3
+    assert a["loaded"] == [list(range(9)), [6, 7, 8]], a
+    assert a["finished"] and a["same"], a
+    assert got["kinds"] == [["full", 0], ["sliding32", 16]]  # groups.kind_of's lead
+
+
+def test_a_budget_hit_whose_chunk_before_the_window_is_gone_falls_back(
+    facts: dict[str, Any],
+) -> None:
+    """Prompt B lacks the window's chunk 7: with the budget, vLLM's backward scan
+    meets a MISS there and, the answer naming no window at an earlier end, finds
+    no hit at all (a miss, never a load of a chunk that is not there); without
+    a budget the hit ends at the last whole chunk, whose window does not need
+    that chunk, and loads what was stored."""
+    got = facts["budget"]
+    assert "error" not in got, got["error"]
+    b = got["B"]
+    assert b["hit"] == 0 and "loaded" not in b, b
+    assert b["window_lookups"][:3] == ["HIT", "HIT", "MISS"], b
+    whole = got["B_whole"]
+    assert whole["hit"] == 192, whole
+    assert whole["loaded"] == [list(range(12)), [10, 11]], whole
+    assert whole["finished"] and whole["same"], whole

@@ -6,6 +6,14 @@ object of what it saw; tests/test_vllm_manager_review.py checks it.
 
     vllm_manager_review_check.py ENDPOINT [DAEMON_PID]
 
+One scenario (``budget``) runs vLLM's scheduler side whole rather than its
+lookup loops alone: vLLM's ``OffloadingConnector`` in the SCHEDULER role for
+a model of a full-attention group and a sliding-window group (its configs
+built with vLLM's functions, as tests/engines/vllm_layout_check.py builds
+them), its ``get_num_new_matched_tokens`` given a token budget, vLLM's
+KVCacheManager allocating the hit's blocks, and the load it plans run by
+vLLM's connector in the WORKER role in this process, on KV in host memory.
+
 Fault injection, where a scenario says so: the manager's clock jumps past
 its answer's ``until`` in the middle of a lookup pass (as time passing
 does), and the link is marked down (as the loop thread marks it when
@@ -14,11 +22,14 @@ another request finds the daemon unreachable).
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import sys
+import tempfile
 import time
 import traceback
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -35,6 +46,7 @@ from hicached.integrations.hybrid import Window
 from hicached.integrations.vllm import KVGroup, Settings, engine_groups
 from hicached.integrations.vllm.manager import HicachedManager
 from hicached.integrations.vllm.specs import HicachedLoadSpec
+from tests.engines.vllm_layout_check import LAYERS, model_dir, until
 from tests.engines.vllm_worker_check import config
 
 
@@ -198,9 +210,271 @@ def hybrid(endpoint: str) -> dict[str, Any]:
     return facts
 
 
+# -- a token budget that ends a hybrid hit inside a chunk -------------------------------
+
+BLOCK, WINDOW = 16, 32  # tokens a block (and a chunk), and the sliding window's
+CHUNKS = 12  # whole chunks of each prompt
+# the token budget: vLLM's hit is one token less (with a window group the last token
+# is computed again), 129, inside chunk 9
+BUDGET = 8 * BLOCK + 2
+
+
+class Engine:
+    """vLLM's connector in both roles for a model of two KV cache groups: full
+    attention (layer 0) and a sliding window of WINDOW tokens (layer 1). The
+    scheduler's side as vLLM's Scheduler drives it (a KVCacheManager of its
+    own allocates each hit's blocks); the worker's in this process, its KV in
+    host memory, random bytes."""
+
+    def __init__(self, endpoint: str) -> None:
+        import torch
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+            OffloadingConnector,
+        )
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+        from vllm.v1.core.kv_cache_utils import (
+            generate_scheduler_kv_cache_config,
+            get_kv_cache_configs,
+            get_request_block_hasher,
+            init_none_hash,
+        )
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+        self.root = tempfile.TemporaryDirectory(prefix="hc-budget-")  # the model's config
+        args = EngineArgs(
+            model=model_dir(Path(self.root.name), "gqa"),
+            skip_tokenizer_init=True,
+            block_size=BLOCK,
+            max_model_len=1024,
+            enable_prefix_caching=True,
+            prefix_caching_hash_algo="sha256",
+            kv_transfer_config={
+                "kv_connector": "OffloadingConnector",
+                "kv_role": "kv_both",
+                "kv_connector_extra_config": {
+                    "spec_name": "HicachedOffloadingSpec",
+                    "spec_module_path": "hicached.integrations.vllm",
+                    "endpoint": endpoint,
+                    "timeout_s": 5.0,
+                },
+            },
+        )
+        vllm_config = args.create_engine_config()
+        vllm_config.cache_config.kv_cache_layout = "LBNHC"  # as the engine core resolves it
+        shape = {"block_size": BLOCK, "num_kv_heads": 4, "head_size": 32, "dtype": torch.bfloat16}
+        specs = {
+            LAYERS[0]: FullAttentionSpec(**shape),
+            LAYERS[1]: SlidingWindowSpec(**shape, sliding_window=WINDOW),
+        }
+        (worker_kv,) = get_kv_cache_configs(vllm_config, [specs], [4 << 20])
+        kv_config = generate_scheduler_kv_cache_config([worker_kv])
+        for kv in (kv_config, worker_kv):
+            kv.kv_cache_layout = vllm_config.cache_config.kv_cache_layout
+        self.kv_config = kv_config
+        self.connector = OffloadingConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_config)
+        self.scheduler = self.connector.connector_scheduler
+        self.manager: HicachedManager = self.scheduler.manager  # type: ignore[assignment]
+        self.kv_manager = KVCacheManager(
+            kv_config, 1024, scheduler_block_size=BLOCK, hash_block_size=BLOCK
+        )
+        hash_fn = get_hash_fn_by_name("sha256")
+        init_none_hash(hash_fn)
+        self.hasher = get_request_block_hasher(BLOCK, hash_fn)
+        self.worker = OffloadingConnector(vllm_config, KVConnectorRole.WORKER, worker_kv)
+        blocks = worker_kv.num_blocks
+        gen = torch.Generator().manual_seed(7)
+        self.kv = {  # split K and V, NHD, as a CPU attention backend shapes them
+            name: torch.randint(-128, 128, (blocks, spec.page_size_bytes), generator=gen)
+            .to(torch.int8)
+            .view(torch.bfloat16)
+            .view(blocks, 2, BLOCK, 4, 32)
+            for name, spec in specs.items()
+        }
+        self.worker.register_kv_caches(self.kv)
+        self.jobs = 1000  # the store jobs' ids (vLLM's own loads count from 0)
+
+    def request(self, req_id: str, tokens: list[int]) -> Any:
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        return Request(req_id, tokens, SamplingParams(max_tokens=1), None, block_hasher=self.hasher)
+
+    def keys(self, request: Any, group: int) -> list[bytes]:
+        from vllm.v1.kv_offload.base import make_offload_key
+
+        return [make_offload_key(h, group) for h in request.block_hashes]
+
+    def block(self, group: int, block_id: int) -> bytes:
+        """Group ``group``'s layer's bytes of one block."""
+        import torch
+
+        return bytes(self.kv[LAYERS[group]][block_id].contiguous().view(torch.uint8).numpy())
+
+    def store(self, request: Any, chunks: list[list[int]]) -> dict[int, dict[int, int]]:
+        """Store ``chunks[g]`` of each group g as vLLM stores them: the manager's
+        slots, the worker's copy from blocks of the group's own (300 + chunk for
+        full attention, 400 + chunk for the window), the manager publishing
+        it. The block each stored chunk came from, per group."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+            OffloadingConnectorMetadata,
+            TransferJob,
+        )
+        from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+        ctx = ReqContext(f"store-{request.request_id}")
+        keys, ids, sources = [], [], {}
+        for g, mine in enumerate(chunks):
+            every = self.keys(request, g)
+            sources[g] = {i: 300 + 100 * g + i for i in mine}
+            for i in mine:
+                ctx.set_offload_key_position(every[i], (i + 1) * BLOCK)
+                keys.append(every[i])
+                ids.append(sources[g][i])
+        out = self.manager.prepare_store(keys, ctx)
+        assert out is not None and list(out.keys_to_store) == keys, "not every key got a slot"
+        self.jobs += 1
+        src = GPULoadStoreSpec(ids, [len(c) for c in chunks], [0] * len(chunks))
+        worker = self.worker.connector_worker
+        assert worker is not None
+        job = {self.jobs: TransferJob(ctx.req_id, src, out.store_spec)}
+        worker.prepare_store_kv(OffloadingConnectorMetadata({}, job))
+        worker.start_kv_transfers(OffloadingConnectorMetadata({}, {}))
+
+        def completed() -> bool:
+            worker.get_finished(set())
+            meta = worker.build_connector_worker_meta()
+            return meta is not None and self.jobs in meta.completed_jobs
+
+        assert until(completed), "the store was never completed"
+        self.manager.complete_store(keys, ctx)
+        published = list(self.manager._publishing)
+        concurrent.futures.wait(published, timeout=20)
+        return sources
+
+    def hit(self, request: Any, budget: int | None) -> dict[str, Any]:
+        """vLLM's lookups for a new request, step after step, until they decide:
+        the hit, and each window key's answer in the pass that decided it."""
+        self.scheduler.on_new_request(request)
+        lookup = self.manager.lookup
+        seen: list[str] = []
+
+        def recorded(key: bytes, req_context: ReqContext) -> LookupResult:
+            result = lookup(key, req_context)
+            if key[-4:] == (1).to_bytes(4, "big"):
+                seen.append(result.name)
+            return result
+
+        self.manager.lookup = recorded  # type: ignore[method-assign]
+        try:
+            for _ in range(50):
+                seen.clear()
+                hit, _ = self.scheduler.get_num_new_matched_tokens(request, 0, budget)
+                if hit is not None:
+                    break
+                self.manager.on_schedule_end(None)
+        finally:
+            del self.manager.lookup
+        return {"hit": hit, "window_lookups": seen}
+
+    def load(self, request: Any, hit: int, sources: dict[int, dict[int, int]]) -> dict[str, Any]:
+        """The hit's blocks, as vLLM's scheduler allocates them, and the load vLLM
+        plans into them, run by the worker: which chunks of each group it
+        loaded and whether each block now holds the bytes stored from it."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+            OffloadingConnectorMetadata,
+        )
+
+        computed, _, _ = self.kv_manager.get_computed_blocks(request)
+        allocated = self.kv_manager.allocate_slots(
+            request,
+            0,  # the load is asynchronous: nothing is computed this step
+            new_computed_blocks=computed,
+            num_external_computed_tokens=hit,
+            delay_cache_blocks=True,
+        )
+        assert allocated is not None, "no room for the hit's blocks"
+        try:
+            self.scheduler.update_state_after_alloc(
+                request, self.kv_manager.get_blocks(request.request_id), hit
+            )
+        except AssertionError as exc:  # the manager's prepare_load: keys that were no hits
+            return {"error": f"AssertionError: {exc}"}
+        jobs = dict(self.scheduler._current_batch_load_jobs)
+        self.scheduler._current_batch_load_jobs.clear()
+        (transfer,) = jobs.values()
+        dst = transfer.dst_spec
+        loaded: dict[int, list[int]] = {}
+        targets: dict[int, list[int]] = {}
+        first = 0
+        for g, (count, start) in enumerate(zip(dst.group_sizes, dst.block_indices, strict=True)):
+            targets[g] = [int(b) for b in dst.block_ids[first : first + count]]
+            loaded[g] = list(range(int(start), int(start) + count))  # one block a chunk
+            first += count
+            for b in targets[g]:
+                self.kv[LAYERS[g]][b] = 0
+        worker = self.worker.connector_worker
+        assert worker is not None
+        worker.start_kv_transfers(OffloadingConnectorMetadata(jobs, {}))
+        finished = until(lambda: transfer.req_id in worker.get_finished(set())[1])
+        same = all(
+            i in sources[g] and self.block(g, b) == self.block(g, sources[g][i])
+            for g in loaded
+            for i, b in zip(loaded[g], targets[g], strict=True)
+        )
+        return {"loaded": [loaded[g] for g in sorted(loaded)], "finished": finished, "same": same}
+
+    def finish(self, request: Any) -> None:
+        """The request ends: its load done, its lookups' leases end, its blocks free."""
+        state = self.scheduler._req_status.pop(request.request_id)
+        self.manager.complete_load([], state.req_context)
+        self.manager.on_request_finished(state.req_context)
+        self.kv_manager.free(request)
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+        self.connector.shutdown()
+        self.root.cleanup()
+
+
+def budget(endpoint: str) -> dict[str, Any]:
+    """Prompt A: every chunk of both groups stored; prompt B: the same, but the
+    window's chunk 7 (index 6). A budget of BUDGET tokens ends vLLM's hit
+    inside chunk 9 (index 8), so vLLM asks the window group for three chunks
+    (load_window_size_in_chunks), the two of the window and the one before."""
+    facts: dict[str, Any] = {}
+    engine = Engine(endpoint)
+    try:
+        # what the manager made of vLLM's groups (groups.kind_of): (label, lead tokens)
+        facts["kinds"] = [[g.kind.label, getattr(g.kind, "lead", 0)] for g in engine.manager.groups]
+        (_, window) = engine.scheduler.config.kv_group_configs
+        facts["window_chunks"] = window.sliding_window_size_in_chunks
+        facts["load_window_chunks"] = window.load_window_size_in_chunks(BUDGET - 1)
+        rng = np.random.default_rng(3)
+        prompts = {p: rng.integers(3, 500, CHUNKS * BLOCK + 5).tolist() for p in "AB"}
+        every = list(range(CHUNKS))
+        sources = {
+            "A": engine.store(engine.request("A", prompts["A"]), [every, every]),
+            "B": engine.store(engine.request("B", prompts["B"]), [every, every[:6] + every[7:]]),
+        }
+        for name, p, cap in (("A", "A", BUDGET), ("B", "B", BUDGET), ("B_whole", "B", None)):
+            request = engine.request(name, prompts[p])
+            got = engine.hit(request, cap)
+            if got["hit"]:
+                got.update(engine.load(request, got["hit"], sources[p]))
+            engine.finish(request)
+            facts[name] = got
+    finally:
+        engine.shutdown()
+    return facts
+
+
 def main(endpoint: str, daemon_pid: int = 0) -> dict[str, Any]:
     facts: dict[str, Any] = {}
-    for name, scenario in (("stale_mid_pass", stale_mid_pass), ("hybrid", hybrid)):
+    scenarios = (("stale_mid_pass", stale_mid_pass), ("hybrid", hybrid), ("budget", budget))
+    for name, scenario in scenarios:
         try:
             facts[name] = scenario(endpoint)
         except Exception:
