@@ -310,3 +310,48 @@ async def test_a_hit_ending_inside_a_chunk_finds_the_window_it_needs(daemon: Dae
         for hit in answer.leases:
             await ac.release(hit)
         await ac.close()
+
+
+class Outdated(hicached.AsyncClient):
+    """Fault injection: says L3 holds a page it no longer holds (an answer an
+    L3 eviction overtook between the look and the load)."""
+
+    def __init__(self, *args: Any, gone: bytes, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gone = gone
+
+    async def exists_keys(self, ns: Namespace, keys: Sequence[bytes]) -> Any:
+        found = await super().exists_keys(ns, keys)
+        in_l3 = [l3 or key == self.gone for key, l3 in zip(keys, found.in_l3, strict=True)]
+        return type(found)(found.l2, found.leading, found.in_l2, in_l3)
+
+
+async def test_a_lead_that_l3_lost_leaves_the_window_it_needs_loaded(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """The chunk before the window is loaded apart from the window: when L3 no
+    longer has it, the window's pages still come back, and the hit stands."""
+    d = daemon_factory(storage=FILE_L3, tail=FILE_OPTIONS)
+    with d.client() as c:
+        model = Model(c)
+        model.store(c, "full", range(8))
+        model.store(c, "sliding", [6, 7])
+        model.store(c, "state", [7])
+        settle_writes(c)
+    d.stop()
+    d.start()
+    with d.client() as c:
+        ns = c.register(**spec("full"))
+        wait_for(lambda: c.exists_keys(ns, model.keys["full"]).leading == 8)
+    model.kinds["sliding"] = Window(64, "sliding", lead=CHUNK)
+    ac = Outdated(d.endpoint, timeout=5.0, gone=model.keys["sliding"][5])
+    try:
+        nss = {name: await ac.register(**spec(name)) for name in SPECS}
+        answer = await lookup(ac, model.groups(nss), prefetch_timeout_s=10.0)
+        assert answer.end == 8 * CHUNK
+        assert model.keys["sliding"][5] not in answer.hits
+        read_hit(ac, model, answer)
+        for hit in answer.leases:
+            await ac.release(hit)
+    finally:
+        await ac.close()

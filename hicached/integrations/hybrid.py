@@ -255,7 +255,7 @@ async def lookup(
             needs = [view.wanted(end) for view in views]
             if not loaded:
                 loaded = True
-                await _load(client, groups, probes, needs, end, prefetch_timeout_s, on_pending)
+                await _load(client, groups, probes, views, end, prefetch_timeout_s, on_pending)
             short = False
             for n, (g, need) in enumerate(zip(groups, needs, strict=True)):
                 if _covers(leases[n], need):
@@ -315,23 +315,27 @@ async def _load(
     client: AsyncClient,
     groups: Sequence[Group],
     probes: list[Probe],
-    needs: list[range],
+    views: list[GroupView],
     end: int,
     timeout_s: float,
     on_pending: Callable[[Answer], None] | None,
 ) -> None:
-    """Bring the pages a hit at ``end`` needs that only L3 holds into L2, saying
-    meanwhile (``on_pending``) that the hit's keys are on their way."""
-    loading = [
-        (g, [g.keys[i] for i in need])
-        for g, p, need in zip(groups, probes, needs, strict=True)
-        if any(p.flags[i] == IN_L3 for i in need)
-    ]
+    """Bring the pages a hit at ``end`` reads that only L3 holds into L2, saying
+    meanwhile (``on_pending``) that the hit's keys are on their way. A window's
+    lead is loaded apart from the pages it needs: a prefetch stops at a page
+    that does not come, and a lead L3 no longer has must not keep back the
+    window after it."""
+    loading: list[tuple[Group, list[bytes]]] = []
+    for g, p, view in zip(groups, probes, views, strict=True):
+        need, wanted = view.needed(end), view.wanted(end)
+        for part in (range(wanted.start, need.start), need):
+            if any(p.flags[i] == IN_L3 for i in part):
+                loading.append((g, [g.keys[i] for i in part]))
     if not loading:
         return
     if on_pending is not None:
-        pairs = zip(groups, needs, strict=True)
-        pending = frozenset(g.keys[i] for g, need in pairs for i in need)
+        pairs = zip(groups, views, strict=True)
+        pending = frozenset(g.keys[i] for g, view in pairs for i in view.wanted(end))
         on_pending(Answer(end, handles=[None] * len(groups), pending=pending))
     await _from_l3(client, loading, timeout_s)
 
