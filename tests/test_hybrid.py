@@ -355,3 +355,43 @@ async def test_a_lead_that_l3_lost_leaves_the_window_it_needs_loaded(
             await ac.release(hit)
     finally:
         await ac.close()
+
+
+async def test_a_lead_only_l3_holds_is_not_waited_for(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """Every page the hit needs is in L2 and only the chunk before the window
+    is in L3: the hit is answered at once without it (no pending answer, no
+    load), since a lead is read where it is in L2, never waited for."""
+    d = daemon_factory(storage=FILE_L3, tail=FILE_OPTIONS)
+    with d.client() as c:
+        model = Model(c)
+        model.store(c, "sliding", [5])
+        settle_writes(c)
+    d.stop()
+    d.start()
+    with d.client() as c:
+        model = Model(c)  # the same keys and pages, in namespaces registered anew
+        model.store(c, "full", range(8))
+        model.store(c, "sliding", [6, 7])
+        model.store(c, "state", [7])
+        ns = c.register(**spec("sliding"))
+        wait_for(lambda: c.exists_keys(ns, model.keys["sliding"][5:6]).in_l3 == [True])
+    model.kinds["sliding"] = Window(64, "sliding", lead=CHUNK)
+    seen: list[Answer] = []
+    answer, ac = await ask(d, model, on_pending=seen.append)
+    try:
+        assert answer.end == 8 * CHUNK
+        assert seen == []
+        assert set(answer.hits) == {
+            *model.keys["full"],
+            *model.keys["sliding"][6:],
+            model.keys["state"][7],
+        }
+        read_hit(ac, model, answer)
+    finally:
+        for hit in answer.leases:
+            await ac.release(hit)
+        await ac.close()
+    with d.client() as c:
+        assert c.stats().pinned_pages == 0

@@ -252,10 +252,17 @@ async def lookup(
             end = restorable_end(views)
             if not end:
                 break
-            needs = [view.wanted(end) for view in views]
             if not loaded:
                 loaded = True
-                await _load(client, groups, probes, views, end, prefetch_timeout_s, on_pending)
+                if not await _load(
+                    client, groups, probes, views, end, prefetch_timeout_s, on_pending
+                ):
+                    _skip_leads_in_l3(probes, present, views, end)
+                    views = [
+                        GroupView(g.kind, g.positions, on)
+                        for g, on in zip(groups, present, strict=True)
+                    ]
+            needs = [view.wanted(end) for view in views]
             short = False
             for n, (g, need) in enumerate(zip(groups, needs, strict=True)):
                 if _covers(leases[n], need):
@@ -319,25 +326,43 @@ async def _load(
     end: int,
     timeout_s: float,
     on_pending: Callable[[Answer], None] | None,
-) -> None:
+) -> bool:
     """Bring the pages a hit at ``end`` reads that only L3 holds into L2, saying
-    meanwhile (``on_pending``) that the hit's keys are on their way. A window's
-    lead is loaded apart from the pages it needs: a prefetch stops at a page
+    meanwhile (``on_pending``) that the hit's keys are on their way; False
+    when no page it needs is in L3 only (nothing loaded). A window's lead is
+    loaded only beside pages the hit needs (never a wait of its own, for pages
+    the hit does without), and apart from them: a prefetch stops at a page
     that does not come, and a lead L3 no longer has must not keep back the
     window after it."""
     loading: list[tuple[Group, list[bytes]]] = []
+    leads: list[tuple[Group, list[bytes]]] = []
     for g, p, view in zip(groups, probes, views, strict=True):
         need, wanted = view.needed(end), view.wanted(end)
-        for part in (range(wanted.start, need.start), need):
+        for part, into in ((range(wanted.start, need.start), leads), (need, loading)):
             if any(p.flags[i] == IN_L3 for i in part):
-                loading.append((g, [g.keys[i] for i in part]))
+                into.append((g, [g.keys[i] for i in part]))
     if not loading:
-        return
+        return False
+    loading += leads
     if on_pending is not None:
         pairs = zip(groups, views, strict=True)
         pending = frozenset(g.keys[i] for g, view in pairs for i in view.wanted(end))
         on_pending(Answer(end, handles=[None] * len(groups), pending=pending))
     await _from_l3(client, loading, timeout_s)
+    return True
+
+
+def _skip_leads_in_l3(
+    probes: list[Probe], present: list[list[bool]], views: list[GroupView], end: int
+) -> None:
+    """Nothing a hit at ``end`` needs was loaded from L3: the lead pages that
+    only L3 holds are taken as absent, so the hit is leased at once without
+    them (a lead is read where it is in L2, never waited for)."""
+    for p, on, view in zip(probes, present, views, strict=True):
+        wanted, need = view.wanted(end), view.needed(end)
+        for i in range(wanted.start, need.start):
+            if p.flags[i] == IN_L3:
+                on[i] = False
 
 
 async def _from_l3(
