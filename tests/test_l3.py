@@ -514,6 +514,32 @@ def test_stop_with_a_hung_backend_keeps_its_deadline(
     assert "write-back flush: 8 pages L3 lacked; 8 queued, 0 written, 0 failed, 8 left" in log
 
 
+def test_stop_does_not_wait_for_a_hung_store_check(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """Fault injection: every existence check waits for a gate that never
+    opens, within op_timeout_s. A prefetch's first step and a match's lookup
+    hang there; a graceful stop (write_through: nothing to flush) ends them
+    at once, since a check writes into no pool slot, instead of waiting for
+    them until storage.flush_deadline_s."""
+    d = daemon_factory(
+        allow_faults=True,
+        storage=storage(
+            "faulty", more="op_timeout_s = 60.0\nflush_deadline_s = 30.0\nscan_on_start = false\n"
+        ),
+        tail=f'[storage.extra]\nexists_gate = "{tmp_path / "never"}"\n',
+    )
+    with d.client() as c:
+        ns = c.register(**NS)
+        c.prefetch(ns, seq(0, 2))
+        assert c.match(ns, seq(10**6, 2), lease=False).l3_hits == 0  # its lookup gave up
+        wait_for(lambda: c.stats().l3["store_calls_running"] == 2)
+    started = time.monotonic()
+    assert d.stop() == 0
+    assert time.monotonic() - started < 6.0
+    assert "2 backend calls (" in d.log.read_text()  # left to end on their own
+
+
 def test_write_back_flush_queues_in_steps_and_loses_no_page(
     file_daemon: Callable[..., Daemon],
 ) -> None:

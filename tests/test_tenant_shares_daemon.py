@@ -329,6 +329,42 @@ def test_a_prefetch_released_while_it_reads_counts_against_the_daemons_bound_unt
         other.commit(pf)
 
 
+def test_a_prefetch_released_while_it_reads_shows_its_slots_as_reserved_until_it_ends(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """A prefetch whose reads wait in the store (fault injection: the gate)
+    is released: it still counts as an open lease, and the slots its reader
+    fills still take pool bytes, so they show as reserved (stats and
+    hicached_pages{state="reserved"}) as while the lease was open, not
+    nowhere; once the reads return the slots are free and nothing shows."""
+    digest = namespace_digest(NamespaceSpec(**NS)).hex()
+    store, tables = _gated_reads(tmp_path, digest)
+    d = daemon_factory(allow_faults=True, storage=store, tail=tables)
+
+    def write() -> None:
+        with d.client() as c:
+            ns = c.register(**NS)
+            c.store(ns, _toks(0, pages=3), np.zeros((3, PAGE_BYTES), np.uint8))
+
+    _in_l3_alone(d, write, d.client)
+    with d.client() as c:
+        ns = c.register(**NS)
+        pf = c.prefetch(ns, _toks(0, pages=3))
+        wait_for(lambda: c.stats().l3["store_calls_running"] == 1)  # at the gate
+        stats = c.stats()
+        assert (stats.leases, stats.reserved_pages, stats.pool_used_bytes) == (1, 3, 3 * PAGE_BYTES)
+        c.release(pf)
+        stats = c.stats()
+        assert (stats.leases, stats.reserved_pages, stats.pool_used_bytes) == (1, 3, 3 * PAGE_BYTES)
+        figures = scrape(stats.metrics_endpoint)
+        assert figures[("hicached_pages", (("state", "reserved"),))] == 3
+        assert figures[("hicached_leases", ())] == 1
+        (tmp_path / "open").touch()
+        wait_for(lambda: c.stats().leases == 0)
+        stats = c.stats()
+        assert (stats.reserved_pages, stats.pool_used_bytes) == (0, 0)
+
+
 def test_a_prefetch_whose_store_check_ran_past_its_timeout_counts_until_the_check_ends(
     daemon_factory: Callable[..., Daemon], tmp_path: Path
 ) -> None:

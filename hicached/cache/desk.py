@@ -481,7 +481,9 @@ class Cache:
             return self._tenant_view(viewer)
         pool = self.pool
         used = pool.used_bytes
-        reserved = sum(len(lease.fresh) for lease in self.leases)
+        # with the slots of ended prefetches that their reads still fill: they
+        # count as open leases (``leases`` below) and take pool bytes until then
+        reserved = sum(len(lease.fresh) for lease in self.leases.counted())
         # pages held against eviction: those pinned (key-addressed leases' pages,
         # token leases' last pages, writes to L3 in flight), and the pages of
         # token leases' paths before their last

@@ -154,7 +154,7 @@ class LeaseTable:
     def __init__(self) -> None:
         self._leases: OrderedDict[int, Lease] = OrderedDict()
         self.held: dict[str, int] = {}
-        self.reading = 0  # leases ended whose prefetch reads still run
+        self._reading: set[Lease] = set()  # leases ended whose prefetch reads still run
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -163,10 +163,21 @@ class LeaseTable:
     def open(self) -> int:
         """What counts against ``leases.max_leases``: the leases in the table and
         those ended while their reads run."""
-        return len(self._leases) + self.reading
+        return len(self._leases) + len(self._reading)
+
+    @property
+    def reading(self) -> int:
+        """Leases ended while their prefetch reads run (``keep_reading``)."""
+        return len(self._reading)
 
     def __iter__(self) -> Iterator[Lease]:
         return iter(self._leases.values())
+
+    def counted(self) -> Iterator[Lease]:
+        """Every lease that counts (``open``): those in the table, then those
+        ended while their reads run, whose fresh slots the reader still fills."""
+        yield from self._leases.values()
+        yield from self._reading
 
     def get(self, lease_id: int) -> Lease | None:
         return self._leases.get(lease_id)
@@ -200,15 +211,15 @@ class LeaseTable:
 
     def keep_reading(self, lease: Lease) -> None:
         """``lease``, popped, ended while its prefetch reads run: it counts on."""
-        self.reading += 1
+        self._reading.add(lease)
         share = lease.session.share
         if share is not None:
             self.held[share] = self.held.get(share, 0) + 1
 
     def read_ended(self, lease: Lease) -> None:
         """The reads of ``lease``, kept counted by ``keep_reading``, have returned."""
-        assert self.reading > 0, "a read ended that was not counted"
-        self.reading -= 1
+        assert lease in self._reading, "a read ended that was not counted"
+        self._reading.remove(lease)
         share = lease.session.share
         if share is not None:
             self.held[share] -= 1

@@ -41,7 +41,8 @@
   when the backend finally returns, so the pool slots it reads or writes stay
   held until then; meanwhile it counts in ``hung_calls``.
 - Stopping has one deadline (``stop_by``): queued writes get until then, and a
-  cancelled call waits for its backend task no longer than that.
+  cancelled read or write waits for its backend task no longer than that (a
+  cancelled existence check, which owns no buffer, not at all).
 """
 
 from __future__ import annotations
@@ -367,8 +368,10 @@ class Dispatcher:
         try:
             await asyncio.wait({task}, timeout=self.config.op_timeout_s)
         except asyncio.CancelledError:
-            # the call may be writing into pool slots: let it end first
-            await asyncio.wait({task}, timeout=self._grace())
+            # the call may be writing into pool slots: let it end first (a check
+            # writes into none: a stop need not wait for one that hangs)
+            if kind != _CHECK:
+                await asyncio.wait({task}, timeout=self._grace())
             raise
         finally:
             if not task.done():
