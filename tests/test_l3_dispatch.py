@@ -113,7 +113,9 @@ async def test_a_cancelled_read_waits_for_its_call_no_longer_than_the_stop(
     await asyncio.gather(reader, return_exceptions=True)
     await d.stop(started + 0.2)
     assert time.monotonic() - started < 1.0  # not op_timeout_s
-    assert d.running == 1 and d.hung_calls == 1  # still running: its slot stays taken
+    # still running: its slot stays taken; cancelled well within op_timeout_s, it
+    # is not one of the calls past their timeout (the stop's log line tells them apart)
+    assert d.running == 1 and d.hung_calls == 0
     backend.gate.set()
     await asyncio.sleep(0.01)
     assert d.running == 0 and d.hung_calls == 0

@@ -373,9 +373,8 @@ class Dispatcher:
             if kind != _CHECK:
                 await asyncio.wait({task}, timeout=self._grace())
             raise
-        finally:
-            if not task.done():
-                self._hung.add(task)
+        if not task.done():  # past its timeout (not one cancelled by a stop before it)
+            self._hung.add(task)
         return task
 
     # -- calls -----------------------------------------------------------------------
