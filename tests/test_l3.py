@@ -727,3 +727,35 @@ def test_a_page_the_store_lets_go_of_while_a_prefetch_reads_it_is_not_learned(
         assert (done.completed, done.failed) == (8, False)
         assert c.match(ns, toks, lease=False).l3_hits == 0, "pages L3 let go of are L3 hits"
         c.cancel(pf)
+
+
+def test_a_lookup_whose_check_outlasts_its_timeout_counts_in_flight_until_it_ends(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """Fault injection: existence checks wait for a gate past op_timeout_s. A
+    match's lookup is a miss at its deadline, and its check, which still holds
+    a call slot, counts against lookups_in_flight until the store answers: the
+    next lookup is skipped meanwhile, not started beside it."""
+    gate = tmp_path / "gate"
+    d = daemon_factory(
+        allow_faults=True,
+        storage=storage(
+            "faulty",
+            more="op_timeout_s = 0.2\nlookups_in_flight = 1\nscan_on_start = false\n",
+        ),
+        tail=f'[storage.extra]\nexists_gate = "{gate}"\n',
+    )
+    with d.client() as c:
+        ns = c.register(**NS)
+        assert c.match(ns, seq(0, 2), lease=False).l3_hits == 0
+        wait_for(lambda: c.stats().l3["lookups"] == 1)
+        wait_for(lambda: c.stats().l3.get("timeouts", 0) == 1)  # the check, past op_timeout_s
+        s = c.stats().l3
+        assert s["lookups_in_flight"] == 1 and s["hung_calls"] == 1  # it still runs
+        assert c.match(ns, seq(10**6, 2), lease=False).l3_hits == 0
+        s = c.stats().l3
+        assert s["lookups"] == 1 and s["lookups_skipped"] == 1
+        gate.touch()
+        wait_for(lambda: c.stats().l3["lookups_in_flight"] == 0)
+        c.match(ns, seq(2 * 10**6, 2), lease=False)
+        wait_for(lambda: c.stats().l3["lookups"] == 2)

@@ -454,8 +454,6 @@ class Tier:
         counts["lookups"] += 1
         loop = asyncio.get_running_loop()
         drops = self.cache.l3_drops  # what the store let go of meanwhile is not learned
-        call = loop.create_task(self.dispatcher.exists(ns, keys))
-        self._lookups.add(call)
         answered = False
 
         def reply(found: int) -> None:
@@ -463,6 +461,9 @@ class Tier:
             if not answered:
                 answered = True
                 answer(found)
+
+        call = loop.create_task(self._ask(ns, keys, reply))
+        self._lookups.add(call)
 
         def late() -> None:
             if not answered:
@@ -486,6 +487,16 @@ class Tier:
             reply(found)
 
         call.add_done_callback(ended)
+
+    async def _ask(self, ns: bytes, keys: list[bytes], reply: Callable[[int], None]) -> int | None:
+        """A lookup's existence check; one past ``storage.op_timeout_s`` is a
+        miss at once (``reply``), and its call, which still holds a call slot,
+        counts in flight until it ends."""
+        found, late = await self.dispatcher.exists_late(ns, keys)
+        if late is not None:
+            reply(0)
+            await asyncio.wait({late})
+        return found
 
     @property
     def down(self) -> bool:
