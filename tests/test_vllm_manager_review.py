@@ -136,3 +136,30 @@ def test_vllms_window_widening_never_needs_more_than_the_windows_lead(
     assert "error" not in got, got["error"]
     assert got["short"] == 0, got
     assert got["most"] == 1 and got["leads"] == [1], got
+
+
+def test_a_drafters_window_group_loads_the_window_vllm_asks_one_chunk_past_the_hit(
+    facts: dict[str, Any],
+) -> None:
+    """The sliding window group holds an EAGLE/MTP drafter's layers (vLLM's
+    ``is_eagle_group``): vLLM asks it for one chunk past the hit's end and a
+    window one chunk longer, then drops that chunk from the hit. A whole
+    prompt of twelve chunks hits 176 tokens (eleven chunks), its window's
+    three chunks answered (the window's two at the last chunk's end and its
+    lead); a budget that ends the hit at 129, inside chunk 9, widens the
+    window too, to four chunks ending at chunk 10: the drafter's lead of two
+    chunks answers them, so that hit is restored too (a miss with a lead of
+    one), each block loaded holding the bytes stored from it."""
+    got = facts["eagle"]
+    assert "error" not in got, got["error"]
+    assert got["eagle"] == [False, True]
+    a, b = got["A"], got["B"]
+    assert a["hit"] == 176, a
+    assert a["window_lookups"] == ["HIT"] * 3
+    assert a["loaded"] == [list(range(11)), [9, 10]], a
+    assert a["finished"] and a["same"], a
+    assert b["hit"] == 129, b  # a miss (0) with a lead of one chunk
+    assert b["window_lookups"] == ["HIT"] * 4
+    assert b["loaded"] == [list(range(9)), [6, 7, 8]], b
+    assert b["finished"] and b["same"], b
+    assert got["kinds"] == [["full", 0], ["sliding32", 32]]  # groups.kind_of's lead

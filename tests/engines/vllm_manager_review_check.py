@@ -226,7 +226,7 @@ class Engine:
     own allocates each hit's blocks); the worker's in this process, its KV in
     host memory, random bytes."""
 
-    def __init__(self, endpoint: str, extra_retained: int = 0) -> None:
+    def __init__(self, endpoint: str, extra_retained: int = 0, eagle: bool = False) -> None:
         import torch
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
@@ -286,6 +286,9 @@ class Engine:
         kv_config = generate_scheduler_kv_cache_config([worker_kv])
         for kv in (kv_config, worker_kv):
             kv.kv_cache_layout = vllm_config.cache_config.kv_cache_layout
+            # the window's layers as an EAGLE/MTP drafter's, as vLLM's engine marks
+            # a drafter's group (a speculative config would need a drafter model)
+            kv.kv_cache_groups[1].is_eagle_group = eagle
         self.kv_config = kv_config
         self.connector = OffloadingConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_config)
         self.scheduler = self.connector.connector_scheduler
@@ -518,6 +521,34 @@ def mtp(endpoint: str) -> dict[str, Any]:
     return facts
 
 
+def eagle(endpoint: str) -> dict[str, Any]:
+    """The sliding window group as an EAGLE/MTP drafter's (vLLM's ``is_eagle_group``):
+    vLLM asks it for one chunk past the hit's end and a window one chunk
+    longer, then drops that chunk from the hit. Prompt A of CHUNKS whole chunks
+    without a budget; prompt B with BUDGET, which ends the hit inside chunk 9
+    (index 8), where the window is widened too. Every chunk of both groups
+    stored."""
+    facts: dict[str, Any] = {}
+    engine = Engine(endpoint, eagle=True)
+    try:
+        facts["kinds"] = [[g.kind.label, getattr(g.kind, "lead", 0)] for g in engine.manager.groups]
+        facts["eagle"] = [g.is_eagle_group for g in engine.scheduler.config.kv_group_configs]
+        rng = np.random.default_rng(11)
+        every = list(range(CHUNKS))
+        for name, length, cap in (("A", CHUNKS * BLOCK, None), ("B", CHUNKS * BLOCK + 5, BUDGET)):
+            prompt = rng.integers(3, 500, length).tolist()
+            sources = engine.store(engine.request(name, prompt), [every, every])
+            request = engine.request(f"{name}_eagle", prompt)
+            got = engine.hit(request, cap)
+            if got["hit"]:
+                got.update(engine.load(request, got["hit"], sources))
+            engine.finish(request)
+            facts[name] = got
+    finally:
+        engine.shutdown()
+    return facts
+
+
 def widening(endpoint: str) -> dict[str, Any]:
     """vLLM's widened window (load_window_size_in_chunks, at every hit end inside
     a chunk) against the window and lead hicached gives the group
@@ -570,6 +601,7 @@ def main(endpoint: str, daemon_pid: int = 0) -> dict[str, Any]:
         ("budget", budget),
         ("mtp", mtp),
         ("widening", widening),
+        ("eagle", eagle),
     )
     for name, scenario in scenarios:
         try:
