@@ -96,3 +96,70 @@ def test_a_budget_hit_whose_chunk_before_the_window_is_gone_falls_back(
     assert whole["hit"] == 192, whole
     assert whole["loaded"] == [list(range(12)), [10, 11]], whole
     assert whole["finished"] and whole["same"], whole
+
+
+def test_an_mtp_window_hit_one_token_before_a_chunk_end_loads_the_window_it_needs(
+    facts: dict[str, Any],
+) -> None:
+    """A sliding window of 32 tokens with one extra retained token (vLLM's
+    engine sets it for multi-module MTP of two speculative tokens), a prompt
+    of twelve whole 16-token chunks, every chunk of both groups stored, no
+    token budget: vLLM ends the hit at 191, one token before the last chunk's
+    end, and the window that ends there with the extra token reaches into
+    chunk 10 (index 9), so vLLM asks the window group for three chunks
+    (``load_window_size_in_chunks``), one more than its two at a chunk's end.
+    The window's ``lead`` answers that chunk too, so the hit is restored and
+    each block loaded holds the bytes stored from it."""
+    got = facts["mtp"]
+    assert "error" not in got, got["error"]
+    assert got["extra_retained"] == 1
+    assert got["window_chunks"] == 2 and got["load_window_chunks"] == 3
+    a = got["A"]
+    assert a["hit"] == 191, a  # a miss (0) without the window's lead
+    assert a["window_lookups"] == ["HIT"] * 3
+    assert a["loaded"] == [list(range(12)), [9, 10, 11]], a
+    assert a["finished"] and a["same"], a
+    assert got["kinds"] == [["full", 0], ["sliding32", 16]]  # groups.kind_of's lead
+
+
+def test_vllms_window_widening_never_needs_more_than_the_windows_lead(
+    facts: dict[str, Any],
+) -> None:
+    """vLLM widens a sliding window at a hit end ``right_padding`` tokens before
+    a chunk's end to ``cdiv(sliding_window - 1 + extra_retained_tokens +
+    right_padding, chunk)`` chunks, at most one chunk beyond the window it
+    asks for at a chunk's end (right_padding < chunk), whatever the extra
+    retained tokens: the lead of one chunk that kind_of gives every sliding
+    window covers every widening, over windows, extra retained tokens, chunk
+    sizes and hit ends, and is never more than vLLM's widening can use."""
+    got = facts["widening"]
+    assert "error" not in got, got["error"]
+    assert got["short"] == 0, got
+    assert got["most"] == 1 and got["leads"] == [1], got
+
+
+def test_a_drafters_window_group_loads_the_window_vllm_asks_one_chunk_past_the_hit(
+    facts: dict[str, Any],
+) -> None:
+    """The sliding window group holds an EAGLE/MTP drafter's layers (vLLM's
+    ``is_eagle_group``): vLLM asks it for one chunk past the hit's end and a
+    window one chunk longer, then drops that chunk from the hit. A whole
+    prompt of twelve chunks hits 176 tokens (eleven chunks), its window's
+    three chunks answered (the window's two at the last chunk's end and its
+    lead); a budget that ends the hit at 129, inside chunk 9, widens the
+    window too, to four chunks ending at chunk 10: the drafter's lead of two
+    chunks answers them, so that hit is restored too (a miss with a lead of
+    one), each block loaded holding the bytes stored from it."""
+    got = facts["eagle"]
+    assert "error" not in got, got["error"]
+    assert got["eagle"] == [False, True]
+    a, b = got["A"], got["B"]
+    assert a["hit"] == 176, a
+    assert a["window_lookups"] == ["HIT"] * 3
+    assert a["loaded"] == [list(range(11)), [9, 10]], a
+    assert a["finished"] and a["same"], a
+    assert b["hit"] == 129, b  # a miss (0) with a lead of one chunk
+    assert b["window_lookups"] == ["HIT"] * 4
+    assert b["loaded"] == [list(range(9)), [6, 7, 8]], b
+    assert b["finished"] and b["same"], b
+    assert got["kinds"] == [["full", 0], ["sliding32", 32]]  # groups.kind_of's lead

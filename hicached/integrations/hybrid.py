@@ -111,9 +111,11 @@ class Window(Kind):
     whole prefix), so each key is asked about on its own, without a lease.
 
     ``lead``: tokens before the window that a hit also serves where they are
-    there, never needs: an engine whose hit a token budget ends inside the
-    last chunk needs the window that ends there, which reaches one chunk
-    further back (vLLM's ``load_window_size_in_chunks``)."""
+    there, never needs: an engine whose hit ends inside the last chunk needs
+    the window that ends there, which reaches one chunk further back (vLLM's
+    ``load_window_size_in_chunks``), and one that asks a drafter's group for
+    one chunk past its hit's end needs a window one chunk longer there (vLLM's
+    EAGLE/MTP groups)."""
 
     tokens: int
     name: str = "window"

@@ -226,7 +226,7 @@ class Engine:
     own allocates each hit's blocks); the worker's in this process, its KV in
     host memory, random bytes."""
 
-    def __init__(self, endpoint: str) -> None:
+    def __init__(self, endpoint: str, extra_retained: int = 0, eagle: bool = False) -> None:
         import torch
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
@@ -269,10 +269,26 @@ class Engine:
             LAYERS[0]: FullAttentionSpec(**shape),
             LAYERS[1]: SlidingWindowSpec(**shape, sliding_window=WINDOW),
         }
-        (worker_kv,) = get_kv_cache_configs(vllm_config, [specs], [4 << 20])
+        # vLLM's engine gives every sliding window ``num_prefill_lookahead_tokens - 1``
+        # extra retained tokens (get_kv_cache_configs; multi-module MTP of as many
+        # speculative tokens as that lookahead): it is set here as the engine's
+        # property says it, a speculative config needing a drafter model of its own
+        config_type = type(vllm_config)
+        lookahead = config_type.__dict__["num_prefill_lookahead_tokens"]
+        if extra_retained:
+            config_type.num_prefill_lookahead_tokens = property(  # type: ignore[method-assign,assignment]
+                lambda _: extra_retained + 1
+            )
+        try:
+            (worker_kv,) = get_kv_cache_configs(vllm_config, [specs], [4 << 20])
+        finally:
+            config_type.num_prefill_lookahead_tokens = lookahead  # type: ignore[method-assign]
         kv_config = generate_scheduler_kv_cache_config([worker_kv])
         for kv in (kv_config, worker_kv):
             kv.kv_cache_layout = vllm_config.cache_config.kv_cache_layout
+            # the window's layers as an EAGLE/MTP drafter's, as vLLM's engine marks
+            # a drafter's group (a speculative config would need a drafter model)
+            kv.kv_cache_groups[1].is_eagle_group = eagle
         self.kv_config = kv_config
         self.connector = OffloadingConnector(vllm_config, KVConnectorRole.SCHEDULER, kv_config)
         self.scheduler = self.connector.connector_scheduler
@@ -471,9 +487,122 @@ def budget(endpoint: str) -> dict[str, Any]:
     return facts
 
 
+# -- multi-module MTP: a sliding window with extra retained tokens -----------------------
+
+EXTRA = 1  # extra_retained_tokens: MTP of two speculative tokens
+
+
+def mtp(endpoint: str) -> dict[str, Any]:
+    """The sliding window of WINDOW tokens with EXTRA retained tokens (as vLLM's
+    engine sets them for multi-module MTP), a prompt of CHUNKS whole chunks,
+    every chunk of both groups stored, no token budget. vLLM cuts a whole
+    prompt's hit one token short (the last token is computed again), so the
+    window that ends there, widened by the extra tokens, reaches into a chunk
+    before the window at the last chunk's end (load_window_size_in_chunks)."""
+    facts: dict[str, Any] = {}
+    engine = Engine(endpoint, extra_retained=EXTRA)
+    try:
+        facts["kinds"] = [[g.kind.label, getattr(g.kind, "lead", 0)] for g in engine.manager.groups]
+        (_, window) = engine.scheduler.config.kv_group_configs
+        facts["extra_retained"] = window.kv_cache_spec.extra_retained_tokens
+        facts["window_chunks"] = window.sliding_window_size_in_chunks
+        facts["load_window_chunks"] = window.load_window_size_in_chunks(CHUNKS * BLOCK - 1)
+        prompt = np.random.default_rng(5).integers(3, 500, CHUNKS * BLOCK).tolist()
+        every = list(range(CHUNKS))
+        sources = engine.store(engine.request("A", prompt), [every, every])
+        request = engine.request("A_mtp", prompt)
+        got = engine.hit(request, None)
+        if got["hit"]:
+            got.update(engine.load(request, got["hit"], sources))
+        engine.finish(request)
+        facts["A"] = got
+    finally:
+        engine.shutdown()
+    return facts
+
+
+def eagle(endpoint: str) -> dict[str, Any]:
+    """The sliding window group as an EAGLE/MTP drafter's (vLLM's ``is_eagle_group``):
+    vLLM asks it for one chunk past the hit's end and a window one chunk
+    longer, then drops that chunk from the hit. Prompt A of CHUNKS whole chunks
+    without a budget; prompt B with BUDGET, which ends the hit inside chunk 9
+    (index 8), where the window is widened too. Every chunk of both groups
+    stored."""
+    facts: dict[str, Any] = {}
+    engine = Engine(endpoint, eagle=True)
+    try:
+        facts["kinds"] = [[g.kind.label, getattr(g.kind, "lead", 0)] for g in engine.manager.groups]
+        facts["eagle"] = [g.is_eagle_group for g in engine.scheduler.config.kv_group_configs]
+        rng = np.random.default_rng(11)
+        every = list(range(CHUNKS))
+        for name, length, cap in (("A", CHUNKS * BLOCK, None), ("B", CHUNKS * BLOCK + 5, BUDGET)):
+            prompt = rng.integers(3, 500, length).tolist()
+            sources = engine.store(engine.request(name, prompt), [every, every])
+            request = engine.request(f"{name}_eagle", prompt)
+            got = engine.hit(request, cap)
+            if got["hit"]:
+                got.update(engine.load(request, got["hit"], sources))
+            engine.finish(request)
+            facts[name] = got
+    finally:
+        engine.shutdown()
+    return facts
+
+
+def widening(endpoint: str) -> dict[str, Any]:
+    """vLLM's widened window (load_window_size_in_chunks, at every hit end inside
+    a chunk) against the window and lead hicached gives the group
+    (groups.kind_of), over windows, extra retained tokens and chunk sizes:
+    the most chunks the widening adds beyond the window, and each lead."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import (
+        GroupOffloadConfig,
+        get_sliding_window_size_in_chunks,
+    )
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    from hicached.integrations.vllm.groups import kind_of
+
+    most, short, leads = 0, 0, set()
+    for tokens in (16, 32):
+        for window in range(1, 2 * tokens + 2):
+            for extra in range(2 * tokens + 2):
+                spec = SlidingWindowSpec(
+                    block_size=tokens,
+                    num_kv_heads=1,
+                    head_size=8,
+                    dtype=torch.bfloat16,
+                    sliding_window=window,
+                    extra_retained_tokens=extra,
+                )
+                chunks = get_sliding_window_size_in_chunks(spec, tokens)
+                assert chunks is not None
+                group = SimpleNamespace(
+                    sliding_window_size_in_chunks=chunks,
+                    kv_cache_spec=spec,
+                    tokens_per_chunk=tokens,
+                )
+                kind = kind_of(spec, tokens)
+                assert isinstance(kind, Window) and kind.tokens == chunks * tokens
+                leads.add(kind.lead // tokens)
+                for end in range(4 * tokens, 5 * tokens):
+                    widened = GroupOffloadConfig.load_window_size_in_chunks(group, end)  # type: ignore[arg-type]
+                    assert widened is not None
+                    most = max(most, widened - chunks)
+                    short += (widened - chunks) * tokens > kind.lead
+    return {"most": most, "short": short, "leads": sorted(leads)}
+
+
 def main(endpoint: str, daemon_pid: int = 0) -> dict[str, Any]:
     facts: dict[str, Any] = {}
-    scenarios = (("stale_mid_pass", stale_mid_pass), ("hybrid", hybrid), ("budget", budget))
+    scenarios = (
+        ("stale_mid_pass", stale_mid_pass),
+        ("hybrid", hybrid),
+        ("budget", budget),
+        ("mtp", mtp),
+        ("widening", widening),
+        ("eagle", eagle),
+    )
     for name, scenario in scenarios:
         try:
             facts[name] = scenario(endpoint)

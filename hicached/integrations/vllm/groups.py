@@ -93,7 +93,9 @@ def engine_groups(config: OffloadingConfig, settings: Settings) -> list[KVGroup]
             block_bytes = config.worker_kv_bytes_per_block
         else:
             vllm_group = kv_config.kv_cache_groups[group.group_id]
-            kind = kind_of(vllm_group.kv_cache_spec, tokens)
+            kind = kind_of(
+                vllm_group.kv_cache_spec, tokens, getattr(vllm_group, "is_eagle_group", False)
+            )
             events = event_meta(vllm_group.kv_cache_spec)
             block_bytes = (
                 config.worker_kv_bytes_per_block
@@ -135,10 +137,11 @@ def event_meta(spec: Any) -> EventMeta:
     )
 
 
-def kind_of(spec: Any, tokens_per_chunk: int) -> Kind:
+def kind_of(spec: Any, tokens_per_chunk: int, eagle: bool = False) -> Kind:
     """The group kind of a vLLM KV cache spec: its window as vLLM's offloading
     scheduler counts it (chunks a hit needs before its end), or the whole
-    prefix for full attention."""
+    prefix for full attention. ``eagle``: the group holds an EAGLE/MTP
+    drafter's layers (vLLM's ``is_eagle_group``)."""
     try:  # vLLM 0.33 moved it to the connector's config module
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
             get_sliding_window_size_in_chunks,
@@ -168,9 +171,13 @@ def kind_of(spec: Any, tokens_per_chunk: int) -> Kind:
     chunks = get_sliding_window_size_in_chunks(spec, tokens_per_chunk)
     if chunks is None:
         return Prefix()
-    # a hit a token budget ends inside its last chunk needs a sliding window one
-    # chunk longer (vLLM's load_window_size_in_chunks): read where it is there
-    lead = tokens_per_chunk if name == "sliding" else 0
+    # a hit vLLM ends inside its last chunk (a token budget; a whole prompt's hit,
+    # one token short, with extra retained tokens) needs a sliding window one
+    # chunk longer (vLLM's load_window_size_in_chunks: never more, as the right
+    # padding is under a chunk); a drafter's group is asked for one chunk past
+    # the hit's end, to be dropped, and a window one chunk longer to its end:
+    # read them where they are there
+    lead = tokens_per_chunk * ((name == "sliding") + eagle)
     return Window(chunks * tokens_per_chunk, name, lead)
 
 
