@@ -53,7 +53,9 @@ def report(sglang_python: Path) -> Iterator[dict[str, Facts]]:
     (small L2, file L3, write-through). The last scenario kills the daemon."""
     nowhere = Path(tempfile.mkdtemp(prefix="hc-sgl-", dir="/tmp"))
     daemon = Daemon(size_mib=8, slab_mib=1, storage=storage("file"), tail=L3).start()
+    small = Daemon(size_mib=8, slab_mib=1, extra="max_pages_per_request = 4")
     try:
+        small.start()
         scenarios = [
             "factory",
             *(f"roundtrip:{layout}" for layout in MHA_LAYOUTS),
@@ -63,6 +65,7 @@ def report(sglang_python: Path) -> Iterator[dict[str, Facts]]:
             "flat",
             "bad_input",
             "l3",
+            f"limit:{small.endpoint}",
             f"down:ipc://{nowhere}/none.sock",
             f"dies:{daemon.proc.pid if daemon.proc else 0}",
         ]
@@ -79,6 +82,7 @@ def report(sglang_python: Path) -> Iterator[dict[str, Facts]]:
         yield {_name(scenario): facts for scenario, facts in out.items()}
     finally:
         daemon.cleanup()
+        small.cleanup()
         shutil.rmtree(nowhere, ignore_errors=True)
 
 
@@ -228,6 +232,20 @@ def test_pages_evicted_from_l2_come_back_from_l3(report: dict[str, Facts]) -> No
     assert got["same"] == [True] * 8
     assert got["l3"]["pages_prefetched"] == 8
     assert got["in_l2_after"] == [True] * 8
+
+
+def test_requests_over_the_daemons_page_limit_count_and_move_what_it_takes(
+    report: dict[str, Facts],
+) -> None:
+    got = facts(report, "limit")
+    assert got["set"] == [True] * 10
+    # the query goes in parts the daemon takes, each after a whole one
+    assert got["exists"] == got["exists_past"] == got["exists_v2"] == 10
+    # reads and stores do the first pages a request takes; the rest are misses
+    assert got["get"] == [True] * 4 + [False] * 6
+    assert got["same"][:4] == [True] * 4
+    assert got["set_more"] == [True] * 4 + [False] * 2
+    assert got["exists_more"] == 4
 
 
 def test_no_daemon_costs_misses_not_errors(report: dict[str, Facts]) -> None:

@@ -129,6 +129,7 @@ class _Core(Dealer):
         self._pool = PoolView()  # mapped at each hello with map_pool
         self._namespaces: list[Namespace] = []
         self._instance = 0
+        self._max_pages = 0  # the last hello's server.max_pages_per_request
         self._margin = 1.0  # seconds before a lease's deadline that copies stop
         self._reporter = GatherReporter()  # this process's gather pick, told the daemon
 
@@ -190,6 +191,7 @@ class _Core(Dealer):
             self._pool.hello(reply, prefault=self.prefault)
         renumber = reply.instance != self._instance
         self._instance = reply.instance
+        self._max_pages = reply.max_pages_per_request
         self._margin = lease_margin(reply.lease_ttl_s)
         self._check_reply_bound(reply)
         self._reporter.new_session()
@@ -341,6 +343,13 @@ class _Core(Dealer):
     def instance(self) -> int:
         """The daemon instance this client last spoke to (0 before it connected)."""
         return self._instance
+
+    @property
+    def max_pages(self) -> int:
+        """The most pages (keys) one request may cover at the daemon this client
+        last said hello to (its ``server.max_pages_per_request``; longer ones
+        are refused as TooLarge); 0 before the first hello."""
+        return self._max_pages
 
     @property
     def protocol(self) -> tuple[int, int] | None:

@@ -430,6 +430,32 @@ def l3(endpoint: str) -> Facts:
     return facts
 
 
+def limit(_: str, small: str) -> Facts:
+    """A daemon that takes at most 4 pages a request (``small``): a query over
+    more keys (SGLang's hybrid controller asks about a whole request's pages at
+    once) still counts the leading pages stored, and reads and stores of more
+    pages do the first 4."""
+    n = 10
+    keys = page_hashes(n)
+    a = host_pool("page_first")
+    ia = alloc(a, 2 * n)
+    made = backend(small, a)
+    facts: Facts = {"set": []}
+    for first in range(0, n, 4):
+        info = HiCacheStorageExtraInfo(prefix_keys=keys[:first])
+        rows = ia[first * PAGE : min(first + 4, n) * PAGE]
+        facts["set"] += made.batch_set_v1(keys[first : first + 4], rows, info)
+    facts["exists"] = made.batch_exists(keys)
+    facts["exists_past"] = made.batch_exists(keys + page_hashes(3))
+    facts["exists_v2"] = made.batch_exists_v2(keys).kv_hit_pages
+    facts["get"] = made.batch_get_v1(keys, ia[n * PAGE :])
+    facts["same"] = same_pages(a, ia[: n * PAGE], a, ia[n * PAGE :], n)
+    more = page_hashes(6)
+    facts["set_more"] = made.batch_set_v1(more, ia[: 6 * PAGE])
+    facts["exists_more"] = made.batch_exists(more)
+    return facts
+
+
 def settle(c: Client, timeout: float = 30.0) -> None:
     """Wait until no L3 write is queued or in flight (evictions wait for them)."""
     deadline = time.monotonic() + timeout
@@ -451,6 +477,7 @@ SCENARIOS: dict[str, Callable[..., Facts]] = {
     "down": down,
     "dies": dies,
     "l3": l3,
+    "limit": limit,
 }
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hicached.client import Client
+from hicached.client import Client, KeysFound
 from hicached.client.handles import Namespace, Reservation
 from hicached.errors import HicachedError, StaleHandle
 from hicached.integrations.sglang.link import UNREACHABLE, Session
@@ -43,6 +43,32 @@ class Move:
     copy: Copy | None
     parent: bytes | None = None
     done: list[bool] = field(default_factory=list)  # per key: stored, or read
+
+
+# -- queries ---------------------------------------------------------------------------
+
+
+def found(c: Client, ns: Namespace, keys: list[bytes], *, whole: bool = True) -> KeysFound:
+    """Where the pages of ``keys`` are, asked in parts of the most keys the
+    daemon takes in a request (SGLang asks about a whole request's pages at
+    once); ``whole`` False: no part after one that holds a page neither tier
+    has (the keys after it are not found), for a leading count alone."""
+    step = c.max_pages or len(keys)
+    if len(keys) <= step:
+        return c.exists_keys(ns, keys)
+    l2 = leading = 0
+    in_l2: list[bool] = []
+    in_l3: list[bool] = []
+    for first in range(0, len(keys), step):
+        if not whole and leading < first:
+            break
+        part = c.exists_keys(ns, keys[first : first + step])
+        l2 += part.l2 if l2 == first else 0
+        leading += part.leading if leading == first else 0
+        in_l2 += part.in_l2
+        in_l3 += part.in_l3
+    rest = [False] * (len(keys) - len(in_l2))
+    return KeysFound(l2, leading, in_l2 + rest, in_l3 + rest)
 
 
 # -- stores ----------------------------------------------------------------------------
@@ -99,15 +125,18 @@ class _Open:
 
 def _reserve(c: Client, ns: Namespace, move: Move) -> _Open | None:
     """Mark the leading keys L2 or L3 holds done, and reserve slots for the
-    rest (holes allowed: keys in L2 among them are pinned as present)."""
-    found = c.exists_keys(ns, move.keys)
-    have = [a or b for a, b in zip(found.in_l2, found.in_l3, strict=True)]
+    rest (holes allowed: keys in L2 among them are pinned as present), as many
+    as the daemon takes in a request (the keys after them are not stored)."""
+    where = found(c, ns, move.keys)
+    have = [a or b for a, b in zip(where.in_l2, where.in_l3, strict=True)]
     first = have.index(False) if False in have else len(have)
     move.done = [i < first for i in range(len(move.keys))]
     if first == len(move.keys):
         return None
     parent = move.keys[first - 1] if first else move.parent
-    res = c.reserve_keys(ns, move.keys[first:], parent=parent)
+    res = c.reserve_keys(
+        ns, move.keys[first : first + (c.max_pages or len(move.keys))], parent=parent
+    )
     for i, present in enumerate(res.present_mask):
         move.done[first + i] = bool(present)
     return _Open(move, res, first)
@@ -119,16 +148,19 @@ def _reserve(c: Client, ns: Namespace, move: Move) -> _Open | None:
 def load(c: Client, session: Session, moves: list[Move], wait_s: float) -> bool:
     """Copy out each move's leading pages that L2 holds, then those that come
     back from L3 within ``wait_s`` (for the whole call); set each ``done``,
-    and leave a page done only where every move that names it read it."""
+    and leave a page done only where every move that names it read it. No
+    more pages than the daemon takes in a request are read (the keys after
+    them are misses)."""
     deadline = time.monotonic() + wait_s
     for move in moves:
         move.done = [False] * len(move.keys)
         if move.copy is None or not move.keys:
             continue
         ns = session.ns(move.pool)
-        done, more = _read(c, ns, move, move.keys, 0)
-        if more and _prefetch(c, ns, move.keys[done:], deadline):
-            done += _read(c, ns, move, move.keys[done:], done)[0]
+        keys = move.keys[: c.max_pages or len(move.keys)]
+        done, more = _read(c, ns, move, keys, 0)
+        if more and _prefetch(c, ns, keys[done:], deadline):
+            done += _read(c, ns, move, keys[done:], done)[0]
         move.done = [i < done for i in range(len(move.keys))]
     read: dict[bytes, bool] = {}
     for move in moves:

@@ -157,7 +157,7 @@ class HicachedStorage(HiCacheStorage):
         wanted = page_keys(keys)
         if not wanted or self.logical:
             return 0
-        found = self.link.call(lambda c, s: c.exists_keys(s.ns(KV), wanted))
+        found = self.link.call(lambda c, s: moves.found(c, s.ns(KV), wanted, whole=False))
         return 0 if found is None else int(found.leading)
 
     def batch_get_v1(
@@ -276,10 +276,13 @@ class HicachedStorage(HiCacheStorage):
         names = list(dict.fromkeys(str(t.name) for t in transfers))
 
         def run(c: Client, s: Session) -> tuple[int, dict[str, list[bool]]]:
-            kv = len(wanted) if self.logical else c.exists_keys(s.ns(KV), wanted).leading
+            if self.logical:
+                kv = len(wanted)
+            else:
+                kv = moves.found(c, s.ns(KV), wanted, whole=False).leading
             present = {}
             for name in names if kv else ():
-                found = c.exists_keys(s.ns(name), wanted[:kv])
+                found = moves.found(c, s.ns(name), wanted[:kv])
                 present[name] = [a or b for a, b in zip(found.in_l2, found.in_l3, strict=True)]
             return kv, present
 
