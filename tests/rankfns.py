@@ -113,10 +113,23 @@ def coordinated_prefetch(
 
     from hicached import Client
     from hicached.coordinator import PoolSpec, PrefetchCoordinator, StopPolicy
+    from hicached.dist import RankFailure
+    from hicached.errors import UnknownLease
     from tests.l3util import evict_everything, settle_writes
     from tests.support import page_bytes_for
 
     client = Client(endpoint, timeout=10).connect()
+
+    def released(fetch: Any) -> bool:
+        """The daemon no longer knows the prefetch ``fetch`` (None: never started)."""
+        if fetch is None:
+            return True
+        try:
+            client.progress(fetch)
+        except UnknownLease:
+            return True
+        return False
+
     pools = {
         name: client.register(**spec_fields(coords(topo), name)) for name in ("kv", "swa", "state")
     }
@@ -163,7 +176,15 @@ def coordinated_prefetch(
             import signal
 
             os.kill(os.getpid(), signal.SIGKILL)
-        decision = coordinator.step()
+        try:
+            decision = coordinator.step()
+        except RankFailure as exc:  # what the coordinator left of the prefetch, in the error
+            assert run is not None
+            fetches = [run.kv, *run.sidecars.values()]
+            raise RankFailure(
+                f"{exc} [abandoned: run cleared {coordinator._run is None}, "
+                f"released {sum(map(released, fetches))} of {len(fetches)}]"
+            ) from exc
         time.sleep(0.005)
     length = decision.kv_pages
     hit = client.match(pools["kv"], toks)

@@ -230,10 +230,22 @@ class PrefetchCoordinator:
         can_end = willing and sidecars_done
         values["must_not_terminate"] = 0 if can_end else 1
         values["terminated"] = int(run.ended)
-        agreed = self.agreement.agree("prefetch.step", **values)
+        try:
+            agreed = self.agreement.agree("prefetch.step", **values)
+        except BaseException:  # a peer rank died or hung (RankFailure), or a signal
+            self._abandon(run)
+            raise
         if agreed["must_not_terminate"] and not agreed["terminated"]:
             return None
         return self._finish(run, agreed, waited)
+
+    def _abandon(self, run: _Running) -> None:
+        """The ranks cannot agree on ``run`` any more: its prefetches are released
+        here now (not at their leases' TTL), and a next ``start()`` may begin
+        another (on an agreement the ranks have set up again)."""
+        self._run = None
+        for name, pf in [("kv", run.kv), *run.sidecars.items()]:
+            self._settle(run, name, pf, None, [])
 
     def _finish(self, run: _Running, agreed: dict[str, int], waited: float) -> Decision:
         self._run = None
