@@ -33,6 +33,7 @@ from hicached_backends.record import (
     nbytes,
     other_version,
     pack_headers,
+    verify,
     verify_many,
 )
 
@@ -44,6 +45,13 @@ HEADER_SLOTS = 8192
 OBJECT_NOT_FOUND = -704
 BUFFER_SIZE_MISMATCH = -600
 _MISSES = {OBJECT_NOT_FOUND, BUFFER_SIZE_MISMATCH}
+# A read of an object shorter than its buffers fails as a transfer does (a
+# network fault gives it too): the object's size tells them apart.
+TRANSFER_FAIL = -800
+# An object of another size than the page's record is read whole to be judged
+# (``_judge_other_size``) up to this many times that record's size; a larger one
+# is left where it is.
+_JUDGED_UP_TO = 2
 
 
 def _address(buf: memoryview) -> int:
@@ -285,7 +293,7 @@ class MooncakeBackend(Backend):
             chunk: Sequence[PageRef], addresses: list[int], headers: list[int]
         ) -> list[bool]:
             def blocking() -> tuple[
-                list[int], list[bool], list[bool]
+                list[int], list[bool], list[bool], list[bool | None]
             ]:  # the store call and the checks, off the loop
                 ptrs, sizes = self._ptrs(chunk, addresses, headers)
                 chunk_keys = [p.key for p in chunk]
@@ -310,17 +318,30 @@ class MooncakeBackend(Backend):
                     code >= HEADER_BYTES and other_version(self._headers[h])
                     for code, h in zip(codes, headers, strict=True)
                 ]
-                return codes, oks, theirs
+                # objects of another size: None where the object is not (or may not be)
+                resized = [
+                    self._judge_other_size(name, ns, page)
+                    if code in (BUFFER_SIZE_MISMATCH, TRANSFER_FAIL)
+                    else None
+                    for name, page, code in zip(names, chunk, codes, strict=True)
+                ]
+                return codes, oks, theirs, resized
 
-            codes, oks, theirs = await self._blocking(blocking)
+            codes, oks, theirs, resized = await self._blocking(blocking)
+            # an object of another size is an answer about the page, not a failed call
+            codes = [
+                BUFFER_SIZE_MISMATCH if kept is not None else code
+                for code, kept in zip(codes, resized, strict=True)
+            ]
             self._failed(codes, "get")
             bad = [
-                (page.key, other)
-                for page, code, ok, other in zip(chunk, codes, oks, theirs, strict=True)
-                if code > 0 and not ok
+                (page.key, other if kept is None else kept)
+                for page, code, ok, other, kept in zip(
+                    chunk, codes, oks, theirs, resized, strict=True
+                )
+                if (code > 0 and not ok) or kept is not None
             ]
             self.counters["bad_objects"] += len(bad)
-            # not one of another size: that may be the reader's (BUFFER_SIZE_MISMATCH)
             doomed = [key for key, other in bad if not other]
             if doomed:
                 await self._remove_bad(ns, doomed)
@@ -349,6 +370,26 @@ class MooncakeBackend(Backend):
                 page.buf[:] = source.buf
             out.append(ok)
         return out
+
+    def _judge_other_size(self, name: str, ns: bytes, page: PageRef) -> bool | None:
+        """Of an object that a read could not take into the page's buffers: None
+        unless it has another size than the page's record (gone, or the read
+        failed on the way); else whether it stays. It is read whole and judged
+        as S3 judges an object: a record of another format version (another
+        writer's) or an intact record of the page of its own size (the
+        reader's mismatch) stays, anything else goes (``_remove_bad``), or
+        every later put of the page would be acknowledged and keep it. One
+        larger than ``_JUDGED_UP_TO`` times the page's record stays unread."""
+        want = HEADER_BYTES + nbytes(page.buf)
+        size = int(self._store.get_size(name))
+        if size < 0 or size == want:
+            return None
+        if size > _JUDGED_UP_TO * want:
+            return True
+        body = bytes(self._store.get(name))
+        if len(body) != size:  # changed since: judged at its next read
+            return True
+        return other_version(body) or verify(body[:HEADER_BYTES], body[HEADER_BYTES:], ns, page.key)
 
     async def _remove_bad(self, ns: bytes, keys: list[bytes]) -> None:
         """Remove objects under these pages' names whose bytes are not the pages'

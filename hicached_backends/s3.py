@@ -32,6 +32,10 @@ from hicached_backends.record import HEADER_BYTES, other_version, pack_header, v
 log = logging.getLogger("hicached.s3")
 
 _MISSING = {"404", "NoSuchKey", "NotFound"}
+# A body more than this many times its page's record is not read: it cannot be
+# the page's record, and a read would take it whole into the daemon's memory.
+_READ_UP_TO = 2
+_READ_STEP = 1 << 20  # bytes of a body read at once
 
 
 class S3Backend(Backend):
@@ -53,7 +57,13 @@ class S3Backend(Backend):
         # an engine's L3 lookup waits on them and a prefetch's GETs may queue for long
         self._heads: ThreadPoolExecutor | None = None
         self._client: Any = None
-        self.counters = {"requests": 0, "errors": 0, "bad_objects": 0, "bad_deleted": 0}
+        self.counters = {
+            "requests": 0,
+            "errors": 0,
+            "bad_objects": 0,
+            "bad_deleted": 0,
+            "bytes_read": 0,
+        }
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -236,10 +246,10 @@ class S3Backend(Backend):
             resp = self._call(self._client.get_object, {"Bucket": self.options.bucket, "Key": name})
             if resp is None:
                 return False
-            try:
-                body = resp["Body"].read()
-            except (botocore.exceptions.BotoCoreError, OSError) as exc:
-                raise BackendError(f"S3 read broke off: {exc}", retriable=True) from None
+            body = self._body(resp, _READ_UP_TO * (HEADER_BYTES + len(page.buf)))
+            if body is None:  # far too large to be the page's record: left unread
+                self.counters["bad_objects"] += 1
+                return None
             if len(body) != HEADER_BYTES + len(page.buf) or not verify(
                 body[:HEADER_BYTES], memoryview(body)[HEADER_BYTES:], ns, page.key
             ):
@@ -262,6 +272,28 @@ class S3Backend(Backend):
             [page.key for page, r in zip(pages, results, strict=True) if r is None or r is False],
         )
         return self._settle(results)
+
+    def _body(self, resp: dict[str, Any], most: int) -> bytes | None:
+        """A GET's body, or None (the body closed unread past ``most`` bytes)
+        when it holds more than ``most`` bytes."""
+        stream = resp["Body"]
+        try:
+            size = resp.get("ContentLength")
+            if isinstance(size, int) and size > most:
+                return None
+            parts, got = [], 0
+            while got <= most:  # the length a store announces is not taken on trust
+                part = stream.read(min(_READ_STEP, most + 1 - got))
+                if not part:
+                    break
+                parts.append(part)
+                got += len(part)
+                self.counters["bytes_read"] += len(part)
+            return b"".join(parts) if got <= most else None
+        except (botocore.exceptions.BotoCoreError, OSError) as exc:
+            raise BackendError(f"S3 read broke off: {exc}", retriable=True) from None
+        finally:
+            stream.close()
 
     def _drop_bad(self, name: str, body: bytes, etag: str | None) -> None:
         """Delete an object under a page's name whose bytes are not that page's

@@ -479,3 +479,64 @@ async def test_writes_leave_a_slot_for_reads_and_checks_keep_theirs(tmp_path: Pa
         backend.let("put", 10)
         backend.let("get", 10)
         await d.stop(time.monotonic() + 1.0)
+
+
+class MiscountingBackend(MemoryBackend):
+    """A backend that breaks its contract (a third-party one with a bug):
+    while ``wrong`` is set, a put or a get answers for one page fewer than it
+    was given, and an existence check counts past the keys it was asked of."""
+
+    def __init__(self, tmp: Path) -> None:
+        super().__init__(MemoryOptions(), BackendEnv(data_dir=tmp))
+        self.wrong = True
+
+    async def put(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
+        got = await super().put(ns, pages)
+        return got[1:] if self.wrong else got
+
+    async def get(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
+        got = await super().get(ns, pages)
+        return got[1:] if self.wrong else got
+
+    async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int:
+        found = await super().exists(ns, keys)
+        return found + 5 if self.wrong else found
+
+
+async def test_answers_of_the_wrong_length_are_a_failed_call(tmp_path: Path) -> None:
+    """A put answered with fewer flags than pages killed the writer task (its
+    answers are matched to the pages strictly): its pages stayed in flight
+    for good, their slots pinned, and with every writer gone no write ran
+    again. A get answered short was passed on, so a prefetch matched the
+    flags to the wrong pages (page k's flag for page k + 1): a page never
+    read could be counted as read. An existence count past the keys asked of
+    was passed on as well. Each is now a failed call: writes fail, reads
+    miss, a count is no answer, and the dispatcher serves on."""
+    backend = MiscountingBackend(tmp_path)
+    d = Dispatcher(backend, config(concurrency=1, op_timeout_s=5.0), "miscounting")
+    await d.start()
+    done: list[bool] = []
+    for i in range(4):
+        assert d.submit_write(job(i, done))
+    for _ in range(100):
+        if len(done) == 4:
+            break
+        await asyncio.sleep(0.01)
+    assert done == [False] * 4, "pages answered for by a put's wrong answer"
+    assert d.writing == 0
+    pages = [PageRef(i.to_bytes(16, "big"), memoryview(bytearray(64))) for i in range(3)]
+    assert await d.get(NS, pages) == [False] * 3
+    assert await d.exists(NS, [page.key for page in pages]) is None
+    assert d.counters["bad_answers"] == 4  # two puts of two pages, a get, a check
+    backend.wrong = False
+    more: list[bool] = []
+    for i in range(4):
+        assert d.submit_write(job(i, more))
+    for _ in range(100):
+        if len(more) == 4:
+            break
+        await asyncio.sleep(0.01)
+    assert more == [True] * 4, "the writer did not serve on"
+    assert await d.get(NS, pages) == [True] * 3
+    assert await d.exists(NS, [page.key for page in pages]) == 3
+    await d.stop(time.monotonic() + 1.0)

@@ -151,3 +151,67 @@ def test_a_record_of_another_format_version_is_not_removed() -> None:
             loop.run_until_complete(b.close())
         loop.close()
         mooncake.stop()
+
+
+def test_an_object_of_another_size_is_judged_by_its_own_bytes() -> None:
+    """An object under a page's name of another size than the page's record
+    cannot be read into the page's buffers: Mooncake answers a size mismatch
+    (-600) for a larger one and a failed transfer (-800) for a shorter one. The
+    read neither removed such an object nor, for a shorter one, forgot it: the
+    daemon kept the page as held (a match counted it as an L3 hit no read could
+    serve, for good), and each later put of the page was acknowledged while the
+    store kept the object. Read whole, it is judged as S3 judges it: a record of
+    another format version, or the page's own intact record of another size,
+    stays; anything else is removed, so the next put stores the page. Either
+    way the page is forgotten. The backend alone, on a real master of its own,
+    the objects put there by a second backend's store client."""
+    from hicached_backends.mooncake import MooncakeBackend
+
+    mooncake = MooncakeMaster()
+
+    def make() -> MooncakeBackend:
+        options = MooncakeOptions(
+            master=mooncake.master,
+            metadata_server=mooncake.metadata,
+            global_segment_mib=32,
+            local_buffer_mib=16,
+        )
+        return MooncakeBackend(options, BackendEnv(Path("/nonexistent")))
+
+    ns, page = bytes(range(16)), 4096
+    keys = [bytes([k]) * 16 for k in (111, 112, 113, 114)]
+    newer = bytearray(pack_header(ns, keys[2], bytes(2 * page)) + bytes(2 * page))
+    newer[4:6] = (2).to_bytes(2, "little")
+    objects = [
+        b"y" * (64 + 100),  # cut short: no record
+        b"z" * (64 + 2 * page),  # larger, no record
+        bytes(newer),  # another format version's record, larger
+        pack_header(ns, keys[3], bytes(2 * page)) + bytes(2 * page),  # the page's, larger
+    ]
+    names = MooncakeBackend.names(ns, keys)
+    here, other = make(), make()
+    forgot: list[bytes] = []
+    here.on_forget = lambda _ns, gone: forgot.extend(gone)
+    loop = asyncio.new_event_loop()
+    try:
+        for b in (here, other):
+            loop.run_until_complete(b.open())
+        loop.run_until_complete(here.delete(ns, keys))
+        for name, body in zip(names, objects, strict=True):
+            assert other._store.put(name, body) == 0
+        bufs = [bytearray(page) for _ in keys]
+        read = [PageRef(k, memoryview(b)) for k, b in zip(keys, bufs, strict=True)]
+        assert loop.run_until_complete(here.get(ns, read)) == [False] * 4
+        assert sorted(forgot) == sorted(keys), "a page no read can serve stayed known"
+        assert here.counters["bad_removed"] == 2
+        assert [other._store.is_exist(name) == 1 for name in names] == [False, False, True, True]
+        pages = [bytearray(bytes([k]) * page) for k in range(4)]
+        puts = [PageRef(k, memoryview(b)) for k, b in zip(keys, pages, strict=True)]
+        assert loop.run_until_complete(here.put(ns, puts[:2])) == [True, True]
+        assert loop.run_until_complete(here.get(ns, read[:2])) == [True, True]
+        assert bufs[:2] == pages[:2], "the put after the removal was not stored"
+    finally:
+        for b in (here, other):
+            loop.run_until_complete(b.close())
+        loop.close()
+        mooncake.stop()

@@ -147,3 +147,38 @@ def test_no_l3_hit_is_reported_while_the_store_is_down(
             assert c.match(ns, toks, lease=False).l3_hits == 8
     finally:
         proxy.stop()
+
+
+def test_an_object_far_larger_than_its_page_is_not_read_whole(
+    daemon_factory: Callable[..., Daemon], s3: S3Server, bucket: str
+) -> None:
+    """A read took an object's body whole whatever its size: an object under a
+    page's name far larger than the page's record (an operator's copy, another
+    program's object) was read into the daemon's memory, once for each of the
+    read threads at once, to be found bad. A body more than twice the page's
+    record is now not read (``store_bytes_read`` counts what reads took): a
+    miss, the page forgotten, the object left where it is (it cannot be
+    judged unread); one up to twice the record's size is read and judged as
+    before."""
+    d = daemon_factory(
+        size_mib=1, slab_mib=1, storage=storage("s3"), tail=s3_tail(s3.endpoint, bucket)
+    )
+    toks = seq(0, 4)
+    with d.client() as c:
+        ns = c.register(**NS)
+        c.store(ns, toks, page_bytes_for(toks))
+        wait_for(lambda: l3_count(c, "written") == 4)
+        victim = names(ns.digest, toks)[2]
+        client = s3.client()
+        huge = 16 << 20
+        client.put_object(Bucket=bucket, Key=victim, Body=b"\0" * huge)  # type: ignore[attr-defined]
+        evict_everything(c, ns)
+        pf = c.prefetch(ns, toks)
+        done = wait_prefetch(c, pf)
+        assert (done.completed, done.failed) == (2, True)
+        c.cancel(pf)
+        assert l3_count(c, "store_bad_objects") == 1
+        assert 0 < l3_count(c, "store_bytes_read") < huge // 4, "the object was read whole"
+        assert victim in listed(client, bucket)
+        found = c.match(ns, toks, lease=False)
+        assert found.hits + found.l3_hits == 2, "the page stayed known"

@@ -31,6 +31,10 @@
 - A retriable failure is retried with exponential backoff, ``retries``
   times; then the call fails. A timed-out call is not retried: it may still
   own its buffers (below).
+- An answer that breaks the backend contract (a put's or get's flags not one
+  a page, an existence count past the keys asked of) is a failed call,
+  counted in ``bad_answers``: no flag is matched to the wrong page, and the
+  writers go on.
 - A circuit breaker: ``breaker_failures`` failed calls in a row mark the
   backend down. For ``breaker_cooldown_s`` calls then fail at once (writes
   are dropped, reads miss), so L2 keeps serving at full speed; after it, the
@@ -53,6 +57,7 @@ import contextlib
 import functools
 import logging
 import math
+import operator
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -249,10 +254,27 @@ class Dispatcher:
     def _finish(self, batch: list[WriteJob], results: Sequence[bool] | BaseException) -> None:
         self.writing -= len(batch)
         self._room.set()
-        ok_list = results if not isinstance(results, BaseException) else [False] * len(batch)
+        ok_list = [False] * len(batch)
+        if not isinstance(results, BaseException):
+            ok_list = self._flags("put", results, len(batch)) or ok_list
         for job, ok in zip(batch, ok_list, strict=True):
             self.counters["pages_written" if ok else "write_failed"] += 1
             job.done(bool(ok))
+
+    def _flags(self, what: str, answer: object, n: int) -> list[bool] | None:
+        """A put's or a get's answer for ``n`` pages, a flag a page; None (a failed
+        call, counted in ``bad_answers``) when it is not one flag a page: a
+        backend that breaks the contract (a third-party one's bug) must not
+        have its flags matched to the wrong pages, nor stop the writers."""
+        if isinstance(answer, (list, tuple)) and len(answer) == n:
+            return [bool(flag) for flag in answer]
+        self._bad_answer(what, f"{type(answer).__name__} of {_length(answer)} for {n} pages")
+        return None
+
+    def _bad_answer(self, what: str, why: str) -> None:
+        self.counters["bad_answers"] += 1
+        self._failed(f"{what} answered {why}")
+        log.error("%s: %s answered %s; taken as a failed call", self.name, what, why)
 
     # -- call slots ------------------------------------------------------------------
 
@@ -460,11 +482,19 @@ class Dispatcher:
         and still runs (None: none does), for a caller whose bound must hold
         until the call really ends (a prefetch: cache/prefetch.py)."""
         try:
-            return await self.call(self.backend.exists, ns, keys), None
+            found = await self.call(self.backend.exists, ns, keys)
         except Unavailable:
             return None, None
         except _Late as late:
             return None, late.task
+        try:
+            count = operator.index(found)
+        except TypeError:
+            count = -1
+        if not 0 <= count <= len(keys):
+            self._bad_answer("exists", f"{found!r} for {len(keys)} keys")
+            return None, None
+        return count, None
 
     async def get(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
         """Read pages into their slots; all False when the backend fails.
@@ -478,8 +508,19 @@ class Dispatcher:
         except _Late as late:
             await late.wait()
             return [False] * len(pages)
-        self.counters["pages_read"] += sum(result)
-        return result
+        flags = self._flags("get", result, len(pages))
+        if flags is None:
+            return [False] * len(pages)
+        self.counters["pages_read"] += sum(flags)
+        return flags
+
+
+def _length(answer: object) -> str:
+    """How long an answer is, for a log line."""
+    try:
+        return str(len(answer))  # type: ignore[arg-type]
+    except TypeError:
+        return "no length"
 
 
 class _Late(Exception):
