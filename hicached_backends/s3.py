@@ -279,8 +279,12 @@ class S3Backend(Backend):
         stream = resp["Body"]
         try:
             size = resp.get("ContentLength")
-            if isinstance(size, int) and size > most:
-                return None
+            if isinstance(size, int):
+                if size > most:
+                    return None
+                body = stream.read()  # the usual case: the body reads no further than its length
+                self.counters["bytes_read"] += len(body)
+                return body if len(body) <= most else None
             parts, got = [], 0
             while got <= most:  # the length a store announces is not taken on trust
                 part = stream.read(min(_READ_STEP, most + 1 - got))
