@@ -227,7 +227,7 @@ class S3Backend(Backend):
         def put_one(page: PageRef) -> bool:
             payload = bytes(page.buf)  # one snapshot: the checksum covers exactly what is sent
             body = pack_header(ns, page.key, payload) + payload
-            self._call(
+            answer = self._call(
                 self._client.put_object,
                 {
                     "Bucket": self.options.bucket,
@@ -235,7 +235,7 @@ class S3Backend(Backend):
                     "Body": body,
                 },
             )
-            return True
+            return answer is not None  # None: answered "not found", so not stored
 
         return self._settle(await self._each(put_one, pages))
 

@@ -6,7 +6,8 @@ the configured rates: ``slowdown`` (503 SlowDown), ``error`` (500
 InternalError), ``reset`` (the TCP connection is reset, no response).
 ``hang`` makes every request wait without an answer (an outage).
 ``delay`` holds requests of a method (``{"PUT": 0.3}``) that long before
-passing them on (a slow store).
+passing them on (a slow store). ``answer`` answers every request of a method
+with that status and error code (``{"PUT": (404, "NoSuchKey")}``), unsent.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class FaultProxy:
         self.rates: dict[str, float] = {}
         self.hang = threading.Event()
         self.delay: dict[str, float] = {}
+        self.answer: dict[str, tuple[int, str]] = {}
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
         self.seen: Counter[str] = Counter()  # requests per (method path)
@@ -78,10 +80,16 @@ class FaultProxy:
                     self.close_connection = True
                     self.connection.close()
                     return
-                if mode in ("slowdown", "error"):
-                    status, code = (
-                        (503, "SlowDown") if mode == "slowdown" else (500, "InternalError")
-                    )
+                if mode == "pass" and self.command in proxy.answer:
+                    mode = "answer"
+                    with proxy.lock:
+                        proxy.injected[mode] += 1
+                if mode in ("slowdown", "error", "answer"):
+                    status, code = {
+                        "slowdown": (503, "SlowDown"),
+                        "error": (500, "InternalError"),
+                        "answer": proxy.answer.get(self.command, (500, "InternalError")),
+                    }[mode]
                     payload = _ERROR_XML.format(code=code).encode()
                     self.send_response(status)
                     self.send_header("Content-Type", "application/xml")

@@ -223,6 +223,38 @@ def test_s3_reads_never_queue_behind_writes(s3: S3Server) -> None:
         proxy.stop()
 
 
+def test_s3_a_put_answered_not_found_is_not_stored(s3: S3Server) -> None:
+    """Fault injection: the store answers a PUT 404 NoSuchKey (a gateway in
+    front of it, say). That write failed: it is not reported stored."""
+    from hicached_backends.s3 import S3Backend
+    from tests.faults import FaultProxy
+
+    proxy = FaultProxy(s3.endpoint)
+    options = S3Options(
+        bucket=s3.make_bucket("put-404"), endpoint_url=proxy.endpoint, threads=2, **CREDENTIALS
+    )
+    backend = S3Backend(options, BackendEnv(Path("/nonexistent")))
+    ns, page = NAMESPACES[0], bytes(range(256)) * 2
+
+    async def run() -> None:
+        await backend.open()
+        proxy.answer["PUT"] = (404, "NoSuchKey")
+        assert await backend.put(ns, [PageRef(KEYS[0], memoryview(bytearray(page)))]) == [False]
+        assert proxy.injected["answer"] == 1
+        del proxy.answer["PUT"]
+        assert await backend.exists(ns, KEYS[:1]) == 0
+        assert await backend.put(ns, [PageRef(KEYS[0], memoryview(bytearray(page)))]) == [True]
+        assert await backend.exists(ns, KEYS[:1]) == 1
+
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(run())
+    finally:
+        loop.run_until_complete(backend.close())
+        loop.close()
+        proxy.stop()
+
+
 def test_s3_missing_bucket_is_an_error_not_a_healthy_store(s3: S3Server) -> None:
     """A store whose bucket does not exist would fail every write: opening it
     fails, and its health probe fails (retriable) if the bucket goes away."""
