@@ -23,7 +23,8 @@ CHECK = ROOT / "tests" / "engines" / "vllm_manager_review_check.py"
 
 @pytest.fixture(scope="module")
 def facts() -> dict[str, Any]:
-    return vllm_engine.check_facts(CHECK, size_mib=2)
+    # a second daemon takes 4 pages a request (the limit scenario)
+    return vllm_engine.check_facts(CHECK, size_mib=2, max_pages=4)
 
 
 def test_an_answer_that_goes_stale_mid_pass_still_serves_the_load_its_hits_start(
@@ -163,3 +164,21 @@ def test_a_drafters_window_group_loads_the_window_vllm_asks_one_chunk_past_the_h
     assert b["loaded"] == [list(range(9)), [6, 7, 8]], b
     assert b["finished"] and b["same"], b
     assert got["kinds"] == [["full", 0], ["sliding32", 32]]  # groups.kind_of's lead
+
+
+def test_a_daemon_that_takes_fewer_pages_a_request_is_asked_and_stored_in_its_limit(
+    facts: dict[str, Any],
+) -> None:
+    """A daemon whose server.max_pages_per_request is 4 and a prompt of ten whole
+    chunks of both groups: the store vLLM prepares reserves the first four
+    chunks of each group (a reservation of ten is refused as too large) and
+    says it stores those; the lookup asks each group about four keys (a
+    question of ten is refused, every key a miss), so the hit is those four
+    chunks, each block loaded holding the bytes stored from it."""
+    got = facts["limit"]
+    assert "error" not in got, got["error"]
+    assert got["stored"] == [[0, 1, 2, 3], [0, 1, 2, 3]], got
+    a = got["A"]
+    assert a["hit"] == 4 * 16, a  # 0 when the question asks about all ten chunks
+    assert a["loaded"] == [[0, 1, 2, 3], [2, 3]], a
+    assert a["finished"] and a["same"], a

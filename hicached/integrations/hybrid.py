@@ -237,7 +237,10 @@ async def lookup(
     them pending (and holds no lease). A page that left L2 between the first
     look and its lease is taken as absent and the end found again (a few
     times at most, then it is a miss). On an error, every lease taken so far
-    is released before it is raised."""
+    is released before it is raised. Each request to the daemon asks about
+    some of one group's keys, so a question whose groups each have at most
+    the daemon's ``server.max_pages_per_request`` keys is never refused as
+    too large."""
     held: list[Hit] = []
     try:
         probes = [await g.kind.probe(client, g.ns, g.keys) if g.keys else Probe([]) for g in groups]

@@ -106,17 +106,28 @@ def same_answer(got: dict[str, Any], want: dict[str, Any]) -> bool:
     )
 
 
-def check_facts(check: Path, size_mib: int = 1) -> dict[str, Any]:
+def check_facts(check: Path, size_mib: int = 1, max_pages: int = 0) -> dict[str, Any]:
     """Run a check script in the vLLM venv against a daemon of its own (a pool of
-    ``size_mib`` slabs of 1 MiB) and return the facts its last line prints as JSON."""
+    ``size_mib`` slabs of 1 MiB) and return the facts its last line prints as JSON.
+    ``max_pages``: a second daemon, whose ``server.max_pages_per_request`` it is,
+    its endpoint the script's third argument."""
     from tests.support import Daemon
 
     python = venv.with_client()
     d = Daemon(size_mib=size_mib, slab_mib=1)
+    small = (
+        Daemon(size_mib=size_mib, slab_mib=1, extra=f"max_pages_per_request = {max_pages}")
+        if max_pages
+        else None
+    )
     try:
         d.start()
+        args = [d.endpoint, str(d.proc.pid if d.proc else 0)]
+        if small is not None:
+            small.start()
+            args.append(small.endpoint)
         done = subprocess.run(
-            [str(python), str(check), d.endpoint, str(d.proc.pid if d.proc else 0)],
+            [str(python), str(check), *args],
             capture_output=True,
             text=True,
             env={**os.environ, "PYTHONPATH": str(ROOT)},
@@ -124,6 +135,8 @@ def check_facts(check: Path, size_mib: int = 1) -> dict[str, Any]:
         )
     finally:
         d.cleanup()
+        if small is not None:
+            small.cleanup()
     assert done.returncode == 0, done.stderr[-4000:]
     facts: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return facts

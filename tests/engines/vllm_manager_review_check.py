@@ -4,7 +4,10 @@ loop (``OffloadingConnectorScheduler._maximal_prefix_lookup``) deciding the
 hit from the manager's answers, as vLLM's scheduler does. Prints one JSON
 object of what it saw; tests/test_vllm_manager_review.py checks it.
 
-    vllm_manager_review_check.py ENDPOINT [DAEMON_PID]
+    vllm_manager_review_check.py ENDPOINT [DAEMON_PID [LIMITED_ENDPOINT]]
+
+LIMITED_ENDPOINT: a second daemon whose ``server.max_pages_per_request`` is
+LIMIT (the ``limit`` scenario's).
 
 One scenario (``budget``) runs vLLM's scheduler side whole rather than its
 lookup loops alone: vLLM's ``OffloadingConnector`` in the SCHEDULER role for
@@ -329,11 +332,15 @@ class Engine:
 
         return bytes(self.kv[LAYERS[group]][block_id].contiguous().view(torch.uint8).numpy())
 
-    def store(self, request: Any, chunks: list[list[int]]) -> dict[int, dict[int, int]]:
+    def store(
+        self, request: Any, chunks: list[list[int]], whole: bool = True
+    ) -> dict[int, dict[int, int]]:
         """Store ``chunks[g]`` of each group g as vLLM stores them: the manager's
         slots, the worker's copy from blocks of the group's own (300 + chunk for
         full attention, 400 + chunk for the window), the manager publishing
-        it. The block each stored chunk came from, per group."""
+        it. The block each stored chunk came from, per group. ``whole``: every
+        key must get a slot (else the keys that did are stored, as vLLM stores
+        those prepare_store names)."""
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
             OffloadingConnectorMetadata,
             TransferJob,
@@ -350,9 +357,22 @@ class Engine:
                 keys.append(every[i])
                 ids.append(sources[g][i])
         out = self.manager.prepare_store(keys, ctx)
-        assert out is not None and list(out.keys_to_store) == keys, "not every key got a slot"
+        assert out is not None and (list(out.keys_to_store) == keys or not whole), (
+            "not every key got a slot"
+        )
+        stored = set(out.keys_to_store)
+        if not stored:
+            return {g: {} for g in sources}
+        ids = [i for key, i in zip(keys, ids, strict=True) if key in stored]
+        every_group = [self.keys(request, g) for g in range(len(chunks))]
+        sources = {
+            g: {i: b for i, b in mine.items() if every_group[g][i] in stored}
+            for g, mine in sources.items()
+        }
+        keys = [key for key in keys if key in stored]
         self.jobs += 1
-        src = GPULoadStoreSpec(ids, [len(c) for c in chunks], [0] * len(chunks))
+        sizes = [len(sources[g]) for g in range(len(chunks))]
+        src = GPULoadStoreSpec(ids, sizes, [0] * len(chunks))
         worker = self.worker.connector_worker
         assert worker is not None
         job = {self.jobs: TransferJob(ctx.req_id, src, out.store_spec)}
@@ -593,7 +613,37 @@ def widening(endpoint: str) -> dict[str, Any]:
     return {"most": most, "short": short, "leads": sorted(leads)}
 
 
-def main(endpoint: str, daemon_pid: int = 0) -> dict[str, Any]:
+# -- a daemon that takes a few pages a request ------------------------------------------
+
+LIMIT = 4  # the second daemon's server.max_pages_per_request
+LONG = 10  # whole chunks of the prompt, more than LIMIT
+
+
+def limit(endpoint: str) -> dict[str, Any]:
+    """A daemon that takes LIMIT pages a request (its max_pages_per_request) and
+    a prompt of LONG whole chunks of both groups: the store vLLM prepares
+    reserves the first LIMIT chunks of each group and says it stores those;
+    the lookup after it asks each group about LIMIT keys, and the hit is
+    those chunks, each block loaded holding the bytes stored from it."""
+    facts: dict[str, Any] = {}
+    engine = Engine(endpoint)
+    try:
+        prompt = np.random.default_rng(13).integers(3, 500, LONG * BLOCK + 5).tolist()
+        every = list(range(LONG))
+        sources = engine.store(engine.request("A", prompt), [every, every], whole=False)
+        facts["stored"] = [sorted(sources[g]) for g in sorted(sources)]
+        request = engine.request("A_limit", prompt)
+        got = engine.hit(request, None)
+        if got["hit"]:
+            got.update(engine.load(request, got["hit"], sources))
+        engine.finish(request)
+        facts["A"] = got
+    finally:
+        engine.shutdown()
+    return facts
+
+
+def main(endpoint: str, daemon_pid: int = 0, limited: str = "") -> dict[str, Any]:
     facts: dict[str, Any] = {}
     scenarios = (
         ("stale_mid_pass", stale_mid_pass),
@@ -603,13 +653,17 @@ def main(endpoint: str, daemon_pid: int = 0) -> dict[str, Any]:
         ("widening", widening),
         ("eagle", eagle),
     )
-    for name, scenario in scenarios:
+    runs = [(name, scenario, endpoint) for name, scenario in scenarios]
+    if limited:
+        runs.append(("limit", limit, limited))
+    for name, scenario, at in runs:
         try:
-            facts[name] = scenario(endpoint)
+            facts[name] = scenario(at)
         except Exception:
             facts[name] = {"error": traceback.format_exc()}
     return facts
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0)))
+    args = sys.argv[1:]
+    print(json.dumps(main(args[0], int(args[1]) if len(args) > 1 else 0, *args[2:3])))

@@ -18,6 +18,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+from bisect import bisect_left
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,10 +63,26 @@ class _Question:
 
     keys: list[list[bytes]]
     positions: list[list[int]]
-    capped: bool  # positions past MAX_QUESTION were left out: their keys are misses
+    capped: bool  # positions past the question's end were left out: their keys are misses
 
     def asked(self) -> frozenset[bytes]:
         return frozenset(k for keys in self.keys for k in keys)
+
+    def fit(self, limit: int) -> _Question:
+        """This question, or, where some group asks about more than ``limit`` keys
+        (the daemon's ``server.max_pages_per_request``, which refuses a longer
+        request whole), its part before the first chunk end that would take a
+        group past ``limit``: every group asks about its keys up to one end,
+        where a hit can end, and the keys after it are misses."""
+        bound = _bound(self.positions, limit)
+        if bound is None:
+            return self
+        cut = [bisect_left(mine, bound) for mine in self.positions]
+        return _Question(
+            [keys[:n] for keys, n in zip(self.keys, cut, strict=True)],
+            [ends[:n] for ends, n in zip(self.positions, cut, strict=True)],
+            capped=True,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,14 +290,18 @@ class HicachedManager(OffloadingManager):
 
     async def _ask(self, req: _Request, question: _Question) -> None:
         """Ask the daemon what every group can restore (hybrid.lookup); hand the
-        answer, and meanwhile the one that names pages loading from L3, over."""
-        asked = question.asked()
-
-        def offer(answer: Answer) -> None:
-            self._offer(req, _Answer(answer, asked, self._until(answer), question.capped))
-
+        answer, and meanwhile the one that names pages loading from L3, over.
+        The question asks each group about as many keys as the daemon takes in
+        one request at most (``_Question.fit``); hybrid.lookup's requests ask
+        about some of a group's keys each, so none is refused as too large."""
         try:
             client, namespaces = await self._link.session()
+            question = question.fit(client.max_pages)
+            asked = question.asked()
+
+            def offer(answer: Answer) -> None:
+                self._offer(req, _Answer(answer, asked, self._until(answer), question.capped))
+
             groups = [
                 Group(ns, g.kind, keys, ends)
                 for ns, g, keys, ends in zip(
@@ -296,17 +317,17 @@ class HicachedManager(OffloadingManager):
             offer(answer)
         except UNREACHABLE as exc:
             self._link.failed()
-            self._miss(req, asked, exc)
+            self._miss(req, question, exc)
         except HicachedError as exc:
-            self._miss(req, asked, exc)
+            self._miss(req, question, exc)
         except Exception as exc:  # a bug must not leave the request waiting for ever
             log.exception("hicached: lookup failed")
-            self._miss(req, asked, exc)
+            self._miss(req, question, exc)
 
-    def _miss(self, req: _Request, asked: frozenset[bytes], exc: BaseException) -> None:
+    def _miss(self, req: _Request, question: _Question, exc: BaseException) -> None:
         log.debug("hicached: lookup failed, a miss: %s", exc)
         until = time.monotonic() + self.settings.answer_ttl_s
-        self._offer(req, _Answer(Answer(), asked, until))
+        self._offer(req, _Answer(Answer(), question.asked(), until, question.capped))
 
     def _offer(self, req: _Request, answer: _Answer) -> None:
         """Leave an answer for the scheduler (loop thread); an answer nobody took
@@ -383,25 +404,29 @@ class HicachedManager(OffloadingManager):
         req = self._request(req_context.req_id)
         empty = HicachedStoreSpec([None] * len(self.groups), self._link.acks)
         nothing = PrepareStoreOutput([], empty, [])
-        # a partial tail's key (a state that ends mid-chunk) is never looked up here
-        chain = [key for key in keys if self._chunk_end(key, req_context) is not None]
-        if not chain or not self._link.available():
-            return nothing  # not stored: a later request recomputes them
+        # each group's keys and where their chunks end; a partial tail's key (a
+        # state that ends mid-chunk) is never looked up here
         by_group: dict[int, list[bytes]] = {}
-        for key in chain:
-            by_group.setdefault(self._group(key), []).append(key)
+        ends: dict[int, list[int]] = {}
+        for key in keys:
+            end = self._chunk_end(key, req_context)
+            if end is not None:
+                by_group.setdefault(self._group(key), []).append(key)
+                ends.setdefault(self._group(key), []).append(end)
+        if not by_group or not self._link.available():
+            return nothing  # not stored: a later request recomputes them
         parents = {
             g: req.before.get(mine[0], req.last_stored.get(g)) for g, mine in by_group.items()
         }
         req.last_stored.update((g, mine[-1]) for g, mine in by_group.items())
-        asked = self._link.submit(self._reserve(by_group, parents))
+        asked = self._link.submit(self._reserve(by_group, ends, parents))
         try:
-            granted = asked.result(self.settings.timeout_s)
+            granted, reserved = asked.result(self.settings.timeout_s)
         except (HicachedError, *UNREACHABLE) as exc:
             log.debug("hicached: reserve failed, not stored: %s", exc)
             asked.add_done_callback(self._release_late)
             return nothing
-        store, fresh = _whole_chunks(granted, by_group)
+        store, fresh = _whole_chunks(granted, reserved)
         if not fresh:
             self._link.release(granted.values())
             return nothing  # all there already (or no room for some group): nothing to write
@@ -412,25 +437,44 @@ class HicachedManager(OffloadingManager):
         return PrepareStoreOutput(fresh, HicachedStoreSpec(handles, self._link.acks), [])
 
     async def _reserve(
-        self, by_group: dict[int, list[bytes]], parents: dict[int, bytes | None]
-    ) -> dict[int, Reservation]:
-        """A reservation per group; if one fails, the others end."""
+        self,
+        by_group: dict[int, list[bytes]],
+        ends: dict[int, list[int]],
+        parents: dict[int, bytes | None],
+    ) -> tuple[dict[int, Reservation], dict[int, list[bytes]]]:
+        """A reservation per group, and the keys each one reserves; if one fails,
+        the others end. A group reserves as many keys as the daemon takes in one
+        request at most (its ``server.max_pages_per_request``, which refuses a
+        longer request whole): where some group has more, every group's keys
+        stop before the first chunk end that would take one past it, and the
+        chunks after it are not stored (a store may store less; vLLM is told
+        which keys it stores)."""
         granted: dict[int, Reservation] = {}
         client, namespaces = await self._link.session()
+        bound = _bound(ends.values(), client.max_pages)
+        if bound is not None:
+            by_group = {
+                g: [key for key, end in zip(mine, ends[g], strict=True) if end < bound]
+                for g, mine in by_group.items()
+            }
         try:
             for g, mine in by_group.items():
-                granted[g] = await client.reserve_keys(namespaces[g], mine, parent=parents[g])
+                if mine:
+                    granted[g] = await client.reserve_keys(namespaces[g], mine, parent=parents[g])
         except BaseException as exc:
             if isinstance(exc, UNREACHABLE):
                 self._link.failed()
             self._link.release(granted.values())
             raise
-        return granted
+        return granted, by_group
 
-    def _release_late(self, asked: concurrent.futures.Future[dict[int, Reservation]]) -> None:
+    def _release_late(
+        self,
+        asked: concurrent.futures.Future[tuple[dict[int, Reservation], dict[int, list[bytes]]]],
+    ) -> None:
         """Reservations granted after prepare_store gave up on them: end them."""
         if not asked.cancelled() and asked.exception() is None:
-            self._link.release(asked.result().values())
+            self._link.release(asked.result()[0].values())
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
@@ -574,6 +618,16 @@ class HicachedManager(OffloadingManager):
         wait = self.settings.ack_timeout_s + self.settings.timeout_s
         concurrent.futures.wait(list(self._publishing), timeout=wait)
         self._link.close()
+
+
+def _bound(positions: Iterable[Sequence[int]], limit: int) -> int | None:
+    """Where a request to the daemon about these keys (per group, the token
+    positions where their chunks end) must stop so that no group asks about
+    more than ``limit`` keys: the first end past some group's first ``limit``
+    (the keys of every group before it fit); None if every group's keys fit
+    or no limit is known (0)."""
+    past = [sorted(mine)[limit] for mine in positions if 0 < limit < len(mine)]
+    return min(past, default=None)
 
 
 def _whole_chunks(
