@@ -581,3 +581,30 @@ async def test_an_array_of_one_flag_a_page_is_an_answer(tmp_path: Path) -> None:
     assert await d.exists(NS, [page.key for page in pages]) == 4
     assert d.counters["bad_answers"] == 0
     await d.stop(time.monotonic() + 1.0)
+
+
+class CodesBackend(MemoryBackend):
+    """A backend that answers a get with its store's codes, one a page (bytes
+    read, or a negative error), where a flag a page is due (a third-party
+    one's bug)."""
+
+    def __init__(self, tmp: Path) -> None:
+        super().__init__(MemoryOptions(), BackendEnv(data_dir=tmp))
+
+    async def get(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
+        got = await super().get(ns, pages)
+        return [len(p.buf) if ok else -704 for p, ok in zip(pages, got, strict=True)]  # type: ignore[misc]
+
+
+async def test_an_answer_of_numbers_other_than_flags_is_a_failed_call(tmp_path: Path) -> None:
+    """A get answered with codes, not flags, was passed on item by item as
+    truth values: an error code (-704, no such object) is true, so a page the
+    backend never read was counted read, and its slot's bytes served as the
+    page's. An item that is neither a flag nor 0 or 1 makes the answer a
+    contract break: a failed call, every page a miss."""
+    d = Dispatcher(CodesBackend(tmp_path), config(concurrency=1, op_timeout_s=5.0), "codes")
+    await d.start()
+    pages = [PageRef(i.to_bytes(16, "big"), memoryview(bytearray(64))) for i in range(3)]
+    assert await d.get(NS, pages) == [False] * 3, "a page never read counted as read"
+    assert d.counters["bad_answers"] == 1
+    await d.stop(time.monotonic() + 1.0)

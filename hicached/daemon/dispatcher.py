@@ -35,7 +35,9 @@
   a page, an existence count past the keys asked of) is a failed call,
   counted in ``bad_answers``: no flag is matched to the wrong page, and the
   writers go on. Flags in any sequence of a length (a numpy array) are one
-  a page; an iterator's are not (no length to check).
+  a page; an iterator's are not (no length to check). A flag is a bool or
+  the integer 0 or 1: an item that is another number (a store's code) makes
+  the answer a contract break, not a page read.
 - A circuit breaker: ``breaker_failures`` failed calls in a row mark the
   backend down. For ``breaker_cooldown_s`` calls then fail at once (writes
   are dropped, reads miss), so L2 keeps serving at full speed; after it, the
@@ -64,6 +66,8 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, TypeVar
+
+import numpy as np
 
 from hicached.config import StorageConfig
 from hicached_backends.base import Backend, BackendError, PageRef
@@ -271,8 +275,8 @@ class Dispatcher:
         if _in_order(answer):
             try:
                 if len(answer) == n:  # type: ignore[arg-type]
-                    return [bool(flag) for flag in answer]  # type: ignore[attr-defined]
-            except (TypeError, ValueError):  # an item that is no flag (an array's row)
+                    return [_flag(flag) for flag in answer]  # type: ignore[attr-defined]
+            except (TypeError, ValueError):  # an item that is no flag (a code, an array's row)
                 pass
         self._bad_answer(what, f"{type(answer).__name__} of {_length(answer)} for {n} pages")
         return None
@@ -528,6 +532,19 @@ def _in_order(answer: object) -> bool:
     if isinstance(answer, (str, bytes, bytearray, memoryview, Mapping, AbstractSet)):
         return False
     return hasattr(answer, "__len__") and hasattr(answer, "__getitem__")
+
+
+def _flag(item: object) -> bool:
+    """An answer's item as a flag: a bool (numpy's too), or the integer 0 or 1.
+    Anything else raises (TypeError, ValueError): a store's code (bytes read,
+    a negative error) is true as a truth value, and a page never read would
+    count as read."""
+    if isinstance(item, (bool, np.bool_)):
+        return bool(item)
+    number = operator.index(item)  # type: ignore[arg-type]
+    if number not in (0, 1):
+        raise ValueError(f"{number} is no flag")
+    return bool(number)
 
 
 def _length(answer: object) -> str:
