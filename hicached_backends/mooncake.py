@@ -319,12 +319,18 @@ class MooncakeBackend(Backend):
                     for code, h in zip(codes, headers, strict=True)
                 ]
                 # objects of another size: None where the object is not (or may not be)
-                resized = [
-                    self._judge_other_size(name, ns, page)
-                    if code in (BUFFER_SIZE_MISMATCH, TRANSFER_FAIL)
-                    else None
-                    for name, page, code in zip(names, chunk, codes, strict=True)
-                ]
+                resized: list[bool | None] = []
+                transfers_fail = False  # a failed transfer here was the transfer's fault
+                for name, page, code in zip(names, chunk, codes, strict=True):
+                    kept = None
+                    if code == BUFFER_SIZE_MISMATCH or (
+                        code == TRANSFER_FAIL and not transfers_fail
+                    ):
+                        kept = self._judge_other_size(name, ns, page)
+                        # an object of its record's size, or none: a network fault
+                        # fails this call's transfers, the rest are not asked about
+                        transfers_fail |= code == TRANSFER_FAIL and kept is None
+                    resized.append(kept)
                 return codes, oks, theirs, resized
 
             codes, oks, theirs, resized = await self._blocking(blocking)
@@ -379,7 +385,10 @@ class MooncakeBackend(Backend):
         writer's) or an intact record of the page of its own size (the
         reader's mismatch) stays, anything else goes (``_remove_bad``), or
         every later put of the page would be acknowledged and keep it. One
-        larger than ``_JUDGED_UP_TO`` times the page's record stays unread."""
+        larger than ``_JUDGED_UP_TO`` times the page's record stays unread.
+        A failed transfer (-800) of an object of the record's size is the
+        network's: ``get`` asks about no later failed transfer of that call,
+        so a fault that fails a whole batch costs one size call, not one a page."""
         want = HEADER_BYTES + nbytes(page.buf)
         size = int(self._store.get_size(name))
         if size < 0 or size == want:

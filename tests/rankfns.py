@@ -537,3 +537,66 @@ def own_daemon_dies(
     coordinator.close()
     client.close()
     return {"outcome": outcome, "leases": leases}
+
+
+def a_release_that_breaks_on_a_failed_agreement(topo: Topology, endpoint: str) -> dict[str, Any]:
+    """The agreement of the first step fails (a peer rank died), and the first
+    release after it breaks off with a socket error (the client's link to the
+    daemon broken at that moment). What the step raises, and which of the
+    prefetches the daemon still knows."""
+    import zmq
+
+    from hicached.coordinator import PoolSpec, PrefetchCoordinator, StopPolicy
+    from hicached.dist import RankFailure
+    from hicached.errors import UnknownLease
+
+    client, spaces, toks = _prefetch_setup(topo, endpoint, ("kv", "swa", "state"))
+    coordinator = PrefetchCoordinator(
+        client,
+        topo,
+        spaces["kv"],
+        sidecars=[
+            PoolSpec.window("swa", spaces["swa"], WINDOW_TOKENS),
+            PoolSpec("state", spaces["state"], 1, "state"),
+        ],
+        policy=StopPolicy("wait_complete"),
+    )
+    coordinator.start(toks)
+    run = coordinator._run
+    assert run is not None
+
+    def agree_fails(site: str, **values: int) -> dict[str, int]:
+        raise RankFailure("rank 1 is gone")
+
+    cancel = client.cancel
+    broken = [True]
+
+    def cancel_breaks_once(pf: Any) -> None:
+        if broken:
+            broken.clear()
+            raise zmq.ZMQError(zmq.ETERM)
+        cancel(pf)
+
+    coordinator.agreement.agree = agree_fails  # type: ignore[method-assign]
+    client.cancel = cancel_breaks_once  # type: ignore[method-assign]
+    try:
+        coordinator.step()
+        raised = "nothing"
+    except Exception as exc:
+        raised = type(exc).__name__
+    client.cancel = cancel  # type: ignore[method-assign]
+
+    def known(fetch: Any) -> bool:
+        try:
+            client.progress(fetch)
+        except UnknownLease:
+            return False
+        return True
+
+    out = {
+        "raised": raised,
+        "cleared": coordinator._run is None,
+        "known": {name: known(pf) for name, pf in [("kv", run.kv), *run.sidecars.items()]},
+    }
+    client.close()
+    return out

@@ -281,3 +281,25 @@ def test_a_ranks_daemon_killed_mid_prefetch_is_a_clean_miss_on_every_rank(
     pages, _, reason = outcomes.pop()
     assert pages == 0 and reason == "wait_complete: ended by a rank", results
     assert all(r["leases"] == 0 for i, r in enumerate(results) if i != victim), results
+
+
+def test_a_release_that_breaks_leaves_the_agreements_failure_and_releases_the_rest(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """A step whose agreement fails releases this rank's prefetches. A release
+    that broke off with an error other than the client's own (a socket error)
+    was raised in place of the agreement's failure (RankFailure, what an
+    engine catches to set its ranks up again), and the prefetches after it
+    were not released: their leases waited for their TTL. The failure raised
+    is the agreement's; each prefetch is released that can be."""
+    d = faulty_daemon(daemon_factory)
+    (result,) = launch(
+        rankfns.a_release_that_breaks_on_a_failed_agreement,
+        d.endpoint,
+        timeout=20,
+        deadline=120,
+    )
+    assert result["raised"] == "RankFailure", result
+    assert result["cleared"], result
+    # the kv prefetch's release broke off: it waits for its lease's TTL
+    assert result["known"] == {"kv": True, "swa": False, "state": False}, result

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import msgspec
+import numpy as np
 
 from hicached.config import StorageConfig
 from hicached.dispatcher import Dispatcher, WriteJob
@@ -539,4 +540,71 @@ async def test_answers_of_the_wrong_length_are_a_failed_call(tmp_path: Path) -> 
     assert more == [True] * 4, "the writer did not serve on"
     assert await d.get(NS, pages) == [True] * 3
     assert await d.exists(NS, [page.key for page in pages]) == 3
+    await d.stop(time.monotonic() + 1.0)
+
+
+class NumpyBackend(MemoryBackend):
+    """A backend that answers a put or a get with a numpy array of flags, one a
+    page (a third-party one built on numpy), and an existence check with a
+    numpy integer."""
+
+    def __init__(self, tmp: Path) -> None:
+        super().__init__(MemoryOptions(), BackendEnv(data_dir=tmp))
+
+    async def put(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
+        return np.array(await super().put(ns, pages), dtype=bool)  # type: ignore[return-value]
+
+    async def get(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
+        return np.array(await super().get(ns, pages), dtype=bool)  # type: ignore[return-value]
+
+    async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int:
+        return np.int64(await super().exists(ns, keys))  # type: ignore[return-value]
+
+
+async def test_an_array_of_one_flag_a_page_is_an_answer(tmp_path: Path) -> None:
+    """An answer of one flag a page is one whatever sequence holds it: a numpy
+    array of flags (served before answers were checked) was taken for a
+    contract break, every put and get a failed call, so such a backend's
+    writes all failed, its reads all missed, and its breaker opened."""
+    d = Dispatcher(NumpyBackend(tmp_path), config(concurrency=1, op_timeout_s=5.0), "numpy")
+    await d.start()
+    done: list[bool] = []
+    for i in range(4):
+        assert d.submit_write(job(i, done))
+    for _ in range(100):
+        if len(done) == 4:
+            break
+        await asyncio.sleep(0.01)
+    assert done == [True] * 4, "a put's flags in an array were refused"
+    pages = [PageRef(i.to_bytes(16, "big"), memoryview(bytearray(64))) for i in range(5)]
+    assert await d.get(NS, pages) == [True] * 4 + [False]
+    assert await d.exists(NS, [page.key for page in pages]) == 4
+    assert d.counters["bad_answers"] == 0
+    await d.stop(time.monotonic() + 1.0)
+
+
+class CodesBackend(MemoryBackend):
+    """A backend that answers a get with its store's codes, one a page (bytes
+    read, or a negative error), where a flag a page is due (a third-party
+    one's bug)."""
+
+    def __init__(self, tmp: Path) -> None:
+        super().__init__(MemoryOptions(), BackendEnv(data_dir=tmp))
+
+    async def get(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
+        got = await super().get(ns, pages)
+        return [len(p.buf) if ok else -704 for p, ok in zip(pages, got, strict=True)]  # type: ignore[misc]
+
+
+async def test_an_answer_of_numbers_other_than_flags_is_a_failed_call(tmp_path: Path) -> None:
+    """A get answered with codes, not flags, was passed on item by item as
+    truth values: an error code (-704, no such object) is true, so a page the
+    backend never read was counted read, and its slot's bytes served as the
+    page's. An item that is neither a flag nor 0 or 1 makes the answer a
+    contract break: a failed call, every page a miss."""
+    d = Dispatcher(CodesBackend(tmp_path), config(concurrency=1, op_timeout_s=5.0), "codes")
+    await d.start()
+    pages = [PageRef(i.to_bytes(16, "big"), memoryview(bytearray(64))) for i in range(3)]
+    assert await d.get(NS, pages) == [False] * 3, "a page never read counted as read"
+    assert d.counters["bad_answers"] == 1
     await d.stop(time.monotonic() + 1.0)

@@ -215,3 +215,64 @@ def test_an_object_of_another_size_is_judged_by_its_own_bytes() -> None:
             loop.run_until_complete(b.close())
         loop.close()
         mooncake.stop()
+
+
+def test_a_transfer_that_fails_for_a_whole_batch_asks_no_size_per_page() -> None:
+    """Mooncake answers a read of an object shorter than the page's record as
+    a failed transfer (-800), as it answers a transfer a network fault broke.
+    The read asked the master each such object's size, one call at a time on
+    a store thread: a network fault that failed a batch of N pages made N more
+    master calls before the batch was taken as failed, each paid again at
+    every retry. Once one object of a failed transfer has its record's size
+    (the transfer, not the object, failed), the rest of that call's failed
+    transfers are not asked about: the call fails as before. The backend
+    alone on a real master of its own; the fault is injected in the store's
+    batch read."""
+    from hicached_backends.base import BackendError
+    from hicached_backends.mooncake import MooncakeBackend
+
+    mooncake = MooncakeMaster()
+    options = MooncakeOptions(
+        master=mooncake.master,
+        metadata_server=mooncake.metadata,
+        global_segment_mib=32,
+        local_buffer_mib=16,
+    )
+    b = MooncakeBackend(options, BackendEnv(Path("/nonexistent")))
+    ns, page = bytes(range(16)), 4096
+    keys = [bytes([k, 7]) * 8 for k in range(32)]
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(b.open())
+        store = b._store
+        puts = [PageRef(k, memoryview(bytearray([i]) * page)) for i, k in enumerate(keys)]
+        assert loop.run_until_complete(b.put(ns, puts)) == [True] * len(keys)
+        asked: list[str] = []
+
+        class BrokenTransfers:
+            """The store, its batch reads failing on the way (-800)."""
+
+            def __getattr__(self, name: str) -> object:
+                return getattr(store, name)
+
+            def batch_get_into_multi_buffers(self, names: list[str], *_: object) -> list[int]:
+                return [-800] * len(names)
+
+            def get_size(self, name: str) -> int:
+                asked.append(name)
+                return int(store.get_size(name))
+
+        b._store = BrokenTransfers()
+        read = [PageRef(k, memoryview(bytearray(page))) for k in keys]
+        try:
+            loop.run_until_complete(b.get(ns, read))
+        except BackendError:
+            pass
+        else:
+            raise AssertionError("a batch whose every transfer failed was not a failed call")
+        assert len(asked) <= 1, f"{len(asked)} size calls for one failed batch"
+        b._store = store
+    finally:
+        loop.run_until_complete(b.close())
+        loop.close()
+        mooncake.stop()

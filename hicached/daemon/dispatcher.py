@@ -34,7 +34,10 @@
 - An answer that breaks the backend contract (a put's or get's flags not one
   a page, an existence count past the keys asked of) is a failed call,
   counted in ``bad_answers``: no flag is matched to the wrong page, and the
-  writers go on.
+  writers go on. Flags in any sequence of a length (a numpy array) are one
+  a page; an iterator's are not (no length to check). A flag is a bool or
+  the integer 0 or 1: an item that is another number (a store's code) makes
+  the answer a contract break, not a page read.
 - A circuit breaker: ``breaker_failures`` failed calls in a row mark the
   backend down. For ``breaker_cooldown_s`` calls then fail at once (writes
   are dropped, reads miss), so L2 keeps serving at full speed; after it, the
@@ -59,9 +62,12 @@ import logging
 import math
 import operator
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, TypeVar
+
+import numpy as np
 
 from hicached.config import StorageConfig
 from hicached_backends.base import Backend, BackendError, PageRef
@@ -266,8 +272,12 @@ class Dispatcher:
         call, counted in ``bad_answers``) when it is not one flag a page: a
         backend that breaks the contract (a third-party one's bug) must not
         have its flags matched to the wrong pages, nor stop the writers."""
-        if isinstance(answer, (list, tuple)) and len(answer) == n:
-            return [bool(flag) for flag in answer]
+        if _in_order(answer):
+            try:
+                if len(answer) == n:  # type: ignore[arg-type]
+                    return [_flag(flag) for flag in answer]  # type: ignore[attr-defined]
+            except (TypeError, ValueError):  # an item that is no flag (a code, an array's row)
+                pass
         self._bad_answer(what, f"{type(answer).__name__} of {_length(answer)} for {n} pages")
         return None
 
@@ -513,6 +523,28 @@ class Dispatcher:
             return [False] * len(pages)
         self.counters["pages_read"] += sum(flags)
         return flags
+
+
+def _in_order(answer: object) -> bool:
+    """Whether an answer holds its items in order, to be matched to pages by
+    place: a list or tuple, a numpy array; not a string, a mapping, a set, nor
+    an iterator (no length to check)."""
+    if isinstance(answer, (str, bytes, bytearray, memoryview, Mapping, AbstractSet)):
+        return False
+    return hasattr(answer, "__len__") and hasattr(answer, "__getitem__")
+
+
+def _flag(item: object) -> bool:
+    """An answer's item as a flag: a bool (numpy's too), or the integer 0 or 1.
+    Anything else raises (TypeError, ValueError): a store's code (bytes read,
+    a negative error) is true as a truth value, and a page never read would
+    count as read."""
+    if isinstance(item, (bool, np.bool_)):
+        return bool(item)
+    number = operator.index(item)  # type: ignore[arg-type]
+    if number not in (0, 1):
+        raise ValueError(f"{number} is no flag")
+    return bool(number)
 
 
 def _length(answer: object) -> str:

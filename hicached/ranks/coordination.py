@@ -242,10 +242,15 @@ class PrefetchCoordinator:
     def _abandon(self, run: _Running) -> None:
         """The ranks cannot agree on ``run`` any more: its prefetches are released
         here now (not at their leases' TTL), and a next ``start()`` may begin
-        another (on an agreement the ranks have set up again)."""
+        another (on an agreement the ranks have set up again). A release that
+        breaks off (a socket error) leaves that prefetch to its TTL and the
+        others are released: the agreement's failure is the one raised."""
         self._run = None
         for name, pf in [("kv", run.kv), *run.sidecars.items()]:
-            self._settle(run, name, pf, None, [])
+            try:
+                self._settle(run, name, pf, None, [])
+            except Exception as exc:  # not a signal: that one ends the release here
+                log.warning("prefetch in %s not released: %s", name, exc)
 
     def _finish(self, run: _Running, agreed: dict[str, int], waited: float) -> Decision:
         self._run = None
