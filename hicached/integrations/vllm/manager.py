@@ -15,6 +15,7 @@ lock, for a whole step) alike.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -244,7 +245,7 @@ class HicachedManager(OffloadingManager):
         asked: list[tuple[_Request, int]] = []
         for req in self._asking.values():
             if req.unknown and req.can_ask() and req.ends:
-                question = self._question(req)
+                question = _question(req, self.groups, self._tokens)
                 with self._lock:
                     asked.append((req, req.offers))
                 req.asking = self._link.submit(self._ask(req, question))
@@ -270,23 +271,6 @@ class HicachedManager(OffloadingManager):
                     if left <= 0:
                         return
                     self._answered.wait(left)
-
-    def _question(self, req: _Request) -> _Question:
-        ends = sorted(req.ends)
-        capped = len(ends) > MAX_QUESTION
-        ends = ends[:MAX_QUESTION]
-        keys, positions = [], []
-        for group in self.groups:
-            tokens = self._tokens[group.index]
-            mine = [end for end in ends if end % tokens == 0]
-            suffix = group.group_id.to_bytes(4, "big")
-            chain = [req.ends[end] + suffix for end in mine]
-            for i in range(1, len(mine)):
-                if mine[i] - mine[i - 1] == tokens:  # the chunk before: a store's parent
-                    req.before[chain[i]] = chain[i - 1]
-            keys.append(chain)
-            positions.append(mine)
-        return _Question(keys, positions, capped)
 
     async def _ask(self, req: _Request, question: _Question) -> None:
         """Ask the daemon what every group can restore (hybrid.lookup); hand the
@@ -424,7 +408,7 @@ class HicachedManager(OffloadingManager):
             granted, reserved = asked.result(self.settings.timeout_s)
         except (HicachedError, *UNREACHABLE) as exc:
             log.debug("hicached: reserve failed, not stored: %s", exc)
-            asked.add_done_callback(self._release_late)
+            asked.add_done_callback(functools.partial(_release_late, self._link))
             return nothing
         store, fresh = _whole_chunks(granted, reserved)
         if not fresh:
@@ -451,12 +435,7 @@ class HicachedManager(OffloadingManager):
         which keys it stores)."""
         granted: dict[int, Reservation] = {}
         client, namespaces = await self._link.session()
-        bound = _bound(ends.values(), client.max_pages)
-        if bound is not None:
-            by_group = {
-                g: [key for key, end in zip(mine, ends[g], strict=True) if end < bound]
-                for g, mine in by_group.items()
-            }
+        by_group = _within(by_group, ends, client.max_pages)
         try:
             for g, mine in by_group.items():
                 if mine:
@@ -467,14 +446,6 @@ class HicachedManager(OffloadingManager):
             self._link.release(granted.values())
             raise
         return granted, by_group
-
-    def _release_late(
-        self,
-        asked: concurrent.futures.Future[tuple[dict[int, Reservation], dict[int, list[bytes]]]],
-    ) -> None:
-        """Reservations granted after prepare_store gave up on them: end them."""
-        if not asked.cancelled() and asked.exception() is None:
-            self._link.release(asked.result()[0].values())
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
@@ -620,6 +591,27 @@ class HicachedManager(OffloadingManager):
         self._link.close()
 
 
+def _question(req: _Request, groups: Sequence[KVGroup], page_tokens: list[int]) -> _Question:
+    """What to ask about ``req``: each group's keys at the chunk ends its pages
+    end at (``page_tokens``: tokens a chunk, per group), MAX_QUESTION ends at
+    most; a chunk's key after the chunk before is noted as its store's parent."""
+    ends = sorted(req.ends)
+    capped = len(ends) > MAX_QUESTION
+    ends = ends[:MAX_QUESTION]
+    keys, positions = [], []
+    for group in groups:
+        tokens = page_tokens[group.index]
+        mine = [end for end in ends if end % tokens == 0]
+        suffix = group.group_id.to_bytes(4, "big")
+        chain = [req.ends[end] + suffix for end in mine]
+        for i in range(1, len(mine)):
+            if mine[i] - mine[i - 1] == tokens:  # the chunk before: a store's parent
+                req.before[chain[i]] = chain[i - 1]
+        keys.append(chain)
+        positions.append(mine)
+    return _Question(keys, positions, capped)
+
+
 def _bound(positions: Iterable[Sequence[int]], limit: int) -> int | None:
     """Where a request to the daemon about these keys (per group, the token
     positions where their chunks end) must stop so that no group asks about
@@ -628,6 +620,29 @@ def _bound(positions: Iterable[Sequence[int]], limit: int) -> int | None:
     or no limit is known (0)."""
     past = [sorted(mine)[limit] for mine in positions if 0 < limit < len(mine)]
     return min(past, default=None)
+
+
+def _within(
+    by_group: dict[int, list[bytes]], ends: dict[int, list[int]], limit: int
+) -> dict[int, list[bytes]]:
+    """Each group's keys before the first chunk end (``ends``, per key) that
+    would take some group past ``limit`` keys (``_bound``); all where none would."""
+    bound = _bound(ends.values(), limit)
+    if bound is None:
+        return by_group
+    return {
+        g: [key for key, end in zip(mine, ends[g], strict=True) if end < bound]
+        for g, mine in by_group.items()
+    }
+
+
+def _release_late(
+    link: Link,
+    asked: concurrent.futures.Future[tuple[dict[int, Reservation], dict[int, list[bytes]]]],
+) -> None:
+    """Reservations granted after prepare_store gave up on them: end them."""
+    if not asked.cancelled() and asked.exception() is None:
+        link.release(asked.result()[0].values())
 
 
 def _whole_chunks(
