@@ -49,6 +49,7 @@ __all__ = [
     "Grant",
     "arena_layout",
     "check_memberships",
+    "checked_layout",
     "grant",
     "has_arena",
 ]
@@ -172,6 +173,17 @@ def grant(config: Config, client_gid: int | None) -> Grant:
     """What gives each arena's file to its tenant (``client_gid``: the clients'
     group, which the ``others`` tenant's file opens to)."""
     return Grant(config, client_gid)
+
+
+def checked_layout(config: Config, endpoint: str, runtime_dir: Path) -> list[TenantArena]:
+    """Each tenant's arena (``arena_layout``), once the accounts that could
+    open them are checked (``check_memberships``): what the start refuses of
+    tenant arenas before it makes a file. ``hicached check-config`` calls it
+    too, so the two refuse the same configs with the same messages."""
+    layout = arena_layout(config, endpoint, runtime_dir)
+    if layout:
+        check_memberships(config)
+    return layout
 
 
 def check_memberships(config: Config) -> None:
