@@ -38,11 +38,12 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     config = load_config(args.path)
     from hicached.config import endpoint, runtime_dir
     from hicached.daemon.access import events_group_id
-    from hicached.daemon.arenas import arena_layout
+    from hicached.daemon.arenas import checked_layout
 
-    # tenant arenas are sized from the config alone: what serve refuses of them
-    # (sizes that are not whole slabs, a pool too small for them) fails here too
-    arena_layout(config, endpoint(config), runtime_dir(config))
+    # what serve refuses of tenant arenas fails here too: sizes that are not
+    # whole slabs, a pool too small for them, and accounts that could open
+    # another tenant's arena (as passwd and group list them on this host)
+    checked_layout(config, endpoint(config), runtime_dir(config))
     events_group_id(config)  # as serve resolves it
     _check_metrics_access(config)
     if config.storage.backend:

@@ -41,7 +41,7 @@ from hicached.errors import (
 )
 from hicached.hashing import pack_tokens
 from hicached.namespace import NamespaceSpec, namespace_digest
-from hicached.tenants import Memberships, TenantMap, user_groups
+from hicached.tenants import Memberships, TenantMap, listed_members, user_groups
 from hicached.testing import scrape
 from tests.support import NS, PAGE_TOKENS, Daemon, metrics_token, page_bytes_for
 from tests.test_client_group import as_user
@@ -425,6 +425,22 @@ def _has_entry(uid: int) -> bool:
     except KeyError:
         return False
     return True
+
+
+def test_the_start_reads_every_users_listed_groups_in_one_pass_as_getgrouplist_says() -> None:
+    """The start's check of every account reads the group database once, not
+    once per user: for every passwd entry on this host it finds the same listed
+    groups as getgrouplist does (its primary group and each group naming it),
+    with every group listed, with every other one, and with none."""
+    users = pwd.getpwall()
+    gids = sorted({g.gr_gid for g in grp.getgrall()} | {u.pw_gid for u in users})
+    absent = next(gid for gid in range(2**31 - 3, 2**31 - 1000, -1) if gid not in gids)
+    for listed in (set(gids), set(gids[::2]) | {absent}, set()):
+        got = listed_members(listed)
+        assert [user for user, _ in got] == users
+        for user, groups in got:
+            expected = listed.intersection(os.getgrouplist(user.pw_name, user.pw_gid))
+            assert groups == expected, (user.pw_name, sorted(listed))
 
 
 @pytest.mark.parametrize(
@@ -844,3 +860,51 @@ def test_a_user_in_two_tenants_groups_is_refused_at_start(users: Users, member: 
         check_memberships(both)
     one = {"beta": TenantConfig(gids=[member.gid]), "rest": TenantConfig(others=True)}
     check_memberships(Config(tenants=one))
+    listed = {users.gid, member.gid, member.user.pw_gid}
+    found = {user.pw_name: groups for user, groups in listed_members(listed)}
+    assert found[member.user.pw_name] == listed  # its primary group, and both that name it
+
+
+def _hicached(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "hicached", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+
+
+def test_check_config_refuses_a_user_in_two_tenants_groups_as_the_start_does(
+    users: Users, member: Member, tmp_path: Path
+) -> None:
+    """check-config runs the start's check of the accounts: the member, in the
+    groups of alpha and beta, fails both with one message (exit 2); listed by
+    beta alone beside an others tenant, check-config passes."""
+    runtime = Path("/tmp") / f"hc-acct-{os.getpid()}"
+    head = (
+        f'[server]\nruntime_dir = "{runtime}"\n[pool]\nsize_mib = 16\nslab_mib = 1\n'
+        "max_page_bytes = 65536\n[metrics]\nenabled = false\n"
+    )
+    config = tmp_path / "c.toml"
+    config.write_text(
+        head + f"[tenants.alpha]\ngids = [{users.gid}]\n[tenants.beta]\ngids = [{member.gid}]\n"
+    )
+    message = (
+        f"tenants: user {member.user.pw_name} (uid {member.user.pw_uid}) is in groups of "
+        "tenants 'alpha' and 'beta'"
+    )
+    try:
+        served = _hicached("serve", "--config", str(config))
+        checked = _hicached("check-config", str(config))
+        assert served.returncode == 2 and checked.returncode == 2, (served, checked)
+        said = served.stderr.strip().splitlines()[-1].removeprefix("hicached serve: ")
+        assert said.startswith(message), served.stderr
+        assert checked.stderr.strip() == f"hicached check-config: {said}", checked.stderr
+        config.write_text(
+            head + f"[tenants.beta]\ngids = [{member.gid}]\n[tenants.rest]\nothers = true\n"
+        )
+        checked = _hicached("check-config", str(config))
+        assert checked.returncode == 0 and checked.stdout.strip() == f"{config}: ok", checked
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)

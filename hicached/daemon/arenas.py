@@ -32,12 +32,12 @@ import grp
 import logging
 import math
 import os
-import pwd
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from hicached.config import Config, TenantConfig
+from hicached.daemon.tenants import listed_members
 from hicached.errors import ConfigError
 from hicached.wire.arenas import SPAN, TenantArena, tenant_arena_path
 
@@ -45,7 +45,14 @@ log = logging.getLogger("hicached")
 
 MIB = 1 << 20
 
-__all__ = ["Grant", "arena_layout", "check_memberships", "grant", "has_arena"]
+__all__ = [
+    "Grant",
+    "arena_layout",
+    "check_memberships",
+    "checked_layout",
+    "grant",
+    "has_arena",
+]
 
 
 def has_arena(tenant: TenantConfig) -> bool:
@@ -168,13 +175,25 @@ def grant(config: Config, client_gid: int | None) -> Grant:
     return Grant(config, client_gid)
 
 
+def checked_layout(config: Config, endpoint: str, runtime_dir: Path) -> list[TenantArena]:
+    """Each tenant's arena (``arena_layout``), once the accounts that could
+    open them are checked (``check_memberships``): what the start refuses of
+    tenant arenas before it makes a file. ``hicached check-config`` calls it
+    too, so the two refuse the same configs with the same messages."""
+    layout = arena_layout(config, endpoint, runtime_dir)
+    if layout:
+        check_memberships(config)
+    return layout
+
+
 def check_memberships(config: Config) -> None:
     """Refuse tenants whose files another tenant's accounts could open: a local
     account that belongs to one tenant (by its uid, else its primary group, else
     a listed group it is in, as daemon/tenants.py decides) but is in a group
     another tenant's arena is given to, or that is in groups of several tenants.
-    Accounts as passwd and group list them; root and the daemon's own user open
-    every file anyway."""
+    Accounts as passwd and group list them, read in one pass for the groups the
+    tenants list (``listed_members``); root and the daemon's own user open every
+    file anyway."""
     by_uid = {uid: name for name, t in config.tenants.items() for uid in t.uids}
     by_gid = {gid: name for name, t in config.tenants.items() for gid in t.gids}
     others = next((name for name, t in config.tenants.items() if t.others), "")
@@ -184,19 +203,14 @@ def check_memberships(config: Config) -> None:
     if not granted:
         return
     me = os.getuid()
-    for user in pwd.getpwall():
+    for user, member in listed_members(granted):
         if user.pw_uid in (0, me):
             continue
-        try:
-            groups = os.getgrouplist(user.pw_name, user.pw_gid)
-        except OSError:
-            groups = [user.pw_gid]
-        listed = sorted({granted[gid] for gid in groups if gid in granted})
+        groups = sorted(member)
+        listed = sorted({granted[gid] for gid in groups})
         tenant = by_uid.get(user.pw_uid) or by_gid.get(user.pw_gid)
         if not tenant and len(listed) > 1:
-            named = ", ".join(
-                f"{_group_name(gid)} of {granted[gid]!r}" for gid in groups if gid in granted
-            )
+            named = ", ".join(f"{_group_name(gid)} of {granted[gid]!r}" for gid in groups)
             raise ConfigError(
                 f"tenants: user {user.pw_name} (uid {user.pw_uid}) is in groups of tenants "
                 f"{' and '.join(map(repr, listed))} ({named}), whose arenas it could open "
@@ -206,8 +220,8 @@ def check_memberships(config: Config) -> None:
         if not tenant:
             continue
         for gid in groups:
-            owner = granted.get(gid)
-            if owner is not None and owner != tenant:
+            owner = granted[gid]
+            if owner != tenant:
                 raise ConfigError(
                     f"tenants: user {user.pw_name} (uid {user.pw_uid}) belongs to tenant "
                     f"{tenant!r} but is in group {_group_name(gid)}, which opens the arena of "

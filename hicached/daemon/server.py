@@ -42,7 +42,7 @@ from hicached.config import (
 )
 from hicached.daemon.access import Access, ensure_private_dir
 from hicached.daemon.adoption import OpenedPool, open_arenas, open_pool
-from hicached.daemon.arenas import arena_layout, check_memberships, grant
+from hicached.daemon.arenas import checked_layout, grant
 from hicached.daemon.collector import Collector
 from hicached.daemon.journal import JournalFile, journal_path
 from hicached.daemon.metrics import Metrics
@@ -199,7 +199,7 @@ class Server:
             sock_path.unlink(missing_ok=True)
         started = time.monotonic()
         path = arena_path(cfg.pool.shm_dir, self.runtime_dir)
-        layout = arena_layout(cfg, self.endpoint, self.runtime_dir)
+        layout = checked_layout(cfg, self.endpoint, self.runtime_dir)
         if layout:
             self._prepare_arenas(layout, path, gid, on_populate)
             log.info(
@@ -256,7 +256,6 @@ class Server:
         adopted from the daemon before where its journal describes these very
         arenas (daemon/adoption.py), else made anew."""
         cfg = self.config
-        check_memberships(cfg)
         opened = open_arenas(cfg, layout, path, grant(cfg, gid), self.fresh, on_populate)
         arenas = opened.arena
         assert isinstance(arenas, TenantArenas)

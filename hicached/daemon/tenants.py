@@ -21,11 +21,16 @@ Membership is what the user and group databases say (``os.getgrouplist``), not
 the groups of the connecting process, which the kernel does not report; the
 lookups may be slow (NSS, LDAP) and run on the ZAP handler's thread, which
 every new connection waits on, so each uid's answer is kept a while
-(``Memberships``).
+(``Memberships``). The start's check of every account (daemon/arenas.py) reads
+the same answer for all users at once (``listed_members``): one lookup per
+user would ask the group database tens of thousands of times on a host with
+that many users.
 """
 
 from __future__ import annotations
 
+import contextlib
+import grp
 import logging
 import os
 import pwd
@@ -64,6 +69,33 @@ def user_groups(uid: int) -> list[int]:
         return os.getgrouplist(user.pw_name, user.pw_gid)
     except OSError:
         return [user.pw_gid]
+
+
+def listed_members(listed: Iterable[int]) -> list[tuple[pwd.struct_passwd, frozenset[int]]]:
+    """Each passwd entry with the groups of ``listed`` its user is a member of,
+    by ``user_groups``'s rule (its primary group, and each group whose member
+    list names the user), from one pass over each database rather than one
+    group lookup per user. The group entries: every source's (``grp.getgrall``;
+    a gid that two sources list has the members of both, as getgrouplist
+    merges them), and each listed gid asked by number as well, which a source
+    that does not enumerate its groups (sssd by default) still answers."""
+    wanted = frozenset(listed)
+    named: dict[str, set[int]] = {}  # user name -> listed groups whose member list names it
+    if wanted:
+        entries = [group for group in grp.getgrall() if group.gr_gid in wanted]
+        for gid in sorted(wanted):
+            with contextlib.suppress(KeyError, OverflowError):  # no such group: no members
+                entries.append(grp.getgrgid(gid))
+        for group in entries:
+            for name in group.gr_mem:
+                named.setdefault(name, set()).add(group.gr_gid)
+    out = []
+    for user in pwd.getpwall():
+        groups = named.get(user.pw_name, set())
+        if user.pw_gid in wanted:
+            groups = groups | {user.pw_gid}
+        out.append((user, frozenset(groups)))
+    return out
 
 
 class Memberships:
