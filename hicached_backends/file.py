@@ -87,6 +87,12 @@ from hicached_backends.record import (
 log = logging.getLogger("hicached.file")
 
 LOCK_NAME = "store.lock"  # held (flock) by the daemon that has the store open
+# A page whose record fails to read (an OSError, not a bad record) this many
+# times in a row is dropped as a bad record is: a sector that cannot be read
+# would otherwise be a known page that misses at every read and is never stored
+# again. The counts are kept for this many pages at most.
+FAILED_READS = 3
+FAILED_READS_KEPT = 4096
 
 
 @dataclass(slots=True)
@@ -152,6 +158,8 @@ class FileBackend(SegmentScan, Backend):
             "read_errors": 0,  # pages whose read failed (an OSError): kept, not dropped
             "discarded_on_start": 0,
         }
+        # pages whose last reads failed: their record's place and how many in a row
+        self._failed_reads: dict[tuple[bytes, bytes], tuple[Loc, int]] = {}
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -513,20 +521,39 @@ class FileBackend(SegmentScan, Backend):
         failed = 0
         for i, state in results:
             out[i] = state == GOOD
-            if state == FAILED:  # nothing is known of the record: it stays
-                failed += 1
-            elif state != GOOD:
+            key = (ns, pages[i].key)
+            if state == GOOD:
+                self._failed_reads.pop(key, None)
+                continue
+            if state == FAILED:  # nothing is known of the record: it stays, unless
+                failed += 1  # its reads keep failing (a bad sector is never read)
+                if not self._failed_again(key, read[i]):
+                    continue
+            else:
                 self.counters["bad_records"] += 1
-                key = (ns, pages[i].key)
-                if self.index.get(key) is read[i]:  # a bad record is a miss and is dropped
-                    del self.index[key]  # (not a newer one, written while this was read)
-                    self.forgot(ns, [pages[i].key])
+            self._failed_reads.pop(key, None)
+            if self.index.get(key) is read[i]:  # a bad record is a miss and is dropped
+                del self.index[key]  # (not a newer one, written while this was read)
+                self.forgot(ns, [pages[i].key])
         self.counters["read_errors"] += failed
         if failed == len(todo):
             raise BackendError(
                 f"file store read failed ({failed} pages; they stay stored)", retriable=True
             )
         return out
+
+    def _failed_again(self, key: tuple[bytes, bytes], loc: Loc) -> bool:
+        """Count a failed read of ``key``'s record at ``loc``; True once its
+        reads have failed FAILED_READS times in a row (a read of it that
+        succeeds starts the count again). The counts are kept for at most
+        FAILED_READS_KEPT pages; past that they start over, which only delays
+        a drop."""
+        last, count = self._failed_reads.get(key, (loc, 0))
+        count = count + 1 if last is loc else 1
+        if len(self._failed_reads) >= FAILED_READS_KEPT and key not in self._failed_reads:
+            self._failed_reads.clear()
+        self._failed_reads[key] = (loc, count)
+        return count >= FAILED_READS
 
     async def _read_on_threads(
         self, ns: bytes, todo: list[tuple[int, Loc, PageRef]]
