@@ -64,7 +64,10 @@ from hicached_backends.file_layout import (
     next_generation,
 )
 from hicached_backends.file_readers import (
+    BAD,
     CACHED_RUN_BYTES,
+    FAILED,
+    GOOD,
     IOV_MAX,
     RECORD,
     ReaderLost,
@@ -84,6 +87,12 @@ from hicached_backends.record import (
 log = logging.getLogger("hicached.file")
 
 LOCK_NAME = "store.lock"  # held (flock) by the daemon that has the store open
+# A page whose record fails to read (an OSError, not a bad record) this many
+# times in a row is dropped as a bad record is: a sector that cannot be read
+# would otherwise be a known page that misses at every read and is never stored
+# again. The counts are kept for this many pages at most.
+FAILED_READS = 3
+FAILED_READS_KEPT = 4096
 
 
 @dataclass(slots=True)
@@ -143,7 +152,14 @@ class FileBackend(SegmentScan, Backend):
         self._write_lock = asyncio.Lock()  # planning and writing records
         self._sync_lock = asyncio.Lock()  # fsync and publication, in group order
         self._pending: list[tuple[bytes, Sequence[PageRef], asyncio.Future[list[bool]]]] = []
-        self.counters = {"recycled_segments": 0, "bad_records": 0, "discarded_on_start": 0}
+        self.counters = {
+            "recycled_segments": 0,
+            "bad_records": 0,
+            "read_errors": 0,  # pages whose read failed (an OSError): kept, not dropped
+            "discarded_on_start": 0,
+        }
+        # pages whose last reads failed: their record's place and how many in a row
+        self._failed_reads: dict[tuple[bytes, bytes], tuple[Loc, int]] = {}
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -474,6 +490,12 @@ class FileBackend(SegmentScan, Backend):
             os.fdatasync(seg.fd)
 
     async def get(self, ns: bytes, pages: Sequence[PageRef]) -> list[bool]:
+        """Read and verify pages. A record proven bad (``BAD``: it does not
+        verify, or its file is gone) is a miss and is dropped; a read that
+        failed (``FAILED``: EIO, EMFILE, ENOMEM...) is a miss and the page
+        stays, for a later read to find. If no page of the call could be read,
+        the call fails (retriable), as the other stores' calls do when the
+        store fails and not a page."""
         if self._pool is None:
             raise BackendError("file store is closed", retriable=True)
         out = [False] * len(pages)
@@ -496,19 +518,46 @@ class FileBackend(SegmentScan, Backend):
         else:
             results = await self._read_on_threads(ns, todo)
         read = {i: loc for i, loc, _ in todo}
-        for i, ok in results:
-            out[i] = ok
-            if not ok:
+        failed = 0
+        for i, state in results:
+            out[i] = state == GOOD
+            key = (ns, pages[i].key)
+            if state == GOOD:
+                self._failed_reads.pop(key, None)
+                continue
+            if state == FAILED:  # nothing is known of the record: it stays, unless
+                failed += 1  # its reads keep failing (a bad sector is never read)
+                if not self._failed_again(key, read[i]):
+                    continue
+            else:
                 self.counters["bad_records"] += 1
-                key = (ns, pages[i].key)
-                if self.index.get(key) is read[i]:  # a bad record is a miss and is dropped
-                    del self.index[key]  # (not a newer one, written while this was read)
-                    self.forgot(ns, [pages[i].key])
+            self._failed_reads.pop(key, None)
+            if self.index.get(key) is read[i]:  # a bad record is a miss and is dropped
+                del self.index[key]  # (not a newer one, written while this was read)
+                self.forgot(ns, [pages[i].key])
+        self.counters["read_errors"] += failed
+        if failed == len(todo):
+            raise BackendError(
+                f"file store read failed ({failed} pages; they stay stored)", retriable=True
+            )
         return out
+
+    def _failed_again(self, key: tuple[bytes, bytes], loc: Loc) -> bool:
+        """Count a failed read of ``key``'s record at ``loc``; True once its
+        reads have failed FAILED_READS times in a row (a read of it that
+        succeeds starts the count again). The counts are kept for at most
+        FAILED_READS_KEPT pages; past that they start over, which only delays
+        a drop."""
+        last, count = self._failed_reads.get(key, (loc, 0))
+        count = count + 1 if last is loc else 1
+        if len(self._failed_reads) >= FAILED_READS_KEPT and key not in self._failed_reads:
+            self._failed_reads.clear()
+        self._failed_reads[key] = (loc, count)
+        return count >= FAILED_READS
 
     async def _read_on_threads(
         self, ns: bytes, todo: list[tuple[int, Loc, PageRef]]
-    ) -> list[tuple[int, bool]]:
+    ) -> list[tuple[int, int]]:
         loop = asyncio.get_running_loop()
         threads = min(self.options.io_threads, len(todo))
         cut = [len(todo) * k // threads for k in range(threads + 1)]
@@ -527,7 +576,7 @@ class FileBackend(SegmentScan, Backend):
         todo: list[tuple[int, Loc, PageRef]],
         slots: list[int],
         readers: Readers,
-    ) -> list[tuple[int, bool]]:
+    ) -> list[tuple[int, int]]:
         """Read in the reader processes; a part whose reader is lost is read on threads."""
         records = np.empty(len(todo), RECORD)
         records["segment"] = [loc.segment for _, loc, _ in todo]
@@ -536,20 +585,23 @@ class FileBackend(SegmentScan, Backend):
         records["generation"] = [loc.generation for _, loc, _ in todo]
         records["slot"] = slots
         records["key"] = [page.key for _, _, page in todo]
-        results: list[tuple[int, bool]] = []
+        results: list[tuple[int, int]] = []
         for lo, hi, reply in await readers.read(ns, records):
             part = todo[lo:hi]
             if reply is None:
                 results += await self._read_on_threads(ns, part)
-            else:
-                results += [(i, ok == 1) for (i, _, _), ok in zip(part, reply, strict=True)]
+            else:  # a byte the reader cannot send reads as BAD: never a hit
+                results += [
+                    (i, state if state in (GOOD, FAILED) else BAD)
+                    for (i, _, _), state in zip(part, reply, strict=True)
+                ]
         return results
 
     def _read_chunk(
         self, ns: bytes, chunk: list[tuple[int, Loc, PageRef]]
-    ) -> list[tuple[int, bool]]:
+    ) -> list[tuple[int, int]]:
         """Read and verify pages (sorted by place) on this thread."""
-        good = read_records(
+        found = read_records(
             lambda segment: self.segments[segment].fd,
             ns,
             [loc.segment for _, loc, _ in chunk],
@@ -558,7 +610,7 @@ class FileBackend(SegmentScan, Backend):
             [page.key for _, _, page in chunk],
             [page.buf for _, _, page in chunk],
         )
-        return [(index, ok) for (index, _, _), ok in zip(chunk, good, strict=True)]
+        return [(index, state) for (index, _, _), state in zip(chunk, found, strict=True)]
 
     async def delete(self, ns: bytes, keys: Sequence[bytes]) -> None:
         for key in keys:

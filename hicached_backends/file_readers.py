@@ -11,12 +11,12 @@ verifies it (``read_records``: the same code the I/O threads run).
 Wire, over the reader's stdin and stdout (little-endian; no pickle):
 
     request: u32 body length | namespace digest 16 B | records (``RECORD``)
-    reply:   u32 length | one byte per record (1: read and verified)
+    reply:   u32 length | one byte per record (``GOOD``, ``BAD`` or ``FAILED``)
 
 A reader says it is ready with one empty reply. It answers requests in
 order, and ends at EOF on its stdin or on a request it cannot take (wrong
 size, too many records), so a reply is never out of step. A record whose
-segment or slot lies outside the store or the pool is answered 0 unread.
+segment or slot lies outside the store or the pool is answered BAD unread.
 
 The parent side (``Readers``) has one task per reader that takes its replies
 in order. A reader that dies, or answers no request within ``deadline_s``,
@@ -80,6 +80,16 @@ _WATCH_S = 1.0  # how often a reader's oldest request is checked against the dea
 _PR_SET_PDEATHSIG = 1  # prctl(2): a signal for this process when its parent dies
 
 
+# What a read found of one record (a reader's reply byte). Only BAD proves the
+# record wrong, and only it makes the store drop the page; a FAILED read says
+# nothing of the record (an I/O error, no file descriptor or memory left): the
+# page stays, and a later read may find it intact. Neither is ever a hit.
+BAD = 0  # not the intact record of that key and generation: bad header, wrong
+# size, checksum mismatch, another key's record, cut short, or no segment file
+GOOD = 1  # read whole and verified
+FAILED = 2  # the read failed: the record is unknown, not bad
+
+
 def segment_name(index: int) -> str:
     return f"segment-{index:05d}.hcs"
 
@@ -95,10 +105,14 @@ def read_records(
     *,
     native: bool = True,
     as_read: bool = False,
-) -> list[bool]:
-    """Read records (sorted by place) into ``bufs`` and verify them; True where
+) -> list[int]:
+    """Read records (sorted by place) into ``bufs`` and verify them: GOOD where
     a page was read whole and its record is the intact one of (ns, key) at that
-    generation. Back-to-back records of a segment are read by one preadv.
+    generation; FAILED where its read raised an OSError other than ENOENT (a
+    disk's EIO, EMFILE, ENOMEM, EINTR: nothing is known of the record); BAD
+    otherwise (no such segment or segment file, a file that ends inside the
+    record, a record that does not verify). Back-to-back records of a
+    segment are read by one preadv.
     ``native``: hash without the GIL (for threads), once every run is read; a
     reader process, which shares its GIL with no one, calls the Python
     function, which costs less. ``as_read``: read runs of at most
@@ -111,6 +125,7 @@ def read_records(
     lengths = [buf.nbytes for buf in bufs]
     run_bytes = CACHED_RUN_BYTES if as_read else 1 << 62
     read = [False] * n
+    failed = [False] * n
     sums: list[int] | None = [0] * n if as_read else None
     i = 0
     while i < n:
@@ -131,7 +146,12 @@ def read_records(
             iov += (heads[k * HEADER_BYTES : (k + 1) * HEADER_BYTES], bufs[k])
         try:
             got = os.preadv(fd_of(segment), iov, start)
-        except (OSError, LookupError, OverflowError):  # a failed read, no such segment or offset
+        except FileNotFoundError:  # no segment file (a reader opens it): no record there
+            got = -1
+        except OSError:  # the read failed, not the record
+            got = -1
+            failed[i:j] = [True] * (j - i)
+        except (LookupError, OverflowError):  # no such segment or offset
             got = -1
         read[i:j] = [got == end - start] * (j - i)
         if sums is not None and got == end - start:
@@ -146,7 +166,10 @@ def read_records(
         addresses=None if native else [None] * n,
         payload_sums=sums,
     )
-    return [a and b for a, b in zip(read, verified, strict=True)]
+    return [
+        FAILED if lost else GOOD if whole and ok else BAD
+        for lost, whole, ok in zip(failed, read, verified, strict=True)
+    ]
 
 
 def disjoint(starts: np.ndarray, lengths: np.ndarray) -> bool:
@@ -236,7 +259,7 @@ def serve(
             & (lengths <= pool_bytes)
             & (slots <= pool_bytes - np.minimum(lengths, pool_bytes))
         )
-        out = bytearray(len(records))
+        out = bytearray(len(records))  # BAD where a record does not fit
         take = np.flatnonzero(fits).tolist()
         if take:
             chosen = records[take]
@@ -247,7 +270,7 @@ def serve(
                 )
             ]
             key_bytes = chosen["key"].tobytes()
-            good = read_records(
+            found = read_records(
                 fd_of,
                 ns,
                 chosen["segment"].tolist(),
@@ -258,8 +281,8 @@ def serve(
                 native=False,
                 as_read=disjoint(chosen["slot"], chosen["length"].astype(np.uint64)),
             )
-            for at, ok in zip(take, good, strict=True):
-                out[at] = ok
+            for at, state in zip(take, found, strict=True):
+                out[at] = state
         _write_all(1, _FRAME.pack(len(out)) + bytes(out))
 
 

@@ -127,6 +127,44 @@ async def test_a_corrupt_record_is_a_miss_and_dropped(store: Store) -> None:
     assert np.array_equal(store.src[good], store.dst[good])
 
 
+async def test_a_read_a_reader_could_not_make_keeps_the_page(store: Store) -> None:
+    """A reader answers a read that failed apart from a bad record: such pages
+    are a miss and stay known (``read_errors``), while those of a segment file
+    that is gone (ENOENT: no record there) are bad records, dropped.
+
+    Fault injection, before any reader has opened a segment (each opens one at
+    its first read of it): segment 0's file is moved away, and segment 1's is
+    put aside with a directory in its place, whose reads fail (EISDIR). A
+    reader keeps the segment it opened, so the pages are read again once the
+    readers are killed (SIGKILL), on the threads, which kept the file open."""
+    backend = store.backend
+    segment = {i: backend.index[(NS, key)].segment for i, key in enumerate(store.keys)}
+    gone = [i for i in range(PAGES) if segment[i] == 0]
+    failing = [i for i in range(PAGES) if segment[i] == 1]
+    assert gone and failing and len(gone) + len(failing) == PAGES
+    files = [backend.dir / f"segment-{n:05d}.hcs" for n in (0, 1)]
+    aside = [path.with_suffix(".aside") for path in files]
+    for path, moved in zip(files, aside, strict=True):
+        path.rename(moved)
+    files[1].mkdir()
+    forgotten: list[bytes] = []
+    backend.on_forget = lambda ns, keys: forgotten.extend(keys)
+    assert await store.get() == [False] * PAGES
+    assert store.stat("reader_pages") == PAGES  # the readers answered, not the threads
+    assert store.stat("bad_records") == len(gone) and store.stat("read_errors") == len(failing)
+    assert sorted(forgotten) == sorted(store.keys[i] for i in gone)
+    assert all((NS, store.keys[i]) in backend.index for i in failing)
+    files[1].rmdir()
+    for path, moved in zip(files, aside, strict=True):
+        moved.rename(path)
+    for pid in store.pids():
+        os.kill(pid, signal.SIGKILL)
+    await _until(lambda: store.stat("readers_alive") == 0)
+    got = await store.get()
+    assert got == [segment[i] == 1 for i in range(PAGES)]
+    assert np.array_equal(store.src[failing], store.dst[failing])
+
+
 async def test_pages_lent_one_slot_are_answered_for_the_last_read_only(store: Store) -> None:
     """A reader hashes each run right after reading it; where two pages of a
     request share a slot, the later overwrites the earlier after its hash, so

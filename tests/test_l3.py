@@ -759,3 +759,60 @@ def test_a_lookup_whose_check_outlasts_its_timeout_counts_in_flight_until_it_end
         wait_for(lambda: c.stats().l3["lookups_in_flight"] == 0)
         c.match(ns, seq(2 * 10**6, 2), lease=False)
         wait_for(lambda: c.stats().l3["lookups"] == 2)
+
+
+@pytest.mark.parametrize("first", ["lookup_timeout_s", "op_timeout_s"])
+def test_a_lookup_answered_without_the_store_is_late_only_at_its_deadline(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path, first: str
+) -> None:
+    """A request that waits out ``lookup_timeout_s`` while its check runs is
+    answered without the store's answer: ``lookups_late``, and the check goes
+    on, so what it finds is known from then on. A check that passes
+    ``op_timeout_s`` first is a timed-out call (``timeouts``), and the lookup
+    is answered then, not at its deadline: not late, and it learns nothing.
+    Fault injection: existence checks wait for a gate, closed while the
+    matches ask; the pages are in the file store, unknown to the restarted
+    daemon (no startup scan)."""
+    gate = tmp_path / "gate"
+    gate.touch()
+    short, long = "0.3", "60.0"
+    timeouts = {first: short, ({"lookup_timeout_s", "op_timeout_s"} - {first}).pop(): long}
+    d = daemon_factory(
+        allow_faults=True,
+        storage=storage(
+            "faulty",
+            more="scan_on_start = false\n" + "".join(f"{k} = {v}\n" for k, v in timeouts.items()),
+        ),
+        tail=f'[storage.extra]\ninner = "file"\nexists_gate = "{gate}"\n'
+        "[storage.extra.inner_options]\ncapacity_mib = 8\nsegment_mib = 2\n",
+    )
+    toks = seq(0, 4)
+    with d.client() as c:
+        ns = c.register(**NS)
+        c.store(ns, toks, page_bytes_for(toks))
+        wait_for(lambda: l3_count(c, "pages_written") == 4)
+    assert d.stop() == 0
+    gate.unlink()
+    d.start()  # a new pool: the pages are in L3 alone, and the daemon knows none
+    with d.client() as c:
+        ns = c.register(**NS)
+        assert c.match(ns, toks, lease=False).l3_hits == 0
+        s = c.stats().l3
+        assert s["lookups"] == 1 and s["lookups_in_flight"] == 1  # the check still runs
+        if first == "lookup_timeout_s":
+            assert s["lookups_late"] == 1 and s.get("timeouts", 0) == 0
+        else:
+            assert s["lookups_late"] == 0 and s["timeouts"] == 1 and s["failures"] == 1
+        gate.touch()
+        wait_for(lambda: c.stats().l3["lookups_in_flight"] == 0)
+        s = c.stats().l3
+        if first == "lookup_timeout_s":  # it went on, and what it found is known
+            assert s["lookup_pages"] == 4 and c.match(ns, toks, lease=False).l3_hits == 4
+            assert c.stats().l3["lookups"] == 1
+        else:  # it learned nothing: the next match asks again
+            assert s["lookup_pages"] == 0 and c.match(ns, toks, lease=False).l3_hits == 4
+            assert c.stats().l3["lookups"] == 2
+        s = c.stats().l3
+        assert s["lookups_late"] == (1 if first == "lookup_timeout_s" else 0)
+        assert s.get("timeouts", 0) == (0 if first == "lookup_timeout_s" else 1)
+    assert d.stop() == 0
