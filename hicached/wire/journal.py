@@ -162,7 +162,12 @@ def read_header(data: memoryview) -> tuple[JournalHeader, int]:
     body, end = _unframe(data, len(JOURNAL_MAGIC))
     if body is None:
         raise JournalDamage("the journal's header is torn")
-    version = msgspec.msgpack.decode(body, type=dict).get("version")
+    try:
+        version = msgspec.msgpack.decode(body, type=dict).get("version")
+    except msgspec.MsgspecError:
+        # a header this daemon cannot even find a version in: another layout's
+        # (a newer one's), or damage; never a reason not to start
+        raise JournalDamage("the journal's header is not one this daemon reads") from None
     if version != JOURNAL_VERSION:
         raise JournalDamage(f"pool layout version {version}, this daemon reads {JOURNAL_VERSION}")
     try:

@@ -1,0 +1,101 @@
+"""Adoption against what a restart may find: a journal header this daemon
+cannot read, records past what any pool holds, a pool file whose readers
+changed across the restart.
+
+Real daemons. What must hold (docs/restarts.md): a pool that cannot be
+adopted is replaced and the log says why; the start is never stopped by
+what the journal holds; no page is read with bytes not stored under its key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import xxhash
+
+from hicached.daemon.journal import journal_path
+from hicached.wire.arena import arena_path
+from hicached.wire.journal import _FRAME, JOURNAL_MAGIC, PageRecord, frame
+from tests.adoption_worker import PAGES, SPEC, pattern, tokens
+from tests.support import Daemon
+
+
+def adopting(**kwargs: object) -> Daemon:
+    """A daemon whose every start adopts the pool of the stop before."""
+    made: dict[str, object] = {"size_mib": 16, "max_page_bytes": 1 << 20, **kwargs}
+    return Daemon(fresh=False, **made)  # type: ignore[arg-type]
+
+
+def journal_of(d: Daemon) -> Path:
+    return journal_path(arena_path("/dev/shm", d.runtime))
+
+
+def _framed(body: bytes) -> bytes:
+    return _FRAME.pack(len(body), xxhash.xxh3_64_intdigest(body)) + body
+
+
+@pytest.mark.parametrize(
+    "body",
+    [msgspec.msgpack.encode([4, 1 << 30, 1 << 20]), b"\xc1"],
+    ids=["header_as_array", "header_not_msgpack"],
+)
+def test_a_journal_header_with_no_version_to_read_makes_a_new_pool(body: bytes) -> None:
+    """A header frame that verifies but holds no map to find a version in (a
+    layout that writes its header otherwise, or damage) is a journal of another
+    version: the start makes a new pool and says why, it does not stop."""
+    d = adopting()
+    d.start()
+    try:
+        with d.client() as c:
+            c.store(c.register(**SPEC), tokens(1), pattern(1))
+        d.kill()
+        journal_of(d).write_bytes(JOURNAL_MAGIC + _framed(body))
+        d.start()
+        with d.client() as c:
+            ns = c.register(**SPEC)
+            assert c.match(ns, tokens(1), lease=False).hits == 0
+            assert c.stats().adopted_pages == 0
+            assert c.store(ns, tokens(2), pattern(2)).published == PAGES
+        log = d.log.read_text()
+        assert "not one this daemon reads" in log and "making a new one" in log
+    finally:
+        d.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("slot", "gen", "reason"),
+    [((1 << 64) - 4096, 0, "geometry"), (8 << 20, (1 << 64) - 1, "stale")],
+    ids=["slot_past_int64", "gen_past_int64"],
+)
+def test_records_past_what_any_pool_holds_are_dropped_not_obeyed(
+    slot: int, gen: int, reason: str
+) -> None:
+    """A page record that verifies but names a slot or a generation no 64-bit
+    integer holds (a journal made by hand) neither stops the start nor hides
+    the pages the journal holds besides."""
+    d = adopting()
+    d.start()
+    try:
+        with d.client() as c:
+            ns = c.register(**SPEC)
+            c.store(ns, tokens(1), pattern(1))
+            ns_id = ns.id
+        d.kill()
+        journal = journal_of(d)
+        bogus = PageRecord(ns_id, bytes(range(16)), b"", slot, gen)
+        journal.write_bytes(journal.read_bytes() + frame(bogus))
+        d.start()
+        with d.client() as c:
+            ns = c.register(**SPEC)
+            hit = c.match(ns, tokens(1))
+            try:
+                assert hit.hits == PAGES
+                assert np.array_equal(c.read_pages(hit), pattern(1))
+            finally:
+                c.release(hit)
+            assert c.stats().adoption_dropped == {reason: 1}
+    finally:
+        d.cleanup()
