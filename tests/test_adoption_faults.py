@@ -9,6 +9,8 @@ what the journal holds; no page is read with bytes not stored under its key.
 
 from __future__ import annotations
 
+import grp
+import os
 from pathlib import Path
 
 import msgspec
@@ -97,5 +99,48 @@ def test_records_past_what_any_pool_holds_are_dropped_not_obeyed(
             finally:
                 c.release(hit)
             assert c.stats().adoption_dropped == {reason: 1}
+    finally:
+        d.cleanup()
+
+
+def _two_groups() -> tuple[str, str]:
+    """Two groups of this host other than root's."""
+    names = [g.gr_name for g in grp.getgrall() if g.gr_gid != 0]
+    return names[0], names[1]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives the pool file to groups: needs root")
+def test_a_pool_opened_to_another_client_group_is_not_adopted() -> None:
+    """server.client_group changed across a restart: a process of the old group
+    that opened or mapped the pool file keeps reading it, whatever its group is
+    now; so the new daemon's pages go to a new file (not adopted, and the log
+    says why). The same group again adopts it."""
+    before, after = _two_groups()
+    d = adopting(extra=f'client_group = "{before}"')
+    d.start()
+    try:
+        with d.client() as c:
+            c.store(c.register(**SPEC), tokens(1), pattern(1))
+        pool = arena_path("/dev/shm", d.runtime)
+        assert d.stop() == 0
+        d.start()  # the same group: adopted
+        with d.client() as c:
+            assert c.match(c.register(**SPEC), tokens(1), lease=False).hits == PAGES
+        assert d.stop() == 0
+        old = os.stat(pool).st_ino
+        d.config.write_text(
+            d.config.read_text().replace(f'client_group = "{before}"', f'client_group = "{after}"')
+        )
+        d.start()
+        with d.client() as c:
+            ns = c.register(**SPEC)
+            assert c.match(ns, tokens(1), lease=False).hits == 0
+            assert c.stats().adopted_pages == 0
+        st = os.stat(pool)
+        assert st.st_ino != old, "the new group's pages went into the old group's file"
+        assert st.st_gid == grp.getgrnam(after).gr_gid
+        log = d.log.read_text()
+        assert f"was open to group {grp.getgrnam(before).gr_gid}" in log
+        assert "making a new one" in log
     finally:
         d.cleanup()

@@ -185,6 +185,16 @@ class Arena:
                     f"the pool file {path} has {st.st_size} bytes (uid {st.st_uid}), "
                     f"its journal says {length} (uid {os.getuid()})"
                 )
+            opened = _opened_to(st)
+            if opened and opened != f"group {group}":
+                # a process that opened or mapped it before keeps reading it
+                # whatever its mode says now: the new pages go to a new file
+                given = "no group" if group is None else f"group {group}"
+                raise HicachedError(
+                    f"the pool file {path} was open to {opened}, this configuration "
+                    f"gives it to {given} (server.client_group); a process that opened "
+                    "it before would keep reading it"
+                )
             if group is not None:
                 _share(fd, path, group)
             else:
@@ -257,6 +267,16 @@ class Arena:
             self._mmap.close()
         if self.owner and not keep:
             self.path.unlink(missing_ok=True)
+
+
+def _opened_to(st: os.stat_result) -> str:
+    """Who besides its owner may open the file of ``st``: "" (no one), a group
+    (``group GID``), or everyone."""
+    if st.st_mode & 0o007:
+        return "every user"
+    if st.st_mode & 0o070:
+        return f"group {st.st_gid}"
+    return ""
 
 
 def _share(fd: int, path: Path, group: int) -> None:
