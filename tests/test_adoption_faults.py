@@ -20,7 +20,13 @@ import xxhash
 
 from hicached.daemon.journal import journal_path
 from hicached.wire.arena import arena_path
-from hicached.wire.journal import _FRAME, JOURNAL_MAGIC, PageRecord, frame
+from hicached.wire.journal import (
+    _FRAME,
+    JOURNAL_MAGIC,
+    PageRecord,
+    frame,
+)
+from tests import adoption_review_worker as w
 from tests.adoption_worker import PAGES, SPEC, pattern, tokens
 from tests.support import Daemon
 
@@ -142,5 +148,67 @@ def test_a_pool_opened_to_another_client_group_is_not_adopted() -> None:
         log = d.log.read_text()
         assert f"was open to group {grp.getgrnam(before).gr_gid}" in log
         assert "making a new one" in log
+    finally:
+        d.cleanup()
+
+
+def test_a_commit_of_small_records_does_not_rewrite_the_journal_at_every_reply() -> None:
+    """The journal is compacted once it is a few times what it describes, which
+    is estimated from the last commit's records. Key-addressed pages (no token
+    ids: small records) committed beside many token pages of long pages (large
+    records) made that estimate a fraction of the truth, and every reply
+    rewrote the whole journal. A compaction now waits until the file is a few
+    times the last one's size: a series of small commits rewrites it once at
+    most. The pages of both kinds are adopted after it."""
+    long_spec = {**SPEC, "model": "test/long-pages", "page_tokens": 1024, "page_bytes": 4096}
+    d = adopting(size_mib=96, extra="max_pages_per_request = 4096")
+    d.start()
+    try:
+        journal = journal_of(d)
+        rows = np.zeros((64, 4096), np.uint8)
+        with d.client(timeout=30) as c:
+            ns = c.register(**long_spec)
+            for s in range(200):  # 12,800 records of 4 KiB of token ids: 50 MiB of journal
+                run = list(range(s * 10**7, s * 10**7 + 64 * 1024))
+                assert c.store(ns, run, rows).published == 64
+            kns = c.register(**w.KEYED_SPEC)
+            files = set()
+            for s in range(10):
+                res = c.reserve_keys(kns, w.keys(s))
+                c.write_pages(res, w.pattern(s, "k"))
+                assert c.commit(res).published == PAGES
+                files.add(journal.stat().st_ino)  # a compaction is a new file
+            assert len(files) == 1, f"{len(files)} compactions in 10 small commits"
+        d.kill()
+        d.start()
+        with d.client() as c:
+            stats = c.stats()
+            assert stats.adopted_pages == 200 * 64 + 10 * PAGES, stats.adoption_dropped
+    finally:
+        d.cleanup()
+
+
+def test_long_pages_are_adopted_again_by_the_start_after_next() -> None:
+    """A start writes its journal anew (a snapshot of what it adopted), 4,096
+    pages a record. Pages of 1,024 tokens carry 4 KiB of token ids each: such a
+    record was past the longest frame a reader takes, so the next start read
+    the journal as torn there and adopted none of them. Records are split to
+    fit, and two restarts in a row keep every page."""
+    long_spec = {**SPEC, "model": "test/long-pages", "page_tokens": 1024, "page_bytes": 4096}
+    d = adopting(size_mib=32, extra="max_pages_per_request = 4096")
+    d.start()
+    try:
+        rows = np.zeros((64, 4096), np.uint8)
+        with d.client(timeout=30) as c:
+            ns = c.register(**long_spec)
+            for s in range(70):  # 4,480 pages
+                run = list(range(s * 10**7, s * 10**7 + 64 * 1024))
+                assert c.store(ns, run, rows).published == 64
+        for _ in range(2):
+            d.kill()
+            d.start()
+            with d.client() as c:
+                stats = c.stats()
+                assert stats.adopted_pages == 70 * 64, stats.adoption_dropped
     finally:
         d.cleanup()

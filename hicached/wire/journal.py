@@ -44,6 +44,7 @@ from hicached.wire.namespace import EventMeta, NamespaceSpec
 
 __all__ = [
     "JOURNAL_VERSION",
+    "MAX_FRAME",
     "AllocRecord",
     "FreeRecord",
     "JournalHeader",
