@@ -25,6 +25,8 @@ from hicached.wire.journal import (
     JOURNAL_MAGIC,
     PageRecord,
     frame,
+    header_bytes,
+    read_header,
 )
 from tests import adoption_review_worker as w
 from tests.adoption_worker import PAGES, SPEC, pattern, tokens
@@ -210,5 +212,36 @@ def test_long_pages_are_adopted_again_by_the_start_after_next() -> None:
             with d.client() as c:
                 stats = c.stats()
                 assert stats.adopted_pages == 70 * 64, stats.adoption_dropped
+    finally:
+        d.cleanup()
+
+
+@pytest.mark.parametrize("boot", ["another", ""], ids=["another_boot", "no_boot_named"])
+def test_a_pool_of_another_boot_is_not_adopted(boot: str) -> None:
+    """A pool file outlives a boot only where pool.shm_dir is not a tmpfs, and
+    a crash of the host may leave on that disk pages its journal does not
+    describe: a journal made in another boot (its header says so; here written
+    by hand) is never replayed. A journal that names no boot (a daemon's before
+    this field) is adopted as before."""
+    d = adopting()
+    d.start()
+    try:
+        with d.client() as c:
+            c.store(c.register(**SPEC), tokens(1), pattern(1))
+        assert d.stop() == 0
+        journal = journal_of(d)
+        data = journal.read_bytes()
+        header, start = read_header(memoryview(data))
+        assert header.boot, "a journal names the boot its pool was made in"
+        journal.write_bytes(header_bytes(msgspec.structs.replace(header, boot=boot)) + data[start:])
+        d.start()
+        with d.client() as c:
+            hits = c.match(c.register(**SPEC), tokens(1), lease=False).hits
+        log = d.log.read_text()
+        if boot:
+            assert hits == 0
+            assert "made before the host restarted" in log and "making a new one" in log
+        else:
+            assert hits == PAGES
     finally:
         d.cleanup()
