@@ -31,12 +31,17 @@ from hicached.wire.journal import (
 from tests import adoption_review_worker as w
 from tests.adoption_worker import PAGES, SPEC, pattern, tokens
 from tests.support import Daemon
+from tests.test_arenas_review import two_uids
+from tests.test_tenants import Users, users
 
 
 def adopting(**kwargs: object) -> Daemon:
     """A daemon whose every start adopts the pool of the stop before."""
     made: dict[str, object] = {"size_mib": 16, "max_page_bytes": 1 << 20, **kwargs}
     return Daemon(fresh=False, **made)  # type: ignore[arg-type]
+
+
+_ = (two_uids, users)  # fixtures, used by name
 
 
 def journal_of(d: Daemon) -> Path:
@@ -245,3 +250,21 @@ def test_a_pool_of_another_boot_is_not_adopted(boot: str) -> None:
             assert hits == PAGES
     finally:
         d.cleanup()
+
+
+def test_tenant_arenas_made_anew_because_one_is_new_say_why(two_uids: Daemon, users: Users) -> None:
+    """A tenant added across a restart changes the arenas: they are made anew,
+    empty, and the log says why, as for any other change (docs/restarts.md),
+    though the added tenant's file was not there to be opened."""
+    d = two_uids
+    (a_uid, _), (b_uid, _), (c_uid, _) = users.ids
+    text = d.config.read_text()
+    head = text[: text.index("[tenants.alpha]")]
+    tail = f"[tenants.alpha]\nuids = [{a_uid}]\n[tenants.beta]\nuids = [{b_uid}]\n"
+    d.config.write_text(head + tail + f"[tenants.gamma]\nuids = [{c_uid}]\n")
+    d.fresh = False
+    d.kill()
+    d.start()
+    log = d.log.read_text()
+    assert "not adopting the tenant arenas" in log, log[-2000:]
+    assert "gamma" in log.split("not adopting the tenant arenas", 1)[1].splitlines()[0]

@@ -93,7 +93,16 @@ def open_arenas(
     pool = config.pool
     size = pool.size_mib << 20
     journal = journal_path(path)
-    if pool.adopt and not fresh and all(arena.path.exists() for arena in layout):
+    missing = [arena.tenant for arena in layout if not arena.path.exists()]
+    if pool.adopt and not fresh and missing and journal.exists():
+        # arenas of a daemon before, but not these: say why, as for any change
+        log.warning(
+            "pool: not adopting the tenant arenas of %s: no arena file for tenant %s "
+            "(a tenant added?); making new ones",
+            path,
+            ", ".join(missing),
+        )
+    if pool.adopt and not fresh and not missing:
 
         def expected(found: JournalHeader) -> JournalHeader:
             return _arenas_header(config, layout, found.pool_id, share)
