@@ -97,8 +97,8 @@ def open_arenas(
     if pool.adopt and not fresh and missing and journal.exists():
         # arenas of a daemon before, but not these: say why, as for any change
         log.warning(
-            "pool: not adopting the tenant arenas of %s: no arena file for tenant %s "
-            "(a tenant added?); making new ones",
+            "pool: not adopting the tenant arenas of %s: there is no arena file for "
+            "tenant %s (a tenant added, or a pool of one file before); making new ones",
             path,
             ", ".join(missing),
         )
