@@ -9,8 +9,12 @@ what the journal holds; no page is read with bytes not stored under its key.
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import os
+import subprocess
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -268,3 +272,56 @@ def test_tenant_arenas_made_anew_because_one_is_new_say_why(two_uids: Daemon, us
     log = d.log.read_text()
     assert "not adopting the tenant arenas" in log, log[-2000:]
     assert "gamma" in log.split("not adopting the tenant arenas", 1)[1].splitlines()[0]
+
+
+@contextlib.contextmanager
+def small_tmpfs(mib: int) -> Iterator[str]:
+    """A private tmpfs of ``mib`` MiB (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    where = tempfile.mkdtemp(prefix="hc-shm-")
+    try:
+        mount = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={mib}m,mode=0700", "tmpfs", where],
+            capture_output=True,
+            text=True,
+        )
+        if mount.returncode:
+            pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.strip()}")
+        try:
+            yield where
+        finally:
+            subprocess.run(["umount", where], check=False)
+    finally:
+        os.rmdir(where)
+
+
+def test_a_start_that_cannot_make_a_second_pool_beside_a_mapped_one_says_so() -> None:
+    """A start that does not adopt the pool (here: a journal it does not read)
+    makes a new one while clients still map the one before, whose memory the
+    tmpfs keeps until they reach a daemon again: with no room for two the
+    start fails, and the error says that, not only "lower pool.size_mib". Once
+    the client let go of the old pool, the same start succeeds."""
+    with small_tmpfs(40) as shm:
+        d = adopting(size_mib=24)
+        d.config.write_text(
+            d.config.read_text().replace("[pool]\n", f'[pool]\nshm_dir = "{shm}"\n')
+        )
+        d.start()
+        try:
+            c = d.client()
+            try:
+                c.store(c.register(**SPEC), tokens(1), pattern(1))
+                assert d.stop() == 0
+                journal_path(arena_path(shm, d.runtime)).write_bytes(b"not a journal")
+                with pytest.raises(RuntimeError, match="needs room for two"):
+                    d.start(timeout=10)
+            finally:
+                c.close()
+            d.start()
+            with d.client() as c:
+                ns = c.register(**SPEC)
+                assert c.match(ns, tokens(1), lease=False).hits == 0
+                assert c.store(ns, tokens(2), pattern(2)).published == PAGES
+        finally:
+            d.cleanup()

@@ -136,6 +136,7 @@ class Arena:
                 )
             align = page
         length = file_bytes(size, align)
+        replaced = path.exists()
         try:
             path.unlink(missing_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -153,6 +154,8 @@ class Arena:
                     if align > mmap.PAGESIZE
                     else "lower pool.size_mib or enlarge the tmpfs"
                 )
+                if replaced:
+                    more += f"; {STILL_MAPPED}"
                 raise HicachedError(
                     f"cannot reserve {size} bytes for the pool in {path.parent}: {exc.strerror} "
                     f"({more})"
@@ -267,6 +270,15 @@ class Arena:
             self._mmap.close()
         if self.owner and not keep:
             self.path.unlink(missing_ok=True)
+
+
+# A pool file replaced by a start that does not adopt it keeps its memory while
+# any client maps it, and clients let go of it only once they reach the new daemon
+STILL_MAPPED = (
+    "the pool before it is still held by the clients that map it until they reach "
+    "a daemon again, so a start that does not adopt a pool needs room for two "
+    "(or the clients stopped): docs/restarts.md"
+)
 
 
 def _opened_to(st: os.stat_result) -> str:
