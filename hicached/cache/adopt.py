@@ -65,6 +65,7 @@ class Adopted:
             self.dropped[reason] = self.dropped.get(reason, 0) + n
 
 
+_BEYOND = 1 << 63  # the first slot or generation a journal record cannot name
 Alloc = tuple[int, str, float]  # page size, tenant, quarantined until (0: the lease was open)
 
 
@@ -210,11 +211,15 @@ def adopt(desk: Cache, records: list[Record], quarantine_until: float) -> Adopte
 def _drop_unwritable(pages: dict[int, PageRecord], allocs: dict[int, Alloc], out: Adopted) -> None:
     """Drop the records no daemon writes, which verify all the same (a journal
     made by hand): a negative slot (numpy would count it from the end of the
-    generations, the allocator from its last slab) or a page size of zero or
-    less (the allocator divides by it). Neither reaches the pool."""
-    for slot in [slot for slot in pages if slot < 0]:
+    generations, the allocator from its last slab), a slot or a generation
+    past what a 64-bit integer holds (numpy cannot take it), or a page size of
+    zero or less (the allocator divides by it). None reaches the pool."""
+    for slot in [slot for slot in pages if not 0 <= slot < _BEYOND]:
         del pages[slot]
         out.drop("geometry")
+    for slot in [slot for slot, page in pages.items() if not 0 <= page.gen < _BEYOND]:
+        del pages[slot]
+        out.drop("stale")  # no pool holds that generation
     for slot in [slot for slot, (size, _, _) in allocs.items() if slot < 0 or size <= 0]:
         del allocs[slot]
         out.drop("geometry")

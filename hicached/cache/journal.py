@@ -14,6 +14,7 @@ replace a journal that grew long with one of that size (``snapshot``).
 from __future__ import annotations
 
 from hicached.wire.journal import (
+    MAX_FRAME,
     AllocRecord,
     FreeRecord,
     NsRecord,
@@ -52,6 +53,11 @@ class Recorder:
         # ``pages`` would take in a compacted journal is ``len(pages)`` of them
         self.page_bytes = 64
         self.written = 0  # bytes the journal file holds since its last snapshot
+        # bytes of the last snapshot: the next is not made before the file is
+        # COMPACT_RATIO times that, whatever the estimate of ``should_compact``
+        # says (the last commit's records may be far smaller than most live
+        # pages' records: it would rewrite the whole file at every reply)
+        self.snapshot_bytes = 0
 
     def namespace(
         self, ns: int, tenant: str, spec: NamespaceSpec, events: EventMeta | None = None
@@ -85,9 +91,10 @@ class Recorder:
             for record in records:
                 allocs.pop(record.slot, None)
         self.pages.update((record.slot, record) for record in records)
-        made = frame(PagesRecord(records))
-        self.page_bytes = len(made) // len(records)
-        self._add(made)
+        made = _framed(records)
+        self.page_bytes = sum(map(len, made)) // len(records)
+        for part in made:
+            self._add(part)
 
     def adopted(self, records: list[PageRecord]) -> None:
         """Pages adopted at start: live, with no record of their own (the journal
@@ -127,8 +134,14 @@ class Recorder:
         self.named = set(self.namespaces)
 
     def should_compact(self) -> bool:
+        """The file is past a few times what it describes, and past a few times
+        what the last snapshot wrote: a compaction rewrites at most a third of
+        what was appended since the one before."""
+        written = self.written
+        if written <= COMPACT_RATIO * self.snapshot_bytes:
+            return False
         live = len(self.pages) * self.page_bytes + len(self.allocs) * 16
-        return self.written > COMPACT_RATIO * live + COMPACT_FLOOR
+        return written > COMPACT_RATIO * live + COMPACT_FLOOR
 
     def snapshot(self) -> bytes:
         """Every record a new journal needs (after its header): the namespaces,
@@ -142,13 +155,26 @@ class Recorder:
         allocs = [frame(AllocRecord(slots, *what)) for what, slots in groups.items()]
         live = list(self.pages.values())
         pages = [
-            frame(PagesRecord(live[i : i + SNAPSHOT_BATCH]))
+            made
             for i in range(0, len(live), SNAPSHOT_BATCH)
+            for made in _framed(live[i : i + SNAPSHOT_BATCH])
         ]
         data = b"".join([*self.namespaces.values(), *allocs, *pages])
-        self.written = len(data)
+        self.written = self.snapshot_bytes = len(data)
         self.named = set(self.namespaces)
         return data
+
+
+def _framed(records: list[PageRecord]) -> list[bytes]:
+    """Pages as one framed record, or as several where one would be longer than
+    a reader takes (``MAX_FRAME``: it would end the journal there, and every
+    page after it would be lost at the next start): long pages' token ids
+    (page_tokens up to 65,536) make 4,096 records a gigabyte."""
+    made = frame(PagesRecord(records))
+    if len(made) <= MAX_FRAME or len(records) == 1:
+        return [made]
+    half = len(records) // 2
+    return _framed(records[:half]) + _framed(records[half:])
 
 
 class NoRecorder(Recorder):

@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
 from hicached.config import Config
 from hicached.daemon.arenas import Grant
 from hicached.daemon.journal import JournalDamage, check, journal_path, load
@@ -91,7 +93,16 @@ def open_arenas(
     pool = config.pool
     size = pool.size_mib << 20
     journal = journal_path(path)
-    if pool.adopt and not fresh and all(arena.path.exists() for arena in layout):
+    missing = [arena.tenant for arena in layout if not arena.path.exists()]
+    if pool.adopt and not fresh and missing and journal.exists():
+        # arenas of a daemon before, but not these: say why, as for any change
+        log.warning(
+            "pool: not adopting the tenant arenas of %s: there is no arena file for "
+            "tenant %s (a tenant added, or a pool of one file before); making new ones",
+            path,
+            ", ".join(missing),
+        )
+    if pool.adopt and not fresh and not missing:
 
         def expected(found: JournalHeader) -> JournalHeader:
             return _arenas_header(config, layout, found.pool_id, share)
@@ -124,13 +135,16 @@ def _try(
     found), then its files mapped again (``reopen``); else why not."""
     try:
         header, records, torn = load(journal)
-        why = check(header, expected(header))
+        want = expected(header)
+        why = check(header, want)
     except FileNotFoundError:
         return "there is no journal"
     except (OSError, JournalDamage) as exc:
         return f"the journal cannot be read: {exc}"
     if why:
         return why
+    # this daemon's journal names this boot (a journal of a daemon before named none)
+    header = msgspec.structs.replace(header, boot=want.boot)
     try:
         return OpenedPool(reopen(header), header, records, torn)
     except HicachedError as exc:
@@ -158,7 +172,17 @@ def _header(
         pool_ino=identity[1],
         arenas=arenas or [],
         readers=readers or [],
+        boot=boot_id(),
     )
+
+
+def boot_id() -> str:
+    """The host's boot id ("" where the kernel says none)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
 
 
 def _arenas_header(

@@ -136,6 +136,7 @@ class Arena:
                 )
             align = page
         length = file_bytes(size, align)
+        replaced = path.exists()
         try:
             path.unlink(missing_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
@@ -153,6 +154,8 @@ class Arena:
                     if align > mmap.PAGESIZE
                     else "lower pool.size_mib or enlarge the tmpfs"
                 )
+                if replaced:
+                    more += f"; {STILL_MAPPED}"
                 raise HicachedError(
                     f"cannot reserve {size} bytes for the pool in {path.parent}: {exc.strerror} "
                     f"({more})"
@@ -184,6 +187,16 @@ class Arena:
                 raise HicachedError(
                     f"the pool file {path} has {st.st_size} bytes (uid {st.st_uid}), "
                     f"its journal says {length} (uid {os.getuid()})"
+                )
+            opened = _opened_to(st)
+            if opened and opened != f"group {group}":
+                # a process that opened or mapped it before keeps reading it
+                # whatever its mode says now: the new pages go to a new file
+                given = "no group" if group is None else f"group {group}"
+                raise HicachedError(
+                    f"the pool file {path} was open to {opened}, this configuration "
+                    f"gives it to {given} (server.client_group); a process that opened "
+                    "it before would keep reading it"
                 )
             if group is not None:
                 _share(fd, path, group)
@@ -257,6 +270,25 @@ class Arena:
             self._mmap.close()
         if self.owner and not keep:
             self.path.unlink(missing_ok=True)
+
+
+# A pool file replaced by a start that does not adopt it keeps its memory while
+# any client maps it, and clients let go of it only once they reach the new daemon
+STILL_MAPPED = (
+    "the pool before it is still held by the clients that map it until they reach "
+    "a daemon again, so a start that does not adopt a pool needs room for two "
+    "(or the clients stopped): docs/restarts.md"
+)
+
+
+def _opened_to(st: os.stat_result) -> str:
+    """Who besides its owner may open the file of ``st``: "" (no one), a group
+    (``group GID``), or everyone."""
+    if st.st_mode & 0o007:
+        return "every user"
+    if st.st_mode & 0o070:
+        return f"group {st.st_gid}"
+    return ""
 
 
 def _share(fd: int, path: Path, group: int) -> None:

@@ -36,7 +36,14 @@ from pathlib import Path
 import numpy as np
 
 from hicached.errors import HicachedError
-from hicached.wire.arena import GEN_DTYPE, GEN_GRANULE, arena_path, file_bytes, gen_count
+from hicached.wire.arena import (
+    GEN_DTYPE,
+    GEN_GRANULE,
+    STILL_MAPPED,
+    arena_path,
+    file_bytes,
+    gen_count,
+)
 
 # bytes of slots whose generation counters fill one memory page
 SPAN = mmap.PAGESIZE // GEN_DTYPE.itemsize * GEN_GRANULE
@@ -179,7 +186,8 @@ class TenantArenas:
             except OSError as exc:
                 raise HicachedError(
                     f"cannot reserve {size} bytes for tenant {arena.tenant}'s arena in "
-                    f"{path.parent}: {exc.strerror} (lower pool.size_mib or enlarge the tmpfs)"
+                    f"{path.parent}: {exc.strerror} (lower pool.size_mib or enlarge the "
+                    f"tmpfs; if a pool was there before, {STILL_MAPPED})"
                 ) from None
             libc = _libc()
             counters = size // GEN_GRANULE * GEN_DTYPE.itemsize  # whole pages (SPAN)

@@ -25,12 +25,13 @@ page, never serve another key's bytes.
 
 ``JournalHeader`` names what must match for a pool to be adopted: the
 format version, the pool's byte size and slab size, the generation granule,
-the pool file's length, the pool file itself (its device and inode: a journal
-put beside another pool file of the same geometry would otherwise name that
-file's bytes as its own pages wherever the generations happen to agree, as
-they do in slots that neither pool ever freed) and the pool's id (a random
-number made with the file, which clients compare to keep their mapping
-across a restart).
+the pool file's length, the host's boot (a pool kept on a disk across a
+reboot may hold pages its journal does not describe), the pool file itself
+(its device and inode: a journal put beside another pool file of the same
+geometry would otherwise name that file's bytes as its own pages wherever
+the generations happen to agree, as they do in slots that neither pool ever
+freed) and the pool's id (a random number made with the file, which clients
+compare to keep their mapping across a restart).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from hicached.wire.namespace import EventMeta, NamespaceSpec
 
 __all__ = [
     "JOURNAL_VERSION",
+    "MAX_FRAME",
     "AllocRecord",
     "FreeRecord",
     "JournalHeader",
@@ -81,6 +83,11 @@ class JournalHeader(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # A start that would open a file to other identities makes it anew: what a
     # process opened or mapped before keeps reading it whatever the new ACL says
     readers: list[tuple[list[int], list[int]]] = msgspec.field(default_factory=list)
+    # the host's boot id when the pool was made ("" in a journal of a daemon that
+    # did not write it). A pool file outlives a boot only where pool.shm_dir is
+    # not a tmpfs, and after a crash of the host what reached the disk of its
+    # pages and of its journal need not agree: such a pool is never adopted
+    boot: str = ""
 
 
 class NsRecord(msgspec.Struct, tag="ns", array_like=True):
@@ -162,7 +169,12 @@ def read_header(data: memoryview) -> tuple[JournalHeader, int]:
     body, end = _unframe(data, len(JOURNAL_MAGIC))
     if body is None:
         raise JournalDamage("the journal's header is torn")
-    version = msgspec.msgpack.decode(body, type=dict).get("version")
+    try:
+        version = msgspec.msgpack.decode(body, type=dict).get("version")
+    except msgspec.MsgspecError:
+        # a header this daemon cannot even find a version in: another layout's
+        # (a newer one's), or damage; never a reason not to start
+        raise JournalDamage("the journal's header is not one this daemon reads") from None
     if version != JOURNAL_VERSION:
         raise JournalDamage(f"pool layout version {version}, this daemon reads {JOURNAL_VERSION}")
     try:
