@@ -40,13 +40,15 @@ from __future__ import annotations
 import asyncio
 import errno
 import fcntl
+import functools
 import logging
 import os
 import struct
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
@@ -63,16 +65,15 @@ from hicached_backends.file_layout import (
     SegmentScan,
     next_generation,
 )
-from hicached_backends.file_readers import (
+from hicached_backends.file_readers import RECORD, ReaderLost, Readers
+from hicached_backends.file_reads import (
     BAD,
     CACHED_RUN_BYTES,
     FAILED,
     GOOD,
     IOV_MAX,
-    RECORD,
-    ReaderLost,
-    Readers,
-    read_records,
+    FailedReads,
+    read_on_threads,
     settle,
 )
 from hicached_backends.options import FileOptions
@@ -84,15 +85,12 @@ from hicached_backends.record import (
     pack_headers,
 )
 
+if TYPE_CHECKING:
+    from hicached_backends.file_reads import Todo
+
 log = logging.getLogger("hicached.file")
 
 LOCK_NAME = "store.lock"  # held (flock) by the daemon that has the store open
-# A page whose record fails to read (an OSError, not a bad record) this many
-# times in a row is dropped as a bad record is: a sector that cannot be read
-# would otherwise be a known page that misses at every read and is never stored
-# again. The counts are kept for this many pages at most.
-FAILED_READS = 3
-FAILED_READS_KEPT = 4096
 
 
 @dataclass(slots=True)
@@ -158,8 +156,7 @@ class FileBackend(SegmentScan, Backend):
             "read_errors": 0,  # pages whose read failed (an OSError): kept, not dropped
             "discarded_on_start": 0,
         }
-        # pages whose last reads failed: their record's place and how many in a row
-        self._failed_reads: dict[tuple[bytes, bytes], tuple[Loc, int]] = {}
+        self._failed_reads = FailedReads()
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -514,7 +511,9 @@ class FileBackend(SegmentScan, Backend):
                 [address_of(page.buf) for _, _, page in todo], [loc.length for _, loc, _ in todo]
             )
         if readers is not None and slots is not None:
-            results = await self._read_in_readers(ns, todo, slots, readers)
+            results = await read_in_readers(
+                ns, todo, slots, readers, functools.partial(self._read_on_threads, ns)
+            )
         else:
             results = await self._read_on_threads(ns, todo)
         read = {i: loc for i, loc, _ in todo}
@@ -523,15 +522,15 @@ class FileBackend(SegmentScan, Backend):
             out[i] = state == GOOD
             key = (ns, pages[i].key)
             if state == GOOD:
-                self._failed_reads.pop(key, None)
+                self._failed_reads.read(key)
                 continue
             if state == FAILED:  # nothing is known of the record: it stays, unless
                 failed += 1  # its reads keep failing (a bad sector is never read)
-                if not self._failed_again(key, read[i]):
+                if not self._failed_reads.failed(key, read[i]):
                     continue
             else:
                 self.counters["bad_records"] += 1
-            self._failed_reads.pop(key, None)
+                self._failed_reads.read(key)
             if self.index.get(key) is read[i]:  # a bad record is a miss and is dropped
                 del self.index[key]  # (not a newer one, written while this was read)
                 self.forgot(ns, [pages[i].key])
@@ -542,75 +541,10 @@ class FileBackend(SegmentScan, Backend):
             )
         return out
 
-    def _failed_again(self, key: tuple[bytes, bytes], loc: Loc) -> bool:
-        """Count a failed read of ``key``'s record at ``loc``; True once its
-        reads have failed FAILED_READS times in a row (a read of it that
-        succeeds starts the count again). The counts are kept for at most
-        FAILED_READS_KEPT pages; past that they start over, which only delays
-        a drop."""
-        last, count = self._failed_reads.get(key, (loc, 0))
-        count = count + 1 if last is loc else 1
-        if len(self._failed_reads) >= FAILED_READS_KEPT and key not in self._failed_reads:
-            self._failed_reads.clear()
-        self._failed_reads[key] = (loc, count)
-        return count >= FAILED_READS
-
-    async def _read_on_threads(
-        self, ns: bytes, todo: list[tuple[int, Loc, PageRef]]
-    ) -> list[tuple[int, int]]:
-        loop = asyncio.get_running_loop()
-        threads = min(self.options.io_threads, len(todo))
-        cut = [len(todo) * k // threads for k in range(threads + 1)]
-        parts = [
-            loop.run_in_executor(self._pool, self._read_chunk, ns, todo[cut[k] : cut[k + 1]])
-            for k in range(threads)
-        ]
-        # a thread cannot be stopped: a cancelled read returns when its threads have
-        # ended, so none writes a buffer after the call that lent it
-        await settle(parts)
-        return [item for part in parts for item in part.result()]
-
-    async def _read_in_readers(
-        self,
-        ns: bytes,
-        todo: list[tuple[int, Loc, PageRef]],
-        slots: list[int],
-        readers: Readers,
-    ) -> list[tuple[int, int]]:
-        """Read in the reader processes; a part whose reader is lost is read on threads."""
-        records = np.empty(len(todo), RECORD)
-        records["segment"] = [loc.segment for _, loc, _ in todo]
-        records["length"] = [loc.length for _, loc, _ in todo]
-        records["offset"] = [loc.offset for _, loc, _ in todo]
-        records["generation"] = [loc.generation for _, loc, _ in todo]
-        records["slot"] = slots
-        records["key"] = [page.key for _, _, page in todo]
-        results: list[tuple[int, int]] = []
-        for lo, hi, reply in await readers.read(ns, records):
-            part = todo[lo:hi]
-            if reply is None:
-                results += await self._read_on_threads(ns, part)
-            else:  # a byte the reader cannot send reads as BAD: never a hit
-                results += [
-                    (i, state if state in (GOOD, FAILED) else BAD)
-                    for (i, _, _), state in zip(part, reply, strict=True)
-                ]
-        return results
-
-    def _read_chunk(
-        self, ns: bytes, chunk: list[tuple[int, Loc, PageRef]]
-    ) -> list[tuple[int, int]]:
-        """Read and verify pages (sorted by place) on this thread."""
-        found = read_records(
-            lambda segment: self.segments[segment].fd,
-            ns,
-            [loc.segment for _, loc, _ in chunk],
-            [loc.offset for _, loc, _ in chunk],
-            [loc.generation for _, loc, _ in chunk],
-            [page.key for _, _, page in chunk],
-            [page.buf for _, _, page in chunk],
+    async def _read_on_threads(self, ns: bytes, todo: Todo) -> list[tuple[int, int]]:
+        return await read_on_threads(
+            self._pool, self.options.io_threads, lambda segment: self.segments[segment].fd, ns, todo
         )
-        return [(index, state) for (index, _, _), state in zip(chunk, found, strict=True)]
 
     async def delete(self, ns: bytes, keys: Sequence[bytes]) -> None:
         for key in keys:
@@ -624,3 +558,32 @@ class FileBackend(SegmentScan, Backend):
         used = sum(seg.write_off - SUPER_BYTES for seg in self.segments)
         readers = self._readers.stats() if self._readers is not None else {}
         return {"pages": len(self.index), "bytes_used": used, **self.counters, **readers}
+
+
+async def read_in_readers(
+    ns: bytes,
+    todo: Todo,
+    slots: list[int],
+    readers: Readers,
+    on_threads: Callable[[Todo], Awaitable[list[tuple[int, int]]]],
+) -> list[tuple[int, int]]:
+    """Read in the reader processes; a part whose reader is lost is read by
+    ``on_threads``."""
+    records = np.empty(len(todo), RECORD)
+    records["segment"] = [loc.segment for _, loc, _ in todo]
+    records["length"] = [loc.length for _, loc, _ in todo]
+    records["offset"] = [loc.offset for _, loc, _ in todo]
+    records["generation"] = [loc.generation for _, loc, _ in todo]
+    records["slot"] = slots
+    records["key"] = [page.key for _, _, page in todo]
+    results: list[tuple[int, int]] = []
+    for lo, hi, reply in await readers.read(ns, records):
+        part = todo[lo:hi]
+        if reply is None:
+            results += await on_threads(part)
+        else:  # a byte the reader cannot send reads as BAD: never a hit
+            results += [
+                (i, state if state in (GOOD, FAILED) else BAD)
+                for (i, _, _), state in zip(part, reply, strict=True)
+            ]
+    return results

@@ -41,14 +41,16 @@ import sys
 import threading
 import time
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-import xxhash
 
-from hicached_backends.record import HEADER_BYTES, address_of, all_within, verify_many
+from hicached_backends.file_reads import (
+    read_records,
+    settle,
+)
+from hicached_backends.record import address_of, all_within
 
 log = logging.getLogger("hicached.file")
 
@@ -65,13 +67,8 @@ RECORD = np.dtype(
 )
 MAX_RECORDS = 1 << 16  # records in one request (3 MiB of body)
 _FRAME = struct.Struct("<I")
-IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 1024
 _RESTART_EVERY_S = 1.0
 _STOP_GRACE_S = 2.0  # a stopping reader's time to finish its request and exit, then it is killed
-# a reader's preadv reads at most this much before it hashes what it read, from the
-# CPU's cache: read and hash of a 64 KiB page 13.8 us, against 15.3 when a 4 MiB run
-# is read first (the preadv alone: 10.7; docs/perf.md)
-CACHED_RUN_BYTES = 512 << 10
 PART_BYTES = 1 << 20  # payload bytes of a read's part, at least, when it is spread
 # the same for a reader with requests queued: it stays busy without, and a request
 # costs the daemon about 80 us of CPU
@@ -80,96 +77,8 @@ _WATCH_S = 1.0  # how often a reader's oldest request is checked against the dea
 _PR_SET_PDEATHSIG = 1  # prctl(2): a signal for this process when its parent dies
 
 
-# What a read found of one record (a reader's reply byte). Only BAD proves the
-# record wrong, and only it makes the store drop the page; a FAILED read says
-# nothing of the record (an I/O error, no file descriptor or memory left): the
-# page stays, and a later read may find it intact. Neither is ever a hit.
-BAD = 0  # not the intact record of that key and generation: bad header, wrong
-# size, checksum mismatch, another key's record, cut short, or no segment file
-GOOD = 1  # read whole and verified
-FAILED = 2  # the read failed: the record is unknown, not bad
-
-
 def segment_name(index: int) -> str:
     return f"segment-{index:05d}.hcs"
-
-
-def read_records(
-    fd_of: Callable[[int], int],
-    ns: bytes,
-    segments: Sequence[int],
-    offsets: Sequence[int],
-    generations: Sequence[int],
-    keys: Sequence[bytes],
-    bufs: Sequence[memoryview],
-    *,
-    native: bool = True,
-    as_read: bool = False,
-) -> list[int]:
-    """Read records (sorted by place) into ``bufs`` and verify them: GOOD where
-    a page was read whole and its record is the intact one of (ns, key) at that
-    generation; FAILED where its read raised an OSError other than ENOENT (a
-    disk's EIO, EMFILE, ENOMEM, EINTR: nothing is known of the record); BAD
-    otherwise (no such segment or segment file, a file that ends inside the
-    record, a record that does not verify). Back-to-back records of a
-    segment are read by one preadv.
-    ``native``: hash without the GIL (for threads), once every run is read; a
-    reader process, which shares its GIL with no one, calls the Python
-    function, which costs less. ``as_read``: read runs of at most
-    ``CACHED_RUN_BYTES`` and hash each (Python function) right after its
-    preadv, while its pages are still in the CPU's cache; only for buffers
-    that do not overlap (``disjoint``), since a later run would otherwise
-    write over a page already hashed."""
-    n = len(keys)
-    heads = memoryview(bytearray(HEADER_BYTES * n))
-    lengths = [buf.nbytes for buf in bufs]
-    run_bytes = CACHED_RUN_BYTES if as_read else 1 << 62
-    read = [False] * n
-    failed = [False] * n
-    sums: list[int] | None = [0] * n if as_read else None
-    i = 0
-    while i < n:
-        segment, start = segments[i], offsets[i]
-        end = start + HEADER_BYTES + lengths[i]
-        j = i + 1
-        while (
-            j < n
-            and 2 * (j - i) < IOV_MAX
-            and segments[j] == segment
-            and offsets[j] == end
-            and end - start + HEADER_BYTES + lengths[j] <= run_bytes
-        ):
-            end += HEADER_BYTES + lengths[j]
-            j += 1
-        iov: list[memoryview] = []
-        for k in range(i, j):
-            iov += (heads[k * HEADER_BYTES : (k + 1) * HEADER_BYTES], bufs[k])
-        try:
-            got = os.preadv(fd_of(segment), iov, start)
-        except FileNotFoundError:  # no segment file (a reader opens it): no record there
-            got = -1
-        except OSError:  # the read failed, not the record
-            got = -1
-            failed[i:j] = [True] * (j - i)
-        except (LookupError, OverflowError):  # no such segment or offset
-            got = -1
-        read[i:j] = [got == end - start] * (j - i)
-        if sums is not None and got == end - start:
-            sums[i:j] = map(xxhash.xxh3_64_intdigest, bufs[i:j])
-        i = j
-    verified = verify_many(
-        np.frombuffer(heads, np.uint8).reshape(n, HEADER_BYTES),
-        bufs,
-        ns,
-        keys,
-        generations,
-        addresses=None if native else [None] * n,
-        payload_sums=sums,
-    )
-    return [
-        FAILED if lost else GOOD if whole and ok else BAD
-        for lost, whole, ok in zip(failed, read, verified, strict=True)
-    ]
 
 
 def disjoint(starts: np.ndarray, lengths: np.ndarray) -> bool:
@@ -287,21 +196,6 @@ def serve(
 
 
 # -- the parent side ---------------------------------------------------------------------
-
-
-async def settle(futures: Sequence[asyncio.Future[Any]]) -> None:
-    """Wait until every future is done, through any number of cancellations,
-    then raise CancelledError if there was one. For work that writes into
-    caller buffers: the call that lent them must not end before it does."""
-    pending = set(futures)
-    cancelled = False
-    while pending:
-        try:
-            _, pending = await asyncio.wait(pending)
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
 
 
 def shares(loads: Sequence[int], nbytes: int, least: int, least_busy: int) -> list[int]:

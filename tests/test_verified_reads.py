@@ -25,7 +25,8 @@ import pytest
 from hicached.wire.arena import Arena
 from hicached_backends import checksums
 from hicached_backends.base import Backend, BackendEnv, BackendError, PageRef
-from hicached_backends.file import FAILED_READS, FileBackend
+from hicached_backends.file import FileBackend
+from hicached_backends.file_reads import FAILED_READS
 from hicached_backends.memory import MemoryBackend
 from hicached_backends.options import FileOptions, MemoryOptions, MooncakeOptions, usable_cpus
 from hicached_backends.record import HEADER_BYTES
