@@ -216,10 +216,9 @@ def restarted(
     d.stop()
     d.start()
     with d.client() as c:
-        for name, at in stored.items():
-            ns = c.register(**spec(name))
-            keys = [model.keys[name][i] for i in at]
-            wait_for(lambda ns=ns, keys=keys: all(c.exists_keys(ns, keys).in_l3))
+        nss = {name: c.register(**spec(name)) for name in stored}
+        keys = {name: [model.keys[name][i] for i in at] for name, at in stored.items()}
+        wait_for(lambda: all(all(c.exists_keys(nss[n], keys[n]).in_l3) for n in stored))
     return d, model
 
 
