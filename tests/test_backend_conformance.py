@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import tempfile
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +23,9 @@ from hypothesis.stateful import RuleBasedStateMachine, rule
 from hicached_backends.base import Backend, BackendEnv, PageRef
 from hicached_backends.file import FileBackend
 from hicached_backends.memory import MemoryBackend
-from hicached_backends.options import FileOptions, MemoryOptions, MooncakeOptions, S3Options
+from hicached_backends.options import FileOptions, MemoryOptions, S3Options
+from tests.faults import FaultProxy
+from tests.mooncake_pair import here_and_other, mooncake_backend
 from tests.services import CREDENTIALS, MooncakeMaster, S3Server
 
 PAGE = 512
@@ -184,22 +186,35 @@ def test_s3_exists_is_a_bisection(s3: S3Server) -> None:
         loop.close()
 
 
+def run_behind_proxy(
+    s3: S3Server, bucket: str, run: Callable[[Backend, FaultProxy], Awaitable[None]]
+) -> None:
+    """``run`` an S3 backend, open on a bucket of its own, that reaches the
+    store through a fault proxy (two write threads), on a loop of its own."""
+    from hicached_backends.s3 import S3Backend
+
+    proxy = FaultProxy(s3.endpoint)
+    options = S3Options(
+        bucket=s3.make_bucket(bucket), endpoint_url=proxy.endpoint, threads=2, **CREDENTIALS
+    )
+    backend = S3Backend(options, BackendEnv(Path("/nonexistent")))
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(backend.open())
+        loop.run_until_complete(run(backend, proxy))
+    finally:
+        loop.run_until_complete(backend.close())
+        loop.close()
+        proxy.stop()
+
+
 def test_s3_reads_never_queue_behind_writes(s3: S3Server) -> None:
     """Writes slowed to 0.3 s each by the fault proxy fill the write threads
     three times over; a read (a bisection and a GET) started after them is
     answered while they are still running, not after them."""
-    from hicached_backends.s3 import S3Backend
-    from tests.faults import FaultProxy
-
-    proxy = FaultProxy(s3.endpoint)
-    options = S3Options(
-        bucket=s3.make_bucket("reads-first"), endpoint_url=proxy.endpoint, threads=2, **CREDENTIALS
-    )
-    backend = S3Backend(options, BackendEnv(Path("/nonexistent")))
     ns, page = NAMESPACES[0], bytes(range(256)) * 2
 
-    async def run() -> None:
-        await backend.open()
+    async def run(backend: Backend, proxy: FaultProxy) -> None:
         held = PageRef(KEYS[0], memoryview(bytearray(page)))
         assert await backend.put(ns, [held]) == [True]
         proxy.delay["PUT"] = 0.3
@@ -214,30 +229,15 @@ def test_s3_reads_never_queue_behind_writes(s3: S3Server) -> None:
         assert not writes.done(), "the read waited for the writes"
         assert await writes == [True] * 6
 
-    loop = asyncio.new_event_loop()
-    try:
-        loop.run_until_complete(run())
-    finally:
-        loop.run_until_complete(backend.close())
-        loop.close()
-        proxy.stop()
+    run_behind_proxy(s3, "reads-first", run)
 
 
 def test_s3_a_put_answered_not_found_is_not_stored(s3: S3Server) -> None:
     """Fault injection: the store answers a PUT 404 NoSuchKey (a gateway in
     front of it, say). That write failed: it is not reported stored."""
-    from hicached_backends.s3 import S3Backend
-    from tests.faults import FaultProxy
-
-    proxy = FaultProxy(s3.endpoint)
-    options = S3Options(
-        bucket=s3.make_bucket("put-404"), endpoint_url=proxy.endpoint, threads=2, **CREDENTIALS
-    )
-    backend = S3Backend(options, BackendEnv(Path("/nonexistent")))
     ns, page = NAMESPACES[0], bytes(range(256)) * 2
 
-    async def run() -> None:
-        await backend.open()
+    async def run(backend: Backend, proxy: FaultProxy) -> None:
         proxy.answer["PUT"] = (404, "NoSuchKey")
         assert await backend.put(ns, [PageRef(KEYS[0], memoryview(bytearray(page)))]) == [False]
         assert proxy.injected["answer"] == 1
@@ -246,13 +246,7 @@ def test_s3_a_put_answered_not_found_is_not_stored(s3: S3Server) -> None:
         assert await backend.put(ns, [PageRef(KEYS[0], memoryview(bytearray(page)))]) == [True]
         assert await backend.exists(ns, KEYS[:1]) == 1
 
-    loop = asyncio.new_event_loop()
-    try:
-        loop.run_until_complete(run())
-    finally:
-        loop.run_until_complete(backend.close())
-        loop.close()
-        proxy.stop()
+    run_behind_proxy(s3, "put-404", run)
 
 
 def test_s3_missing_bucket_is_an_error_not_a_healthy_store(s3: S3Server) -> None:
@@ -284,16 +278,8 @@ def test_s3_missing_bucket_is_an_error_not_a_healthy_store(s3: S3Server) -> None
 
 
 def test_mooncake_backend(mooncake: MooncakeMaster) -> None:
-    from hicached_backends.mooncake import MooncakeBackend
-
     def make(_: Path) -> Backend:
-        options = MooncakeOptions(
-            master=mooncake.master,
-            metadata_server=mooncake.metadata,
-            global_segment_mib=32,
-            local_buffer_mib=16,
-        )
-        return MooncakeBackend(options, BackendEnv(Path("/nonexistent")))
+        return mooncake_backend(mooncake)
 
     # every example starts from an empty store: delete what the last one left
     machine = conformance_machine(make)
@@ -314,23 +300,14 @@ def test_mooncake_existence_checks_do_not_wait_for_busy_threads(mooncake: Moonca
     which an engine's L3 lookup waits on, still answers at once."""
     import threading
 
-    from hicached_backends.mooncake import MooncakeBackend
-
-    options = MooncakeOptions(
-        master=mooncake.master,
-        metadata_server=mooncake.metadata,
-        global_segment_mib=32,
-        local_buffer_mib=16,
-        threads=2,
-    )
-    backend = MooncakeBackend(options, BackendEnv(Path("/nonexistent")))
+    backend = mooncake_backend(mooncake, threads=2)
     loop = asyncio.new_event_loop()
     release = threading.Event()
     try:
         loop.run_until_complete(backend.open())
         parked = [
             loop.run_in_executor(backend._pool, release.wait, 30.0)
-            for _ in range(options.threads + 2)
+            for _ in range(backend.options.threads + 2)
         ]
         found = loop.run_until_complete(
             asyncio.wait_for(backend.exists(NAMESPACES[0], KEYS[:3]), 10.0)
@@ -351,26 +328,10 @@ def test_a_mooncake_read_that_finds_a_page_gone_tells_the_daemon(mooncake: Moonc
     is told (``on_forget``), so it stops counting the page as an L3 hit no read
     can serve and writes it again when it is stored; the pages read are told
     of nothing."""
-    from hicached_backends.mooncake import MooncakeBackend
-
-    def make() -> Backend:
-        options = MooncakeOptions(
-            master=mooncake.master,
-            metadata_server=mooncake.metadata,
-            global_segment_mib=32,
-            local_buffer_mib=16,
-        )
-        return MooncakeBackend(options, BackendEnv(Path("/nonexistent")))
-
     ns, keys = NAMESPACES[1], KEYS[:4]
-    here, other = make(), make()
     told: list[tuple[bytes, list[bytes]]] = []
-    here.on_forget = lambda n, k: told.append((n, k))
-    loop = asyncio.new_event_loop()
-    try:
-        for b in (here, other):
-            loop.run_until_complete(b.open())
-        loop.run_until_complete(here.delete(ns, keys))
+    with here_and_other(mooncake, ns, keys) as (loop, here, other):
+        here.on_forget = lambda n, k: told.append((n, k))
         pages = [PageRef(k, memoryview(bytearray(payload(ns, k, 0)))) for k in keys]
         assert loop.run_until_complete(here.put(ns, pages)) == [True] * 4
         loop.run_until_complete(other.delete(ns, [keys[1]]))
@@ -379,10 +340,6 @@ def test_a_mooncake_read_that_finds_a_page_gone_tells_the_daemon(mooncake: Moonc
         assert loop.run_until_complete(here.get(ns, read)) == [True, False, True, True]
         assert told == [(ns, [keys[1]])]
         assert [bytes(got[i]) for i in (0, 2, 3)] == [payload(ns, keys[i], 0) for i in (0, 2, 3)]
-    finally:
-        for b in (here, other):
-            loop.run_until_complete(b.close())
-        loop.close()
 
 
 def test_registry_names_and_errors() -> None:

@@ -201,19 +201,29 @@ async def test_a_group_that_lacks_its_pages_makes_a_miss_and_holds_nothing(
         assert c.stats().pinned_pages == 0
 
 
-async def test_pages_only_l3_holds_come_back_first(daemon_factory: Callable[..., Daemon]) -> None:
+def restarted(
+    daemon_factory: Callable[..., Daemon], stored: dict[str, Sequence[int]]
+) -> tuple[Daemon, Model]:
+    """A daemon with a file L3 that stored the chunks ``stored`` names of each
+    group, wrote them through and restarted: they are in L3 alone, and known
+    there again, when it returns."""
     d = daemon_factory(storage=FILE_L3, tail=FILE_OPTIONS)
     with d.client() as c:
         model = Model(c)
-        model.store(c, "full", range(8))
-        model.store(c, "sliding", [6, 7])
-        model.store(c, "state", [7])
+        for name, at in stored.items():
+            model.store(c, name, at)
         settle_writes(c)
     d.stop()
     d.start()
     with d.client() as c:
-        ns = c.register(**spec("full"))
-        wait_for(lambda: c.exists_keys(ns, model.keys["full"]).leading == 8)
+        nss = {name: c.register(**spec(name)) for name in stored}
+        keys = {name: [model.keys[name][i] for i in at] for name, at in stored.items()}
+        wait_for(lambda: all(all(c.exists_keys(nss[n], keys[n]).in_l3) for n in stored))
+    return d, model
+
+
+async def test_pages_only_l3_holds_come_back_first(daemon_factory: Callable[..., Daemon]) -> None:
+    d, model = restarted(daemon_factory, {"full": range(8), "sliding": [6, 7], "state": [7]})
     seen: list[Answer] = []
     answer, ac = await ask(d, model, on_pending=seen.append)
     try:
@@ -331,18 +341,7 @@ async def test_a_lead_that_l3_lost_leaves_the_window_it_needs_loaded(
 ) -> None:
     """The chunk before the window is loaded apart from the window: when L3 no
     longer has it, the window's pages still come back, and the hit stands."""
-    d = daemon_factory(storage=FILE_L3, tail=FILE_OPTIONS)
-    with d.client() as c:
-        model = Model(c)
-        model.store(c, "full", range(8))
-        model.store(c, "sliding", [6, 7])
-        model.store(c, "state", [7])
-        settle_writes(c)
-    d.stop()
-    d.start()
-    with d.client() as c:
-        ns = c.register(**spec("full"))
-        wait_for(lambda: c.exists_keys(ns, model.keys["full"]).leading == 8)
+    d, model = restarted(daemon_factory, {"full": range(8), "sliding": [6, 7], "state": [7]})
     model.kinds["sliding"] = Window(64, "sliding", lead=CHUNK)
     ac = Outdated(d.endpoint, timeout=5.0, gone=model.keys["sliding"][5])
     try:
@@ -363,20 +362,13 @@ async def test_a_lead_only_l3_holds_is_not_waited_for(
     """Every page the hit needs is in L2 and only the chunk before the window
     is in L3: the hit is answered at once without it (no pending answer, no
     load), since a lead is read where it is in L2, never waited for."""
-    d = daemon_factory(storage=FILE_L3, tail=FILE_OPTIONS)
-    with d.client() as c:
-        model = Model(c)
-        model.store(c, "sliding", [5])
-        settle_writes(c)
-    d.stop()
-    d.start()
+    d, _ = restarted(daemon_factory, {"sliding": [5]})
     with d.client() as c:
         model = Model(c)  # the same keys and pages, in namespaces registered anew
         model.store(c, "full", range(8))
         model.store(c, "sliding", [6, 7])
         model.store(c, "state", [7])
-        ns = c.register(**spec("sliding"))
-        wait_for(lambda: c.exists_keys(ns, model.keys["sliding"][5:6]).in_l3 == [True])
+        settle_writes(c)  # so that the pages pinned at the end are the hit's alone
     model.kinds["sliding"] = Window(64, "sliding", lead=CHUNK)
     seen: list[Answer] = []
     answer, ac = await ask(d, model, on_pending=seen.append)

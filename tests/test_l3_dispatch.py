@@ -71,6 +71,19 @@ def job(i: int, done: list[bool]) -> WriteJob:
     return WriteJob(NS, i.to_bytes(16, "big"), memoryview(bytearray(64)), done.append)
 
 
+async def write_four(d: Dispatcher) -> list[bool]:
+    """Pages 0-3 submitted as writes: their answers, once all four have one
+    (or a second on, whatever came)."""
+    done: list[bool] = []
+    for i in range(4):
+        assert d.submit_write(job(i, done))
+    for _ in range(100):
+        if len(done) == 4:
+            break
+        await asyncio.sleep(0.01)
+    return done
+
+
 async def test_hung_calls_keep_their_slots_and_pages_in_flight_count(tmp_path: Path) -> None:
     backend = GatedBackend(tmp_path)
     # 3 call slots (and one for existence checks): writes may hold 2 of them,
@@ -516,13 +529,7 @@ async def test_answers_of_the_wrong_length_are_a_failed_call(tmp_path: Path) -> 
     backend = MiscountingBackend(tmp_path)
     d = Dispatcher(backend, config(concurrency=1, op_timeout_s=5.0), "miscounting")
     await d.start()
-    done: list[bool] = []
-    for i in range(4):
-        assert d.submit_write(job(i, done))
-    for _ in range(100):
-        if len(done) == 4:
-            break
-        await asyncio.sleep(0.01)
+    done = await write_four(d)
     assert done == [False] * 4, "pages answered for by a put's wrong answer"
     assert d.writing == 0
     pages = [PageRef(i.to_bytes(16, "big"), memoryview(bytearray(64))) for i in range(3)]
@@ -530,13 +537,7 @@ async def test_answers_of_the_wrong_length_are_a_failed_call(tmp_path: Path) -> 
     assert await d.exists(NS, [page.key for page in pages]) is None
     assert d.counters["bad_answers"] == 4  # two puts of two pages, a get, a check
     backend.wrong = False
-    more: list[bool] = []
-    for i in range(4):
-        assert d.submit_write(job(i, more))
-    for _ in range(100):
-        if len(more) == 4:
-            break
-        await asyncio.sleep(0.01)
+    more = await write_four(d)
     assert more == [True] * 4, "the writer did not serve on"
     assert await d.get(NS, pages) == [True] * 3
     assert await d.exists(NS, [page.key for page in pages]) == 3
@@ -568,13 +569,7 @@ async def test_an_array_of_one_flag_a_page_is_an_answer(tmp_path: Path) -> None:
     writes all failed, its reads all missed, and its breaker opened."""
     d = Dispatcher(NumpyBackend(tmp_path), config(concurrency=1, op_timeout_s=5.0), "numpy")
     await d.start()
-    done: list[bool] = []
-    for i in range(4):
-        assert d.submit_write(job(i, done))
-    for _ in range(100):
-        if len(done) == 4:
-            break
-        await asyncio.sleep(0.01)
+    done = await write_four(d)
     assert done == [True] * 4, "a put's flags in an array were refused"
     pages = [PageRef(i.to_bytes(16, "big"), memoryview(bytearray(64))) for i in range(5)]
     assert await d.get(NS, pages) == [True] * 4 + [False]

@@ -3,18 +3,26 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Iterator
 
 import numpy as np
+import pytest
 
 from hicached.hashing import pack_tokens, page_keys
-from hicached_backends.base import BackendEnv, PageRef
-from hicached_backends.options import MooncakeOptions
+from hicached_backends.base import PageRef
 from hicached_backends.record import pack_header
 from tests.l3util import evict_everything, l3_count, settle_writes, storage, wait_for, wait_prefetch
-from tests.services import MooncakeMaster
+from tests.mooncake_pair import here_and_other, mooncake_backend
+from tests.services import MooncakeMaster, mooncake_master
 from tests.support import NS, PAGE_BYTES, PAGE_TOKENS, Daemon, page_bytes_for
+
+
+@pytest.fixture
+def own_mooncake() -> Iterator[MooncakeMaster]:
+    """A master of the test's own: in a shared one the segments of another
+    test's stopped daemons linger until their lease ends, and writes placed
+    there fail."""
+    yield from mooncake_master()
 
 
 def seq(start: int, pages: int) -> np.ndarray:
@@ -54,7 +62,7 @@ def test_a_store_that_cannot_list_never_counts_as_listed(
 
 
 def test_a_bad_object_is_removed_so_the_page_can_be_written_again(
-    daemon_factory: Callable[..., Daemon],
+    daemon_factory: Callable[..., Daemon], own_mooncake: MooncakeMaster
 ) -> None:
     """Mooncake answers a put of a key it holds with success and keeps the
     bytes it had. An object under a page's name whose bytes are not the page's
@@ -67,15 +75,14 @@ def test_a_bad_object_is_removed_so_the_page_can_be_written_again(
     lease ends, and writes placed there fail."""
     from mooncake.store import MooncakeDistributedStore
 
-    mooncake = MooncakeMaster()
     other = MooncakeDistributedStore()
     try:
         d = daemon_factory(
-            size_mib=1, slab_mib=1, storage=storage("mooncake"), tail=mooncake.toml()
+            size_mib=1, slab_mib=1, storage=storage("mooncake"), tail=own_mooncake.toml()
         )
         toks = seq(0, 8)
-        setup = (16 << 20, 16 << 20, "tcp", "", mooncake.master)
-        assert other.setup("127.0.0.1", mooncake.metadata, *setup) == 0
+        setup = (16 << 20, 16 << 20, "tcp", "", own_mooncake.master)
+        assert other.setup("127.0.0.1", own_mooncake.metadata, *setup) == 0
         with d.client() as c:
             ns = c.register(**NS)
             key = page_keys(ns.digest, pack_tokens(toks), PAGE_TOKENS)[2]
@@ -100,10 +107,9 @@ def test_a_bad_object_is_removed_so_the_page_can_be_written_again(
             assert np.array_equal(c.load(ns, toks), page_bytes_for(toks))
     finally:
         other.close()
-        mooncake.stop()
 
 
-def test_a_record_of_another_format_version_is_not_removed() -> None:
+def test_a_record_of_another_format_version_is_not_removed(own_mooncake: MooncakeMaster) -> None:
     """A record of another format version under a page's name is another
     writer's (a host running a newer hicached on the same store, mid-upgrade):
     a miss here, and left alone, as S3 leaves it. Mooncake's read removed every
@@ -113,17 +119,6 @@ def test_a_record_of_another_format_version_is_not_removed() -> None:
     and the put fails), the records put there by a second backend's store client."""
     from hicached_backends.mooncake import MooncakeBackend
 
-    mooncake = MooncakeMaster()
-
-    def make() -> MooncakeBackend:
-        options = MooncakeOptions(
-            master=mooncake.master,
-            metadata_server=mooncake.metadata,
-            global_segment_mib=32,
-            local_buffer_mib=16,
-        )
-        return MooncakeBackend(options, BackendEnv(Path("/nonexistent")))
-
     ns, keys = bytes(range(16)), [bytes([k]) * 16 for k in (101, 102)]
     page = 4096
     newer = bytearray(pack_header(ns, keys[0], bytes(page)) + bytes(page))
@@ -131,12 +126,7 @@ def test_a_record_of_another_format_version_is_not_removed() -> None:
     damaged = bytearray(pack_header(ns, keys[1], bytes(page)) + bytes(page))
     damaged[-1] ^= 0xFF
     names = MooncakeBackend.names(ns, keys)
-    here, other = make(), make()
-    loop = asyncio.new_event_loop()
-    try:
-        for b in (here, other):
-            loop.run_until_complete(b.open())
-        loop.run_until_complete(here.delete(ns, keys))
+    with here_and_other(own_mooncake, ns, keys) as (loop, here, other):
         assert other._store.put(names[0], bytes(newer)) == 0
         assert other._store.put(names[1], bytes(damaged)) == 0
         bufs = [bytearray(page) for _ in keys]
@@ -146,14 +136,9 @@ def test_a_record_of_another_format_version_is_not_removed() -> None:
         assert here.counters["bad_removed"] == 1  # the damaged record of this version
         assert other._store.is_exist(names[1]) != 1
         assert other._store.is_exist(names[0]) == 1, "another format version's record was removed"
-    finally:
-        for b in (here, other):
-            loop.run_until_complete(b.close())
-        loop.close()
-        mooncake.stop()
 
 
-def test_an_object_of_another_size_is_judged_by_its_own_bytes() -> None:
+def test_an_object_of_another_size_is_judged_by_its_own_bytes(own_mooncake: MooncakeMaster) -> None:
     """An object under a page's name of another size than the page's record
     cannot be read into the page's buffers: Mooncake answers a size mismatch
     (-600) for a larger one and a failed transfer (-800) for a shorter one. The
@@ -167,17 +152,6 @@ def test_an_object_of_another_size_is_judged_by_its_own_bytes() -> None:
     the objects put there by a second backend's store client."""
     from hicached_backends.mooncake import MooncakeBackend
 
-    mooncake = MooncakeMaster()
-
-    def make() -> MooncakeBackend:
-        options = MooncakeOptions(
-            master=mooncake.master,
-            metadata_server=mooncake.metadata,
-            global_segment_mib=32,
-            local_buffer_mib=16,
-        )
-        return MooncakeBackend(options, BackendEnv(Path("/nonexistent")))
-
     ns, page = bytes(range(16)), 4096
     keys = [bytes([k]) * 16 for k in (111, 112, 113, 114)]
     newer = bytearray(pack_header(ns, keys[2], bytes(2 * page)) + bytes(2 * page))
@@ -189,14 +163,9 @@ def test_an_object_of_another_size_is_judged_by_its_own_bytes() -> None:
         pack_header(ns, keys[3], bytes(2 * page)) + bytes(2 * page),  # the page's, larger
     ]
     names = MooncakeBackend.names(ns, keys)
-    here, other = make(), make()
     forgot: list[bytes] = []
-    here.on_forget = lambda _ns, gone: forgot.extend(gone)
-    loop = asyncio.new_event_loop()
-    try:
-        for b in (here, other):
-            loop.run_until_complete(b.open())
-        loop.run_until_complete(here.delete(ns, keys))
+    with here_and_other(own_mooncake, ns, keys) as (loop, here, other):
+        here.on_forget = lambda _ns, gone: forgot.extend(gone)
         for name, body in zip(names, objects, strict=True):
             assert other._store.put(name, body) == 0
         bufs = [bytearray(page) for _ in keys]
@@ -204,20 +173,18 @@ def test_an_object_of_another_size_is_judged_by_its_own_bytes() -> None:
         assert loop.run_until_complete(here.get(ns, read)) == [False] * 4
         assert sorted(forgot) == sorted(keys), "a page no read can serve stayed known"
         assert here.counters["bad_removed"] == 2
-        assert [other._store.is_exist(name) == 1 for name in names] == [False, False, True, True]
+        kept = [other._store.is_exist(name) == 1 for name in names]
+        assert kept == [False, False, True, True]
         pages = [bytearray(bytes([k]) * page) for k in range(4)]
         puts = [PageRef(k, memoryview(b)) for k, b in zip(keys, pages, strict=True)]
         assert loop.run_until_complete(here.put(ns, puts[:2])) == [True, True]
         assert loop.run_until_complete(here.get(ns, read[:2])) == [True, True]
         assert bufs[:2] == pages[:2], "the put after the removal was not stored"
-    finally:
-        for b in (here, other):
-            loop.run_until_complete(b.close())
-        loop.close()
-        mooncake.stop()
 
 
-def test_a_transfer_that_fails_for_a_whole_batch_asks_no_size_per_page() -> None:
+def test_a_transfer_that_fails_for_a_whole_batch_asks_no_size_per_page(
+    own_mooncake: MooncakeMaster,
+) -> None:
     """Mooncake answers a read of an object shorter than the page's record as
     a failed transfer (-800), as it answers a transfer a network fault broke.
     The read asked the master each such object's size, one call at a time on
@@ -229,16 +196,8 @@ def test_a_transfer_that_fails_for_a_whole_batch_asks_no_size_per_page() -> None
     alone on a real master of its own; the fault is injected in the store's
     batch read."""
     from hicached_backends.base import BackendError
-    from hicached_backends.mooncake import MooncakeBackend
 
-    mooncake = MooncakeMaster()
-    options = MooncakeOptions(
-        master=mooncake.master,
-        metadata_server=mooncake.metadata,
-        global_segment_mib=32,
-        local_buffer_mib=16,
-    )
-    b = MooncakeBackend(options, BackendEnv(Path("/nonexistent")))
+    b = mooncake_backend(own_mooncake)
     ns, page = bytes(range(16)), 4096
     keys = [bytes([k, 7]) * 8 for k in range(32)]
     loop = asyncio.new_event_loop()
@@ -275,4 +234,3 @@ def test_a_transfer_that_fails_for_a_whole_batch_asks_no_size_per_page() -> None
     finally:
         loop.run_until_complete(b.close())
         loop.close()
-        mooncake.stop()

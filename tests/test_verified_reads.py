@@ -16,7 +16,7 @@ import asyncio
 import errno
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import numpy as np
@@ -125,8 +125,34 @@ async def test_file_store_refuses_a_damaged_record(
         await backend.close()
 
 
+OneThread = tuple[Pages, FileBackend, list[bytes]]
+
+
+@pytest.fixture
+async def one_thread(tmp_path: Path) -> AsyncIterator[OneThread]:
+    """A file store open on one I/O thread and no reader processes, where a
+    test can fault the reads it makes (``os.preadv``): its pages, the store,
+    and the keys it forgets (``on_forget``) as it forgets them."""
+    pages = Pages(tmp_path)
+    options = FileOptions(
+        path=str(tmp_path / "store"),
+        capacity_mib=8,
+        segment_mib=2,
+        io_threads=1,
+        read_processes=0,
+    )
+    backend = FileBackend(options, pages.env)
+    forgotten: list[bytes] = []
+    backend.on_forget = lambda ns, keys: forgotten.extend(keys)
+    await backend.open()
+    try:
+        yield pages, backend, forgotten
+    finally:
+        await backend.close()
+
+
 async def test_file_store_keeps_a_page_whose_read_failed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    one_thread: OneThread, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A read that fails (EIO) proves nothing of the record: that read is a
     miss, counted in ``read_errors``, and the page stays, held, listed and
@@ -137,60 +163,46 @@ async def test_file_store_keeps_a_page_whose_read_failed(
     is replaced in this process to raise EIO: once, for the first of two
     records that are not adjacent (two preadv calls, on one thread), then for
     every read."""
-    pages = Pages(tmp_path)
-    options = FileOptions(
-        path=str(tmp_path / "store"),
-        capacity_mib=8,
-        segment_mib=2,
-        io_threads=1,
-        read_processes=0,
-    )
-    backend = FileBackend(options, pages.env)
-    forgotten: list[bytes] = []
-    backend.on_forget = lambda ns, keys: forgotten.extend(keys)
-    await backend.open()
-    try:
-        assert all(await backend.put(NS, pages.refs(pages.src)))
-        real = os.preadv
-        reads: list[int] = []
+    pages, backend, forgotten = one_thread
+    assert all(await backend.put(NS, pages.refs(pages.src)))
+    real = os.preadv
+    reads: list[int] = []
 
-        def eio_once(fd: int, buffers: list[memoryview], offset: int) -> int:
-            reads.append(offset)
-            if len(reads) == 1:
-                raise OSError(errno.EIO, os.strerror(errno.EIO))
-            return real(fd, buffers, offset)
-
-        monkeypatch.setattr(os, "preadv", eio_once)
-        dst = pages.refs(pages.dst)
-        pages.dst[:] = 0
-        assert await backend.get(NS, [dst[0], dst[2]]) == [False, True]
-        assert len(reads) == 2 and np.array_equal(pages.dst[2], pages.src[2])
-        stats = backend.stats()
-        assert stats["read_errors"] == 1 and stats["bad_records"] == 0 and forgotten == []
-        assert await backend.exists(NS, pages.keys) == PAGES
-        assert [key async for ns, key in backend.scan() if ns == NS] == pages.keys
-        assert await backend.get(NS, [dst[0]]) == [True]  # the next read: the page, verified
-        assert np.array_equal(pages.dst[0], pages.src[0])
-
-        def eio(fd: int, buffers: list[memoryview], offset: int) -> int:
+    def eio_once(fd: int, buffers: list[memoryview], offset: int) -> int:
+        reads.append(offset)
+        if len(reads) == 1:
             raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, buffers, offset)
 
-        monkeypatch.setattr(os, "preadv", eio)
-        with pytest.raises(BackendError) as failed:
-            await pages.read(backend)
-        assert failed.value.retriable
-        stats = backend.stats()
-        assert stats["read_errors"] == 1 + PAGES and stats["bad_records"] == 0
-        assert forgotten == [] and len(backend.index) == PAGES
-        monkeypatch.setattr(os, "preadv", real)
-        assert all(await pages.read(backend))
-        assert np.array_equal(pages.src, pages.dst)
-    finally:
-        await backend.close()
+    monkeypatch.setattr(os, "preadv", eio_once)
+    dst = pages.refs(pages.dst)
+    pages.dst[:] = 0
+    assert await backend.get(NS, [dst[0], dst[2]]) == [False, True]
+    assert len(reads) == 2 and np.array_equal(pages.dst[2], pages.src[2])
+    stats = backend.stats()
+    assert stats["read_errors"] == 1 and stats["bad_records"] == 0 and forgotten == []
+    assert await backend.exists(NS, pages.keys) == PAGES
+    assert [key async for ns, key in backend.scan() if ns == NS] == pages.keys
+    assert await backend.get(NS, [dst[0]]) == [True]  # the next read: the page, verified
+    assert np.array_equal(pages.dst[0], pages.src[0])
+
+    def eio(fd: int, buffers: list[memoryview], offset: int) -> int:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "preadv", eio)
+    with pytest.raises(BackendError) as failed:
+        await pages.read(backend)
+    assert failed.value.retriable
+    stats = backend.stats()
+    assert stats["read_errors"] == 1 + PAGES and stats["bad_records"] == 0
+    assert forgotten == [] and len(backend.index) == PAGES
+    monkeypatch.setattr(os, "preadv", real)
+    assert all(await pages.read(backend))
+    assert np.array_equal(pages.src, pages.dst)
 
 
 async def test_file_store_drops_a_page_whose_reads_keep_failing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    one_thread: OneThread, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A record that fails to read FAILED_READS times in a row (a sector that
     cannot be read) is dropped and forgotten, so that the page can be stored
@@ -199,51 +211,37 @@ async def test_file_store_drops_a_page_whose_reads_keep_failing(
 
     Fault injection: ``os.preadv`` is replaced in this process to raise EIO
     for reads at the first record's offset while ``broken`` is set."""
-    pages = Pages(tmp_path)
-    options = FileOptions(
-        path=str(tmp_path / "store"),
-        capacity_mib=8,
-        segment_mib=2,
-        io_threads=1,
-        read_processes=0,
-    )
-    backend = FileBackend(options, pages.env)
-    forgotten: list[bytes] = []
-    backend.on_forget = lambda ns, keys: forgotten.extend(keys)
-    await backend.open()
-    try:
-        assert all(await backend.put(NS, pages.refs(pages.src)))
-        real = os.preadv
-        first = backend.index[(NS, pages.keys[0])].offset
-        broken = [True]
+    pages, backend, forgotten = one_thread
+    assert all(await backend.put(NS, pages.refs(pages.src)))
+    real = os.preadv
+    first = backend.index[(NS, pages.keys[0])].offset
+    broken = [True]
 
-        def eio_at_first(fd: int, buffers: list[memoryview], offset: int) -> int:
-            if broken[0] and offset == first:
-                raise OSError(errno.EIO, os.strerror(errno.EIO))
-            return real(fd, buffers, offset)
+    def eio_at_first(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if broken[0] and offset == first:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real(fd, buffers, offset)
 
-        monkeypatch.setattr(os, "preadv", eio_at_first)
-        dst = pages.refs(pages.dst)
-        for _ in range(FAILED_READS - 1):
-            assert await backend.get(NS, [dst[0], dst[2]]) == [False, True]
-        broken[0] = False  # one read that succeeds: the count starts again
-        assert await backend.get(NS, [dst[0]]) == [True]
-        broken[0] = True
-        for _ in range(FAILED_READS - 1):
-            assert await backend.get(NS, [dst[0], dst[2]]) == [False, True]
-        assert forgotten == [] and (NS, pages.keys[0]) in backend.index
+    monkeypatch.setattr(os, "preadv", eio_at_first)
+    dst = pages.refs(pages.dst)
+    for _ in range(FAILED_READS - 1):
         assert await backend.get(NS, [dst[0], dst[2]]) == [False, True]
-        assert forgotten == [pages.keys[0]] and (NS, pages.keys[0]) not in backend.index
-        assert backend.stats()["read_errors"] == 2 * FAILED_READS - 1
-        assert await backend.exists(NS, pages.keys[:1]) == 0
-        assert await backend.exists(NS, pages.keys[1:]) == PAGES - 1
-        broken[0] = False
-        assert all(await backend.put(NS, [pages.refs(pages.src)[0]]))  # stored anew
-        pages.dst[0] = 0
-        assert await backend.get(NS, [dst[0]]) == [True]
-        assert np.array_equal(pages.dst[0], pages.src[0])
-    finally:
-        await backend.close()
+    broken[0] = False  # one read that succeeds: the count starts again
+    assert await backend.get(NS, [dst[0]]) == [True]
+    broken[0] = True
+    for _ in range(FAILED_READS - 1):
+        assert await backend.get(NS, [dst[0], dst[2]]) == [False, True]
+    assert forgotten == [] and (NS, pages.keys[0]) in backend.index
+    assert await backend.get(NS, [dst[0], dst[2]]) == [False, True]
+    assert forgotten == [pages.keys[0]] and (NS, pages.keys[0]) not in backend.index
+    assert backend.stats()["read_errors"] == 2 * FAILED_READS - 1
+    assert await backend.exists(NS, pages.keys[:1]) == 0
+    assert await backend.exists(NS, pages.keys[1:]) == PAGES - 1
+    broken[0] = False
+    assert all(await backend.put(NS, [pages.refs(pages.src)[0]]))  # stored anew
+    pages.dst[0] = 0
+    assert await backend.get(NS, [dst[0]]) == [True]
+    assert np.array_equal(pages.dst[0], pages.src[0])
 
 
 async def test_file_store_writes_records_of_several_calls_and_segments(tmp_path: Path) -> None:

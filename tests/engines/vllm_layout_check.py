@@ -118,29 +118,26 @@ def model_dir(root: Path, name: str) -> str:
     return str(where)
 
 
-def configs(root: Path, endpoint: str, e: Engine, rank: int) -> tuple[Any, Any, Any]:
-    """(VllmConfig, the scheduler's KVCacheConfig, this rank's) of engine ``e``."""
-    import torch
+def engine_config(
+    model: str, endpoint: str, options: dict[str, Any] | None = None, **engine: Any
+) -> Any:
+    """The VllmConfig an engine makes of its arguments for ``model`` (a
+    model_dir), BLOCK-token blocks and prefix caching, with hicached's
+    offloading spec for the daemon at ``endpoint`` as its KV connector
+    (``options``: more of the spec's settings); ``engine``: more arguments
+    (parallel sizes, the executor)."""
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.core.kv_cache_utils import (
-        generate_scheduler_kv_cache_config,
-        get_kv_cache_configs,
-    )
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode, MLAAttentionSpec
 
     extra: dict[str, Any] = {
         "spec_name": "HicachedOffloadingSpec",
         "spec_module_path": "hicached.integrations.vllm",
         "endpoint": endpoint,
         "timeout_s": 5.0,
+        **(options or {}),
     }
-    if e.canonical:
-        extra["canonical_layout"] = True
     args = EngineArgs(
-        model=model_dir(root, e.model),
-        tensor_parallel_size=e.tp,
-        pipeline_parallel_size=e.pp,
-        distributed_executor_backend="mp",
+        model=model,
+        **engine,
         skip_tokenizer_init=True,
         block_size=BLOCK,
         max_model_len=1024,
@@ -153,8 +150,29 @@ def configs(root: Path, endpoint: str, e: Engine, rank: int) -> tuple[Any, Any, 
         },
     )
     vllm_config = args.create_engine_config()
-    vllm_config.parallel_config.rank = rank
     vllm_config.cache_config.kv_cache_layout = "LBNHC"  # as the engine core resolves it: NHD
+    return vllm_config
+
+
+def configs(root: Path, endpoint: str, e: Engine, rank: int) -> tuple[Any, Any, Any]:
+    """(VllmConfig, the scheduler's KVCacheConfig, this rank's) of engine ``e``."""
+    import torch
+    from vllm.v1.core.kv_cache_utils import (
+        generate_scheduler_kv_cache_config,
+        get_kv_cache_configs,
+    )
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode, MLAAttentionSpec
+
+    options = {"canonical_layout": True} if e.canonical else {}
+    vllm_config = engine_config(
+        model_dir(root, e.model),
+        endpoint,
+        options,
+        tensor_parallel_size=e.tp,
+        pipeline_parallel_size=e.pp,
+        distributed_executor_backend="mp",
+    )
+    vllm_config.parallel_config.rank = rank
     if e.model == "mla":  # as MLAAttention.get_kv_cache_spec makes it
         spec: Any = MLAAttentionSpec(
             block_size=BLOCK,
@@ -318,6 +336,15 @@ class Rank:
         if status == "error":
             raise RuntimeError(value)
         return value
+
+    def close(self) -> None:
+        """Stop the rank's connector and its process (killed if it has not
+        ended 10 s later)."""
+        with contextlib.suppress(RuntimeError, TimeoutError, OSError):
+            self.ask("stop")
+        self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.kill()
 
 
 def start_all(ranks: list[Rank], e: Engine, seeds: list[int]) -> None:
@@ -684,11 +711,7 @@ def main(endpoint: str) -> dict[str, Any]:
             facts["refused"] = refusals(root, endpoint, ranks)
     finally:
         for rank in ranks:
-            with contextlib.suppress(RuntimeError, TimeoutError, OSError):
-                rank.ask("stop")
-            rank.proc.join(10)
-            if rank.proc.is_alive():
-                rank.proc.kill()
+            rank.close()
     return facts
 
 

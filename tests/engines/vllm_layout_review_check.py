@@ -22,7 +22,6 @@ JSON object; tests/test_vllm_layouts_review.py checks it.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import json
 import os
@@ -256,11 +255,7 @@ def main(endpoint: str) -> dict[str, Any]:
                     facts[name] = {"error": traceback.format_exc()[-3000:]}
     finally:
         for rank in ranks:
-            with contextlib.suppress(RuntimeError, TimeoutError, OSError):
-                rank.ask("stop")
-            rank.proc.join(10)
-            if rank.proc.is_alive():
-                rank.proc.kill()
+            rank.close()
     return facts
 
 

@@ -49,7 +49,7 @@ from hicached.integrations.hybrid import Window
 from hicached.integrations.vllm import KVGroup, Settings, engine_groups
 from hicached.integrations.vllm.manager import HicachedManager
 from hicached.integrations.vllm.specs import HicachedLoadSpec
-from tests.engines.vllm_layout_check import LAYERS, model_dir, until
+from tests.engines.vllm_layout_check import LAYERS, engine_config, model_dir, until
 from tests.engines.vllm_worker_check import config
 
 
@@ -235,7 +235,6 @@ class Engine:
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
             OffloadingConnector,
         )
-        from vllm.engine.arg_utils import EngineArgs
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_manager import KVCacheManager
         from vllm.v1.core.kv_cache_utils import (
@@ -247,26 +246,7 @@ class Engine:
         from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
         self.root = tempfile.TemporaryDirectory(prefix="hc-budget-")  # the model's config
-        args = EngineArgs(
-            model=model_dir(Path(self.root.name), "gqa"),
-            skip_tokenizer_init=True,
-            block_size=BLOCK,
-            max_model_len=1024,
-            enable_prefix_caching=True,
-            prefix_caching_hash_algo="sha256",
-            kv_transfer_config={
-                "kv_connector": "OffloadingConnector",
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": {
-                    "spec_name": "HicachedOffloadingSpec",
-                    "spec_module_path": "hicached.integrations.vllm",
-                    "endpoint": endpoint,
-                    "timeout_s": 5.0,
-                },
-            },
-        )
-        vllm_config = args.create_engine_config()
-        vllm_config.cache_config.kv_cache_layout = "LBNHC"  # as the engine core resolves it
+        vllm_config = engine_config(model_dir(Path(self.root.name), "gqa"), endpoint)
         shape = {"block_size": BLOCK, "num_kv_heads": 4, "head_size": 32, "dtype": torch.bfloat16}
         specs = {
             LAYERS[0]: FullAttentionSpec(**shape),
@@ -462,6 +442,22 @@ class Engine:
         )
         return {"loaded": [loaded[g] for g in sorted(loaded)], "finished": finished, "same": same}
 
+    def hit_and_load(
+        self, req_id: str, prompt: list[int], budget: int | None, sources: dict[int, dict[int, int]]
+    ) -> dict[str, Any]:
+        """A new request for ``prompt`` from lookup to end: its hit, and where
+        there is one, its load checked against the blocks ``sources`` names."""
+        request = self.request(req_id, prompt)
+        got = self.hit(request, budget)
+        if got["hit"]:
+            got.update(self.load(request, got["hit"], sources))
+        self.finish(request)
+        return got
+
+    def kinds(self) -> list[list[Any]]:
+        """What the manager made of vLLM's groups (groups.kind_of): (label, lead tokens)."""
+        return [[g.kind.label, getattr(g.kind, "lead", 0)] for g in self.manager.groups]
+
     def finish(self, request: Any) -> None:
         """The request ends: its load done, its lookups' leases end, its blocks free."""
         state = self.scheduler._req_status.pop(request.request_id)
@@ -483,8 +479,7 @@ def budget(endpoint: str) -> dict[str, Any]:
     facts: dict[str, Any] = {}
     engine = Engine(endpoint)
     try:
-        # what the manager made of vLLM's groups (groups.kind_of): (label, lead tokens)
-        facts["kinds"] = [[g.kind.label, getattr(g.kind, "lead", 0)] for g in engine.manager.groups]
+        facts["kinds"] = engine.kinds()
         (_, window) = engine.scheduler.config.kv_group_configs
         facts["window_chunks"] = window.sliding_window_size_in_chunks
         facts["load_window_chunks"] = window.load_window_size_in_chunks(BUDGET - 1)
@@ -496,12 +491,7 @@ def budget(endpoint: str) -> dict[str, Any]:
             "B": engine.store(engine.request("B", prompts["B"]), [every, every[:6] + every[7:]]),
         }
         for name, p, cap in (("A", "A", BUDGET), ("B", "B", BUDGET), ("B_whole", "B", None)):
-            request = engine.request(name, prompts[p])
-            got = engine.hit(request, cap)
-            if got["hit"]:
-                got.update(engine.load(request, got["hit"], sources[p]))
-            engine.finish(request)
-            facts[name] = got
+            facts[name] = engine.hit_and_load(name, prompts[p], cap, sources[p])
     finally:
         engine.shutdown()
     return facts
@@ -522,7 +512,7 @@ def mtp(endpoint: str) -> dict[str, Any]:
     facts: dict[str, Any] = {}
     engine = Engine(endpoint, extra_retained=EXTRA)
     try:
-        facts["kinds"] = [[g.kind.label, getattr(g.kind, "lead", 0)] for g in engine.manager.groups]
+        facts["kinds"] = engine.kinds()
         (_, window) = engine.scheduler.config.kv_group_configs
         facts["extra_retained"] = window.kv_cache_spec.extra_retained_tokens
         facts["window_chunks"] = window.sliding_window_size_in_chunks
@@ -530,12 +520,7 @@ def mtp(endpoint: str) -> dict[str, Any]:
         prompt = np.random.default_rng(5).integers(3, 500, CHUNKS * BLOCK).tolist()
         every = list(range(CHUNKS))
         sources = engine.store(engine.request("A", prompt), [every, every])
-        request = engine.request("A_mtp", prompt)
-        got = engine.hit(request, None)
-        if got["hit"]:
-            got.update(engine.load(request, got["hit"], sources))
-        engine.finish(request)
-        facts["A"] = got
+        facts["A"] = engine.hit_and_load("A_mtp", prompt, None, sources)
     finally:
         engine.shutdown()
     return facts
@@ -551,19 +536,14 @@ def eagle(endpoint: str) -> dict[str, Any]:
     facts: dict[str, Any] = {}
     engine = Engine(endpoint, eagle=True)
     try:
-        facts["kinds"] = [[g.kind.label, getattr(g.kind, "lead", 0)] for g in engine.manager.groups]
+        facts["kinds"] = engine.kinds()
         facts["eagle"] = [g.is_eagle_group for g in engine.scheduler.config.kv_group_configs]
         rng = np.random.default_rng(11)
         every = list(range(CHUNKS))
         for name, length, cap in (("A", CHUNKS * BLOCK, None), ("B", CHUNKS * BLOCK + 5, BUDGET)):
             prompt = rng.integers(3, 500, length).tolist()
             sources = engine.store(engine.request(name, prompt), [every, every])
-            request = engine.request(f"{name}_eagle", prompt)
-            got = engine.hit(request, cap)
-            if got["hit"]:
-                got.update(engine.load(request, got["hit"], sources))
-            engine.finish(request)
-            facts[name] = got
+            facts[name] = engine.hit_and_load(f"{name}_eagle", prompt, cap, sources)
     finally:
         engine.shutdown()
     return facts
@@ -632,12 +612,7 @@ def limit(endpoint: str) -> dict[str, Any]:
         every = list(range(LONG))
         sources = engine.store(engine.request("A", prompt), [every, every], whole=False)
         facts["stored"] = [sorted(sources[g]) for g in sorted(sources)]
-        request = engine.request("A_limit", prompt)
-        got = engine.hit(request, None)
-        if got["hit"]:
-            got.update(engine.load(request, got["hit"], sources))
-        engine.finish(request)
-        facts["A"] = got
+        facts["A"] = engine.hit_and_load("A_limit", prompt, None, sources)
     finally:
         engine.shutdown()
     return facts
