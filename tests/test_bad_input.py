@@ -240,6 +240,39 @@ def test_double_commit_and_foreign_release(small_daemon: Daemon) -> None:
         assert stats.leases == 0 and stats.pinned_pages == 0
 
 
+def test_progress_of_a_lease_that_is_no_prefetch_says_what_it_is(
+    small_daemon: Daemon, raw: Raw
+) -> None:
+    """``progress`` of an open reservation or read lease is told what the lease
+    is, not that it is "not open": the client may still commit or release it.
+    Another client's lease is foreign, as for commit and release."""
+    raw.hello()
+    ns = raw.call(p.RegisterNamespace(id=2, spec=p.NamespaceSpec(**NS)))  # type: ignore[arg-type]
+    assert isinstance(ns, p.NamespaceOk)
+    tokens = np.arange(1000, 1000 + 2 * PAGE_TOKENS, dtype=np.uint32).tobytes()
+    res = raw.call(p.Reserve(id=3, ns=ns.ns, tokens=tokens))
+    assert isinstance(res, p.ReserveOk) and res.lease
+    said = raw.call(p.Progress(id=4, lease=res.lease))
+    assert isinstance(said, p.Error) and said.code == "bad_request"
+    assert "is a reservation, not a prefetch" in said.message
+    other = Raw(small_daemon.endpoint)
+    try:
+        other.hello()
+        foreign = other.call(p.Progress(id=5, lease=res.lease))
+        assert isinstance(foreign, p.Error) and foreign.code == "foreign_lease"
+    finally:
+        other.close()
+    assert isinstance(raw.call(p.Commit(id=6, lease=res.lease)), p.CommitOk)  # still open
+    hit = raw.call(p.Match(id=7, ns=ns.ns, tokens=tokens))
+    assert isinstance(hit, p.MatchOk) and hit.lease
+    said = raw.call(p.Progress(id=8, lease=hit.lease))
+    assert isinstance(said, p.Error) and "is a read lease, not a prefetch" in said.message
+    assert isinstance(raw.call(p.Release(id=9, lease=hit.lease)), p.Ok)
+    gone = raw.call(p.Progress(id=10, lease=hit.lease))
+    assert isinstance(gone, p.Error) and gone.code == "unknown_lease"
+    still_serving(small_daemon)
+
+
 def test_commit_of_a_read_lease_and_overlong_commit(small_daemon: Daemon) -> None:
     with small_daemon.client() as c:
         ns = c.register(**NS)
