@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import struct
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -240,6 +243,39 @@ def test_double_commit_and_foreign_release(small_daemon: Daemon) -> None:
         assert stats.leases == 0 and stats.pinned_pages == 0
 
 
+def test_progress_of_a_lease_that_is_no_prefetch_says_what_it_is(
+    small_daemon: Daemon, raw: Raw
+) -> None:
+    """``progress`` of an open reservation or read lease is told what the lease
+    is, not that it is "not open": the client may still commit or release it.
+    Another client's lease is foreign, as for commit and release."""
+    raw.hello()
+    ns = raw.call(p.RegisterNamespace(id=2, spec=p.NamespaceSpec(**NS)))  # type: ignore[arg-type]
+    assert isinstance(ns, p.NamespaceOk)
+    tokens = np.arange(1000, 1000 + 2 * PAGE_TOKENS, dtype=np.uint32).tobytes()
+    res = raw.call(p.Reserve(id=3, ns=ns.ns, tokens=tokens))
+    assert isinstance(res, p.ReserveOk) and res.lease
+    said = raw.call(p.Progress(id=4, lease=res.lease))
+    assert isinstance(said, p.Error) and said.code == "bad_request"
+    assert "is a reservation, not a prefetch" in said.message
+    other = Raw(small_daemon.endpoint)
+    try:
+        other.hello()
+        foreign = other.call(p.Progress(id=5, lease=res.lease))
+        assert isinstance(foreign, p.Error) and foreign.code == "foreign_lease"
+    finally:
+        other.close()
+    assert isinstance(raw.call(p.Commit(id=6, lease=res.lease)), p.CommitOk)  # still open
+    hit = raw.call(p.Match(id=7, ns=ns.ns, tokens=tokens))
+    assert isinstance(hit, p.MatchOk) and hit.lease
+    said = raw.call(p.Progress(id=8, lease=hit.lease))
+    assert isinstance(said, p.Error) and "is a read lease, not a prefetch" in said.message
+    assert isinstance(raw.call(p.Release(id=9, lease=hit.lease)), p.Ok)
+    gone = raw.call(p.Progress(id=10, lease=hit.lease))
+    assert isinstance(gone, p.Error) and gone.code == "unknown_lease"
+    still_serving(small_daemon)
+
+
 def test_commit_of_a_read_lease_and_overlong_commit(small_daemon: Daemon) -> None:
     with small_daemon.client() as c:
         ns = c.register(**NS)
@@ -373,3 +409,48 @@ def test_a_page_size_that_would_list_millions_of_slots_is_refused(daemon: Daemon
         toks = np.arange(0, 2 * PAGE_TOKENS, dtype=np.uint32)
         c.store(ns, toks, page_bytes_for(toks, page_bytes=16))
         assert c.match(ns, toks, lease=False).hits == 2
+
+
+def _unseeded_routing_id_starts(sockets: int) -> list[int]:
+    """Where libzmq starts the routing id counters of a process's first
+    ``sockets`` ROUTER sockets when nothing seeded the C library's ``rand()``:
+    one ``rand() | (rand() & 1) << 31`` each (libzmq's generate_random)."""
+    script = (
+        "import ctypes; libc = ctypes.CDLL(None); libc.srand(1); "
+        f"print(*[libc.rand() for _ in range({2 * sockets})])"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, check=True, text=True)
+    draws = [int(x) for x in out.stdout.split()]
+    return [(draws[2 * i] | (draws[2 * i + 1] & 1) << 31) & 0xFFFFFFFF for i in range(sockets)]
+
+
+def test_routing_ids_a_peer_sets_never_make_the_daemon_abort(small_daemon: Daemon) -> None:
+    """A peer connects with the routing ids libzmq would give the next clients
+    (a zero byte and a counter) set by hand; libzmq aborts the process when it
+    makes an id a peer holds. The daemon's counters start where no peer can
+    foresee, so a client that connects after them is served."""
+    assert small_daemon.proc is not None
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    held = []
+    try:
+        for start in _unseeded_routing_id_starts(4):
+            for step in range(16):
+                sock = ctx.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, 0)
+                rid = b"\x00" + struct.pack(">I", (start + step) & 0xFFFFFFFF)
+                sock.setsockopt(zmq.ROUTING_ID, rid)
+                sock.connect(small_daemon.endpoint)
+                sock.send(p.encode(p.Stats(id=1)))  # its connection is made and named
+                held.append(sock)
+        for sock in held:
+            assert sock.poll(5000), "no reply to a peer that set its routing id"
+            assert isinstance(p.reply_decoder.decode(sock.recv()), p.StatsOk)
+        for _ in range(4):  # clients that take the ids libzmq makes
+            with small_daemon.client() as c:
+                c.stats()
+        assert small_daemon.proc.poll() is None, "the daemon aborted"
+        still_serving(small_daemon)
+    finally:
+        for sock in held:
+            sock.close()
+        ctx.term()

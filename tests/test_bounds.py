@@ -271,3 +271,31 @@ def test_replies_a_client_never_reads_are_bounded_and_release_their_leases(
         # the leases of replies that could not be sent ended with them
         assert stats.leases <= sent - stats.dropped["send_full"]
     assert grew_mib < 200, f"the daemon grew by {grew_mib:.0f} MiB"
+
+
+@pytest.mark.parametrize("tcp", [False, True], ids=["ipc", "tcp"])
+def test_a_reply_whose_client_is_gone_ends_the_lease_it_granted(
+    daemon_factory: Callable[..., Daemon], tcp: bool
+) -> None:
+    """A client sends a reserve and disconnects before the daemon reads it
+    (held by SIGSTOP): the reply has nowhere to go (``unroutable``), so the
+    lease it granted ends at once, as one whose reply finds a full queue
+    does, instead of holding its slots until leases.ttl_s."""
+    d = daemon_factory(tcp=tcp)
+    assert d.proc is not None
+    ctx, sock, ns_id = _raw_session(d.endpoint, zmq.LINGER, 2000)
+    tokens = np.arange(4 * PAGE_TOKENS, dtype=np.uint32).tobytes()
+    os.kill(d.proc.pid, signal.SIGSTOP)
+    try:
+        sock.send(p.encode(p.Reserve(id=3, ns=ns_id, tokens=tokens)))
+        sock.close()
+        ctx.term()  # lingers until the request is written, then disconnects
+    finally:
+        os.kill(d.proc.pid, signal.SIGCONT)
+    with d.client() as c:
+        deadline = time.monotonic() + 10
+        while (stats := c.stats()).requests.get("reserve", 0) == 0:
+            assert time.monotonic() < deadline, "the reserve was never served"
+            time.sleep(0.05)
+        assert stats.dropped.get("unroutable", 0) >= 1
+        assert (stats.leases, stats.reserved_pages) == (0, 0)

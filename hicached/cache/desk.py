@@ -220,8 +220,8 @@ class Cache:
         self.errors[code] = self.errors.get(code, 0) + 1
 
     def undelivered(self, routing_id: bytes, reply: p.AnyReply | L3Lookup) -> None:
-        """A reply could not be sent (the client reads no replies): a lease it
-        granted ends now, as the client never learned of it."""
+        """A reply could not be sent (the client reads no replies, or is gone):
+        a lease it granted ends now, as the client never learned of it."""
         lease_id = getattr(reply, "lease", 0)
         session = self.sessions.get(routing_id)
         lease = self.leases.get(lease_id) if lease_id and session is not None else None

@@ -126,12 +126,18 @@ class Prefetches:
 
     def progress(self, session: Session, msg: p.Progress) -> p.ProgressOk:
         lease = self.desk.leases.get(msg.lease)
-        if lease is None or lease.prefetch is None:
+        if lease is None:
             raise UnknownLease(
                 f"prefetch {msg.lease} is not open (committed, cancelled or expired)"
             )
         if lease.session is not session:
             raise ForeignLease(f"prefetch {msg.lease} belongs to another client")
+        if lease.prefetch is None:  # open, but no read from L3: not "not open"
+            what = "a reservation" if lease.writing else "a read lease"
+            raise BadRequest(
+                f"lease {msg.lease} is {what}, not a prefetch: progress is asked of "
+                "the lease a prefetch returned"
+            )
         pf = lease.prefetch
         return p.ProgressOk(
             id=msg.id, planned=pf.planned, completed=pf.completed, done=pf.done, failed=pf.failed

@@ -285,5 +285,6 @@ class RequestLoop:
         except zmq.Again:
             self.cache.count_drop("send_full")
             self.cache.undelivered(routing_id, reply)
-        except zmq.ZMQError:
+        except zmq.ZMQError:  # its client is gone: nobody will use what it granted
             self.cache.count_drop("unroutable")
+            self.cache.undelivered(routing_id, reply)

@@ -51,6 +51,7 @@ from hicached.daemon.publisher import Publisher
 from hicached.daemon.reload import reload_plan
 from hicached.daemon.requests import RequestLoop
 from hicached.daemon.reread import ConfigReader, ReadTimeout
+from hicached.daemon.routing import unpredictable_routing_ids
 from hicached.daemon.tenants import TENANT_DOMAIN
 from hicached.daemon.tier import Tier, make_backend
 from hicached.errors import ConfigError
@@ -281,6 +282,7 @@ class Server:
         """Bind the socket and start serving; READY goes to systemd last."""
         cfg = self.config
         assert self.cache is not None
+        unpredictable_routing_ids()  # before the first ROUTER socket (daemon/routing.py)
         self._ctx = zmq.Context()
         self.access.start(self._ctx)
         if cfg.events.endpoint:
