@@ -4,6 +4,8 @@ its own."""
 
 from __future__ import annotations
 
+import string
+
 import msgspec
 
 from hicached.endpoints import check_endpoint
@@ -110,12 +112,7 @@ class EventsConfig(msgspec.Struct, **_Section):
             e.startswith("ipc://") for e in (self.endpoint, self.replay_endpoint)
         ):
             raise ValueError("group needs an ipc:// endpoint (over tcp:// CURVE keys decide)")
-        try:
-            self.topic.format(host="h", model="m")
-        except (KeyError, IndexError, ValueError) as exc:
-            raise ValueError(
-                f"topic {self.topic!r}: only {{host}} and {{model}} may be filled in ({exc!r})"
-            ) from None
+        self._check_topic()
         if self.format not in EVENT_FORMATS:
             raise ValueError(f"format must be one of {', '.join(EVENT_FORMATS)}")
         if self.block_hashes not in BLOCK_HASHES:
@@ -147,3 +144,19 @@ class EventsConfig(msgspec.Struct, **_Section):
             raise ValueError("close_linger_s must not be negative")
         if self.stall_s < 0:
             raise ValueError("stall_s must not be negative (0 = never)")
+
+    def _check_topic(self) -> None:
+        """Only {host} and {model} as they are: a format spec ({host:>999999999}
+        made a string that wide at every check), an index or an attribute
+        ({model[0]}: the daemon's start failed with a traceback, and check-config
+        passed) or a conversion fails or surprises when the daemon publishes."""
+        why = "only {host} and {model} may be filled in, as they are"
+        try:
+            parts = list(string.Formatter().parse(self.topic))
+        except ValueError as exc:
+            raise ValueError(f"topic {self.topic!r}: {why} ({exc})") from None
+        for _, field, spec, conversion in parts:
+            if field is None or (field in ("host", "model") and not spec and not conversion):
+                continue
+            given = field + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")
+            raise ValueError(f"topic {self.topic!r}: {why}, not {{{given}}}")

@@ -150,6 +150,13 @@ def test_no_file_means_defaults() -> None:
         ("[leases]\nttl_s = inf\n", "leases.ttl_s", "finite"),
         ("[server]\nsession_idle_s = nan\n", "server.session_idle_s", "finite"),
         ("[storage]\nflush_deadline_s = -inf\n", "storage.flush_deadline_s", "finite"),
+        # a topic with more than {host} and {model} as they are: {model[0]} passed
+        # check-config and failed the daemon's start with a KeyError; a width made a
+        # string that wide at every check
+        ("[events]\ntopic = 'kv@{model[0]}'\n", "events.topic", "not {model[0]}"),
+        ("[events]\ntopic = '{host:>999999999}'\n", "events.topic", "as they are"),
+        ("[events]\ntopic = '{model.__class__}'\n", "events.topic", "as they are"),
+        ("[events]\ntopic = '{host!r}@{model}'\n", "events.topic", "not {host!r}"),
         (
             "[leases]\nttl_s = 1.0\nsweep_interval_s = 2.0\n",
             "leases.sweep_interval_s",
