@@ -93,7 +93,7 @@ class EventsConfig(msgspec.Struct, **_Section):
     # cut, they reconnect on their own and fill the gap from replay; 0 = never.
     stall_s: float = 30.0
     # Seconds a graceful stop lets queued events (and replays) leave before
-    # the sockets close.
+    # the sockets close; an hour at most.
     close_linger_s: float = 2.0
 
     def __post_init__(self) -> None:
@@ -140,8 +140,10 @@ class EventsConfig(msgspec.Struct, **_Section):
             raise ValueError(f"hwm must be at most {MAX_HWM} (ZeroMQ's limit)")
         if self.replay_batches >= MAX_HWM:  # the replay socket queues them and an end marker
             raise ValueError(f"replay_batches must be at most {MAX_HWM - 1} (ZeroMQ's limit)")
-        if self.close_linger_s < 0:
-            raise ValueError("close_linger_s must not be negative")
+        # ZeroMQ takes the linger in milliseconds as a C int: past 24 days a stop
+        # failed with an OverflowError traceback, after the stop's other work
+        if not 0 <= self.close_linger_s <= 3600:
+            raise ValueError("close_linger_s must not be negative, an hour at most")
         if self.stall_s < 0:
             raise ValueError("stall_s must not be negative (0 = never)")
 

@@ -157,6 +157,12 @@ def test_no_file_means_defaults() -> None:
         ("[events]\ntopic = '{host:>999999999}'\n", "events.topic", "as they are"),
         ("[events]\ntopic = '{model.__class__}'\n", "events.topic", "as they are"),
         ("[events]\ntopic = '{host!r}@{model}'\n", "events.topic", "not {host!r}"),
+        # past ZeroMQ's C int of milliseconds: a stop failed with a traceback
+        ("[events]\nclose_linger_s = 3e6\n", "events.close_linger_s", "an hour at most"),
+        ("[events]\nclose_linger_s = -1.0\n", "events.close_linger_s", "not be negative"),
+        # past what a wait takes (1e300): every scrape failed with a 500
+        ("[metrics]\nscrape_timeout_s = 1e300\n", "metrics.scrape_timeout_s", "an hour at most"),
+        ("[metrics]\nscrape_timeout_s = 0.0\n", "metrics.scrape_timeout_s", "positive"),
         (
             "[leases]\nttl_s = 1.0\nsweep_interval_s = 2.0\n",
             "leases.sweep_interval_s",
