@@ -54,6 +54,7 @@ import zmq
 from hicached.cache.eventlog import EventLog
 from hicached.config import EventsConfig
 from hicached.wire.events import END_SEQ, AnyEvent, WireFormat
+from hicached.wire.namespace import MAX_MODEL_CHARS
 
 log = logging.getLogger("hicached.events")
 
@@ -86,10 +87,10 @@ MESSAGE_OVERHEAD_BYTES = 512
 # What the replay ring keeps per batch beside its payload: the tuple, the seq
 # and the bytes object's header.
 REPLAY_ENTRY_BYTES = 160
-# The largest message the sockets take from their peers (ZMQ_MAXMSGSIZE; a
+# The largest message the replay socket takes from its peers (ZMQ_MAXMSGSIZE; a
 # larger one drops that peer's connection before it is buffered): a replay
-# request's frames are at most 8 bytes, a subscription is a flag byte and a
-# topic prefix, and no topic (host and model names) comes near this.
+# request's frames are at most 8 bytes. The events socket takes a flag byte and
+# a prefix no longer than the longest topic (subscription_bytes).
 PEER_MESSAGE_BYTES = 4096
 
 
@@ -123,6 +124,25 @@ def replay_hwm(config: EventsConfig) -> int:
     room than they need."""
     budget = (config.buffer_mib << 20) // max_replays(config)
     return min(config.replay_batches + 1, _queue_messages(budget, config))
+
+
+# What a subscription message adds to its prefix: ZMTP 3.1's command name with
+# its length byte (b"\x0bUNSUBSCRIBE", 12 bytes, or b"\x09SUBSCRIBE", which
+# libzmq 4.3 sends); ZMTP 3.0's flag byte is less.
+SUBSCRIPTION_HEADER_BYTES = 12
+
+
+def subscription_bytes(config: EventsConfig) -> int:
+    """The largest subscription message the events socket takes: a prefix as
+    long as the longest topic frame of ``events.topic`` here (the longest model
+    id in each {model}) and its header; a longer prefix matches nothing.
+
+    libzmq keeps every distinct prefix its subscribers hold, a node of about 48
+    bytes a byte, for as long as they stay connected: with prefixes of up to
+    4 KiB, a subscriber that sent 2,000 distinct ones grew the daemon by 380 MiB.
+    A longer message drops its subscriber's connection before it is kept."""
+    longest = config.topic.format(host=socket.gethostname(), model="m" * MAX_MODEL_CHARS)
+    return SUBSCRIPTION_HEADER_BYTES + len(longest.encode())
 
 
 def topic_template(config: EventsConfig) -> Callable[[str], bytes]:
@@ -301,7 +321,7 @@ class Publisher:
         # A subscriber's full queue refuses the send (zmq.Again), so the drop is ours
         # to count; a PUB socket would drop the batch for that subscriber unseen.
         pub.setsockopt(zmq.XPUB_NODROP, 1)
-        pub.setsockopt(zmq.MAXMSGSIZE, PEER_MESSAGE_BYTES)
+        pub.setsockopt(zmq.MAXMSGSIZE, subscription_bytes(self.config))
         self._bind(pub, self.config.endpoint, "events.endpoint")
         return pub
 
