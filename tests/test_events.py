@@ -731,3 +731,29 @@ def test_a_subscription_longer_than_any_topic_drops_its_connection_unkept(
         hostile.close()
         reader.close()
         ctx.term()
+
+
+def test_a_replay_from_past_2_63_is_read_unsigned_as_vllm_reads_it(
+    daemon_factory: Callable[..., Daemon], events_dir: Path
+) -> None:
+    """vLLM reads start_seq as an unsigned 8-byte number, and so does `hicached
+    events --from` (0 to 2**64-1); read signed, a start from 2**63 on was
+    negative and replayed every kept batch, from 0."""
+    d, _, replay_at = events_daemon(daemon_factory, events_dir)
+    with d.client() as c:
+        ns = c.register(**NS)
+        store_one_page_each(c, ns, 3)
+        wait_for(lambda: c.stats().events_pending == 0)
+    ctx = zmq.Context()
+    reader = ctx.socket(zmq.DEALER)
+    try:
+        reader.setsockopt(zmq.LINGER, 0)
+        reader.connect(replay_at)
+        reader.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert read_replay(reader)[:1] == [0]  # what is kept, from 0
+        for start in (1 << 63, (1 << 64) - 1):
+            reader.send_multipart([b"", start.to_bytes(8, "big")])
+            assert read_replay(reader) == [], start  # the end marker alone
+    finally:
+        reader.close()
+        ctx.term()

@@ -505,7 +505,7 @@ class Publisher:
                 self._count("replay_busy")
                 self._refuse(envelope)
                 continue
-            start = int.from_bytes(body, "big", signed=True)
+            start = int.from_bytes(body, "big")  # unsigned, as vLLM reads it
             task = loop.create_task(self._replay(envelope, start, self._replays.get(reader)))
             self._replays[reader] = task
             self._per_reader[reader] += 1
