@@ -157,6 +157,17 @@ def test_no_file_means_defaults() -> None:
         ("[events]\ntopic = '{host:>999999999}'\n", "events.topic", "as they are"),
         ("[events]\ntopic = '{model.__class__}'\n", "events.topic", "as they are"),
         ("[events]\ntopic = '{host!r}@{model}'\n", "events.topic", "not {host!r}"),
+        # a tenant's table named by its tenant: msgspec said tenants[...], not which
+        (
+            "[tenants.alpha]\nuids = [1]\n[tenants.beta]\nuids = [2]\nmax_page = 1\n",
+            "tenants.beta.max_page",
+            "unknown key",
+        ),
+        ("[tenants.alpha]\nuids = ['x']\n", "tenants.alpha.uids[0]", "Expected `int`"),
+        ("[tenants]\nalpha = 3\n", "tenants.alpha", "Expected `object`"),
+        # a uid past the kernel's 32 bits never matches a peer
+        ("[tenants.alpha]\nuids = [4294967296]\n", "tenants.alpha.uids", "0 to 4294967294"),
+        ("[tenants.alpha]\ngids = [-1]\n", "tenants.alpha.gids", "0 to 4294967294"),
         # past ZeroMQ's C int of milliseconds: a stop failed with a traceback
         ("[events]\nclose_linger_s = 3e6\n", "events.close_linger_s", "an hour at most"),
         ("[events]\nclose_linger_s = -1.0\n", "events.close_linger_s", "not be negative"),
