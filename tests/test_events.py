@@ -699,9 +699,10 @@ def test_a_subscription_longer_than_any_topic_drops_its_connection_unkept(
     """libzmq keeps every distinct prefix subscribers hold, about 48 bytes a
     byte: a subscriber that sent 2,000 distinct prefixes of 2,000 bytes (each
     within the 4 KiB the events socket took) grew the daemon by some 190 MiB.
-    A prefix longer than the longest topic matches nothing; its message drops
-    the subscriber's connection before it is kept. A subscriber of the longest
-    topic there can be (a model id of the most characters) is served."""
+    A prefix longer than the longest topic matches nothing; its message (past
+    1 KiB, a handshake's room, here) drops the subscriber's connection before it
+    is kept. A subscriber of the longest topic there can be (a model id of the
+    most characters) is served."""
     d, pub_at, _ = events_daemon(daemon_factory, events_dir)
     assert d.proc is not None
     model = "m" * 128 + "/" + "n" * 128  # the longest model id a namespace takes

@@ -128,21 +128,27 @@ def replay_hwm(config: EventsConfig) -> int:
 
 # What a subscription message adds to its prefix: ZMTP 3.1's command name with
 # its length byte (b"\x0bUNSUBSCRIBE", 12 bytes, or b"\x09SUBSCRIBE", which
-# libzmq 4.3 sends); ZMTP 3.0's flag byte is less.
-SUBSCRIPTION_HEADER_BYTES = 12
+# libzmq 4.3 sends; ZMTP 3.0's flag byte is less), and CURVE's MESSAGE box
+# around it over tcp (command name, nonce, MAC and flags: 33 bytes).
+SUBSCRIPTION_HEADER_BYTES = 12 + 33
+# The bound covers a peer's handshake too: CURVE's INITIATE takes about 280
+# bytes, and a routing id or properties a subscriber sets add theirs.
+HANDSHAKE_BYTES = 1024
 
 
 def subscription_bytes(config: EventsConfig) -> int:
-    """The largest subscription message the events socket takes: a prefix as
-    long as the longest topic frame of ``events.topic`` here (the longest model
-    id in each {model}) and its header; a longer prefix matches nothing.
+    """The largest message the events socket takes from a subscriber: a
+    subscription to a prefix as long as the longest topic frame of
+    ``events.topic`` here (the longest model id in each {model}) with its
+    header, or HANDSHAKE_BYTES where that is more; a longer prefix matches
+    nothing.
 
     libzmq keeps every distinct prefix its subscribers hold, a node of about 48
     bytes a byte, for as long as they stay connected: with prefixes of up to
     4 KiB, a subscriber that sent 2,000 distinct ones grew the daemon by 380 MiB.
     A longer message drops its subscriber's connection before it is kept."""
     longest = config.topic.format(host=socket.gethostname(), model="m" * MAX_MODEL_CHARS)
-    return SUBSCRIPTION_HEADER_BYTES + len(longest.encode())
+    return max(HANDSHAKE_BYTES, SUBSCRIPTION_HEADER_BYTES + len(longest.encode()))
 
 
 def topic_template(config: EventsConfig) -> Callable[[str], bytes]:
