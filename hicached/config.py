@@ -517,6 +517,9 @@ def with_dotted_path(message: str) -> str:
     if unknown:
         key = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
         return f"{key}: unknown key (check its spelling and section in config/hicached.toml)"
+    named = re.match(r"([a-z_]+): ", text)  # "endpoint: why": the field, then why
+    if named and path:
+        return f"{path}.{named.group(1)}: {text[named.end() :]}"
     field = re.match(r"([a-z_]+) ", text)
     if field and path:
         return f"{path}.{field.group(1)}: {text}"

@@ -168,6 +168,13 @@ def test_no_file_means_defaults() -> None:
         # a uid past the kernel's 32 bits never matches a peer
         ("[tenants.alpha]\nuids = [4294967296]\n", "tenants.alpha.uids", "0 to 4294967294"),
         ("[tenants.alpha]\ngids = [-1]\n", "tenants.alpha.gids", "0 to 4294967294"),
+        # a check that names its field before a colon: the key was "events", not its own
+        ("[events]\nendpoint = 'ipc://'\n", "events.endpoint", "must be absolute"),
+        (
+            "[events]\nendpoint = 'ipc:///tmp/e'\nreplay_endpoint = 'udp://x'\n",
+            "events.replay_endpoint",
+            "ipc:///",
+        ),
         # past ZeroMQ's C int of milliseconds: a stop failed with a traceback
         ("[events]\nclose_linger_s = 3e6\n", "events.close_linger_s", "an hour at most"),
         ("[events]\nclose_linger_s = -1.0\n", "events.close_linger_s", "not be negative"),
