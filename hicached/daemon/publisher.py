@@ -77,6 +77,9 @@ MAX_REPLAYS = 32
 REPLAYS_PER_READER = 2
 # Replay requests read per wake-up before other work gets the loop.
 REPLAY_REQUESTS_PER_WAKE = 64
+# Frames past a request's read and let go of in one turn of the event loop: a
+# message of millions of frames is read over many turns, none of them kept.
+SKIP_FRAMES = 4096
 # Batches not sent because one page's event alone is larger than events.batch_kib
 # (a gap in the sequence numbers; an event of several pages is split instead).
 OVERSIZED_DROPS = "events_oversized"
@@ -291,6 +294,7 @@ class Publisher:
         self._replays: dict[bytes, asyncio.Task[None]] = {}  # each reader's last replay
         self._per_reader: collections.Counter[bytes] = collections.Counter()  # live replays
         self._live: set[asyncio.Task[None]] = set()
+        self._skipping = False  # the frames of a message that is not a request remain
         self._warned_at = -REFUSAL_WARNING_S  # when refused batches were last logged
         log.count_drops_in(dropped)
 
@@ -495,15 +499,30 @@ class Publisher:
         sock, loop = self._router, self._loop
         if sock is None or loop is None:
             return
+        if self._skipping and not self._skip(sock, loop):
+            return
         for _ in range(REPLAY_REQUESTS_PER_WAKE):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frame = sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            # A request has 2 or 3 frames: a third past the identity is enough to
+            # refuse it, and the rest is let go of unread a turn at a time (a peer
+            # that sent millions held the loop, and doubled their memory, as a list).
+            frames = [frame.bytes]
+            while frame.more and len(frames) < 4:
+                frame = sock.recv(zmq.NOBLOCK, copy=False)
+                frames.append(frame.bytes)
             envelope, body = frames[:-1], frames[-1]
-            if not envelope or len(body) != 8 or len(frames) > 3:
+            if frame.more or not envelope or len(body) != 8 or len(frames) > 3:
                 self._count("bad_replay_request")
+                if len(frames) > 3:  # its identity, and the delimiter a DEALER sent
+                    envelope = frames[:2] if frames[1] == b"" else frames[:1]
                 self._refuse(envelope)
+                if frame.more:
+                    self._skipping = True
+                    if not self._skip(sock, loop):
+                        return
                 continue
             reader = envelope[0]
             busy = len(self._live) >= self._max_replays
@@ -518,6 +537,16 @@ class Publisher:
             self._live.add(task)
             task.add_done_callback(functools.partial(self._replay_done, reader))
         loop.call_soon(self._on_requests)  # more may wait; let others run first
+
+    def _skip(self, sock: zmq.Socket[bytes], loop: asyncio.AbstractEventLoop) -> bool:
+        """Read and let go of the rest of a message that is not a request, up to
+        SKIP_FRAMES frames; False when frames remain (another turn reads on)."""
+        for _ in range(SKIP_FRAMES):
+            if not sock.recv(zmq.NOBLOCK, copy=False).more:
+                self._skipping = False
+                return True
+        loop.call_soon(self._on_requests)
+        return False
 
     def _refuse(self, envelope: list[bytes]) -> None:
         """Answer a request that is not served with the end marker alone, so the
