@@ -38,6 +38,9 @@ SHARED_BOUNDS = {
     "max_namespaces": "pool.max_namespaces",
 }
 
+# Local user and group ids are below this (32 bits, and (uid_t)-1 means none).
+MAX_ID = (1 << 32) - 1
+
 # A tenant's name, as in the namespace field it fills (wire/namespace.py checks the same).
 TENANT_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
@@ -93,8 +96,9 @@ class TenantConfig(msgspec.Struct, **_Section):
             if getattr(self, name) < 0:
                 return f"{name}: must be 0 (an equal share) or positive"
         for name in ("uids", "gids"):
-            if any(i < 0 for i in getattr(self, name)):
-                return f"{name}: ids are not negative"
+            # the kernel's ids are 32 bits, and (uid_t)-1 is no id: one past them never matches
+            if any(not 0 <= i < MAX_ID for i in getattr(self, name)):
+                return f"{name}: ids are 0 to {MAX_ID - 1}"
         for key in self.curve_keys:
             if not key or ".." in key.split("/"):
                 return f"curve_keys: {key!r} is not a certificate file name"

@@ -440,7 +440,22 @@ def parse_config(text: str | bytes, source: str = "<config>") -> Config:
     try:
         return msgspec.toml.decode(raw, type=Config)
     except msgspec.ValidationError as exc:
-        raise ConfigError(f"{source}: {with_dotted_path(str(exc))}") from None
+        message = with_dotted_path(_named_tenant(tree, str(exc)))
+        raise ConfigError(f"{source}: {message}") from None
+
+
+def _named_tenant(tree: dict[str, Any], message: str) -> str:
+    """msgspec says ``tenants[...]`` for a table under [tenants] (it names no
+    dict key): put in the name of the first tenant whose table fails alone."""
+    tenants = tree.get("tenants")
+    if "`$.tenants[...]" not in message or not isinstance(tenants, dict):
+        return message
+    for name, table in tenants.items():
+        try:
+            msgspec.convert(table, TenantConfig)
+        except msgspec.ValidationError:
+            return message.replace("`$.tenants[...]", f"`$.tenants.{name}", 1)
+    return message
 
 
 def load_config(path: str | os.PathLike[str] | None) -> Config:
@@ -502,6 +517,9 @@ def with_dotted_path(message: str) -> str:
     if unknown:
         key = f"{path}.{unknown.group(1)}" if path else unknown.group(1)
         return f"{key}: unknown key (check its spelling and section in config/hicached.toml)"
+    named = re.match(r"([a-z_]+): ", text)  # "endpoint: why": the field, then why
+    if named and path:
+        return f"{path}.{named.group(1)}: {text[named.end() :]}"
     field = re.match(r"([a-z_]+) ", text)
     if field and path:
         return f"{path}.{field.group(1)}: {text}"

@@ -4,6 +4,8 @@ its own."""
 
 from __future__ import annotations
 
+import string
+
 import msgspec
 
 from hicached.endpoints import check_endpoint
@@ -91,7 +93,7 @@ class EventsConfig(msgspec.Struct, **_Section):
     # cut, they reconnect on their own and fill the gap from replay; 0 = never.
     stall_s: float = 30.0
     # Seconds a graceful stop lets queued events (and replays) leave before
-    # the sockets close.
+    # the sockets close; an hour at most.
     close_linger_s: float = 2.0
 
     def __post_init__(self) -> None:
@@ -110,12 +112,7 @@ class EventsConfig(msgspec.Struct, **_Section):
             e.startswith("ipc://") for e in (self.endpoint, self.replay_endpoint)
         ):
             raise ValueError("group needs an ipc:// endpoint (over tcp:// CURVE keys decide)")
-        try:
-            self.topic.format(host="h", model="m")
-        except (KeyError, IndexError, ValueError) as exc:
-            raise ValueError(
-                f"topic {self.topic!r}: only {{host}} and {{model}} may be filled in ({exc!r})"
-            ) from None
+        self._check_topic()
         if self.format not in EVENT_FORMATS:
             raise ValueError(f"format must be one of {', '.join(EVENT_FORMATS)}")
         if self.block_hashes not in BLOCK_HASHES:
@@ -143,7 +140,25 @@ class EventsConfig(msgspec.Struct, **_Section):
             raise ValueError(f"hwm must be at most {MAX_HWM} (ZeroMQ's limit)")
         if self.replay_batches >= MAX_HWM:  # the replay socket queues them and an end marker
             raise ValueError(f"replay_batches must be at most {MAX_HWM - 1} (ZeroMQ's limit)")
-        if self.close_linger_s < 0:
-            raise ValueError("close_linger_s must not be negative")
+        # ZeroMQ takes the linger in milliseconds as a C int: past 24 days a stop
+        # failed with an OverflowError traceback, after the stop's other work
+        if not 0 <= self.close_linger_s <= 3600:
+            raise ValueError("close_linger_s must not be negative, an hour at most")
         if self.stall_s < 0:
             raise ValueError("stall_s must not be negative (0 = never)")
+
+    def _check_topic(self) -> None:
+        """Only {host} and {model} as they are: a format spec ({host:>999999999}
+        made a string that wide at every check), an index or an attribute
+        ({model[0]}: the daemon's start failed with a traceback, and check-config
+        passed) or a conversion fails or surprises when the daemon publishes."""
+        why = "only {host} and {model} may be filled in, as they are"
+        try:
+            parts = list(string.Formatter().parse(self.topic))
+        except ValueError as exc:
+            raise ValueError(f"topic {self.topic!r}: {why} ({exc})") from None
+        for _, field, spec, conversion in parts:
+            if field is None or (field in ("host", "model") and not spec and not conversion):
+                continue
+            given = field + (f"!{conversion}" if conversion else "") + (f":{spec}" if spec else "")
+            raise ValueError(f"topic {self.topic!r}: {why}, not {{{given}}}")

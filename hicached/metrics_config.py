@@ -14,8 +14,6 @@ import ipaddress
 
 import msgspec
 
-from hicached_backends.options import positive
-
 __all__ = ["MetricsConfig"]
 
 _Section = {"kw_only": True, "forbid_unknown_fields": True}
@@ -44,7 +42,7 @@ class MetricsConfig(msgspec.Struct, **_Section):
     # reload (SIGHUP). "" = no token: with [tenants] and no client_ca every
     # scrape is then refused, since the metrics name every tenant.
     token_file: str = ""
-    # Seconds a scrape waits for the daemon's snapshot before it fails.
+    # Seconds a scrape waits for the daemon's snapshot before it fails; an hour at most.
     scrape_timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
@@ -66,7 +64,9 @@ class MetricsConfig(msgspec.Struct, **_Section):
                 "to scrapers that authenticate (set tls_cert and tls_key, and client_ca "
                 "or token_file)"
             )
-        positive(self, "scrape_timeout_s")
+        # a wait past what the platform's clock holds (1e300) failed every scrape (500)
+        if not 0 < self.scrape_timeout_s <= 3600:
+            raise ValueError("scrape_timeout_s must be positive, an hour at most")
 
     @property
     def authenticated(self) -> bool:

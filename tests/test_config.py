@@ -150,6 +150,37 @@ def test_no_file_means_defaults() -> None:
         ("[leases]\nttl_s = inf\n", "leases.ttl_s", "finite"),
         ("[server]\nsession_idle_s = nan\n", "server.session_idle_s", "finite"),
         ("[storage]\nflush_deadline_s = -inf\n", "storage.flush_deadline_s", "finite"),
+        # a topic with more than {host} and {model} as they are: {model[0]} passed
+        # check-config and failed the daemon's start with a KeyError; a width made a
+        # string that wide at every check
+        ("[events]\ntopic = 'kv@{model[0]}'\n", "events.topic", "not {model[0]}"),
+        ("[events]\ntopic = '{host:>999999999}'\n", "events.topic", "as they are"),
+        ("[events]\ntopic = '{model.__class__}'\n", "events.topic", "as they are"),
+        ("[events]\ntopic = '{host!r}@{model}'\n", "events.topic", "not {host!r}"),
+        # a tenant's table named by its tenant: msgspec said tenants[...], not which
+        (
+            "[tenants.alpha]\nuids = [1]\n[tenants.beta]\nuids = [2]\nmax_page = 1\n",
+            "tenants.beta.max_page",
+            "unknown key",
+        ),
+        ("[tenants.alpha]\nuids = ['x']\n", "tenants.alpha.uids[0]", "Expected `int`"),
+        ("[tenants]\nalpha = 3\n", "tenants.alpha", "Expected `object`"),
+        # a uid past the kernel's 32 bits never matches a peer
+        ("[tenants.alpha]\nuids = [4294967296]\n", "tenants.alpha.uids", "0 to 4294967294"),
+        ("[tenants.alpha]\ngids = [-1]\n", "tenants.alpha.gids", "0 to 4294967294"),
+        # a check that names its field before a colon: the key was "events", not its own
+        ("[events]\nendpoint = 'ipc://'\n", "events.endpoint", "must be absolute"),
+        (
+            "[events]\nendpoint = 'ipc:///tmp/e'\nreplay_endpoint = 'udp://x'\n",
+            "events.replay_endpoint",
+            "ipc:///",
+        ),
+        # past ZeroMQ's C int of milliseconds: a stop failed with a traceback
+        ("[events]\nclose_linger_s = 3e6\n", "events.close_linger_s", "an hour at most"),
+        ("[events]\nclose_linger_s = -1.0\n", "events.close_linger_s", "not be negative"),
+        # past what a wait takes (1e300): every scrape failed with a 500
+        ("[metrics]\nscrape_timeout_s = 1e300\n", "metrics.scrape_timeout_s", "an hour at most"),
+        ("[metrics]\nscrape_timeout_s = 0.0\n", "metrics.scrape_timeout_s", "positive"),
         (
             "[leases]\nttl_s = 1.0\nsweep_interval_s = 2.0\n",
             "leases.sweep_interval_s",

@@ -684,3 +684,77 @@ def test_a_replay_request_over_the_peer_bound_drops_that_connection_unread(
         hostile.close()
         reader.close()
         ctx.term()
+
+
+def _rss_mib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) >> 10
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def test_a_subscription_longer_than_any_topic_drops_its_connection_unkept(
+    daemon_factory: Callable[..., Daemon], events_dir: Path
+) -> None:
+    """libzmq keeps every distinct prefix subscribers hold, about 48 bytes a
+    byte: a subscriber that sent 2,000 distinct prefixes of 2,000 bytes (each
+    within the 4 KiB the events socket took) grew the daemon by some 190 MiB.
+    A prefix longer than the longest topic matches nothing; its message (past
+    1 KiB, a handshake's room, here) drops the subscriber's connection before it
+    is kept. A subscriber of the longest topic there can be (a model id of the
+    most characters) is served."""
+    d, pub_at, _ = events_daemon(daemon_factory, events_dir)
+    assert d.proc is not None
+    model = "m" * 128 + "/" + "n" * 128  # the longest model id a namespace takes
+    topic = f"kv@{socket.gethostname()}@{model}".encode()
+    ctx = zmq.Context()
+    hostile = ctx.socket(zmq.XSUB)
+    hostile.setsockopt(zmq.LINGER, 0)
+    hostile.setsockopt(zmq.SNDHWM, 0)
+    reader = ctx.socket(zmq.SUB)
+    reader.setsockopt(zmq.LINGER, 0)
+    reader.setsockopt(zmq.SUBSCRIBE, topic)
+    try:
+        before = _rss_mib(d.proc.pid)
+        hostile.connect(pub_at)
+        for i in range(2000):
+            hostile.send(b"\x01" + i.to_bytes(8, "big") * 250)
+        reader.connect(pub_at)
+        time.sleep(1.0)  # let the subscriptions reach the publisher (or not)
+        grown = _rss_mib(d.proc.pid) - before
+        assert grown < 32, f"the daemon grew by {grown} MiB"
+        with d.client() as c:
+            ns = c.register(**{**NS, "model": model})
+            store_one_page_each(c, ns, 1)
+        assert reader.poll(10_000), "the subscriber of the longest topic got nothing"
+        assert reader.recv_multipart()[0] == topic
+    finally:
+        hostile.close()
+        reader.close()
+        ctx.term()
+
+
+def test_a_replay_from_past_2_63_is_read_unsigned_as_vllm_reads_it(
+    daemon_factory: Callable[..., Daemon], events_dir: Path
+) -> None:
+    """vLLM reads start_seq as an unsigned 8-byte number, and so does `hicached
+    events --from` (0 to 2**64-1); read signed, a start from 2**63 on was
+    negative and replayed every kept batch, from 0."""
+    d, _, replay_at = events_daemon(daemon_factory, events_dir)
+    with d.client() as c:
+        ns = c.register(**NS)
+        store_one_page_each(c, ns, 3)
+        wait_for(lambda: c.stats().events_pending == 0)
+    ctx = zmq.Context()
+    reader = ctx.socket(zmq.DEALER)
+    try:
+        reader.setsockopt(zmq.LINGER, 0)
+        reader.connect(replay_at)
+        reader.send_multipart([b"", (0).to_bytes(8, "big")])
+        assert read_replay(reader)[:1] == [0]  # what is kept, from 0
+        for start in (1 << 63, (1 << 64) - 1):
+            reader.send_multipart([b"", start.to_bytes(8, "big")])
+            assert read_replay(reader) == [], start  # the end marker alone
+    finally:
+        reader.close()
+        ctx.term()

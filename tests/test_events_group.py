@@ -150,6 +150,32 @@ def test_a_member_of_events_group_subscribes_and_others_do_not(
 
 
 @pytest.mark.timeout(120)
+def test_a_tenants_user_in_events_group_is_refused_and_a_router_is_not(
+    users: Users, routers: Routers
+) -> None:
+    """A member of events.group that belongs to a tenant (alpha's user, by its
+    uid) is refused by both sockets, with a warning: it read every tenant's
+    pages and token ids, beta's too, live and by replay, where a tenant's CURVE
+    key over tcp is refused. A router's user there that no tenant lists still
+    gets every batch."""
+    (a_uid, _), (b_uid, _), _ = users.ids
+    alpha = _pw(a_uid)
+    d = _daemon(users, routers.group, where="own", tenants=True)
+    subprocess.run(["usermod", "-aG", routers.group, alpha.pw_name], check=True)
+    try:
+        d.start()
+        seen_by_alpha, router = _subscribe(
+            d, [alpha, routers.router], lambda: as_user(_pw(b_uid), _store(d.endpoint))
+        )
+        assert seen_by_alpha == NONE, seen_by_alpha
+        assert router == ALL, router
+        assert "belongs to tenant alpha" in d.log.read_text()
+    finally:
+        subprocess.run(["gpasswd", "-d", alpha.pw_name, routers.group], capture_output=True)
+        d.cleanup()
+
+
+@pytest.mark.timeout(120)
 def test_in_the_runtime_directory_a_member_needs_the_clients_group_too(
     users: Users, routers: Routers
 ) -> None:

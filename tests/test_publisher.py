@@ -18,6 +18,7 @@ from hicached.config import EventsConfig
 from hicached.events import (
     END_SEQ,
     REPLAY_SLICE,
+    SKIP_FRAMES,
     SUBSCRIBER_DROPS,
     SUBSCRIBERS_CUT,
     EventLog,
@@ -177,6 +178,29 @@ async def test_one_reader_cannot_take_every_replay_and_a_refusal_is_answered(
     malformed = setup.reader()
     malformed.send_multipart([b"", b"\x00\x01"])  # not 8 bytes
     assert (await recv(malformed, timeout=2.0))[2] == END_SEQ
+
+
+async def test_a_request_of_many_frames_is_refused_and_read_over_several_turns(
+    setup: Setup,
+) -> None:
+    """A replay request is two frames past the reader's identity: a message of
+    many more is refused at once (its end marker, counted) and the rest of its
+    frames let go of SKIP_FRAMES a turn, none kept, the loop free between; the
+    request behind it is served. It was read whole in one turn, as a list: a
+    message of 3 million frames held the daemon's loop for seconds, its
+    requests past their deadlines, and took twice what libzmq held of it."""
+    setup.publish(3)
+    hostile = setup.reader()
+    hostile.send_multipart([b""] * (3 * SKIP_FRAMES + 5))
+    hostile.send_multipart([b"", (0).to_bytes(8, "big")])
+    router = setup.publisher._router
+    assert router is not None and router.poll(5000)
+    setup.publisher._on_requests()  # one turn: the refusal, and SKIP_FRAMES frames past it
+    assert setup.dropped["bad_replay_request"] == 1
+    assert getattr(setup.publisher, "_skipping", False), "the whole message was read in one turn"
+    assert await recv(hostile) == [b"", b"", END_SEQ, b""]
+    assert await read_replay(hostile) == [0, 1, 2]
+    assert setup.dropped["bad_replay_request"] == 1 and not setup.publisher._skipping
 
 
 def subscriber(setup: Setup, hwm: int = 1000) -> zmq.Socket[Any]:

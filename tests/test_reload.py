@@ -59,6 +59,18 @@ def test_keys_that_belong_together_stay_as_they_run() -> None:
     assert refused == ["pool.max_page_bytes", "pool.slab_mib"]
 
 
+def test_a_mix_that_fails_names_the_running_values_it_kept() -> None:
+    """A file valid alone whose reloadable values do not fit the running values
+    of the keys only a restart changes: the error names those, where it said
+    ttl_s (30.0) of a file that says 100 and no more."""
+    wanted = parse_config("[leases]\nttl_s = 100.0\nsweep_interval_s = 50.0\n")
+    with pytest.raises(HicachedError) as info:
+        reload_plan(parse_config(""), wanted)
+    message = str(info.value)
+    assert message.startswith("leases.sweep_interval_s: "), message
+    assert "(with the running value of leases.ttl_s: only a restart changes it)" in message
+
+
 def _wait_for(daemon: Daemon, text: str, timeout: float = 10.0) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

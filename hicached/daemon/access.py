@@ -236,11 +236,12 @@ class Access:
         tenants, it stays the daemon's user's (0600 in a directory the clients'
         group may pass): the events name every tenant's pages and their token ids,
         and every tenant's users are in the clients' group (docs/events.md). Over
-        tcp (CURVE: Config) a key that a tenant lists is refused
-        (``PeerAuthenticator``)."""
+        tcp (CURVE: Config) a key that a tenant lists is refused, and over ipc a
+        peer that a tenant lists (``PeerAuthenticator``): a tenant's user may be
+        in events.group too."""
+        if self.tenants is not None:
+            sock.setsockopt(zmq.ZAP_DOMAIN, EVENTS_DOMAIN)
         if not where.startswith("ipc://"):
-            if self.tenants is not None:
-                sock.setsockopt(zmq.ZAP_DOMAIN, EVENTS_DOMAIN)
             self.bind(sock, where, key)
             return
         path = Path(where[len("ipc://") :])

@@ -54,6 +54,7 @@ import zmq
 from hicached.cache.eventlog import EventLog
 from hicached.config import EventsConfig
 from hicached.wire.events import END_SEQ, AnyEvent, WireFormat
+from hicached.wire.namespace import MAX_MODEL_CHARS
 
 log = logging.getLogger("hicached.events")
 
@@ -76,6 +77,9 @@ MAX_REPLAYS = 32
 REPLAYS_PER_READER = 2
 # Replay requests read per wake-up before other work gets the loop.
 REPLAY_REQUESTS_PER_WAKE = 64
+# Frames past a request's read and let go of in one turn of the event loop: a
+# message of millions of frames is read over many turns, none of them kept.
+SKIP_FRAMES = 4096
 # Batches not sent because one page's event alone is larger than events.batch_kib
 # (a gap in the sequence numbers; an event of several pages is split instead).
 OVERSIZED_DROPS = "events_oversized"
@@ -86,10 +90,10 @@ MESSAGE_OVERHEAD_BYTES = 512
 # What the replay ring keeps per batch beside its payload: the tuple, the seq
 # and the bytes object's header.
 REPLAY_ENTRY_BYTES = 160
-# The largest message the sockets take from their peers (ZMQ_MAXMSGSIZE; a
+# The largest message the replay socket takes from its peers (ZMQ_MAXMSGSIZE; a
 # larger one drops that peer's connection before it is buffered): a replay
-# request's frames are at most 8 bytes, a subscription is a flag byte and a
-# topic prefix, and no topic (host and model names) comes near this.
+# request's frames are at most 8 bytes. The events socket takes a flag byte and
+# a prefix no longer than the longest topic (subscription_bytes).
 PEER_MESSAGE_BYTES = 4096
 
 
@@ -123,6 +127,31 @@ def replay_hwm(config: EventsConfig) -> int:
     room than they need."""
     budget = (config.buffer_mib << 20) // max_replays(config)
     return min(config.replay_batches + 1, _queue_messages(budget, config))
+
+
+# What a subscription message adds to its prefix: ZMTP 3.1's command name with
+# its length byte (b"\x0bUNSUBSCRIBE", 12 bytes, or b"\x09SUBSCRIBE", which
+# libzmq 4.3 sends; ZMTP 3.0's flag byte is less), and CURVE's MESSAGE box
+# around it over tcp (command name, nonce, MAC and flags: 33 bytes).
+SUBSCRIPTION_HEADER_BYTES = 12 + 33
+# The bound covers a peer's handshake too: CURVE's INITIATE takes about 280
+# bytes, and a routing id or properties a subscriber sets add theirs.
+HANDSHAKE_BYTES = 1024
+
+
+def subscription_bytes(config: EventsConfig) -> int:
+    """The largest message the events socket takes from a subscriber: a
+    subscription to a prefix as long as the longest topic frame of
+    ``events.topic`` here (the longest model id in each {model}) with its
+    header, or HANDSHAKE_BYTES where that is more; a longer prefix matches
+    nothing.
+
+    libzmq keeps every distinct prefix its subscribers hold, a node of about 48
+    bytes a byte, for as long as they stay connected: with prefixes of up to
+    4 KiB, a subscriber that sent 2,000 distinct ones grew the daemon by 380 MiB.
+    A longer message drops its subscriber's connection before it is kept."""
+    longest = config.topic.format(host=socket.gethostname(), model="m" * MAX_MODEL_CHARS)
+    return max(HANDSHAKE_BYTES, SUBSCRIPTION_HEADER_BYTES + len(longest.encode()))
 
 
 def topic_template(config: EventsConfig) -> Callable[[str], bytes]:
@@ -265,6 +294,7 @@ class Publisher:
         self._replays: dict[bytes, asyncio.Task[None]] = {}  # each reader's last replay
         self._per_reader: collections.Counter[bytes] = collections.Counter()  # live replays
         self._live: set[asyncio.Task[None]] = set()
+        self._skipping = False  # the frames of a message that is not a request remain
         self._warned_at = -REFUSAL_WARNING_S  # when refused batches were last logged
         log.count_drops_in(dropped)
 
@@ -301,7 +331,7 @@ class Publisher:
         # A subscriber's full queue refuses the send (zmq.Again), so the drop is ours
         # to count; a PUB socket would drop the batch for that subscriber unseen.
         pub.setsockopt(zmq.XPUB_NODROP, 1)
-        pub.setsockopt(zmq.MAXMSGSIZE, PEER_MESSAGE_BYTES)
+        pub.setsockopt(zmq.MAXMSGSIZE, subscription_bytes(self.config))
         self._bind(pub, self.config.endpoint, "events.endpoint")
         return pub
 
@@ -469,15 +499,30 @@ class Publisher:
         sock, loop = self._router, self._loop
         if sock is None or loop is None:
             return
+        if self._skipping and not self._skip(sock, loop):
+            return
         for _ in range(REPLAY_REQUESTS_PER_WAKE):
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
+                frame = sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
+            # A request has 2 or 3 frames: a third past the identity is enough to
+            # refuse it, and the rest is let go of unread a turn at a time (a peer
+            # that sent millions held the loop, and doubled their memory, as a list).
+            frames = [frame.bytes]
+            while frame.more and len(frames) < 4:
+                frame = sock.recv(zmq.NOBLOCK, copy=False)
+                frames.append(frame.bytes)
             envelope, body = frames[:-1], frames[-1]
-            if not envelope or len(body) != 8 or len(frames) > 3:
+            if frame.more or not envelope or len(body) != 8 or len(frames) > 3:
                 self._count("bad_replay_request")
+                if len(frames) > 3:  # its identity, and the delimiter a DEALER sent
+                    envelope = frames[:2] if frames[1] == b"" else frames[:1]
                 self._refuse(envelope)
+                if frame.more:
+                    self._skipping = True
+                    if not self._skip(sock, loop):
+                        return
                 continue
             reader = envelope[0]
             busy = len(self._live) >= self._max_replays
@@ -485,13 +530,23 @@ class Publisher:
                 self._count("replay_busy")
                 self._refuse(envelope)
                 continue
-            start = int.from_bytes(body, "big", signed=True)
+            start = int.from_bytes(body, "big")  # unsigned, as vLLM reads it
             task = loop.create_task(self._replay(envelope, start, self._replays.get(reader)))
             self._replays[reader] = task
             self._per_reader[reader] += 1
             self._live.add(task)
             task.add_done_callback(functools.partial(self._replay_done, reader))
         loop.call_soon(self._on_requests)  # more may wait; let others run first
+
+    def _skip(self, sock: zmq.Socket[bytes], loop: asyncio.AbstractEventLoop) -> bool:
+        """Read and let go of the rest of a message that is not a request, up to
+        SKIP_FRAMES frames; False when frames remain (another turn reads on)."""
+        for _ in range(SKIP_FRAMES):
+            if not sock.recv(zmq.NOBLOCK, copy=False).more:
+                self._skipping = False
+                return True
+        loop.call_soon(self._on_requests)
+        return False
 
     def _refuse(self, envelope: list[bytes]) -> None:
         """Answer a request that is not served with the end marker alone, so the

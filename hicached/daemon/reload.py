@@ -67,7 +67,10 @@ def reload_plan(running: Config, wanted: Config) -> tuple[Config, dict[str, Any]
     try:
         config = msgspec.convert(merged, Config)
     except msgspec.ValidationError as exc:
-        raise ConfigError(with_dotted_path(str(exc))) from None
+        why = with_dotted_path(str(exc))
+        if refused:  # the file alone is valid: a value it names may not be the one checked
+            why += f" (with the running value of {', '.join(refused)}: only a restart changes it)"
+        raise ConfigError(why) from None
     return config, applied, refused
 
 

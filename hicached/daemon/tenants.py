@@ -57,6 +57,16 @@ MEMBERSHIP_MAX_UIDS = 4096
 log = logging.getLogger("hicached.auth")
 
 
+def ipc_credentials(address: str) -> tuple[int, int, int] | None:
+    """(uid, gid, pid) from the address libzmq reports for an ipc peer,
+    "<host>:<uid>:<gid>:<pid>" (the kernel's peer credentials); None for another."""
+    parts = address.rsplit(":", 3)
+    if len(parts) == 4 and all(part.isascii() and part.isdigit() for part in parts[1:]):
+        uid, gid, pid = (int(part) for part in parts[1:])
+        return uid, gid, pid
+    return None
+
+
 def user_groups(uid: int) -> list[int]:
     """The groups ``uid``'s user is a member of as passwd and group list them
     now: its primary group and its supplementary ones; none for a uid without a
@@ -163,13 +173,17 @@ class TenantMap:
         """A peer without CURVE, by the address libzmq reports: over ipc
         "<host>:<uid>:<gid>:<pid>" from the kernel's peer credentials; over
         tcp an IP address, which says nothing of who the peer is."""
-        parts = address.rsplit(":", 3)
-        if self.ipc and len(parts) == 4 and all(part.isdigit() for part in parts[1:]):
-            uid, gid, pid = (int(part) for part in parts[1:])
-            name = self.by_uid.get(uid) or self.by_gid.get(gid) or self._member(uid)
-            return name or self.others or f"!uid {uid}, gid {gid}, pid {pid}"
+        credentials = ipc_credentials(address) if self.ipc else None
+        if credentials is not None:
+            uid, gid, pid = credentials
+            return self.listed(uid, gid) or self.others or f"!uid {uid}, gid {gid}, pid {pid}"
         what = "an ipc peer without credentials" if self.ipc else f"tcp {address} without CURVE"
         return self.others or f"!{what}"
+
+    def listed(self, uid: int, gid: int) -> str:
+        """The tenant that lists ``uid``, else its current ``gid``, else a group its
+        user is a member of ("" when none; the others tenant is not counted)."""
+        return self.by_uid.get(uid) or self.by_gid.get(gid) or self._member(uid)
 
     def _member(self, uid: int) -> str:
         """The tenant of a listed group that ``uid``'s user is a member of; of
@@ -263,10 +277,16 @@ class PeerAuthenticator(ThreadAuthenticator):
     def _events_peer(
         self, request_id: bytes, where: str, mechanism: bytes, credentials: list[bytes]
     ) -> None:
-        """A subscriber of the KV events over tcp, with tenants: an authorized
-        CURVE key that no tenant lists (a router's); a tenant's client reads its
-        own pages through requests, never every tenant's through the events."""
+        """A subscriber of the KV events, with tenants: over tcp an authorized
+        CURVE key that no tenant lists (a router's), over ipc a peer that no
+        tenant lists by its uid, its current gid or a group its user is in (a
+        router's user in events.group; root and the daemon's user always); a
+        tenant's client reads its own pages through requests, never every
+        tenant's through the events."""
         assert self.tenants is not None
+        if mechanism == b"NULL":
+            self._events_ipc_peer(request_id, where)
+            return
         key = z85.encode(credentials[0]) if mechanism == b"CURVE" and len(credentials) == 1 else b""
         if not key or key not in self.authorized:
             self._send_zap_reply(request_id, b"400", b"Unknown key")
@@ -281,6 +301,27 @@ class PeerAuthenticator(ThreadAuthenticator):
                 tenant,
             )
             self._send_zap_reply(request_id, b"400", b"A tenant's key")
+            return
+        self._send_zap_reply(request_id, b"200", b"OK", "events")
+
+    def _events_ipc_peer(self, request_id: bytes, where: str) -> None:
+        assert self.tenants is not None
+        credentials = ipc_credentials(where)
+        if credentials is None:  # not an ipc peer: over tcp the events need CURVE
+            self._send_zap_reply(request_id, b"400", b"Unknown peer")
+            return
+        uid, gid, pid = credentials
+        tenant = "" if uid in (0, os.getuid()) else self.tenants.listed(uid, gid)
+        if tenant:
+            self.log.warning(
+                "KV events: refused uid %d, gid %d, pid %d: it belongs to tenant %s, and the "
+                "events name every tenant's pages; take its user out of events.group",
+                uid,
+                gid,
+                pid,
+                tenant,
+            )
+            self._send_zap_reply(request_id, b"400", b"A tenant's peer")
             return
         self._send_zap_reply(request_id, b"200", b"OK", "events")
 

@@ -16,6 +16,7 @@ from hicached.errors import InvalidNamespace
 
 # Model ids look like "org/name"; every part must be safe in a path and a metric label.
 _MODEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}(/[A-Za-z0-9][A-Za-z0-9._-]{0,127})?")
+MAX_MODEL_CHARS = 257  # the longest model id _MODEL_RE takes: two parts of 128 and the slash
 _TOKEN_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _LOWER_RE = re.compile(r"[a-z0-9][a-z0-9_]{0,63}")
 _SCHEME_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,63}")
