@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import sys
 import threading
 import time
@@ -55,13 +56,27 @@ def _source(data: Any, pages: int, page_bytes: int) -> np.ndarray:
     """``data`` (a numpy array or a CPU torch tensor of any dtype) as (pages,
     page_bytes) bytes; a copy if it is not contiguous."""
     if type(data).__module__.startswith("torch"):
+        _on_host(data, "the data")
         data = data.detach().contiguous().view(-1).view(sys.modules["torch"].uint8).numpy()
     array = np.ascontiguousarray(data)
     _plain(array, "the data")
-    view = array.reshape(pages, -1).view(np.uint8)
-    if view.shape[1] != page_bytes:
-        raise ValueError(f"each page must be {page_bytes} bytes, got {view.shape[1]}")
-    return view
+    if array.nbytes != pages * page_bytes:
+        raise ValueError(
+            f"the data must hold {pages} pages of {page_bytes} bytes, not {array.nbytes} bytes"
+        )
+    return array.reshape(-1).view(np.uint8).reshape(pages, page_bytes)
+
+
+def _on_host(tensor: Any, what: str) -> None:
+    """ValueError unless a torch tensor that is not a CUDA one is dense and in
+    host memory, where numpy can view it (a meta, sparse or other device's
+    tensor has no bytes there)."""
+    torch = sys.modules["torch"]
+    if tensor.layout != torch.strided or tensor.device.type != "cpu":
+        raise ValueError(
+            f"{what} must be an array, a CPU tensor or a CUDA tensor, not a {tensor.layout} "
+            f"tensor on {tensor.device}"
+        )
 
 
 def _plain(array: np.ndarray, what: str) -> None:
@@ -76,21 +91,23 @@ def _segment(seg: Any, writable: bool) -> np.ndarray:
     """A segment (numpy array or CPU tensor, rows first) as (rows, bytes) sharing
     its memory. Rows may be strided (a slice of a wider array), the bytes of
     one row may not: such a source is copied, such a destination refused."""
-    if type(seg).__module__.startswith("torch"):
+    if type(seg).__module__.startswith("torch") and seg.dim() >= 1:
+        _on_host(seg, "a segment")
         seg = seg.detach()
         torch = sys.modules["torch"]
+        shape = (seg.shape[0], math.prod(seg.shape[1:]))  # no -1: a segment may have no rows
         try:
-            seg = seg.view(seg.shape[0], -1).view(torch.uint8).numpy()
+            seg = seg.view(shape).view(torch.uint8).numpy()
         except RuntimeError:
             if writable:
                 raise ValueError("each row of a segment to read into must be contiguous") from None
-            seg = seg.contiguous().view(seg.shape[0], -1).view(torch.uint8).numpy()
+            seg = seg.contiguous().view(shape).view(torch.uint8).numpy()
     if not isinstance(seg, np.ndarray) or seg.ndim < 1:
         raise ValueError("segments must be arrays or tensors with one row per page or block")
     _plain(seg, "a segment")
     if writable and not seg.flags.writeable:
         raise ValueError("segments to read into must be writable")
-    flat = seg.reshape(seg.shape[0], -1)
+    flat = seg.reshape(seg.shape[0], math.prod(seg.shape[1:]))
     if flat.size and (flat.strides[1] != flat.itemsize or not np.shares_memory(flat, seg)):
         if writable:
             raise ValueError("each row of a segment to read into must be contiguous")
@@ -171,6 +188,7 @@ def _destination(out: Any, pages: int, page_bytes: int) -> np.ndarray:
     """``out`` as (pages, page_bytes) bytes sharing its memory, never a copy (a
     copy would leave ``out`` as it was)."""
     if type(out).__module__.startswith("torch"):
+        _on_host(out, "out")
         if not out.is_contiguous():
             raise ValueError("out must be a contiguous tensor")
         out = out.detach().view(-1).view(sys.modules["torch"].uint8).numpy()
@@ -511,6 +529,8 @@ class PoolMapping:
         on_gpu = cuda_tensor(segs[0])
         if on_gpu and not all(cuda_tensor(seg) for seg in segs):
             raise ValueError("segments must all be CUDA tensors or all host memory")
+        if on_gpu and any(seg.dim() < 1 for seg in segs):
+            raise ValueError("segments must be arrays or tensors with one row per page or block")
         views: list[Any] = segs if on_gpu else [_segment(s, writable=not to_pool) for s in segs]
         widths = [_row_bytes(seg) if on_gpu else seg.shape[1] for seg in views]
         starts = starts_of(at, widths, ns.page_bytes)
@@ -524,7 +544,8 @@ class PoolMapping:
                 raise ValueError("rows to read into must differ: two pages cannot fill one row")
             height = min(int(seg.shape[0]) for seg in views)
             if len(picks) != n or (n and (int(picks.min()) < 0 or int(picks.max()) >= height)):
-                raise ValueError(f"rows must be {n} row numbers in 0..{height - 1}, one per page")
+                among = f"in 0..{height - 1}" if height else "(a segment has no rows)"
+                raise ValueError(f"rows must be {n} row numbers {among}, one per page")
         elif any(int(seg.shape[0]) != n for seg in views):
             raise ValueError(f"each segment must have {n} rows, one per page (or give rows)")
         what = "reservation" if to_pool else "hit"

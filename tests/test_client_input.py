@@ -1,0 +1,119 @@
+"""Bad input to the client's copies and handles gets a clear error before
+anything is copied: data, ``out``, segments and start bytes that are not what
+a copy takes are refused with a message that says what it takes (ValueError,
+as ``write_pages`` documents), portable handles that no ``portable()`` made
+with BadRequest, never an error of numpy or torch from deep inside the copy;
+and the pages keep the bytes last committed. All against a real daemon."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+
+from hicached import Client
+from hicached.client.handles import Namespace
+from tests.support import Daemon
+
+PAGE = 8192
+SPEC = dict(
+    model="org/input",
+    kv_dtype="bfloat16",
+    layout="layer_first",
+    page_tokens=32,
+    page_bytes=PAGE,
+    key_scheme="vllm-sha256",
+)
+
+
+def engine_keys(n: int, salt: int) -> list[bytes]:
+    out, parent = [], bytes(32)
+    for i in range(n):
+        parent = hashlib.sha256(parent + bytes([salt, i])).digest()
+        out.append(parent + bytes(4))
+    return out
+
+
+def stored(c: Client, salt: int) -> tuple[Namespace, list[bytes], np.ndarray]:
+    """Two pages committed under fresh keys: the namespace, the keys, the bytes."""
+    ns = c.register(**SPEC)
+    keys = engine_keys(2, salt)
+    data = np.random.default_rng(salt).integers(0, 256, (2, PAGE), dtype=np.uint8)
+    res = c.reserve_keys(ns, keys)
+    c.write_pages(res, data)
+    c.commit(res)
+    return ns, keys, data
+
+
+def test_data_of_the_wrong_size_says_how_many_bytes_it_must_hold(daemon: Daemon) -> None:
+    """Data that is not an array of pages (bytes, a scalar, text) or holds
+    another number of bytes is refused with the size it must have."""
+    with daemon.client() as c:
+        ns = c.register(**SPEC)
+        res = c.reserve_keys(ns, engine_keys(2, 1))
+        for wrong in (b"x" * 100, np.uint8(3), "text", np.zeros((1, PAGE), np.uint8)):
+            with pytest.raises(ValueError, match=f"2 pages of {PAGE} bytes"):
+                c.write_pages(res, wrong)
+        c.abort(res)
+
+
+def test_tensors_outside_host_memory_are_refused(daemon: Daemon) -> None:
+    """A meta or sparse tensor has no bytes numpy can view: a clear error for
+    the data, ``out`` and a segment, not torch's TypeError or RuntimeError."""
+    torch = pytest.importorskip("torch")
+    with daemon.client() as c:
+        ns, keys, data = stored(c, 2)
+        res = c.reserve_keys(ns, engine_keys(2, 3))
+        meta = torch.zeros((2, PAGE), dtype=torch.uint8, device="meta")
+        sparse = torch.zeros((2, PAGE), dtype=torch.uint8).to_sparse()
+        for wrong in (meta, sparse):
+            with pytest.raises(ValueError, match="CPU tensor or a CUDA tensor"):
+                c.write_pages(res, wrong)
+            with pytest.raises(ValueError, match="CPU tensor or a CUDA tensor"):
+                c.write_pages(res, [wrong])
+        c.abort(res)
+        hit = c.match_keys(ns, keys)
+        for wrong in (meta, sparse):
+            with pytest.raises(ValueError, match="CPU tensor or a CUDA tensor"):
+                c.read_pages(hit, wrong)
+            with pytest.raises(ValueError, match="CPU tensor or a CUDA tensor"):
+                c.read_pages(hit, [wrong])
+        assert np.array_equal(c.read_pages(hit), data)
+        c.release(hit)
+
+
+def test_segments_without_rows_are_refused_clearly(daemon: Daemon) -> None:
+    """A 0-d tensor is no segment, and rows of a segment with none are out of
+    range: ValueErrors that say so (an IndexError or a reshape error before)."""
+    torch = pytest.importorskip("torch")
+    with daemon.client() as c:
+        ns, keys, data = stored(c, 4)
+        res = c.reserve_keys(ns, engine_keys(2, 5))
+        with pytest.raises(ValueError, match="one row per page"):
+            c.write_pages(res, [torch.tensor(1, dtype=torch.uint8)])
+        for empty in (np.zeros((0, 16), np.uint8), torch.zeros((0, 16), dtype=torch.uint8)):
+            with pytest.raises(ValueError, match="no rows"):
+                c.write_pages(res, [empty], rows=[0, 1])
+        c.abort(res)
+        hit = c.match_keys(ns, keys)
+        with pytest.raises(ValueError, match="no rows"):
+            c.read_pages(hit, [np.zeros((0, 16), np.uint8)], rows=[0, 1])
+        assert np.array_equal(c.read_pages(hit), data)
+        c.release(hit)
+
+
+def test_a_numpy_start_byte_past_the_page_is_refused(daemon: Daemon) -> None:
+    """``at`` as an unsigned numpy integer near its top used to pass the check
+    (the sum wrapped) and fail inside the copy with numpy's broadcast error."""
+    with daemon.client() as c:
+        ns, keys, data = stored(c, 6)
+        res = c.reserve_keys(ns, engine_keys(2, 7))
+        with pytest.raises(ValueError, match="do not fit"):
+            c.write_pages(res, np.zeros((2, 16), np.uint8), at=np.uint64(2**64 - 8))
+        c.abort(res)
+        hit = c.match_keys(ns, keys)
+        with pytest.raises(ValueError, match="do not fit"):
+            c.read_pages(hit, np.zeros((2, 16), np.uint8), at=np.uint32(2**32 - 8))
+        assert np.array_equal(c.read_pages(hit), data)
+        c.release(hit)
