@@ -8,12 +8,16 @@ and the pages keep the bytes last committed. All against a real daemon."""
 from __future__ import annotations
 
 import hashlib
+import math
+import time
 
+import msgspec
 import numpy as np
 import pytest
 
 from hicached import Client
 from hicached.client.handles import Namespace
+from hicached.errors import BadRequest
 from tests.support import Daemon
 
 PAGE = 8192
@@ -117,3 +121,44 @@ def test_a_numpy_start_byte_past_the_page_is_refused(daemon: Daemon) -> None:
             c.read_pages(hit, np.zeros((2, 16), np.uint8), at=np.uint32(2**32 - 8))
         assert np.array_equal(c.read_pages(hit), data)
         c.release(hit)
+
+
+def test_portable_handles_no_portable_call_made_are_refused(daemon: Daemon) -> None:
+    """Fields a handle's ``portable()`` never gives (another kind, generations
+    that are not one uint32 per offset, pages of no bytes, a deadline that is
+    not a number) are a BadRequest at ``adopt``: before, the kind was taken as
+    a read, numpy's error or a ZeroDivisionError came out of the copy, and a
+    NaN deadline let copies go on past the lease's end forever."""
+    with daemon.client() as owner, daemon.client() as worker:
+        ns, keys, data = stored(owner, 8)
+        hit = owner.match_keys(ns, keys)
+        wire = hit.portable()
+        spec = msgspec.structs.replace(wire.spec, page_bytes=0)
+        for bad, match in (
+            (dict(kind="copy"), "kind"),
+            (dict(gens=wire.gens[:-1]), "one generation per offset"),
+            (dict(spec=spec), "pages of 0 bytes"),
+            (dict(deadline=math.nan), "not a number"),
+        ):
+            with pytest.raises(BadRequest, match=match):
+                worker.adopt(msgspec.structs.replace(wire, **bad))  # type: ignore[arg-type]
+        assert np.array_equal(worker.read_pages(worker.adopt(wire)), data)  # type: ignore[arg-type]
+        owner.release(hit)
+
+
+def test_an_adopted_handle_stops_its_copies_within_a_lease_of_its_daemon(daemon: Daemon) -> None:
+    """A portable handle whose deadline lies past any lease the daemon grants
+    (never one ``portable()`` gives: the lease was granted before it was made)
+    is adopted with a deadline within ``lease_ttl_s`` from now: a late write
+    stops before the quarantine of its expired lease's slots ends."""
+    with daemon.client() as owner, daemon.client() as worker:
+        ns = owner.register(**SPEC)
+        res = owner.reserve_keys(ns, engine_keys(2, 9))
+        ttl = owner._hello.lease_ttl_s  # type: ignore[union-attr]
+        for deadline in (math.inf, time.monotonic() + 1000 * ttl):
+            wire = msgspec.structs.replace(res.portable(), deadline=deadline)
+            view = worker.adopt(wire)
+            assert view.deadline <= time.monotonic() + ttl
+        same = worker.adopt(res.portable())  # as portable() gave it: as it was
+        assert same.deadline == res.deadline
+        owner.abort(res)

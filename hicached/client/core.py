@@ -365,13 +365,17 @@ class _Core(Dealer):
         retired = handle.kind == "read" and self._pool.retired(handle.instance) is not None
         if self._hello is None or (handle.instance != self._instance and not retired):
             raise StaleHandle("this handle is from another daemon instance than this client's")
+        if handle.kind not in ("write", "read"):
+            raise BadRequest(f"a portable handle is of kind 'write' or 'read', not {handle.kind!r}")
         if handle.kind == "write" and not handle.spec.keyed:
             raise BadRequest(TOKEN_WRITE)
-        ns = Namespace(handle.spec, 0, b"")
-        gens = np.frombuffer(handle.gens, dtype=np.uint32).copy()
-        if len(gens) != len(handle.offsets):
+        if handle.spec.page_bytes < 1:
+            raise BadRequest(f"a portable handle of pages of {handle.spec.page_bytes} bytes")
+        if len(handle.gens) != 4 * len(handle.offsets):  # uint32 each
             raise BadRequest("a portable handle needs one generation per offset")
-        state = LeaseState(handle.deadline)
+        gens = np.frombuffer(handle.gens, dtype=np.uint32).copy()
+        ns = Namespace(handle.spec, 0, b"")
+        state = LeaseState(self._adopted_deadline(handle))
         offsets = list(handle.offsets)
         if handle.kind == "write":
             return Reservation(
@@ -379,6 +383,20 @@ class _Core(Dealer):
             )
         hits = len(offsets)
         return Hit(ns, hits, offsets, handle.lease, handle.instance, 0, state, gens, view=True)
+
+    def _adopted_deadline(self, handle: PortableHandle) -> float:
+        """When copies through an adopted handle stop: its deadline, which no
+        lease of the daemon this client speaks to passes by more than its
+        ``lease_ttl_s`` from now (the lease was granted or renewed before the
+        handle was made). Copies must stop before a lease's end: the
+        quarantine of an expired write lease's slots covers only a late
+        copy's margin, so a deadline that is not a number, or past any lease
+        of the daemon, would let a write land in a reused page."""
+        if math.isnan(handle.deadline):
+            raise BadRequest("a portable handle's deadline is not a number")
+        if handle.instance != self._instance:  # an earlier daemon's read handle
+            return handle.deadline  # served while its pool's leases may live (poolview.py)
+        return min(handle.deadline, self._deadline(time.monotonic()))
 
     def _hit(self, ns: Namespace, ok: p.MatchOk, sent: float) -> Hit:
         if not ok.lease:
