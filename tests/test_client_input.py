@@ -162,3 +162,23 @@ def test_an_adopted_handle_stops_its_copies_within_a_lease_of_its_daemon(daemon:
         same = worker.adopt(res.portable())  # as portable() gave it: as it was
         assert same.deadline == res.deadline
         owner.abort(res)
+
+
+def test_numpy_numbers_in_a_call_are_sent_as_numbers(daemon: Daemon) -> None:
+    """A page count or a flag an engine computed with numpy goes to the daemon
+    as the number it is (before, msgspec's TypeError came out of the call); a
+    value no request carries is a BadRequest."""
+    with daemon.client() as c:
+        ns, keys, data = stored(c, 10)
+        fetch = c.prefetch_keys(ns, keys, max_pages=np.int32(1))
+        c.cancel(fetch)
+        hit = c.match_keys(ns, keys, lease=np.bool_(True))  # type: ignore[arg-type]
+        assert hit.hits == 2 and np.array_equal(c.read_pages(hit), data)
+        c.release(hit)
+        more = engine_keys(3, 11)
+        res = c.reserve_keys(ns, more)
+        c.write_pages(res, np.zeros((3, PAGE), np.uint8))
+        with pytest.raises(BadRequest, match="complex"):
+            c.commit(res, complex(2))  # type: ignore[arg-type]
+        assert c.commit(res, np.int64(2)).published == 2
+        assert c.match_keys(ns, more).hits == 2
