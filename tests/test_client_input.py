@@ -182,3 +182,23 @@ def test_numpy_numbers_in_a_call_are_sent_as_numbers(daemon: Daemon) -> None:
             c.commit(res, complex(2))  # type: ignore[arg-type]
         assert c.commit(res, np.int64(2)).published == 2
         assert c.match_keys(ns, more).hits == 2
+
+
+def test_a_handle_of_a_client_that_maps_no_pool_is_not_copied_through(daemon: Daemon) -> None:
+    """A client with ``map_pool=False`` notes no generations for its handles:
+    another client copying through one had no fence (one page was copied
+    unchecked, two failed in numpy's broadcast). It is refused."""
+    with daemon.client() as c, Client(daemon.endpoint, map_pool=False) as remote:
+        ns, keys, data = stored(c, 12)
+        hit = remote.match_keys(remote.register(**SPEC), keys)
+        res = remote.reserve_keys(remote.register(**SPEC), engine_keys(1, 13))
+        for view in (hit.select([0]), hit):
+            with pytest.raises(BadRequest, match="does not map the pool"):
+                c.read_pages(view)
+        with pytest.raises(BadRequest, match="does not map the pool"):
+            c.write_pages(res, np.zeros((1, PAGE), np.uint8))
+        remote.release(hit)
+        remote.abort(res)
+        hit = c.match_keys(ns, keys)
+        assert np.array_equal(c.read_pages(hit), data)
+        c.release(hit)

@@ -368,6 +368,13 @@ class PoolMapping:
             raise StaleHandle(
                 f"this {what}'s lease is at or past its deadline: renew it before long copies"
             )
+        if handle.lease and len(handle.gens) != len(handle.offsets):
+            # granted to a client that maps no pool (map_pool=False): no generations
+            # were noted, and a copy without them would have no fence at all
+            raise BadRequest(
+                f"this {what} was granted to a client that does not map the pool: "
+                "copy through handles of a client that does"
+            )
         return array, gens
 
     @staticmethod
