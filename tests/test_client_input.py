@@ -202,3 +202,31 @@ def test_a_handle_of_a_client_that_maps_no_pool_is_not_copied_through(daemon: Da
         hit = c.match_keys(ns, keys)
         assert np.array_equal(c.read_pages(hit), data)
         c.release(hit)
+
+
+def test_a_call_given_the_wrong_kind_of_handle_says_what_it_takes(daemon: Daemon) -> None:
+    """A Fetch, a Hit or None where another handle goes is a BadRequest that
+    names what the call takes (an AttributeError before, or a message naming
+    another kind than the one given); nothing is copied or ended."""
+    with daemon.client() as c:
+        ns, keys, data = stored(c, 14)
+        fetch = c.prefetch_keys(ns, keys)
+        hit = c.match_keys(ns, keys)
+        miss = c.match_keys(ns, engine_keys(1, 15))  # no slots: was taken as written
+        calls = [
+            (lambda: c.write_pages(fetch, data), "write_pages takes a Reservation"),  # type: ignore[arg-type]
+            (lambda: c.write_pages(miss, data[:0]), "not a Hit"),  # type: ignore[arg-type]
+            (lambda: c.start_write(None, data), "not None"),  # type: ignore[arg-type]
+            (lambda: c.read_pages(fetch), "read_pages takes a Hit.*not a Fetch"),  # type: ignore[arg-type]
+            (lambda: c.start_read(None), "not None"),  # type: ignore[arg-type]
+            (lambda: c.renew(fetch), "renew takes"),  # type: ignore[arg-type]
+            (lambda: c.progress(hit), "progress takes a Fetch"),  # type: ignore[arg-type]
+            (lambda: c.commit(None), "commit takes"),  # type: ignore[arg-type]
+            (lambda: c.release(None), "release takes"),  # type: ignore[arg-type]
+            (lambda: c.adopt(hit), "adopt takes a PortableHandle"),  # type: ignore[arg-type]
+        ]
+        for call, match in calls:
+            with pytest.raises(BadRequest, match=match):
+                call()
+        assert np.array_equal(c.read_pages(hit), data)
+        c.release(hit)

@@ -49,6 +49,7 @@ from hicached.client.handles import (
     Namespace,
     PortableHandle,
     Reservation,
+    check_kind,
 )
 from hicached.client.mapping import lease_margin
 from hicached.client.poolview import PoolView
@@ -291,6 +292,7 @@ class _Core(Dealer):
     def _commit(
         self, res: Reservation | Fetch, pages: int | None, ok: Sequence[bool] | None = None
     ) -> Exchange:
+        check_kind(res, (Reservation, Fetch), "commit", "a Reservation or a Fetch (from prefetch)")
         mask = b""
         if ok is not None:
             if not isinstance(res, Reservation) or len(ok) != len(res.offsets):
@@ -362,6 +364,7 @@ class _Core(Dealer):
         daemon): write_pages/read_pages through it, while the process that holds
         the lease commits or releases it. Copies through it are fenced as any;
         ``Client.adopt`` first catches up with a daemon that restarted."""
+        check_kind(handle, PortableHandle, "adopt", "a PortableHandle (from portable())")
         retired = handle.kind == "read" and self._pool.retired(handle.instance) is not None
         if self._hello is None or (handle.instance != self._instance and not retired):
             raise StaleHandle("this handle is from another daemon instance than this client's")
@@ -413,6 +416,7 @@ class _Core(Dealer):
         )
 
     def _renew(self, handle: Reservation | Hit) -> Exchange:
+        check_kind(handle, (Reservation, Hit), "renew", "a Reservation or a Hit")
         if handle.closed or not handle.lease or handle.instance != self._instance:
             raise UnknownLease("this handle holds no open lease to renew")
         sent = time.monotonic()
@@ -423,6 +427,7 @@ class _Core(Dealer):
         return None
 
     def _progress(self, pf: Fetch) -> Exchange:
+        check_kind(pf, Fetch, "progress", "a Fetch (from prefetch)")
         if not pf.lease:
             return FetchProgress(planned=0, completed=0, done=True, failed=False)
         if pf.instance != self._instance:
@@ -453,6 +458,7 @@ class _Core(Dealer):
         """Whether the daemon must be asked to end ``handle``'s lease (not when it
         holds none, or when it ended with the daemon that granted it); a view
         made by select() is refused."""
+        check_kind(handle, (Reservation, Hit, Fetch), "release", "a Reservation, a Hit or a Fetch")
         if not isinstance(handle, Fetch):
             _own(handle, "release")
         return bool(handle.lease) and handle.instance == self._instance

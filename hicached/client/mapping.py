@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from hicached.client.gather import gather, scatter
-from hicached.client.handles import Hit, Namespace, Reservation
+from hicached.client.handles import Hit, Namespace, Reservation, check_kind
 from hicached.client.pieces import starts_of
 from hicached.errors import BadRequest, StaleHandle
 from hicached.wire.arena import Arena
@@ -401,8 +401,7 @@ class PoolMapping:
         """``write``, started: a CUDA copy is queued on the current stream and not
         waited for; the fence before it is checked now, the one after it by the
         ``PendingCopy``."""
-        if not isinstance(res, Reservation):
-            raise BadRequest("write_pages takes a Reservation (from reserve), not a Hit")
+        check_kind(res, Reservation, "write_pages", "a Reservation (from reserve)")
         offsets = res.offsets
         if not offsets:
             self._fence(res, "reservation")
@@ -448,8 +447,7 @@ class PoolMapping:
         """``read``, started: a CUDA copy is queued on the current stream and not
         waited for; ``out`` holds the pages only once the ``PendingCopy``
         finished without ``StaleHandle``."""
-        if not isinstance(hit, Hit):
-            raise BadRequest("read_pages takes a Hit (from a leased match), not a Reservation")
+        check_kind(hit, Hit, "read_pages", "a Hit (from a leased match)")
         array, gens = self._fence(hit, "hit")
         if not hit.lease and hit.offsets:
             raise BadRequest("this hit holds no lease: match with lease=True to copy its pages")
