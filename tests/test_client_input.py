@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import threading
 import time
 
 import msgspec
@@ -17,6 +18,7 @@ import pytest
 
 from hicached import Client
 from hicached.client.handles import Namespace
+from hicached.client.mapping import PendingCopy
 from hicached.errors import BadRequest
 from tests.support import Daemon
 
@@ -230,3 +232,31 @@ def test_a_call_given_the_wrong_kind_of_handle_says_what_it_takes(daemon: Daemon
                 call()
         assert np.array_equal(c.read_pages(hit), data)
         c.release(hit)
+
+
+class _Moving:
+    """A CUDA event whose copy never ends (fault injection: a GPU that hangs)."""
+
+    def query(self) -> bool:
+        return False
+
+
+def test_a_wait_for_a_copy_takes_no_nan_timeout() -> None:
+    """A NaN timeout is no deadline a clock reaches: the wait for a copy that
+    never ends polled forever. It is refused; a number still ends the wait."""
+    none = np.empty(0, dtype=np.int64)
+    pending = PendingCopy("kernel", none, none, none, "stale", end=_Moving())
+    said: list[object] = []
+
+    def wait() -> None:
+        try:
+            said.append(pending.wait(math.nan))
+        except ValueError as exc:
+            said.append(exc)
+
+    waiter = threading.Thread(target=wait, daemon=True)  # a hang must not hold the run
+    waiter.start()
+    waiter.join(10)
+    assert not waiter.is_alive(), "the wait did not end"
+    assert isinstance(said[0], ValueError) and "NaN" in str(said[0])
+    assert not pending.wait(0.01)

@@ -248,6 +248,8 @@ class PendingCopy:
 
     def wait(self, timeout: float) -> bool:
         """Until the bytes have moved or ``timeout`` seconds passed; whether they have."""
+        if math.isnan(timeout):  # no deadline a clock reaches: a copy that hangs, forever
+            raise ValueError("wait takes a timeout in seconds, not NaN")
         deadline = time.monotonic() + timeout
         while not self.done():
             if time.monotonic() >= deadline:
