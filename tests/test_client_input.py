@@ -89,9 +89,11 @@ def test_tensors_outside_host_memory_are_refused(daemon: Daemon) -> None:
         c.release(hit)
 
 
-def test_segments_without_rows_are_refused_clearly(daemon: Daemon) -> None:
-    """A 0-d tensor is no segment, and rows of a segment with none are out of
-    range: ValueErrors that say so (an IndexError or a reshape error before)."""
+def test_segments_and_rows_a_copy_cannot_take_are_refused_clearly(daemon: Daemon) -> None:
+    """A 0-d tensor is no segment, rows of a segment with none are out of
+    range, and rows on a device or in a ragged list are no row numbers:
+    ValueErrors that say so (an IndexError, a reshape error or torch's
+    TypeError before)."""
     torch = pytest.importorskip("torch")
     with daemon.client() as c:
         ns, keys, data = stored(c, 4)
@@ -101,6 +103,10 @@ def test_segments_without_rows_are_refused_clearly(daemon: Daemon) -> None:
         for empty in (np.zeros((0, 16), np.uint8), torch.zeros((0, 16), dtype=torch.uint8)):
             with pytest.raises(ValueError, match="no rows"):
                 c.write_pages(res, [empty], rows=[0, 1])
+        meta = torch.tensor([0, 1], device="meta")  # a device's, as a CUDA tensor's
+        for rows in (meta, [0, [1]]):
+            with pytest.raises(ValueError, match="rows must be a flat list"):
+                c.write_pages(res, [np.zeros((2, 16), np.uint8)], rows=rows)
         c.abort(res)
         hit = c.match_keys(ns, keys)
         with pytest.raises(ValueError, match="no rows"):

@@ -543,7 +543,13 @@ class PoolMapping:
         starts = starts_of(at, widths, ns.page_bytes)
         picks = None
         if rows is not None:
-            given = np.asarray(rows)
+            try:
+                given = np.asarray(rows)
+            except (TypeError, ValueError):  # a tensor on a device, a ragged list
+                raise ValueError(
+                    "rows must be a flat list, numpy array or CPU tensor of integers in host "
+                    "memory, one per page"
+                ) from None
             if given.size and given.dtype.kind not in "iu":
                 raise ValueError(f"rows must be integers (block numbers), not {given.dtype}")
             picks = given.astype(np.int64, copy=False).reshape(-1)
