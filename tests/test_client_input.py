@@ -136,7 +136,8 @@ def test_portable_handles_no_portable_call_made_are_refused(daemon: Daemon) -> N
     that are not one uint32 per offset, pages of no bytes, a deadline that is
     not a number) are a BadRequest at ``adopt``: before, the kind was taken as
     a read, numpy's error or a ZeroDivisionError came out of the copy, and a
-    NaN deadline let copies go on past the lease's end forever."""
+    NaN deadline let copies go on past the lease's end forever. Offsets past
+    any pool are refused by the copy, as those inside none of its slots."""
     with daemon.client() as owner, daemon.client() as worker:
         ns, keys, data = stored(owner, 8)
         hit = owner.match_keys(ns, keys)
@@ -150,6 +151,10 @@ def test_portable_handles_no_portable_call_made_are_refused(daemon: Daemon) -> N
         ):
             with pytest.raises(BadRequest, match=match):
                 worker.adopt(msgspec.structs.replace(wire, **bad))  # type: ignore[arg-type]
+        far = worker.adopt(msgspec.structs.replace(wire, offsets=[2**63, 2**64 - 1]))
+        for out in (None, [np.zeros((2, 16), np.uint8)]):  # numpy's OverflowError before
+            with pytest.raises(ValueError, match="inside the pool"):
+                worker.read_pages(far, out)  # type: ignore[arg-type]
         assert np.array_equal(worker.read_pages(worker.adopt(wire)), data)  # type: ignore[arg-type]
         owner.release(hit)
 

@@ -620,8 +620,11 @@ class PoolMapping:
     def _row_index(self, ns: Namespace, offsets: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Rows of ``offsets`` and their generation counters; a cache must never
         lie, so every offset is checked."""
-        arr = np.asarray(offsets, dtype=np.int64) - self.base
         pb = ns.page_bytes
+        try:
+            arr = np.asarray(offsets, dtype=np.int64) - self.base
+        except OverflowError:  # past 2**63: no slot of any pool (a handle from elsewhere)
+            raise ValueError(f"offsets must be slots of {pb} bytes inside the pool") from None
         if int(arr.min()) < 0 or int(arr.max()) + pb > self.arena.size or (arr % pb).any():
             raise ValueError(f"offsets must be slots of {pb} bytes inside the pool")
         return arr // pb, arr // self.granule
