@@ -89,6 +89,32 @@ def test_tensors_outside_host_memory_are_refused(daemon: Daemon) -> None:
         c.release(hit)
 
 
+def test_conjugate_views_are_copied_as_their_values(daemon: Daemon) -> None:
+    """A conjugate view's bytes are not its values (torch keeps a bit on the
+    tensor): as a source it is written as its values, as a destination it is
+    refused (torch's RuntimeError before, either way)."""
+    torch = pytest.importorskip("torch")
+    with daemon.client() as c:
+        ns = c.register(**SPEC)
+        keys = engine_keys(2, 16)
+        values = torch.randn((2, PAGE // 8), dtype=torch.complex64)
+        res = c.reserve_keys(ns, keys)
+        c.write_pages(res, [values.conj()])  # a segment
+        c.write_pages(res, values.conj())
+        c.commit(res)
+        hit = c.match_keys(ns, keys)
+        out = torch.zeros((2, PAGE // 8), dtype=torch.complex64)
+        c.read_pages(hit, out)
+        assert torch.equal(out, values.conj().resolve_conj())
+        segments = torch.zeros((2, PAGE // 8), dtype=torch.complex64)
+        c.read_pages(hit, [segments])
+        assert torch.equal(segments, out)
+        for into in (out.conj(), [out.conj()]):
+            with pytest.raises(ValueError, match="conjugate"):
+                c.read_pages(hit, into)
+        c.release(hit)
+
+
 def test_segments_and_rows_a_copy_cannot_take_are_refused_clearly(daemon: Daemon) -> None:
     """A 0-d tensor is no segment, rows of a segment with none are out of
     range, and rows on a device or in a ragged list are no row numbers:

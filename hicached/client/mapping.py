@@ -56,8 +56,8 @@ def _source(data: Any, pages: int, page_bytes: int) -> np.ndarray:
     """``data`` (a numpy array or a CPU torch tensor of any dtype) as (pages,
     page_bytes) bytes; a copy if it is not contiguous."""
     if type(data).__module__.startswith("torch"):
-        _on_host(data, "the data")
-        data = data.detach().contiguous().view(-1).view(sys.modules["torch"].uint8).numpy()
+        data = _on_host(data, "the data", writable=False)
+        data = data.contiguous().view(-1).view(sys.modules["torch"].uint8).numpy()
     array = np.ascontiguousarray(data)
     _plain(array, "the data")
     if array.nbytes != pages * page_bytes:
@@ -67,16 +67,24 @@ def _source(data: Any, pages: int, page_bytes: int) -> np.ndarray:
     return array.reshape(-1).view(np.uint8).reshape(pages, page_bytes)
 
 
-def _on_host(tensor: Any, what: str) -> None:
-    """ValueError unless a torch tensor that is not a CUDA one is dense and in
-    host memory, where numpy can view it (a meta, sparse or other device's
-    tensor has no bytes there)."""
+def _on_host(tensor: Any, what: str, *, writable: bool) -> Any:
+    """A torch tensor that is not a CUDA one, detached, whose bytes are its
+    values in host memory, where numpy can view them. ValueError for a meta,
+    sparse or other device's tensor (no bytes there) and for a conjugate or
+    negated view to copy into (its bytes are not its values); such a view to
+    copy from is resolved (a copy)."""
     torch = sys.modules["torch"]
     if tensor.layout != torch.strided or tensor.device.type != "cpu":
         raise ValueError(
             f"{what} must be an array, a CPU tensor or a CUDA tensor, not a {tensor.layout} "
             f"tensor on {tensor.device}"
         )
+    tensor = tensor.detach()
+    if tensor.is_conj() or tensor.is_neg():
+        if writable:
+            raise ValueError(f"{what} is a conjugate or negated view: its bytes are not its values")
+        tensor = tensor.resolve_conj().resolve_neg()
+    return tensor
 
 
 def _plain(array: np.ndarray, what: str) -> None:
@@ -92,8 +100,7 @@ def _segment(seg: Any, writable: bool) -> np.ndarray:
     its memory. Rows may be strided (a slice of a wider array), the bytes of
     one row may not: such a source is copied, such a destination refused."""
     if type(seg).__module__.startswith("torch") and seg.dim() >= 1:
-        _on_host(seg, "a segment")
-        seg = seg.detach()
+        seg = _on_host(seg, "a segment", writable=writable)
         torch = sys.modules["torch"]
         shape = (seg.shape[0], math.prod(seg.shape[1:]))  # no -1: a segment may have no rows
         try:
@@ -188,10 +195,10 @@ def _destination(out: Any, pages: int, page_bytes: int) -> np.ndarray:
     """``out`` as (pages, page_bytes) bytes sharing its memory, never a copy (a
     copy would leave ``out`` as it was)."""
     if type(out).__module__.startswith("torch"):
-        _on_host(out, "out")
+        out = _on_host(out, "out", writable=True)
         if not out.is_contiguous():
             raise ValueError("out must be a contiguous tensor")
-        out = out.detach().view(-1).view(sys.modules["torch"].uint8).numpy()
+        out = out.view(-1).view(sys.modules["torch"].uint8).numpy()
     if not isinstance(out, np.ndarray) or not out.flags.c_contiguous or not out.flags.writeable:
         raise ValueError("out must be a writable, C-contiguous array")
     _plain(out, "out")
