@@ -406,3 +406,13 @@ def test_segments_placed_over_one_another_or_outside_the_page_are_refused(
     segs = [_seg(kv, 8), _seg(kv, 8, skip=8)]
     with pytest.raises(ValueError, match=match):
         pieces.build(_pool(pool), np.array([0]), segs, None, starts, to_pool=True)
+
+
+@pytest.mark.parametrize("at", [np.uint64(2**64 - 8), np.uint32(2**32 - 8), np.uint16(2**16 - 8)])
+def test_a_numpy_start_byte_that_wraps_is_refused_not_placed_past_the_page(at: object) -> None:
+    """A start byte of an unsigned numpy type near its top wraps back into the
+    page when the check adds the segments' bytes to it; placed as the number
+    it is, the piece would lie past the page."""
+    with pytest.raises(ValueError, match="do not fit"):
+        pieces.starts_of(at, [16], 64)  # type: ignore[arg-type]
+    assert pieces.starts_of(np.uint64(48), [16], 64) == [48]  # one that fits

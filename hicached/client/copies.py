@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from hicached.client.handles import Hit, Reservation
+from hicached.client.handles import Hit, Reservation, check_kind
 from hicached.client.mapping import At, PendingCopy, PoolMapping, check_empty
 from hicached.client.poolview import PoolView
 from hicached.errors import BadRequest, DaemonUnavailable, ForeignTenant
@@ -67,6 +67,7 @@ class PageCopies:
         size raises ``ValueError`` (for an empty reservation, one that holds
         any bytes).
         """
+        check_kind(res, Reservation, "write_pages", "a Reservation (from reserve)")
         if not res.offsets:
             check_empty(data, rows, at, "the data")
             return
@@ -87,6 +88,7 @@ class PageCopies:
         this hit hold nothing to use. Without a list, ``rows`` or ``at``,
         ``out`` holds whole pages, and one of another size raises ``ValueError``.
         """
+        check_kind(hit, Hit, "read_pages", "a Hit (from a leased match)")
         if hit.instance != self._instance:
             old = self._pool.retired(hit.instance)
             if old is not None:
@@ -102,6 +104,7 @@ class PageCopies:
         (``done()``) and checks the fence after them (``finish()``, or
         ``result()`` to wait first): commit only after it finished without
         ``StaleHandle``. The source must stay as it is until then."""
+        check_kind(res, Reservation, "write_pages", "a Reservation (from reserve)")
         return self.mapping.start_write(res, data, rows, at)
 
     def start_read(
@@ -109,6 +112,7 @@ class PageCopies:
     ) -> PendingCopy:
         """``read_pages``, started (``start_write``): ``out`` holds the pages only
         once the ``PendingCopy`` finished without ``StaleHandle`` (a miss)."""
+        check_kind(hit, Hit, "read_pages", "a Hit (from a leased match)")
         if hit.instance != self._instance:
             old = self._pool.retired(hit.instance)
             if old is not None:

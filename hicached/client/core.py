@@ -49,6 +49,7 @@ from hicached.client.handles import (
     Namespace,
     PortableHandle,
     Reservation,
+    check_kind,
 )
 from hicached.client.mapping import lease_margin
 from hicached.client.poolview import PoolView
@@ -291,6 +292,7 @@ class _Core(Dealer):
     def _commit(
         self, res: Reservation | Fetch, pages: int | None, ok: Sequence[bool] | None = None
     ) -> Exchange:
+        check_kind(res, (Reservation, Fetch), "commit", "a Reservation or a Fetch (from prefetch)")
         mask = b""
         if ok is not None:
             if not isinstance(res, Reservation) or len(ok) != len(res.offsets):
@@ -362,16 +364,21 @@ class _Core(Dealer):
         daemon): write_pages/read_pages through it, while the process that holds
         the lease commits or releases it. Copies through it are fenced as any;
         ``Client.adopt`` first catches up with a daemon that restarted."""
+        check_kind(handle, PortableHandle, "adopt", "a PortableHandle (from portable())")
         retired = handle.kind == "read" and self._pool.retired(handle.instance) is not None
         if self._hello is None or (handle.instance != self._instance and not retired):
             raise StaleHandle("this handle is from another daemon instance than this client's")
+        if handle.kind not in ("write", "read"):
+            raise BadRequest(f"a portable handle is of kind 'write' or 'read', not {handle.kind!r}")
         if handle.kind == "write" and not handle.spec.keyed:
             raise BadRequest(TOKEN_WRITE)
-        ns = Namespace(handle.spec, 0, b"")
-        gens = np.frombuffer(handle.gens, dtype=np.uint32).copy()
-        if len(gens) != len(handle.offsets):
+        if handle.spec.page_bytes < 1:
+            raise BadRequest(f"a portable handle of pages of {handle.spec.page_bytes} bytes")
+        if len(handle.gens) != 4 * len(handle.offsets):  # uint32 each
             raise BadRequest("a portable handle needs one generation per offset")
-        state = LeaseState(handle.deadline)
+        gens = np.frombuffer(handle.gens, dtype=np.uint32).copy()
+        ns = Namespace(handle.spec, 0, b"")
+        state = LeaseState(self._adopted_deadline(handle))
         offsets = list(handle.offsets)
         if handle.kind == "write":
             return Reservation(
@@ -379,6 +386,20 @@ class _Core(Dealer):
             )
         hits = len(offsets)
         return Hit(ns, hits, offsets, handle.lease, handle.instance, 0, state, gens, view=True)
+
+    def _adopted_deadline(self, handle: PortableHandle) -> float:
+        """When copies through an adopted handle stop: its deadline, which no
+        lease of the daemon this client speaks to passes by more than its
+        ``lease_ttl_s`` from now (the lease was granted or renewed before the
+        handle was made). Copies must stop before a lease's end: the
+        quarantine of an expired write lease's slots covers only a late
+        copy's margin, so a deadline that is not a number, or past any lease
+        of the daemon, would let a write land in a reused page."""
+        if math.isnan(handle.deadline):
+            raise BadRequest("a portable handle's deadline is not a number")
+        if handle.instance != self._instance:  # an earlier daemon's read handle
+            return handle.deadline  # served while its pool's leases may live (poolview.py)
+        return min(handle.deadline, self._deadline(time.monotonic()))
 
     def _hit(self, ns: Namespace, ok: p.MatchOk, sent: float) -> Hit:
         if not ok.lease:
@@ -395,6 +416,7 @@ class _Core(Dealer):
         )
 
     def _renew(self, handle: Reservation | Hit) -> Exchange:
+        check_kind(handle, (Reservation, Hit), "renew", "a Reservation or a Hit")
         if handle.closed or not handle.lease or handle.instance != self._instance:
             raise UnknownLease("this handle holds no open lease to renew")
         sent = time.monotonic()
@@ -405,6 +427,7 @@ class _Core(Dealer):
         return None
 
     def _progress(self, pf: Fetch) -> Exchange:
+        check_kind(pf, Fetch, "progress", "a Fetch (from prefetch)")
         if not pf.lease:
             return FetchProgress(planned=0, completed=0, done=True, failed=False)
         if pf.instance != self._instance:
@@ -435,6 +458,7 @@ class _Core(Dealer):
         """Whether the daemon must be asked to end ``handle``'s lease (not when it
         holds none, or when it ended with the daemon that granted it); a view
         made by select() is refused."""
+        check_kind(handle, (Reservation, Hit, Fetch), "release", "a Reservation, a Hit or a Fetch")
         if not isinstance(handle, Fetch):
             _own(handle, "release")
         return bool(handle.lease) and handle.instance == self._instance

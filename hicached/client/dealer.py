@@ -13,6 +13,8 @@ import os
 import time
 from typing import Any, NamedTuple
 
+import msgspec
+import numpy as np
 import zmq
 
 from hicached.client.copies import PageCopies
@@ -25,7 +27,20 @@ __all__ = ["CurveKeys", "Dealer"]
 
 log = logging.getLogger(__name__)
 
-_encode = p.encode
+
+def _python_scalar(value: Any) -> Any:
+    """A numpy integer or bool in a request (a page count, a flag an engine
+    computed with numpy) as Python's; anything else msgpack does not carry is
+    refused (``Dealer._stamped``)."""
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.bool_):
+        return bool(value)
+    raise TypeError(f"a {type(value).__name__} is not sent to the daemon")
+
+
+# the wire's encoder (protocol.py), which calls the hook only for what it does not know
+_encode = msgspec.msgpack.Encoder(enc_hook=_python_scalar).encode
 _NOBLOCK = int(zmq.NOBLOCK)  # pyzmq converts its enum flags on every call
 # replies that grant a lease (0: none granted)
 _LEASING = (p.MatchOk, p.ReserveOk, p.ReserveKeysOk, p.PrefetchOk)
@@ -114,6 +129,8 @@ class Dealer(PageCopies):
                 f"a number in this {type(request).__name__} request is too large to send "
                 "(a page count, size or id past 2**64)"
             ) from None
+        except TypeError as exc:  # a value of a type the wire does not carry
+            raise BadRequest(f"a value in this {type(request).__name__} request: {exc}") from None
         hello = self._hello
         if hello is not None and len(raw) > hello.max_message_bytes:
             # the daemon would refuse it, or past twice the limit drop the

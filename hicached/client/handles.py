@@ -32,6 +32,14 @@ TOKEN_WRITE = (
 )
 
 
+def check_kind(handle: object, kinds: type | tuple[type, ...], call: str, want: str) -> None:
+    """BadRequest unless ``handle`` is one of ``kinds``: a call given another
+    object (a Fetch where a Hit goes, None) says what it takes."""
+    if not isinstance(handle, kinds):
+        got = "None" if handle is None else f"a {type(handle).__name__}"
+        raise BadRequest(f"{call} takes {want}, not {got}")
+
+
 def _no_gens() -> np.ndarray:
     """Handles without slots, or without a lease, share one empty, read-only array."""
     return _NO_GENS

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import sys
 import threading
 import time
@@ -34,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from hicached.client.gather import gather, scatter
-from hicached.client.handles import Hit, Namespace, Reservation
+from hicached.client.handles import Hit, Namespace, Reservation, check_kind
 from hicached.client.pieces import starts_of
 from hicached.errors import BadRequest, StaleHandle
 from hicached.wire.arena import Arena
@@ -55,13 +56,35 @@ def _source(data: Any, pages: int, page_bytes: int) -> np.ndarray:
     """``data`` (a numpy array or a CPU torch tensor of any dtype) as (pages,
     page_bytes) bytes; a copy if it is not contiguous."""
     if type(data).__module__.startswith("torch"):
-        data = data.detach().contiguous().view(-1).view(sys.modules["torch"].uint8).numpy()
+        data = _on_host(data, "the data", writable=False)
+        data = data.contiguous().view(-1).view(sys.modules["torch"].uint8).numpy()
     array = np.ascontiguousarray(data)
     _plain(array, "the data")
-    view = array.reshape(pages, -1).view(np.uint8)
-    if view.shape[1] != page_bytes:
-        raise ValueError(f"each page must be {page_bytes} bytes, got {view.shape[1]}")
-    return view
+    if array.nbytes != pages * page_bytes:
+        raise ValueError(
+            f"the data must hold {pages} pages of {page_bytes} bytes, not {array.nbytes} bytes"
+        )
+    return array.reshape(-1).view(np.uint8).reshape(pages, page_bytes)
+
+
+def _on_host(tensor: Any, what: str, *, writable: bool) -> Any:
+    """A torch tensor that is not a CUDA one, detached, whose bytes are its
+    values in host memory, where numpy can view them. ValueError for a meta,
+    sparse or other device's tensor (no bytes there) and for a conjugate or
+    negated view to copy into (its bytes are not its values); such a view to
+    copy from is resolved (a copy)."""
+    torch = sys.modules["torch"]
+    if tensor.layout != torch.strided or tensor.device.type != "cpu":
+        raise ValueError(
+            f"{what} must be an array, a CPU tensor or a CUDA tensor, not a {tensor.layout} "
+            f"tensor on {tensor.device}"
+        )
+    tensor = tensor.detach()
+    if tensor.is_conj() or tensor.is_neg():
+        if writable:
+            raise ValueError(f"{what} is a conjugate or negated view: its bytes are not its values")
+        tensor = tensor.resolve_conj().resolve_neg()
+    return tensor
 
 
 def _plain(array: np.ndarray, what: str) -> None:
@@ -76,21 +99,22 @@ def _segment(seg: Any, writable: bool) -> np.ndarray:
     """A segment (numpy array or CPU tensor, rows first) as (rows, bytes) sharing
     its memory. Rows may be strided (a slice of a wider array), the bytes of
     one row may not: such a source is copied, such a destination refused."""
-    if type(seg).__module__.startswith("torch"):
-        seg = seg.detach()
+    if type(seg).__module__.startswith("torch") and seg.dim() >= 1:
+        seg = _on_host(seg, "a segment", writable=writable)
         torch = sys.modules["torch"]
+        shape = (seg.shape[0], math.prod(seg.shape[1:]))  # no -1: a segment may have no rows
         try:
-            seg = seg.view(seg.shape[0], -1).view(torch.uint8).numpy()
+            seg = seg.view(shape).view(torch.uint8).numpy()
         except RuntimeError:
             if writable:
                 raise ValueError("each row of a segment to read into must be contiguous") from None
-            seg = seg.contiguous().view(seg.shape[0], -1).view(torch.uint8).numpy()
+            seg = seg.contiguous().view(shape).view(torch.uint8).numpy()
     if not isinstance(seg, np.ndarray) or seg.ndim < 1:
         raise ValueError("segments must be arrays or tensors with one row per page or block")
     _plain(seg, "a segment")
     if writable and not seg.flags.writeable:
         raise ValueError("segments to read into must be writable")
-    flat = seg.reshape(seg.shape[0], -1)
+    flat = seg.reshape(seg.shape[0], math.prod(seg.shape[1:]))
     if flat.size and (flat.strides[1] != flat.itemsize or not np.shares_memory(flat, seg)):
         if writable:
             raise ValueError("each row of a segment to read into must be contiguous")
@@ -171,9 +195,10 @@ def _destination(out: Any, pages: int, page_bytes: int) -> np.ndarray:
     """``out`` as (pages, page_bytes) bytes sharing its memory, never a copy (a
     copy would leave ``out`` as it was)."""
     if type(out).__module__.startswith("torch"):
+        out = _on_host(out, "out", writable=True)
         if not out.is_contiguous():
             raise ValueError("out must be a contiguous tensor")
-        out = out.detach().view(-1).view(sys.modules["torch"].uint8).numpy()
+        out = out.view(-1).view(sys.modules["torch"].uint8).numpy()
     if not isinstance(out, np.ndarray) or not out.flags.c_contiguous or not out.flags.writeable:
         raise ValueError("out must be a writable, C-contiguous array")
     _plain(out, "out")
@@ -230,6 +255,8 @@ class PendingCopy:
 
     def wait(self, timeout: float) -> bool:
         """Until the bytes have moved or ``timeout`` seconds passed; whether they have."""
+        if math.isnan(timeout):  # no deadline a clock reaches: a copy that hangs, forever
+            raise ValueError("wait takes a timeout in seconds, not NaN")
         deadline = time.monotonic() + timeout
         while not self.done():
             if time.monotonic() >= deadline:
@@ -350,6 +377,13 @@ class PoolMapping:
             raise StaleHandle(
                 f"this {what}'s lease is at or past its deadline: renew it before long copies"
             )
+        if handle.lease and len(handle.gens) != len(handle.offsets):
+            # granted to a client that maps no pool (map_pool=False): no generations
+            # were noted, and a copy without them would have no fence at all
+            raise BadRequest(
+                f"this {what} was granted to a client that does not map the pool: "
+                "copy through handles of a client that does"
+            )
         return array, gens
 
     @staticmethod
@@ -376,8 +410,7 @@ class PoolMapping:
         """``write``, started: a CUDA copy is queued on the current stream and not
         waited for; the fence before it is checked now, the one after it by the
         ``PendingCopy``."""
-        if not isinstance(res, Reservation):
-            raise BadRequest("write_pages takes a Reservation (from reserve), not a Hit")
+        check_kind(res, Reservation, "write_pages", "a Reservation (from reserve)")
         offsets = res.offsets
         if not offsets:
             self._fence(res, "reservation")
@@ -423,8 +456,7 @@ class PoolMapping:
         """``read``, started: a CUDA copy is queued on the current stream and not
         waited for; ``out`` holds the pages only once the ``PendingCopy``
         finished without ``StaleHandle``."""
-        if not isinstance(hit, Hit):
-            raise BadRequest("read_pages takes a Hit (from a leased match), not a Reservation")
+        check_kind(hit, Hit, "read_pages", "a Hit (from a leased match)")
         array, gens = self._fence(hit, "hit")
         if not hit.lease and hit.offsets:
             raise BadRequest("this hit holds no lease: match with lease=True to copy its pages")
@@ -511,12 +543,20 @@ class PoolMapping:
         on_gpu = cuda_tensor(segs[0])
         if on_gpu and not all(cuda_tensor(seg) for seg in segs):
             raise ValueError("segments must all be CUDA tensors or all host memory")
+        if on_gpu and any(seg.dim() < 1 for seg in segs):
+            raise ValueError("segments must be arrays or tensors with one row per page or block")
         views: list[Any] = segs if on_gpu else [_segment(s, writable=not to_pool) for s in segs]
         widths = [_row_bytes(seg) if on_gpu else seg.shape[1] for seg in views]
         starts = starts_of(at, widths, ns.page_bytes)
         picks = None
         if rows is not None:
-            given = np.asarray(rows)
+            try:
+                given = np.asarray(rows)
+            except (TypeError, ValueError):  # a tensor on a device, a ragged list
+                raise ValueError(
+                    "rows must be a flat list, numpy array or CPU tensor of integers in host "
+                    "memory, one per page"
+                ) from None
             if given.size and given.dtype.kind not in "iu":
                 raise ValueError(f"rows must be integers (block numbers), not {given.dtype}")
             picks = given.astype(np.int64, copy=False).reshape(-1)
@@ -524,7 +564,8 @@ class PoolMapping:
                 raise ValueError("rows to read into must differ: two pages cannot fill one row")
             height = min(int(seg.shape[0]) for seg in views)
             if len(picks) != n or (n and (int(picks.min()) < 0 or int(picks.max()) >= height)):
-                raise ValueError(f"rows must be {n} row numbers in 0..{height - 1}, one per page")
+                among = f"in 0..{height - 1}" if height else "(a segment has no rows)"
+                raise ValueError(f"rows must be {n} row numbers {among}, one per page")
         elif any(int(seg.shape[0]) != n for seg in views):
             raise ValueError(f"each segment must have {n} rows, one per page (or give rows)")
         what = "reservation" if to_pool else "hit"
@@ -586,8 +627,11 @@ class PoolMapping:
     def _row_index(self, ns: Namespace, offsets: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Rows of ``offsets`` and their generation counters; a cache must never
         lie, so every offset is checked."""
-        arr = np.asarray(offsets, dtype=np.int64) - self.base
         pb = ns.page_bytes
+        try:
+            arr = np.asarray(offsets, dtype=np.int64) - self.base
+        except OverflowError:  # past 2**63: no slot of any pool (a handle from elsewhere)
+            raise ValueError(f"offsets must be slots of {pb} bytes inside the pool") from None
         if int(arr.min()) < 0 or int(arr.max()) + pb > self.arena.size or (arr % pb).any():
             raise ValueError(f"offsets must be slots of {pb} bytes inside the pool")
         return arr // pb, arr // self.granule

@@ -123,13 +123,14 @@ def starts_of(at: int | Sequence[int], widths: Sequence[int], page_bytes: int) -
     one byte each, for two segments placed over one another, and for a place
     that is not an integer (bools, numpy integers and ints are)."""
     if isinstance(at, int | np.integer):
-        total = int(sum(widths))
-        if at < 0 or at + total > page_bytes:
+        # a Python int: a numpy one's sum wraps (np.uint64(2**64 - 8) + 16 is 8)
+        first, total = int(at), int(sum(widths))
+        if first < 0 or first + total > page_bytes:
             raise ValueError(
-                f"segments of {total} bytes a page at byte {at} do not fit pages of "
+                f"segments of {total} bytes a page at byte {first} do not fit pages of "
                 f"{page_bytes} bytes"
             )
-        return list(itertools.accumulate(widths[:-1], initial=int(at)))
+        return list(itertools.accumulate(widths[:-1], initial=first))
     try:  # integers only: a float or a string is never rounded into a byte of the page
         starts = [operator.index(s) for s in at]
     except TypeError:

@@ -32,6 +32,7 @@ from hicached.client.handles import (
     Namespace,
     PortableHandle,
     Reservation,
+    check_kind,
 )
 from hicached.errors import (
     DaemonUnavailable,
@@ -240,6 +241,7 @@ class Client(_Core):
         )
 
     def adopt(self, handle: PortableHandle) -> Reservation | Hit:
+        check_kind(handle, PortableHandle, "adopt", "a PortableHandle (from portable())")
         if handle.instance != self._instance:
             self.stats()  # a handle of another instance: say hello to the daemon there now
         return super().adopt(handle)
