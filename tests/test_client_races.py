@@ -313,7 +313,7 @@ def test_a_lease_granted_to_a_cancelled_call_is_released(daemon: Daemon) -> None
                 call.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await call
-            for _ in range(100):  # the replies arrive after the cancels: 5 s at most
+            for _ in range(200):  # the replies arrive after the cancels: 10 s at most
                 if not (await c.stats()).leases:
                     break
                 await asyncio.sleep(0.05)
