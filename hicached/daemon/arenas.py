@@ -197,8 +197,9 @@ def check_memberships(config: Config) -> None:
     by_uid = {uid: name for name, t in config.tenants.items() for uid in t.uids}
     by_gid = {gid: name for name, t in config.tenants.items() for gid in t.gids}
     others = next((name for name, t in config.tenants.items() if t.others), "")
-    # group -> the tenant whose arena it opens; the client group opens the others
-    # tenant's, as every peer that reaches the socket may be one of its (documented)
+    # group -> the tenant whose arena it opens. The client group, which opens the
+    # others tenant's, is not one of them: every peer that reaches the socket is
+    # in it, and may be one of the others tenant's (documented)
     granted: dict[int, str] = dict(by_gid)
     if not granted:
         return
