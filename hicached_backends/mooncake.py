@@ -50,7 +50,7 @@ _MISSES = {OBJECT_NOT_FOUND, BUFFER_SIZE_MISMATCH}
 TRANSFER_FAIL = -800
 # An object of another size than the page's record is read whole to be judged
 # (``_judge_other_size``) up to this many times that record's size; a larger one
-# is left where it is.
+# is removed unread.
 _JUDGED_UP_TO = 2
 
 
@@ -86,7 +86,7 @@ class MooncakeBackend(Backend):
         self._free_headers: collections.deque[int] = collections.deque(range(HEADER_SLOTS))
         self._header_wait = asyncio.Condition()
         self._arena: tuple[int, int] | None = None  # registered pool: (address, size)
-        self.counters = {"errors": 0, "bad_objects": 0, "bad_removed": 0}
+        self.counters = {"errors": 0, "bad_objects": 0, "bad_removed": 0, "bad_remove_failed": 0}
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -385,16 +385,19 @@ class MooncakeBackend(Backend):
         writer's) or an intact record of the page of its own size (the
         reader's mismatch) stays, anything else goes (``_remove_bad``), or
         every later put of the page would be acknowledged and keep it. One
-        larger than ``_JUDGED_UP_TO`` times the page's record stays unread.
-        A failed transfer (-800) of an object of the record's size is the
-        network's: ``get`` asks about no later failed transfer of that call,
-        so a fault that fails a whole batch costs one size call, not one a page."""
+        larger than ``_JUDGED_UP_TO`` times the page's record goes unread: it
+        cannot be the page's record, of this format version or another (its
+        namespace fixes the page's size), and read whole it would be taken
+        into the daemon's memory. A failed transfer (-800) of an
+        object of the record's size is the network's: ``get`` asks about no
+        later failed transfer of that call, so a fault that fails a whole
+        batch costs one size call, not one a page."""
         want = HEADER_BYTES + nbytes(page.buf)
         size = int(self._store.get_size(name))
         if size < 0 or size == want:
             return None
         if size > _JUDGED_UP_TO * want:
-            return True
+            return False
         body = bytes(self._store.get(name))
         if len(body) != size:  # changed since: judged at its next read
             return True
@@ -409,13 +412,30 @@ class MooncakeBackend(Backend):
         counted as an L3 hit and read as the same bad object, for ever. An
         object is never changed in place, so the one removed is the one read
         (or one put after its removal by another host: a page forgotten, no
-        more). A removal that fails leaves it, forgotten all the same."""
+        more). A removal that fails leaves it, forgotten all the same: logged
+        and counted (``bad_remove_failed``), never an error of the read; the
+        next read of the page judges it again. One found gone already (removed
+        by another host's read) is neither."""
+        names = self.names(ns, keys)
         try:
-            codes = await self._blocking(self._store.batch_remove, self.names(ns, keys), True)
+            codes = list(await self._blocking(self._store.batch_remove, names, True))
+            why = f"codes {sorted(set(codes) - {0, OBJECT_NOT_FOUND})}"
         except Exception as exc:  # the store's own error types: the read's answer stands
-            log.info("bad objects not removed: %s", exc)
-            return
-        self.counters["bad_removed"] += sum(1 for code in codes if code == 0)
+            codes, why = [], f"{type(exc).__name__}: {exc}"
+        failed = [
+            name
+            for name, code in zip(names, codes, strict=False)
+            if code not in (0, OBJECT_NOT_FOUND)
+        ] + names[len(codes) :]
+        self.counters["bad_removed"] += codes.count(0)
+        self.counters["bad_remove_failed"] += len(failed)
+        if failed:
+            log.warning(
+                "%d bad objects not removed (%s); a put of their pages keeps them: %s",
+                len(failed),
+                why,
+                ", ".join(failed[:3]) + (", ..." if len(failed) > 3 else ""),
+            )
 
     async def delete(self, ns: bytes, keys: Sequence[bytes]) -> None:
         if self._store is not None and keys:

@@ -234,3 +234,90 @@ def test_a_transfer_that_fails_for_a_whole_batch_asks_no_size_per_page(
     finally:
         loop.run_until_complete(b.close())
         loop.close()
+
+
+def test_an_object_over_twice_the_record_is_removed_unread(own_mooncake: MooncakeMaster) -> None:
+    """An object under a page's name more than twice the page's record is not
+    read (it cannot be the page's record, and read whole it would be taken
+    into the daemon's memory). It was left in place: Mooncake keeps what it
+    holds on a put, so every later put of the page was acknowledged and every
+    read of it missed, for ever. The read removes it unread, so the next put
+    stores the page. The backend alone, on a real master of its own, the
+    object put there by a second backend's store client."""
+    ns, page = bytes(range(16)), 4096
+    keys = [bytes([121]) * 16]
+    names = _names(ns, keys)
+    with here_and_other(own_mooncake, ns, keys) as (loop, here, other):
+        assert other._store.put(names[0], b"w" * (3 * (64 + page))) == 0
+        store, bodies = here._store, []
+
+        class Watched:
+            """The store, its whole-object reads seen."""
+
+            def __getattr__(self, name: str) -> object:
+                return getattr(store, name)
+
+            def get(self, name: str) -> bytes:
+                bodies.append(name)
+                return bytes(store.get(name))
+
+        here._store = Watched()
+        buf = bytearray(page)
+        read = [PageRef(keys[0], memoryview(buf))]
+        assert loop.run_until_complete(here.get(ns, read)) == [False]
+        assert bodies == [], "an object over twice the record was read whole"
+        assert (here.counters["bad_objects"], here.counters["bad_removed"]) == (1, 1)
+        assert here.counters["bad_remove_failed"] == 0
+        assert other._store.is_exist(names[0]) != 1, "the oversized object was left in place"
+        data = bytearray(b"\x5a" * page)
+        assert loop.run_until_complete(here.put(ns, [PageRef(keys[0], memoryview(data))])) == [True]
+        assert loop.run_until_complete(here.get(ns, read)) == [True]
+        assert buf == data, "the put after the removal was not stored"
+        here._store = store
+
+
+def test_a_bad_object_that_cannot_be_removed_is_a_miss_counted(
+    own_mooncake: MooncakeMaster, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A removal of a bad object that fails (an error code, or the store's
+    call raising) is logged and counted (``bad_remove_failed``), and the read
+    answers a miss as it would have: never an error of the read. The fault
+    is injected in the store's batch removal."""
+    ns, page = bytes(range(16)), 4096
+    keys = [bytes([131]) * 16, bytes([132]) * 16]
+    names = _names(ns, keys)
+    with here_and_other(own_mooncake, ns, keys) as (loop, here, other):
+        store = here._store
+        answers: list[object] = [[-1], RuntimeError("master gone")]
+
+        class NoRemoval:
+            """The store, its removals failing."""
+
+            def __getattr__(self, name: str) -> object:
+                return getattr(store, name)
+
+            def batch_remove(self, names: list[str], force: bool) -> list[int]:
+                answer = answers.pop(0)
+                if isinstance(answer, Exception):
+                    raise answer
+                assert isinstance(answer, list)
+                return answer
+
+        here._store = NoRemoval()
+        for name, key in zip(names, keys, strict=True):
+            assert other._store.put(name, b"v" * (3 * (64 + page))) == 0
+            read = [PageRef(key, memoryview(bytearray(page)))]
+            with caplog.at_level("WARNING", logger="hicached.mooncake"):
+                assert loop.run_until_complete(here.get(ns, read)) == [False]
+            assert other._store.is_exist(name) == 1
+        here._store = store
+        assert here.counters["bad_remove_failed"] == 2
+        assert here.counters["bad_removed"] == 0
+        said = [r.getMessage() for r in caplog.records if "not removed" in r.getMessage()]
+        assert len(said) == 2 and "-1" in said[0] and "master gone" in said[1], said
+
+
+def _names(ns: bytes, keys: list[bytes]) -> list[str]:
+    from hicached_backends.mooncake import MooncakeBackend
+
+    return MooncakeBackend.names(ns, keys)

@@ -65,6 +65,7 @@ def report(sglang_python: Path) -> Iterator[dict[str, Facts]]:
             "flat",
             "bad_input",
             "l3",
+            "repeats",
             f"limit:{small.endpoint}",
             f"down:ipc://{nowhere}/none.sock",
             f"dies:{daemon.proc.pid if daemon.proc else 0}",
@@ -232,6 +233,32 @@ def test_pages_evicted_from_l2_come_back_from_l3(report: dict[str, Facts]) -> No
     assert got["same"] == [True] * 8
     assert got["l3"]["pages_prefetched"] == 8
     assert got["in_l2_after"] == [True] * 8
+
+
+def test_a_key_twice_in_a_call_is_sent_once_and_answers_every_page(
+    report: dict[str, Facts],
+) -> None:
+    """The daemon refuses a key twice in one reservation or prefetch, so a
+    read of a key twice whose pages only L3 held missed whole, and a store
+    stopped at the repeat. Each key goes once; its answer goes to every page."""
+    got = facts(report, "repeats")
+    assert got["set_aba"] == [True] * 3
+    assert got["new_pages_aba"] == 2  # stored once
+    assert got["set_aab"] == [True] * 3
+    # [A, B, A, C]: C follows A, not B, so it is not linked under B: left out
+    assert got["set_abac"] == [True, True, True, False]
+    assert got["stored_abac"] == [True, True, False]
+    assert got["new_pages"] == 6
+    assert got["flat_set"] is True
+    assert got["flat_stored"] == 2
+    assert got["in_l2"] == [False] * 4, f"L2 kept them after {got['filler_rounds']} rounds"
+    assert got["in_l3"] == [True] * 4
+    assert got["exists"] == 5
+    assert got["get"] == [True] * 5, "a key twice in a prefetch missed the whole read"
+    assert got["same"] == [True] * 5
+    assert got["get_past_miss"] == [True, False, False]
+    assert got["flat_get"] == [True] * 3
+    assert got["flat_same"] == [True] * 3
 
 
 def test_requests_over_the_daemons_page_limit_count_and_move_what_it_takes(

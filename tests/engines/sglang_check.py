@@ -406,16 +406,9 @@ def l3(endpoint: str) -> Facts:
     made = backend(endpoint, a)
     facts: Facts = {"set": made.batch_set_v1(keys, ia)}
     wanted = [bytes.fromhex(k) for k in keys]
-    filler_rows = ia[: PAGE * 8].repeat(16)  # 128 pages' slots: any bytes will do
     with Client(endpoint) as c:
         ns = c.register(**made.fields)
-        rounds = 0
-        while any(c.exists_keys(ns, wanted).in_l2) and rounds < 32:  # 8 times the pool
-            settle(c)
-            made.batch_set_v1(page_hashes(128), filler_rows)
-            rounds += 1
-        found = c.exists_keys(ns, wanted)
-        facts.update(filler_rounds=rounds, in_l2=found.in_l2, in_l3=found.in_l3)
+        facts.update(to_l3(c, ns, made, wanted, ia))
         before = c.stats()
         b = host_pool("page_first")
         ib = alloc(b, n, skip=5)
@@ -427,6 +420,73 @@ def l3(endpoint: str) -> Facts:
         facts["l3_pages_read"] = after.match_pages.get("l3", 0) - before.match_pages.get("l3", 0)
         facts["l3"] = {k: after.l3.get(k, 0) - before.l3.get(k, 0) for k in after.l3}
         facts["in_l2_after"] = c.exists_keys(ns, wanted).in_l2
+    return facts
+
+
+def to_l3(c: Client, ns: Any, made: HicachedStorage, wanted: list[bytes], rows: Any) -> Facts:
+    """Store filler pages until L2 lets go of the pages of ``wanted`` (L3 keeps
+    them): the rounds it took and where the pages are then."""
+    filler_rows = rows[: PAGE * 8].repeat(16)  # 128 pages' slots: any bytes will do
+    rounds = 0
+    while any(c.exists_keys(ns, wanted).in_l2) and rounds < 32:  # 8 times the pool
+        settle(c)
+        made.batch_set_v1(page_hashes(128), filler_rows)
+        rounds += 1
+    found = c.exists_keys(ns, wanted)
+    return {"filler_rounds": rounds, "in_l2": found.in_l2, "in_l3": found.in_l3}
+
+
+def repeats(endpoint: str) -> Facts:
+    """A page hash twice in one call. The daemon takes a key once in a
+    reservation or a prefetch: each is sent once and answered at every page
+    that names it. Stores of repeats, then reads of repeats whose pages only
+    L3 holds (v1 and flat), every page filled."""
+    a = host_pool("page_first")
+    made = backend(endpoint, a)
+    facts: Facts = {}
+    ia = alloc(a, 8)  # 8 pages: to_l3's filler takes them
+    x, y, z = page_hashes(3), page_hashes(3), page_hashes(3)
+    with Client(endpoint) as c:
+        ns = c.register(**made.fields)
+        published = c.stats().pages
+        # the same host bytes under a key at its two pages, as SGLang would have them
+        rows = torch.cat([ia[: 2 * PAGE], ia[:PAGE]])
+        facts["set_aba"] = made.batch_set_v1([x[0], x[1], x[0]], rows)
+        facts["new_pages_aba"] = c.stats().pages - published
+        rows = torch.cat([ia[2 * PAGE : 3 * PAGE], ia[2 * PAGE : 4 * PAGE]])
+        facts["set_aab"] = made.batch_set_v1([y[0], y[0], y[1]], rows)
+        rows = torch.cat(
+            [ia[4 * PAGE : 6 * PAGE], ia[4 * PAGE : 5 * PAGE], ia[2 * PAGE : 3 * PAGE]]
+        )
+        facts["set_abac"] = made.batch_set_v1([z[0], z[1], z[0], z[2]], rows)
+        facts["new_pages"] = c.stats().pages - published
+        facts["stored_abac"] = c.exists_keys(ns, [bytes.fromhex(k) for k in z]).in_l2
+        flat = page_hashes(2)
+        pages = [a.get_data_page(int(ia[j * PAGE])) for j in (0, 1, 0)]
+        facts["flat_set"] = made.batch_set([flat[0], flat[1], flat[0]], pages)
+        facts["flat_stored"] = made.batch_exists(flat)
+        # pages only in L3, asked with repeats
+        stored = {x[0]: 0, x[1]: 1, y[0]: 2, y[1]: 3}  # where each page's bytes are in ia
+        facts.update(to_l3(c, ns, made, [bytes.fromhex(k) for k in stored], ia))
+        asked = [x[0], x[0], x[1], y[0], x[1]]
+        flat_asked = [y[0], y[1], y[1]]
+        b = host_pool("page_first")
+        ib = alloc(b, len(asked), skip=3)
+        other = backend(endpoint, b)
+        facts["exists"] = other.batch_exists(asked)
+        facts["get"] = other.batch_get_v1(asked, ib)
+        facts["same"] = [
+            torch.equal(page(a, ia, stored[k]), page(b, ib, j)) for j, k in enumerate(asked)
+        ]
+        # a key again past a miss: the read stops at the miss, the first page stays read
+        facts["get_past_miss"] = other.batch_get_v1([x[0], page_hashes(1)[0], x[0]], ib[: 3 * PAGE])
+        targets = [a.get_dummy_flat_data_page() for _ in flat_asked]
+        got = other.batch_get(flat_asked, targets)
+        facts["flat_get"] = [t is not None for t in got]
+        facts["flat_same"] = [
+            torch.equal(bytes_of(t), page(a, ia, stored[k]))
+            for t, k in zip(targets, flat_asked, strict=True)
+        ]
     return facts
 
 
@@ -477,6 +537,7 @@ SCENARIOS: dict[str, Callable[..., Facts]] = {
     "down": down,
     "dies": dies,
     "l3": l3,
+    "repeats": repeats,
     "limit": limit,
 }
 

@@ -46,7 +46,9 @@ cover the keys' KV pages, a pool never registered, a hit policy SGLang's
 own backends do not answer) raises ``ValueError``, which SGLang logs; a
 sidecar's indices that do not cover its pages make its pages misses, as in
 SGLang's own backends. A key that is not a page hash is a miss, and so is
-every key after it.
+every key after it. A page hash given twice in one call goes to the daemon
+once, which takes a key once in a reservation or a prefetch, and its answer
+goes to every page that names it (``pages.once``).
 """
 
 from hicached.integrations.sglang.pages import namespace_fields, page_segments

@@ -24,6 +24,7 @@ from hicached.client import Client, KeysFound
 from hicached.client.handles import Namespace, Reservation
 from hicached.errors import HicachedError, StaleHandle
 from hicached.integrations.sglang.link import UNREACHABLE, Session
+from hicached.integrations.sglang.pages import once
 
 log = logging.getLogger("hicached.integrations.sglang")
 
@@ -32,16 +33,19 @@ Copy = Callable[[Client, Any, int], None]  # (client, handle, index of its first
 
 @dataclass(slots=True)
 class Move:
-    """One pool's part of a call: its keys (distinct page hashes, in order),
-    how to copy a handle's pages (``copy(c, handle, i)``: the handle's pages
-    are ``keys[i:]``; None: this pool's pages cannot be copied in this call,
-    so none of its keys is done, here or in another pool of the call), and
-    the key before ``keys[0]`` for a store."""
+    """One pool's part of a call: its keys (page hashes in order: for a
+    store each once, ``pages.once``; for a load one per page, repeats and
+    all), how to copy a handle's pages (``copy(c, handle, i)``: the handle's
+    pages are ``keys[i:]``; None: this pool's pages cannot be copied in this
+    call, so none of its keys is done, here or in another pool of the call),
+    the key before ``keys[0]`` for a store, and where a store's keys sent
+    once are the call's pages (``Once.at``; None: one key a page)."""
 
     pool: str
     keys: list[bytes]
     copy: Copy | None
     parent: bytes | None = None
+    at: list[int] | None = None
     done: list[bool] = field(default_factory=list)  # per key: stored, or read
 
 
@@ -150,7 +154,9 @@ def load(c: Client, session: Session, moves: list[Move], wait_s: float) -> bool:
     back from L3 within ``wait_s`` (for the whole call); set each ``done``,
     and leave a page done only where every move that names it read it. No
     more pages than the daemon takes in a request are read (the keys after
-    them are misses)."""
+    them are misses). A key named by several pages of a move is fetched from
+    L3 once (``pages.once``: the daemon refuses a key twice in a prefetch),
+    and each of those pages is copied out of its L2 slot."""
     deadline = time.monotonic() + wait_s
     for move in moves:
         move.done = [False] * len(move.keys)
@@ -159,15 +165,18 @@ def load(c: Client, session: Session, moves: list[Move], wait_s: float) -> bool:
         ns = session.ns(move.pool)
         keys = move.keys[: c.max_pages or len(move.keys)]
         done, more = _read(c, ns, move, keys, 0)
-        if more and _prefetch(c, ns, keys[done:], deadline):
+        if more and _prefetch(c, ns, once(keys[done:]).keys, deadline):
             done += _read(c, ns, move, keys[done:], done)[0]
         move.done = [i < done for i in range(len(move.keys))]
-    read: dict[bytes, bool] = {}
+    read: dict[bytes, bool] = {}  # per key: read by every move that names it
     for move in moves:
+        here: dict[bytes, bool] = {}  # read at one of its pages at least (the rest: past a miss)
         for key, ok in zip(move.keys, move.done, strict=True):
+            here[key] = here.get(key, False) or ok
+        for key, ok in here.items():
             read[key] = read.get(key, True) and ok
     for move in moves:
-        move.done = [read[key] for key in move.keys]
+        move.done = [ok and read[key] for key, ok in zip(move.keys, move.done, strict=True)]
     return True
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName
@@ -59,15 +59,40 @@ def page_keys(keys: Sequence[Any]) -> list[bytes]:
     return out
 
 
-def distinct(keys: list[bytes]) -> list[bytes]:
-    """The keys up to the first one seen before: the keys of one reservation
-    follow one another in one sequence, so a page hash twice ends the run."""
-    seen: set[bytes] = set()
+class Once(NamedTuple):
+    """A call's page hashes as the daemon takes them in one reservation or
+    prefetch: each key once (``once``)."""
+
+    keys: list[bytes]  # the keys sent, each once, in the call's order
+    at: list[int]  # per page of the call, the index of its key in ``keys`` (-1: not sent)
+    first: list[int]  # per key sent, the index of its first page in the call
+
+
+def once(keys: list[bytes]) -> Once:
+    """Each of ``keys`` once: the daemon refuses a key twice in one reservation
+    or prefetch, whose keys follow one another in one sequence (each the
+    parent of the next). A key given again is sent once and its answer goes
+    to every page that names it; a new key is sent only while the page before
+    it names the last key sent (its parent), so none is linked under a page it
+    does not follow: [A, B, A] sends A, B (both A pages get A's answer),
+    [A, A, B] sends A, B, and [A, B, A, C] sends A, B and leaves C out (it
+    follows A, not B): a miss in this call."""
+    sent: list[bytes] = []
+    index: dict[bytes, int] = {}
+    at: list[int] = []
+    first: list[int] = []
+    closed = False  # a new key was left out: every new key after it follows it
     for i, key in enumerate(keys):
-        if key in seen:
-            return keys[:i]
-        seen.add(key)
-    return keys
+        j = index.get(key)
+        if j is None and not closed:
+            if sent and keys[i - 1] != sent[-1]:
+                closed = True
+            else:
+                j = index[key] = len(sent)
+                sent.append(key)
+                first.append(i)
+        at.append(-1 if j is None else j)
+    return Once(sent, at, first)
 
 
 def host_rows(host_indices: torch.Tensor | None, pages: int, page_size: int) -> list[int]:

@@ -32,9 +32,9 @@ from hicached.integrations.sglang.pages import (
     RowPages,
     base_fields,
     check_flat_pages,
-    distinct,
     is_logical,
     namespace_fields,
+    once,
     page_keys,
     page_segments,
     pool_fields,
@@ -234,11 +234,16 @@ class HicachedStorage(HiCacheStorage):
         if not self.writer:
             return True
 
+        sent = once(page_keys(keys))
+
         def copy(c: Client, res: Reservation, first: int) -> None:
-            data = [pages[first + i].contiguous().view(-1).view(torch.uint8) for i in res.indices]
+            data = [
+                pages[sent.first[first + i]].contiguous().view(-1).view(torch.uint8)
+                for i in res.indices
+            ]
             c.write_pages(res, torch.stack(data))
 
-        move = Move(KV, distinct(page_keys(keys)), copy)
+        move = Move(KV, sent.keys, copy, at=sent.at)
         return all(self._store([move], [len(keys)])[0])
 
     def get(
@@ -374,16 +379,18 @@ class HicachedStorage(HiCacheStorage):
     ) -> Move:
         """A store of the pages at ``places``, under the key before ``keys``
         (the last of ``extra_info.prefix_keys``) so that L2 evicts the sequence
-        from its tail."""
+        from its tail. A key given twice is stored once, from its first page,
+        and answers for both (``once``)."""
         before = page_keys((extra_info.prefix_keys or [])[-1:]) if extra_info else []
-        wanted = distinct(page_keys(keys))
+        sent = once(page_keys(keys))
         if places is None:
-            return Move(name, wanted, None)
+            return Move(name, sent.keys, None, at=sent.at)
+        rows = [places[i] for i in sent.first]
 
         def copy(c: Client, res: Reservation, first: int) -> None:
-            pages.write(c, res, [places[first + i] for i in res.indices])
+            pages.write(c, res, [rows[first + i] for i in res.indices])
 
-        return Move(name, wanted, copy, before[0] if before else None)
+        return Move(name, sent.keys, copy, before[0] if before else None, sent.at)
 
     def _load(self, wanted: list[Move], counts: list[int]) -> list[list[bool]]:
         if not any(move.keys for move in wanted):
@@ -400,9 +407,11 @@ class HicachedStorage(HiCacheStorage):
 
 
 def _results(wanted: list[Move], counts: list[int], ok: bool) -> list[list[bool]]:
-    """Per move, one flag per key SGLang gave (keys past the leading page
-    hashes, or past a repeat, are False); all False when the call failed."""
-    return [
-        [ok and i < len(m.done) and m.done[i] for i in range(n)]
-        for m, n in zip(wanted, counts, strict=True)
-    ]
+    """Per move, one flag per key SGLang gave, its key's (keys past the leading
+    page hashes, or left out by ``once``, are False); all False when the call
+    failed."""
+    out = []
+    for m, n in zip(wanted, counts, strict=True):
+        at = range(len(m.done)) if m.at is None else m.at
+        out.append([ok and i < len(at) and at[i] >= 0 and m.done[at[i]] for i in range(n)])
+    return out
