@@ -15,10 +15,10 @@ import pytest
 import zmq
 
 from hicached.config import EventsConfig
+from hicached.daemon.requests import SKIP_BATCH as SKIP_FRAMES
 from hicached.events import (
     END_SEQ,
     REPLAY_SLICE,
-    SKIP_FRAMES,
     SUBSCRIBER_DROPS,
     SUBSCRIBERS_CUT,
     EventLog,

@@ -53,6 +53,7 @@ import zmq
 
 from hicached.cache.eventlog import EventLog
 from hicached.config import EventsConfig
+from hicached.daemon.requests import let_go
 from hicached.wire.events import END_SEQ, AnyEvent, WireFormat
 from hicached.wire.namespace import MAX_MODEL_CHARS
 
@@ -77,9 +78,6 @@ MAX_REPLAYS = 32
 REPLAYS_PER_READER = 2
 # Replay requests read per wake-up before other work gets the loop.
 REPLAY_REQUESTS_PER_WAKE = 64
-# Frames past a request's read and let go of in one turn of the event loop: a
-# message of millions of frames is read over many turns, none of them kept.
-SKIP_FRAMES = 4096
 # Batches not sent because one page's event alone is larger than events.batch_kib
 # (a gap in the sequence numbers; an event of several pages is split instead).
 OVERSIZED_DROPS = "events_oversized"
@@ -539,12 +537,11 @@ class Publisher:
         loop.call_soon(self._on_requests)  # more may wait; let others run first
 
     def _skip(self, sock: zmq.Socket[bytes], loop: asyncio.AbstractEventLoop) -> bool:
-        """Read and let go of the rest of a message that is not a request, up to
-        SKIP_FRAMES frames; False when frames remain (another turn reads on)."""
-        for _ in range(SKIP_FRAMES):
-            if not sock.recv(zmq.NOBLOCK, copy=False).more:
-                self._skipping = False
-                return True
+        """``let_go`` of the rest of a message that is not a request; False when
+        frames remain (another turn reads on)."""
+        if let_go(sock):
+            self._skipping = False
+            return True
         loop.call_soon(self._on_requests)
         return False
 

@@ -53,6 +53,15 @@ _POLLIN = int(zmq.POLLIN)
 SKIP_BATCH = 4096
 
 
+def let_go(sock: zmq.Socket[bytes]) -> bool:
+    """Read and let go of the rest of a message that is not a request, up to
+    ``SKIP_BATCH`` frames (a peer may send millions: none is kept, and the
+    event loop is not held while they are read); True once its last frame
+    was read, False when frames remain for another turn."""
+    recv = sock.recv
+    return any(not recv(_NOBLOCK, copy=False).more for _ in range(SKIP_BATCH))
+
+
 class RequestLoop:
     """Serves the requests on ``sock`` (bound, owned and closed by the server).
 
@@ -140,15 +149,11 @@ class RequestLoop:
         asyncio.get_running_loop().call_soon(self._drain)  # more may wait; let others run first
 
     def _skip(self) -> bool:
-        """Read and let go of the rest of a message that is not a request, up
-        to ``SKIP_BATCH`` frames (a peer may send millions: none is kept, and
-        the event loop is not held while they are read). False when frames
-        remain: another turn of the drain is queued to read on."""
-        recv = self.sock.recv
-        for _ in range(SKIP_BATCH):
-            if not recv(_NOBLOCK, copy=False).more:
-                self._skipping = False
-                return True
+        """``let_go`` of the rest of a message that is not a request; False when
+        frames remain: another turn of the drain is queued to read on."""
+        if let_go(self.sock):
+            self._skipping = False
+            return True
         asyncio.get_running_loop().call_soon(self._drain)
         return False
 
