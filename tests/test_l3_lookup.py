@@ -11,17 +11,27 @@ hundred pages take seconds to list, as tens of thousands do in production.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import itertools
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
+import zmq
 
 from hicached import Client, Namespace
+from hicached import protocol as p
+from hicached.cache import Cache, L3Lookup
+from hicached.config import Config, PoolConfig
+from hicached.daemon.requests import RequestLoop
+from hicached.daemon.tier import Tier
 from hicached.errors import DeadlineExceeded
 from hicached.hashing import engine_page_keys, pack_tokens, page_keys
 from hicached.namespace import NamespaceSpec, namespace_digest
@@ -485,3 +495,55 @@ def test_a_lookup_is_answered_while_slow_prefetch_reads_queue(
             done = wait_prefetch(c, pf, timeout=60)
             assert done.completed == 1 and not done.failed
             c.release(pf)
+
+
+def test_a_request_that_came_while_a_lookup_was_answered_is_served(tmp_path: Path) -> None:
+    """A reply that waited on L3 goes out from the tier's callback, outside the
+    drain. Its send may read the socket's pending commands, among them the one
+    that announced another client's request, and so take the descriptor's
+    wake-up: the loop then re-reads the socket itself, or that request would
+    wait for the next wake-up (none, if no client writes again). In-process
+    with real sockets; the tier is a stand-in (fault injection) that keeps the
+    lookup's callback for the test to call."""
+    config = Config(pool=PoolConfig(size_mib=2, slab_mib=1, max_page_bytes=PAGE_BYTES))
+    cache = Cache(config, pool_path="/nonexistent")
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    router, asker, other = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    asker.setsockopt(zmq.ROUTING_ID, b"asker")
+    endpoint = f"ipc://{tmp_path}/s"
+    router.bind(endpoint)
+    asker.connect(endpoint)
+    callbacks: list[Callable[[int], None]] = []
+
+    class HeldTier:
+        def lookup(self, ns: bytes, keys: list[bytes], answer: Callable[[int], None]) -> None:
+            callbacks.append(answer)
+
+    async def run() -> p.AnyReply | None:
+        tier = cast(Tier, HeldTier())
+        loop = RequestLoop(router, cache, config.server, tenants=False, metrics=None, tier=tier)
+        loop.start()
+        asker.send(b"")  # connected and known to the router, before the lookup
+        await asyncio.sleep(0.2)
+        hello = p.Hello(id=3, major=p.PROTOCOL_MAJOR, minor=p.PROTOCOL_MINOR)
+        reply = p.Error(id=1, code="bad_request", message="what the lookup answers")
+        loop._lookup(b"asker", L3Lookup(b"n", [b"k"], lambda _: reply, 1), 0)
+        other.connect(endpoint)
+        other.send(p.encode(hello))
+        # the event loop is held (no await): the request comes in, its command pending
+        time.sleep(0.3)  # noqa: ASYNC251
+        callbacks.pop()(0)  # the reply goes out, now, before the loop looks again
+        for _ in range(200):
+            if other.poll(0):
+                return p.reply_decoder.decode(other.recv())
+            await asyncio.sleep(0.01)
+        return None
+
+    try:
+        answered = asyncio.run(run())
+        assert isinstance(answered, p.HelloOk) and answered.id == 3
+        assert asker.poll(2000)  # and the reply that waited went out
+    finally:
+        for sock in (router, asker, other):
+            sock.close(0)
+        ctx.term()

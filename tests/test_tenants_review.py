@@ -9,6 +9,7 @@ are skipped, saying why, elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
@@ -79,7 +80,10 @@ def _listen(
                     _, _, payload = sub.recv_multipart()
                     seen_live |= _stored_tokens(payload)
             dealer = socket(zmq.DEALER, replay)
-            dealer.send_multipart([b"", (0).to_bytes(8, "big")], zmq.NOBLOCK)
+            dealer.setsockopt(zmq.SNDTIMEO, 2000)
+            # refused, the daemon closed the connection: none is left to send on
+            with contextlib.suppress(zmq.Again):
+                dealer.send_multipart([b"", (0).to_bytes(8, "big")])
             while dealer.poll(1500):
                 frames = dealer.recv_multipart()
                 if len(frames) != 4 or not frames[1]:

@@ -228,6 +228,10 @@ class RequestLoop:
                 )
                 reply = p.Error(id=lookup.id, code="internal", message=INTERNAL)
             self._send(routing_id, reply)
+            # out of the drain: a send may have taken the socket's wake-up (its
+            # descriptor signals edges); requests that came meanwhile are read now
+            if int(self.sock.getsockopt(_EVENTS)) & _POLLIN:
+                asyncio.get_running_loop().call_soon(self._drain)
 
         if tier is None:  # pragma: no cover - the cache asks only with a tier
             answer(0)
@@ -279,6 +283,9 @@ class RequestLoop:
             cache.count_drop("internal")
 
     def _send(self, routing_id: bytes, reply: p.AnyReply) -> None:
+        """Queue ``reply`` for its client; one that cannot be queued (the
+        client's queue is full, or the client is gone) is counted, and a lease
+        it granted ends (``undelivered``)."""
         sock, payload = self.sock, p.encode(reply)
         if self.journal is not None:
             self.journal.flush()
