@@ -140,6 +140,69 @@ def test_second_daemon_on_the_same_runtime_dir_is_refused(daemon: Daemon) -> Non
         assert c.stats().clients >= 1
 
 
+def _events_at(where: Path) -> str:
+    return (
+        f'[events]\nendpoint = "ipc://{where}/events.sock"\n'
+        f'replay_endpoint = "ipc://{where}/replay.sock"\n'
+    )
+
+
+@pytest.mark.parametrize("knob", ["server.endpoint", "events.endpoint"])
+def test_an_ipc_endpoint_another_daemon_listens_on_is_refused(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path, knob: str
+) -> None:
+    """A second daemon of another runtime directory configured with the first
+    one's ipc endpoint stops with exit 2, naming the knob; binding would have
+    removed the first one's socket file and taken its clients. The first one
+    keeps serving; its socket file, once it stopped, is taken over."""
+    first = daemon_factory(tail=_events_at(tmp_path / "first"))
+    second = Daemon(size_mib=16, tail=_events_at(tmp_path / "second"))
+    try:
+        if knob == "server.endpoint":
+            second.endpoint = first.endpoint
+            taken = Path(first.endpoint[len("ipc://") :])
+            text = re.sub(
+                r'(?m)^endpoint = "ipc://[^"]*hicached.sock"',
+                f'endpoint = "{first.endpoint}"',
+                second.config.read_text(),
+            )
+        else:
+            taken = tmp_path / "first" / "events.sock"
+            text = second.config.read_text().replace(
+                str(tmp_path / "second" / "events.sock"), str(taken)
+            )
+        second.config.write_text(text)
+        out = hicached("serve", "--config", str(second.config))
+        assert out.returncode == 2, out.stderr
+        assert f"{knob}: another process listens on {taken}" in out.stderr
+        with first.client() as c:  # untouched
+            assert c.stats().clients >= 1
+        assert taken.is_socket()
+        assert first.proc is not None
+        first.proc.kill()  # its socket files stay behind, with nobody listening
+        first.proc.wait()
+        second.start()
+        with second.client() as c:
+            assert c.stats().clients >= 1
+    finally:
+        second.cleanup()
+
+
+def test_a_file_that_is_no_socket_at_an_ipc_endpoint_is_kept(tmp_path: Path) -> None:
+    """A regular file where the ipc endpoint would be is nobody's to remove: exit 2."""
+    taken = tmp_path / "hicached.sock"
+    taken.write_text("mine")
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        f'[server]\nendpoint = "ipc://{taken}"\nruntime_dir = "{tmp_path}/run"\n'
+        f'[pool]\nsize_mib = 64\nshm_dir = "{tmp_path}"\n'
+    )
+    out = hicached("serve", "--config", str(cfg))
+    assert out.returncode == 2, out.stderr
+    assert "exists and is not a socket" in out.stderr
+    assert taken.read_text() == "mine"
+
+
 def test_open_runtime_dir_is_refused(tmp_path: Path) -> None:
     open_dir = Path("/tmp") / f"hc-open-{os.getpid()}"
     open_dir.mkdir(mode=0o755, exist_ok=True)

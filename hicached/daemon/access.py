@@ -6,9 +6,11 @@ tenant (daemon/tenants.py)."""
 
 from __future__ import annotations
 
+import errno
 import grp
 import logging
 import os
+import socket
 import stat
 from pathlib import Path
 
@@ -116,6 +118,40 @@ def check_passage(directory: Path, group: int, socket: Path) -> None:
             where,
             mode,
         )
+
+
+def release_stale(path: Path, key: str) -> None:
+    """Remove the socket file a daemon before left at ``path``, refusing one a
+    process still listens on: binding over it would take that daemon's clients
+    (its runtime directory's lock guards only daemons of one runtime
+    directory), and a file that is not a socket is nobody's to remove."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise ConfigError(f"{key}: {path} exists and is not a socket; remove it or choose a path")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)  # a listener whose backlog is full is still a listener
+    try:
+        probe.connect(str(path))
+    except ConnectionRefusedError:  # nobody listens: left by a daemon that stopped
+        path.unlink(missing_ok=True)
+        return
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        if exc.errno != errno.EAGAIN and not isinstance(exc, TimeoutError):
+            raise ConfigError(
+                f"{key}: cannot tell whether {path} is in use ({exc.strerror}); "
+                "remove it if no daemon listens there"
+            ) from None
+    finally:
+        probe.close()
+    raise ConfigError(
+        f"{key}: another process listens on {path} (another hicached daemon?); "
+        "give each daemon endpoints of its own, or stop that one first"
+    )
 
 
 class Access:
@@ -246,7 +282,7 @@ class Access:
             return
         path = Path(where[len("ipc://") :])
         self._events_dir(path)
-        path.unlink(missing_ok=True)
+        release_stale(path, key)
         self._listen(sock, where, key)
         if self.events_gid is not None:
             share_with_group(path, self.events_gid, 0o660, "events.group")

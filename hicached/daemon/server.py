@@ -40,7 +40,7 @@ from hicached.config import (
     endpoint,
     runtime_dir,
 )
-from hicached.daemon.access import Access, ensure_private_dir
+from hicached.daemon.access import Access, ensure_private_dir, release_stale
 from hicached.daemon.adoption import OpenedPool, open_arenas, open_pool
 from hicached.daemon.arenas import checked_layout, grant
 from hicached.daemon.collector import Collector
@@ -197,7 +197,7 @@ class Server:
         if self.endpoint.startswith("ipc://"):
             sock_path = Path(self.endpoint[len("ipc://") :])
             ensure_private_dir(sock_path.parent, gid)
-            sock_path.unlink(missing_ok=True)
+            release_stale(sock_path, "server.endpoint")
         started = time.monotonic()
         path = arena_path(cfg.pool.shm_dir, self.runtime_dir)
         layout = checked_layout(cfg, self.endpoint, self.runtime_dir)
