@@ -23,7 +23,7 @@ import msgspec
 
 from hicached.config import Config
 from hicached.daemon.arenas import Grant
-from hicached.daemon.journal import JournalDamage, check, journal_path, load
+from hicached.daemon.journal import JournalDamage, check, journal_files, journal_path, load
 from hicached.errors import ConfigError, HicachedError
 from hicached.wire.arena import GEN_GRANULE, Arena, file_bytes
 from hicached.wire.arenas import TenantArena, TenantArenas
@@ -71,7 +71,7 @@ def open_pool(
             log.info("pool: adopting %s (%d journal records)", path, len(adopted.records or ()))
             return adopted
         log.warning("pool: not adopting the pool at %s: %s; making a new one", path, adopted)
-    _remove([journal_path(path)])
+    _remove(journal_files(path))
     arena = Arena.create(path, size, pool.populate, group, on_populate, pool.huge_pages)
     header = _header(config, secrets.randbits(63), arena.file_bytes, _identity(path))
     return OpenedPool(arena, header, None)
@@ -120,7 +120,7 @@ def open_arenas(
         log.warning(
             "pool: not adopting the tenant arenas of %s: %s; making new ones", path, adopted
         )
-    _remove([path, journal, *_tenant_files(path)])
+    _remove([path, *journal_files(path), *_tenant_files(path)])
     arenas = TenantArenas.create(size, layout, share, pool.populate, on_populate, pool.huge_pages)
     return OpenedPool(arenas, _arenas_header(config, layout, secrets.randbits(63), share), None)
 

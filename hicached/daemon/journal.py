@@ -40,6 +40,18 @@ def journal_path(pool: Path) -> Path:
     return pool.with_name(pool.name + ".journal")
 
 
+def rewrite_path(journal: Path) -> Path:
+    """Where a compaction writes the journal anew before it replaces it."""
+    return journal.with_name(journal.name + ".new")
+
+
+def journal_files(pool: Path) -> list[Path]:
+    """The journal of the pool at ``pool``, and a rewrite of it that a crash
+    in a compaction may have left: what goes when the pool is not kept."""
+    journal = journal_path(pool)
+    return [journal, rewrite_path(journal)]
+
+
 def load(path: Path) -> tuple[JournalHeader, list[Record], int]:
     """The header, the records and the bytes of torn tail of the journal at
     ``path``; ``JournalDamage`` (or ``OSError``) when it cannot be adopted."""
@@ -97,7 +109,7 @@ class JournalFile:
             self._replace(header_bytes(self.header) + recorder.snapshot())
 
     def _replace(self, data: bytes) -> None:
-        tmp = self.path.with_name(self.path.name + ".new")
+        tmp = rewrite_path(self.path)
         try:
             tmp.unlink(missing_ok=True)  # left by a crash mid-rewrite
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -44,7 +44,7 @@ from hicached.daemon.access import Access, ensure_private_dir, release_stale
 from hicached.daemon.adoption import OpenedPool, open_arenas, open_pool
 from hicached.daemon.arenas import checked_layout, grant
 from hicached.daemon.collector import Collector
-from hicached.daemon.journal import JournalFile, journal_path
+from hicached.daemon.journal import JournalFile, journal_files, journal_path
 from hicached.daemon.metrics import Metrics
 from hicached.daemon.notify import StartupProgress, sd_notify, watchdog_interval
 from hicached.daemon.publisher import Publisher
@@ -389,7 +389,8 @@ class Server:
             self.arena.close(keep=keep)  # kept: the next start adopts it (pool.adopt)
             if not keep:
                 pool = arena_path(self.config.pool.shm_dir, self.runtime_dir)
-                journal_path(pool).unlink(missing_ok=True)
+                for stale in journal_files(pool):
+                    stale.unlink(missing_ok=True)
             self.arena = None
         if self._lock_fd is not None:
             os.close(self._lock_fd)
