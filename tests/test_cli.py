@@ -101,9 +101,12 @@ def test_serve_on_defaults_and_stop_cleanly_on_sigterm(tmp_path: Path) -> None:
                 capture_output=True,
                 text=True,
             )
-            if status.returncode == 0:
+            if status.returncode == 0 or proc.poll() is not None:
                 break
             time.sleep(0.2)
+        if proc.poll() is not None:  # it stopped (the default metrics port taken?): say why
+            assert proc.stderr is not None
+            pytest.fail(f"the daemon exited with {proc.returncode}: {proc.stderr.read()}")
         assert status is not None and status.returncode == 0, status.stderr if status else ""
         assert json.loads(status.stdout)["pool_bytes"] == 1024 << 20
         runtime = runtime_base / "hicached"
