@@ -189,7 +189,7 @@ def test_the_client_refuses_a_request_over_the_limit_and_keeps_its_session(
         started = time.monotonic()
         with pytest.raises(TooLarge, match="max_message_bytes"):
             c.match(ns, huge)
-        assert time.monotonic() - started < 1.0  # refused here, not after the timeout
+        assert time.monotonic() - started < 1.5  # refused here, not after the timeout (2 s)
         c.write_pages(res, page_bytes_for(toks))
         assert c.commit(res).published == 2
     with pytest.raises(BadRequest, match="positive number of seconds"):

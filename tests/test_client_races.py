@@ -90,7 +90,7 @@ def test_a_forked_child_is_told_at_once_though_a_parent_thread_held_the_client(
 
         said, took = in_child(child).rsplit(" | ", 1)
         assert said.startswith("BadRequest: this client was made in another process"), said
-        assert float(took.rstrip("s")) < 1.0
+        assert float(took.rstrip("s")) < 2.0  # not the call's timeout (3 s)
     finally:
         os.kill(daemon.proc.pid, signal.SIGCONT)
         waiting.join(10)

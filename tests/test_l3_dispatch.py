@@ -126,7 +126,7 @@ async def test_a_cancelled_read_waits_for_its_call_no_longer_than_the_stop(
     reader.cancel()
     await asyncio.gather(reader, return_exceptions=True)
     await d.stop(started + 0.2)
-    assert time.monotonic() - started < 1.0  # not op_timeout_s
+    assert time.monotonic() - started < 5.0  # not op_timeout_s (30 s)
     # still running: its slot stays taken; cancelled well within op_timeout_s, it
     # is not one of the calls past their timeout (the stop's log line tells them apart)
     assert d.running == 1 and d.hung_calls == 0
@@ -189,7 +189,7 @@ async def test_reads_never_wait_behind_writes(tmp_path: Path) -> None:
         assert await asyncio.wait_for(d.get(NS, [PageRef(bytes(16), memoryview(buf))]), 1.0) == [
             False
         ]  # not stored: a miss, promptly
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < 3.0  # no read waited for a writer's call (5 s)
     assert backend.peak == 1  # writes hold at most concurrency - 1 call slots
     backend.gate.set()
     for _ in range(200):
