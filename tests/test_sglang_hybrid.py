@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from tests.engines import sglang_venv
+from tests.l3util import settle_writes, storage
 from tests.support import Daemon
 
 # The first test waits for the venv build (minutes, once per pin and machine).
@@ -82,6 +83,30 @@ def report(sglang_python: Path) -> Iterator[dict[str, Facts]]:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def from_l3(sglang_python: Path) -> Iterator[Facts]:
+    """The hybrid pages written by one process, then, the daemon restarted with
+    an empty L2 (a new pool: ``serve --fresh``), read by another from L3 (a file
+    store written through) alone."""
+    scratch = Path(tempfile.mkdtemp(prefix="hc-sgh3-", dir="/tmp"))
+    daemon = Daemon(size_mib=16, slab_mib=1, storage=storage("file")).start()
+    try:
+        wrote = run_check(sglang_python, daemon.endpoint, "hybrid_write")
+        (scratch / "wrote.json").write_text(json.dumps(wrote))
+        with daemon.client() as c:
+            settle_writes(c)
+            stored = c.stats().l3.get("written", 0)
+        daemon.stop()
+        daemon.start()
+        with daemon.client() as c:
+            assert c.stats().pool_used_bytes == 0  # nothing in L2: every hit comes from L3
+        read = run_check(sglang_python, daemon.endpoint, f"hybrid_read:{scratch / 'wrote.json'}")
+        yield {**wrote, **read, "stored": stored}
+    finally:
+        daemon.cleanup()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def facts(report: dict[str, Facts], name: str, quiet: bool = True) -> Facts:
     """One scenario's facts; its traceback if it raised, what the backend
     logged if it logged anything in a scenario where nothing goes wrong."""
@@ -101,12 +126,12 @@ def hit(pages: int, hits: dict[str, int], restorable: list[int]) -> Facts:
 # -- two processes, byte for byte --------------------------------------------------------
 
 
-@pytest.mark.parametrize("group", GROUPS)
-def test_hybrid_pages_go_from_one_process_to_another(report: dict[str, Facts], group: str) -> None:
-    wrote = facts(report, "hybrid_write")[group]
-    read = facts(report, "hybrid_read")[group]
+def read_as_written(wrote: Facts, read: Facts, group: str) -> None:
+    """What a second process read is what the first wrote, every pool byte for
+    byte, and a key twice in one read fills every page that names it."""
     for node in wrote["set"]:
         assert all(all(ok) for ok in node.values()), node
+    assert read["exists"] == wrote["exists"]
     assert set(wrote["written"]) == set(read["read"])
     for pool, pages in wrote["written"].items():
         assert read["read"][pool] == pages, f"{pool}: the pages read are not the pages written"
@@ -116,6 +141,26 @@ def test_hybrid_pages_go_from_one_process_to_another(report: dict[str, Facts], g
             assert read[name] == [True] * 6
     if group != "logical":
         assert read["sidecars3"] == read["sidecars6"] == {"swa": [True, True], "mamba": [True]}
+        keys, kv = wrote["keys"], wrote["written"]["kv"]
+        assert read["kv_repeat"] == [True] * 5
+        assert read["kv_repeat_read"] == [kv[keys[j]] for j in (0, 1, 0, 1, 2)]
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_hybrid_pages_go_from_one_process_to_another(report: dict[str, Facts], group: str) -> None:
+    read_as_written(
+        facts(report, "hybrid_write")[group], facts(report, "hybrid_read")[group], group
+    )
+
+
+@pytest.mark.parametrize("group", GROUPS)
+def test_hybrid_pages_come_back_from_l3_alone(from_l3: Facts, group: str) -> None:
+    """After a restart that emptied L2, every pool's pages are read from L3,
+    byte for byte, and a hit is still a prefix every pool restores."""
+    assert from_l3["stored"] > 0
+    read_as_written(
+        facts(from_l3, "hybrid_write")[group], facts(from_l3, "hybrid_read")[group], group
+    )
 
 
 def test_a_hit_is_a_prefix_every_pool_restores(report: dict[str, Facts]) -> None:

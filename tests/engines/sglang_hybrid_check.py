@@ -294,6 +294,18 @@ def hybrid_read(endpoint: str, path: str) -> Facts:
         keys = wrote[group]["keys"]
         slots = Slots(pools, N, skip=3)
         got: Facts = {"exists": result(made.batch_exists_v2(keys, query(pools)))}
+        if not made.logical:  # a key twice in one read, first (from L3 when only it holds them)
+            asked = [keys[0], keys[1], keys[0], keys[1], keys[2]]  # k2 follows k1: read too
+            rows = base.alloc(pools[KV], len(asked))
+            got["kv_repeat"] = made.batch_get_v1(asked, rows)
+            got["kv_repeat_read"] = [
+                hashlib.sha256(
+                    base.bytes_of(pools[KV].get_data_page(int(rows[j * PAGE]), flat=True))
+                    .numpy()
+                    .tobytes()
+                ).hexdigest()
+                for j in range(len(asked))
+            ]
         got["kv"] = made.batch_get_v1(keys, slots.kv)
         read: dict[str, dict[str, str]] = {}
         if not made.logical:
