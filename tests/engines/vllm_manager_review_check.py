@@ -385,12 +385,15 @@ class Engine:
 
         self.manager.lookup = recorded  # type: ignore[method-assign]
         try:
-            for _ in range(50):
+            # steps until the daemon's answers came (an engine steps every few ms)
+            deadline = time.monotonic() + 60
+            while True:
                 seen.clear()
                 hit, _ = self.scheduler.get_num_new_matched_tokens(request, 0, budget)
-                if hit is not None:
+                if hit is not None or time.monotonic() > deadline:
                     break
                 self.manager.on_schedule_end(None)
+                time.sleep(0.005)
         finally:
             del self.manager.lookup
         return {"hit": hit, "window_lookups": seen}
