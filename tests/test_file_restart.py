@@ -264,7 +264,7 @@ async def test_after_a_failed_fsync_nothing_past_it_is_acknowledged(
     a = asyncio.ensure_future(backend.put(NS, _refs(range(100, 102))))
     await asyncio.get_running_loop().run_in_executor(None, entered.wait, 10)
     b = asyncio.ensure_future(backend.put(NS, _refs(range(200, 202))))
-    for _ in range(100):  # until B is written and waits for A's fsync
+    for _ in range(1000):  # until B is written and waits for A's fsync (10 s at most)
         await asyncio.sleep(0.01)
         if backend.segments[0].write_off > SUPER_BYTES + 5 * 64 * 1024:
             break
