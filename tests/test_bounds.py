@@ -120,7 +120,7 @@ async def test_a_call_queued_behind_max_in_flight_keeps_its_own_deadline(
     """The daemon stops answering (SIGSTOP): five calls behind one slot each
     fail at about their own timeout, not one after another's."""
     assert daemon.proc is not None
-    async with hicached.AsyncClient(daemon.endpoint, timeout=0.4, max_in_flight=1) as c:
+    async with hicached.AsyncClient(daemon.endpoint, timeout=1.0, max_in_flight=1) as c:
         await c.stats()
         os.kill(daemon.proc.pid, signal.SIGSTOP)
         try:
@@ -130,7 +130,7 @@ async def test_a_call_queued_behind_max_in_flight_keeps_its_own_deadline(
         finally:
             os.kill(daemon.proc.pid, signal.SIGCONT)
         assert all(isinstance(r, DeadlineExceeded) for r in results), results
-        assert waited < 1.5, f"queued calls waited {waited:.2f}s (one after another: 2.0s)"
+        assert waited < 3.0, f"queued calls waited {waited:.2f}s (one after another: 5.0s)"
 
 
 @pytest.mark.parametrize("bound", [0, -1, 1.5, True])
@@ -140,7 +140,7 @@ async def test_max_in_flight_is_a_whole_number_of_requests(daemon: Daemon, bound
     the first call with asyncio's ValueError. Refused where it is given."""
     with pytest.raises(BadRequest, match="max_in_flight"):
         hicached.AsyncClient(daemon.endpoint, timeout=0.4, max_in_flight=bound)  # type: ignore[arg-type]
-    async with hicached.AsyncClient(daemon.endpoint, timeout=0.4, max_in_flight=1) as c:
+    async with hicached.AsyncClient(daemon.endpoint, timeout=1.0, max_in_flight=1) as c:
         assert (await c.stats()).clients >= 1  # the bound itself serves
 
 
