@@ -23,6 +23,7 @@ import hmac
 import logging
 import os
 import re
+import selectors
 import socket
 import ssl
 import stat
@@ -203,6 +204,27 @@ class _Server(ThreadingMixIn, WSGIServer):
     daemon_threads = True  # a scrape in flight never holds up the daemon's exit
     slots: threading.BoundedSemaphore
     turned_away = 0  # connections closed unserved, MAX_SCRAPES being in flight
+    _stopping = False
+    timeout = 1.0  # handle_request's wait, should a ready connection be gone at accept
+
+    def serve(self, wake: socket.socket) -> None:
+        """Accept scrapes until ``stop``. socketserver's ``serve_forever`` looks
+        for its stop every ``poll_interval`` (half a second) and its ``shutdown``
+        waits for that look: a stop here is seen at once, by ``wake``."""
+        with selectors.DefaultSelector() as selector:
+            selector.register(self, selectors.EVENT_READ)
+            selector.register(wake, selectors.EVENT_READ)
+            while not self._stopping:
+                for key, _ in selector.select():
+                    if key.fileobj is self and not self._stopping:
+                        self.handle_request()
+
+    def stop(self, wake: socket.socket) -> None:
+        """Make ``serve`` return, from another thread (``wake``: the other end of
+        the socket pair it waits on)."""
+        self._stopping = True
+        with contextlib.suppress(OSError):
+            wake.send(b"\0")
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.slots.acquire(blocking=False):
@@ -251,6 +273,7 @@ class Listener:
         self.config = config
         self.gate = gate
         self._server: _Server | None = None
+        self._wake: tuple[socket.socket, socket.socket] | None = None
         self._turned_away = 0  # of servers stopped before
         self._thread: threading.Thread | None = None
         self.endpoint = ""
@@ -284,8 +307,9 @@ class Listener:
                 server.socket, server_side=True, do_handshake_on_connect=False
             )
         self._server = server
+        self._wake = socket.socketpair()
         self._thread = threading.Thread(
-            target=server.serve_forever, name="hicached-metrics", daemon=True
+            target=server.serve, args=(self._wake[0],), name="hicached-metrics", daemon=True
         )
         self._thread.start()
         host, port = str(server.server_address[0]), server.server_address[1]
@@ -300,11 +324,16 @@ class Listener:
         return self._turned_away + (server.turned_away if server is not None else 0)
 
     def stop(self) -> None:
-        if self._server is not None:
+        if self._server is not None and self._wake is not None:
             self._turned_away += self._server.turned_away
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
+            self._server.stop(self._wake[1])
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+        if self._server is not None:
+            self._server.server_close()
+            self._server = None
+        if self._wake is not None:
+            for end in self._wake:
+                end.close()
+            self._wake = None
