@@ -13,7 +13,6 @@ A second host pool and backend stand for a second SGLang instance.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -39,6 +38,7 @@ from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
 
 from hicached.client import Client  # noqa: E402
 from hicached.integrations.sglang import HicachedStorage  # noqa: E402
+from tests.engines import answer_and_exit  # noqa: E402
 
 PAGE = 16  # tokens a page
 LAYERS = 2
@@ -569,7 +569,7 @@ def main(endpoint: str, *scenarios: str) -> None:
             out[scenario] = {"error": traceback.format_exc()}
         out[scenario]["seconds"] = round(time.monotonic() - started, 3)
         out[scenario]["log"] = kept.lines
-    json.dump(out, sys.stdout, default=repr)
+    answer_and_exit(out, default=repr)
 
 
 if __name__ == "__main__":

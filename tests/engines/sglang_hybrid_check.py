@@ -50,6 +50,7 @@ from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
 from hicached.client import Client
 from hicached.integrations.sglang import HicachedStorage
+from tests.engines import answer_and_exit
 
 PAGE = base.PAGE
 WINDOW = 2  # sliding-window pages a prefix needs
@@ -730,7 +731,7 @@ def main(endpoint: str, *scenarios: str) -> None:
             out[name] = {"error": traceback.format_exc()}
         out[name]["seconds"] = round(time.monotonic() - started, 3)
         out[name]["log"] = kept.lines
-    json.dump(out, sys.stdout, default=repr)
+    answer_and_exit(out, default=repr)
 
 
 if __name__ == "__main__":

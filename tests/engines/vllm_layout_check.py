@@ -43,6 +43,8 @@ from typing import Any
 
 import numpy as np
 
+from tests.engines import answer_and_exit
+
 # vLLM's workers here are this process's forks: nothing runs threads before them
 MP = multiprocessing.get_context("fork")
 
@@ -716,6 +718,4 @@ def main(endpoint: str) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1]), default=repr))
-    sys.stdout.flush()
-    os._exit(0)  # vLLM's and torch's threads need not be waited for
+    answer_and_exit(main(sys.argv[1]), default=repr)

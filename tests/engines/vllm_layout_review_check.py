@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import json
-import os
 import sys
 import tempfile
 import time
@@ -34,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from tests.engines import answer_and_exit
 from tests.engines import vllm_layout_check as base
 from tests.engines.vllm_layout_check import BLOCK, LAYERS, Rank
 
@@ -260,6 +259,4 @@ def main(endpoint: str) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1]), default=repr))
-    sys.stdout.flush()
-    os._exit(0)
+    answer_and_exit(main(sys.argv[1]), default=repr)

@@ -18,7 +18,6 @@ answer (``lookup_wait_s``), then let go on (SIGCONT).
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import signal
 import sys
@@ -34,6 +33,7 @@ from hicached.integrations.hybrid import Answer
 from hicached.integrations.vllm import HicachedOffloadingSpec, Settings, engine_groups
 from hicached.integrations.vllm.manager import HicachedManager, _Answer
 from hicached.integrations.vllm.specs import HicachedLoadSpec
+from tests.engines import answer_and_exit
 from tests.engines.vllm_worker_check import config
 
 
@@ -169,4 +169,4 @@ def main(endpoint: str, daemon_pid: int = 0) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0)))
+    answer_and_exit(main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0))

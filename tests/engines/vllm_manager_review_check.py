@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-import json
 import sys
 import tempfile
 import time
@@ -49,6 +48,7 @@ from hicached.integrations.hybrid import Window
 from hicached.integrations.vllm import KVGroup, Settings, engine_groups
 from hicached.integrations.vllm.manager import HicachedManager
 from hicached.integrations.vllm.specs import HicachedLoadSpec
+from tests.engines import answer_and_exit
 from tests.engines.vllm_layout_check import LAYERS, engine_config, model_dir, until
 from tests.engines.vllm_worker_check import config
 
@@ -644,4 +644,4 @@ def main(endpoint: str, daemon_pid: int = 0, limited: str = "") -> dict[str, Any
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    print(json.dumps(main(args[0], int(args[1]) if len(args) > 1 else 0, *args[2:3])))
+    answer_and_exit(main(args[0], int(args[1]) if len(args) > 1 else 0, *args[2:3]))

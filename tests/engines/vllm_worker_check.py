@@ -17,7 +17,6 @@ real PULL socket, as HicachedManager plays it.
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 import tempfile
 import threading
@@ -48,6 +47,7 @@ from hicached import Client
 from hicached.integrations.vllm import Settings, engine_groups
 from hicached.integrations.vllm.specs import Ack, HicachedLoadSpec, HicachedStoreSpec
 from hicached.integrations.vllm.worker import HicachedWorker
+from tests.engines import answer_and_exit
 
 LAYERS, BLOCKS, BLOCK_BYTES = 2, 16, 1024
 
@@ -282,4 +282,4 @@ def main(endpoint: str) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1])))
+    answer_and_exit(main(sys.argv[1]))
