@@ -558,6 +558,10 @@ def test_hicached_events_follows_a_daemon_restart(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # Ctrl-C's signal at its default: a test run started in the background
+        # by a shell without job control passes it on ignored, and the command
+        # would then end at --idle-exit only
+        preexec_fn=_sigint_default,
     )
     try:
         time.sleep(1.5)  # it has subscribed
@@ -588,6 +592,10 @@ def test_hicached_events_follows_a_daemon_restart(
     assert after[0]["events"] == [{"type": "AllBlocksCleared"}]
     stored = [e for x in after for e in x["events"] if e["type"] == "BlockStored"]
     assert [e["block_hashes"] for e in stored] == [hk(keys)]
+
+
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _cli(*args: str) -> str:
