@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import secrets
 import signal
@@ -50,11 +51,17 @@ NS = dict(
 
 
 def page_bytes_for(tokens: np.ndarray, page_bytes: int = PAGE_BYTES, salt: int = 0) -> np.ndarray:
-    """Deterministic fake KV: page i's bytes depend on tokens[: (i+1) * PAGE_TOKENS]."""
+    """Deterministic fake KV: page i's bytes depend on tokens[: (i+1) * PAGE_TOKENS]
+    and ``salt`` alone, the same in every process (a hash chained page by page:
+    linear in the tokens)."""
     n = len(tokens) // PAGE_TOKENS
     out = np.empty((n, page_bytes), dtype=np.uint8)
+    words = np.asarray(tokens[: n * PAGE_TOKENS], dtype=np.int64).tobytes()
+    step = PAGE_TOKENS * 8
+    chain = hashlib.blake2b(str(salt).encode(), digest_size=8)
     for i in range(n):
-        seed = hash((salt, tuple(int(t) for t in tokens[: (i + 1) * PAGE_TOKENS]))) & 0xFFFFFFFF
+        chain.update(words[i * step : (i + 1) * step])
+        seed = int.from_bytes(chain.copy().digest(), "little")
         out[i] = np.random.default_rng(seed).integers(0, 256, page_bytes, dtype=np.uint8)
     return out
 

@@ -101,17 +101,14 @@ def test_a_reader_does_not_outlive_its_daemon_into_the_adopted_pool(
             with d.client() as c2:
                 ns = c2.register(**NS)
                 new = seq(10**6, 256)  # every slot of the 1 MiB pool, the prefetch's too
-                c2.store(ns, new, page_bytes_for(new, salt=3))
+                written = page_bytes_for(new, salt=3)
+                c2.store(ns, new, written)
                 if orphan:
                     os.kill(reader, signal.SIGCONT)
                     wait_for(lambda: not alive(reader), timeout=30)
                 got = c2.load(ns, new)
                 assert len(got) == 256
-                wrong = [
-                    i
-                    for i in range(256)
-                    if not np.array_equal(got[i], page_bytes_for(new, salt=3)[i])
-                ]
+                wrong = [i for i in range(256) if not np.array_equal(got[i], written[i])]
                 assert not wrong, f"pages {wrong} hold bytes a dead daemon's reader wrote"
             assert not orphan, "a reader outlived its daemon by 5 s"
         finally:
