@@ -53,7 +53,12 @@ def wait_prefetch(c: Client, pf: Fetch, timeout: float = 15.0) -> FetchProgress:
 
 def record_offset(store: Path, ns_digest: bytes, tokens: np.ndarray, page: int) -> tuple[Path, int]:
     """Where the file store keeps page ``page`` of ``tokens``: (segment file, header offset)."""
-    key = page_keys(ns_digest, pack_tokens(tokens), PAGE_TOKENS)[page]
+    return record_at(store, ns_digest, page_keys(ns_digest, pack_tokens(tokens), PAGE_TOKENS)[page])
+
+
+def record_at(store: Path, ns_digest: bytes, key: bytes) -> tuple[Path, int]:
+    """Where the file store keeps the record of ``key`` (the daemon's key):
+    (segment file, header offset)."""
     for segment in sorted(store.glob("segment-*.hcs")):
         data = segment.read_bytes()
         at = data.find(ns_digest + key)

@@ -21,8 +21,10 @@ from typing import Any
 
 import pytest
 
+from hicached.wire.hashing import engine_page_keys
+from hicached_backends.record import HEADER_BYTES
 from tests.engines import sglang_venv
-from tests.l3util import settle_writes, storage
+from tests.l3util import record_at, settle_writes, storage
 from tests.support import Daemon
 
 # The first test waits for the venv build (minutes, once per pin and machine).
@@ -87,24 +89,66 @@ def report(sglang_python: Path) -> Iterator[dict[str, Facts]]:
 def from_l3(sglang_python: Path) -> Iterator[Facts]:
     """The hybrid pages written by one process, then, the daemon restarted with
     an empty L2 (a new pool: ``serve --fresh``), read by another from L3 (a file
-    store written through) alone."""
+    store written through) alone; ``lost_*`` cases too, whose ``damaged``
+    records are damaged while the daemon is down."""
     scratch = Path(tempfile.mkdtemp(prefix="hc-sgh3-", dir="/tmp"))
-    daemon = Daemon(size_mib=16, slab_mib=1, storage=storage("file")).start()
+    daemon = Daemon(
+        size_mib=16,
+        slab_mib=1,
+        storage=storage("file"),
+        tail="[storage.file]\ncapacity_mib = 64\nsegment_mib = 16\nio_threads = 2\n",
+    ).start()
     try:
-        wrote = run_check(sglang_python, daemon.endpoint, "hybrid_write")
+        wrote = run_check(sglang_python, daemon.endpoint, "hybrid_write", "lost_write")
         (scratch / "wrote.json").write_text(json.dumps(wrote))
         with daemon.client() as c:
             settle_writes(c)
-            stored = c.stats().l3.get("written", 0)
+            l3 = c.stats().l3
+        assert l3.get("store_recycled_segments", 0) == 0, l3  # every record is still there
         daemon.stop()
+        if "error" not in wrote["lost_write"]:
+            damage(daemon.dir / "data" / "pages", wrote["lost_write"])
         daemon.start()
         with daemon.client() as c:
             assert c.stats().pool_used_bytes == 0  # nothing in L2: every hit comes from L3
-        read = run_check(sglang_python, daemon.endpoint, f"hybrid_read:{scratch / 'wrote.json'}")
-        yield {**wrote, **read, "stored": stored}
+        read = run_check(
+            sglang_python,
+            daemon.endpoint,
+            f"hybrid_read:{scratch / 'wrote.json'}",
+            f"lost_read:{scratch / 'wrote.json'}",
+        )
+        yield {**wrote, **read, "stored": l3.get("written", 0)}
     finally:
         daemon.cleanup()
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+# the ``lost_*`` cases (sglang_hybrid_check.LOST): pool, page, how it is lost
+LOST = {
+    "draft_unstored": ("draft", 3, "unstored"),
+    "window_unstored": ("swa", 4, "unstored"),
+    "first_state_unstored": ("mamba", 2, "unstored"),
+    "kv_unstored": ("kv", 4, "unstored"),
+    "draft_damaged": ("draft", 3, "damaged"),
+    "state_damaged": ("mamba", 5, "damaged"),
+    "kv_damaged": ("kv", 4, "damaged"),
+}
+
+
+def damage(store: Path, wrote: Facts) -> None:
+    """Flip a byte of each ``damaged`` case's lost page in its record's payload:
+    the record stays where it is, and no longer verifies."""
+    for case, (pool, page, how) in LOST.items():
+        if how != "damaged":
+            continue
+        ns = bytes.fromhex(wrote[case]["spaces"][pool])
+        key = engine_page_keys(ns, [bytes.fromhex(wrote[case]["keys"][page])])[0]
+        segment, header = record_at(store, ns, key)
+        with open(segment, "r+b") as f:
+            f.seek(header + HEADER_BYTES + 100)
+            byte = f.read(1)
+            f.seek(header + HEADER_BYTES + 100)
+            f.write(bytes([byte[0] ^ 0xFF]))
 
 
 def facts(report: dict[str, Facts], name: str, quiet: bool = True) -> Facts:
@@ -161,6 +205,77 @@ def test_hybrid_pages_come_back_from_l3_alone(from_l3: Facts, group: str) -> Non
     read_as_written(
         facts(from_l3, "hybrid_write")[group], facts(from_l3, "hybrid_read")[group], group
     )
+
+
+# Per case of LOST: the hit, then the sidecar reads that end the second node (the
+# draft pool over both nodes, the window, the state) and the first (the window,
+# the state), then the KV pages' read.
+ALL6 = hit(6, {"kv": 6, "swa": 6, "mamba": 6, "draft": 6}, [3, 6])
+T, F = True, False
+LOST_ANSWERS = {
+    # the draft pool lacks page 3: no prefix past 3, nothing past 3 read with it
+    "draft": (
+        hit(3, {"kv": 6, "swa": 6, "mamba": 6, "draft": 3}, [3]),
+        {"draft": [T, T, T, F, F, F], "swa": [F, F], "mamba": [F]},
+        {"swa": [T, T], "mamba": [T]},
+        [T] * 6,
+    ),
+    # the window lacks page 4: the second node's end is not restorable
+    "window": (
+        hit(3, {"kv": 6, "swa": 3, "mamba": 6, "draft": 6}, [3]),
+        {"draft": [T, T, T, T, F, F], "swa": [F, F], "mamba": [F]},
+        {"swa": [T, T], "mamba": [T]},
+        [T] * 6,
+    ),
+    # no state at the first node's end: only the whole sequence ends on a state
+    "first_state": (
+        hit(6, {"kv": 6, "swa": 6, "mamba": 6, "draft": 6}, [6]),
+        {"draft": [T] * 6, "swa": [T, T], "mamba": [T]},
+        {"swa": [T, F], "mamba": [F]},
+        [T] * 6,
+    ),
+    # no state at the second node's end
+    "state": (
+        hit(3, {"kv": 6, "swa": 6, "mamba": 3, "draft": 6}, [3]),
+        {"draft": [T, T, T, T, T, F], "swa": [T, F], "mamba": [F]},
+        {"swa": [T, T], "mamba": [T]},
+        [T] * 6,
+    ),
+    # the KV pool lacks page 4: its read stops there, the sidecars hold theirs
+    "kv": (
+        hit(3, {"kv": 4, "swa": 3, "mamba": 3, "draft": 4}, [3]),
+        {"draft": [T] * 6, "swa": [T, T], "mamba": [T]},
+        {"swa": [T, T], "mamba": [T]},
+        [T, T, T, T, F, F],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(LOST))
+def test_a_page_one_pool_lacks_in_l3_ends_the_hit_and_every_read_of_it(
+    from_l3: Facts, case: str
+) -> None:
+    """After a restart that emptied L2, one pool's page is not in L3 (never
+    stored, or its record does not verify) while the others' are: the hit ends
+    before it in every pool, no read of a call reports a page past it in any
+    pool of the call, and every page reported read holds the bytes stored."""
+    how = LOST[case][2]
+    wrote = facts(from_l3, "lost_write")[case]
+    got = facts(from_l3, "lost_read", quiet=how == "unstored")[case]
+    assert wrote["lost"] == list(LOST[case])
+    assert all(all(ok) for ok in wrote["set"].values()), wrote["set"]
+    exists, sidecars6, sidecars3, kv = LOST_ANSWERS[case.rpartition("_")[0]]
+    if how == "unstored":
+        assert got["exists"] == exists
+    else:  # the store checks a record's bytes when it reads it: a first ask may be told more
+        assert got["exists"] in (exists, ALL6)
+    assert got["get6"] == sidecars6
+    assert got["get3"] == sidecars3
+    assert got["kv"] == kv
+    assert got["exists_after"] == exists  # a record found bad is gone for good
+    for name, pages in got["read"].items():
+        for key, digest in pages.items():
+            assert digest == wrote["written"][name][key], f"{name}: read, not the page stored"
 
 
 def test_a_hit_is_a_prefix_every_pool_restores(report: dict[str, Facts]) -> None:

@@ -15,7 +15,8 @@ in SGLang's ``HostPoolGroup`` and registered as its cache controller does
 KV pages), queries carry its placeholder keys. ``hybrid_write`` and
 ``hybrid_read:FILE`` run in two processes: the second reads what the first
 wrote (FILE: the first's report) into pools of its own, and each reports the
-SHA-256 of every page it wrote or read.
+SHA-256 of every page it wrote or read; ``lost_write`` and ``lost_read:FILE``
+likewise, with one pool's page missing in L3 between them.
 """
 
 from __future__ import annotations
@@ -477,6 +478,108 @@ def half(endpoint: str) -> Facts:
     return facts
 
 
+# -- one pool's page lost in L3 ------------------------------------------------------
+
+# case: (pool, page, how): "unstored", every pool's pages but that one were stored
+# (an engine that stopped between a node's calls); "damaged", all were, and the
+# test flips a byte of that page's record in its segment file while the daemon is
+# down. Then the daemon starts with an empty L2, and every read comes from L3.
+LOST = {
+    "draft_unstored": (DRAFT, 3, "unstored"),
+    "window_unstored": (SWA, 4, "unstored"),
+    "first_state_unstored": (MAMBA, 2, "unstored"),
+    "kv_unstored": (KV, 4, "unstored"),
+    "draft_damaged": (DRAFT, 3, "damaged"),
+    "state_damaged": (MAMBA, 5, "damaged"),
+    "kv_damaged": (KV, 4, "damaged"),
+}
+NODES = {KV: range(N), SWA: (1, 2, 4, 5), MAMBA: (2, 5), DRAFT: range(N)}  # two nodes' pages
+
+
+def lost_write(endpoint: str) -> Facts:
+    """Each case's two nodes in every pool (the ``rows`` group), under keys of its
+    own, but for the page an ``unstored`` case leaves out; with each pool's
+    namespace digest, by which the test finds a ``damaged`` case's record."""
+    facts: Facts = {}
+    for case, (lost, page, how) in LOST.items():
+        pools = GROUPS["rows"]()
+        made = hybrid(endpoint, pools)
+        keys, slots = base.page_hashes(N), Slots(pools, N)
+        sets = {
+            str(name): set_pages(
+                made,
+                slots,
+                keys,
+                name,
+                [j for j in pages if how == "damaged" or (name, j) != (lost, page)],
+            )
+            for name, pages in NODES.items()
+        }
+        with Client(endpoint) as c:
+            spaces = {name: c.register(**f).digest.hex() for name, f in made.link.fields.items()}
+        facts[case] = {
+            "lost": [str(lost), page, how],
+            "keys": keys,
+            "set": sets,
+            "spaces": spaces,
+            "written": {
+                str(name): {keys[j]: slots.digest(name, j) for j in pages}
+                for name, pages in NODES.items()
+            },
+        }
+    return facts
+
+
+def lost_read(endpoint: str, path: str) -> Facts:
+    """Each case of ``lost_write`` from L3 alone: the hit; one read of the
+    sidecar pools over both nodes (the draft pool's pages, the window and the
+    state that end the second node), one of the window and the state that end
+    the first, the KV pages; the hit again. ``read``: the digest of every page
+    a read reported read, by pool."""
+    with open(path) as f:
+        wrote = json.load(f)["lost_write"]
+    facts: Facts = {}
+    for case in LOST:
+        pools = GROUPS["rows"]()
+        made = hybrid(endpoint, pools)
+        keys = wrote[case]["keys"]
+        slots = Slots(pools, N, skip=3)
+        got: Facts = {"exists": result(made.batch_exists_v2(keys, query(pools)))}
+        read: dict[str, dict[str, str]] = {str(name): {} for name in NODES}
+        for end in (N, 3):
+            window = range(end - WINDOW, end)
+            state = range(end - 1, end)
+            ts = [
+                PoolTransfer(
+                    name=SWA,
+                    host_indices=slots.of(SWA, window),
+                    keys=keys[window.start : end],
+                    hit_policy=TRAILING,
+                ),
+                PoolTransfer(
+                    name=MAMBA,
+                    host_indices=slots.of(MAMBA, state),
+                    keys=keys[state.start : end],
+                    hit_policy=TRAILING,
+                ),
+            ]
+            if end == N:
+                ts.insert(0, PoolTransfer(name=DRAFT, host_indices=slots.kv, keys=keys))
+            done = named(made.batch_get_v2(ts, Info(prefix_keys=keys[: window.start])))
+            got[f"get{end}"] = done
+            for t in ts:
+                pages = range(N) if t.name == DRAFT else window if t.name == SWA else state
+                for j, ok in zip(pages, done[str(t.name)], strict=True):
+                    if ok:
+                        read[str(t.name)][keys[j]] = slots.digest(t.name, j)
+        got["kv"] = made.batch_get_v1(keys, slots.kv)
+        read[str(KV)] = {keys[j]: slots.digest(KV, j) for j in range(N) if got["kv"][j]}
+        got["read"] = read
+        got["exists_after"] = result(made.batch_exists_v2(keys, query(pools)))
+        facts[case] = got
+    return facts
+
+
 def mla_mamba(endpoint: str) -> Facts:
     """MLA KV under TP 2 is one namespace that rank 0 writes; Mamba state is
     each rank's own, written and read by each rank."""
@@ -713,6 +816,8 @@ SCENARIOS: dict[str, Callable[..., Facts]] = {
     "down": down,
     "parents": parents,
     "stale": stale,
+    "lost_write": lost_write,
+    "lost_read": lost_read,
 }
 
 
