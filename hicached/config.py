@@ -162,10 +162,12 @@ class LeaseConfig(msgspec.Struct, **_Section):
     max_leases: int = 65536
     # How often expired leases are looked for, in seconds (at most ttl_s).
     sweep_interval_s: float = 0.25
-    # Seconds the fresh slots of an expired write lease wait before reuse, so a
-    # copy a client started just before its lease ran out cannot land in a page
-    # that someone else owns by then. Clients stop copying through a handle a
-    # second (a tenth of ttl_s, if less) before its lease's deadline.
+    # Seconds the fresh slots a write lease left unpublished (expired, released,
+    # committed in part) wait past its deadline before reuse, so a copy a client
+    # started just before its lease ran out, or one of its threads has under way
+    # as another ends the lease, cannot land in a page that someone else owns by
+    # then. Clients stop copying through a handle a second (a tenth of ttl_s, if
+    # less) before its lease's deadline.
     quarantine_s: float = 10.0
 
     def __post_init__(self) -> None:

@@ -415,3 +415,67 @@ def test_a_view_selected_with_bools_copies_the_pages_they_number(daemon: Daemon)
         with pytest.raises(IndexError, match="page numbers"):
             hit.select([0.5])
         c.release(hit)
+
+
+@pytest.mark.parametrize("end", ["abort", "commit", "duplicates"])
+def test_a_write_under_way_when_another_thread_ends_its_reservation_lands_in_no_other_page(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch, end: str
+) -> None:
+    """A thread's copy into a token reservation has passed its fences when
+    another thread of the client aborts the reservation, commits fewer of its
+    pages than the copy fills, or commits pages another client published
+    meanwhile (duplicates). The slots the lease did not publish went
+    back to the free list at once, the next reservation (another client's)
+    got them, and the copy, going on, wrote over that client's committed page:
+    a read of its key returned the first thread's bytes. The slots of a write
+    lease that ends with pages unpublished wait out their quarantine, whatever
+    ends it. Fault injection: the copying thread is held between its fences
+    and its copy, as a thread the scheduler sets aside there is."""
+    from hicached.client.mapping import PoolMapping
+
+    checked, resume = threading.Event(), threading.Event()
+    moved = PoolMapping._moved
+
+    def held(gens: np.ndarray, handle: hicached.Reservation, gidx: np.ndarray) -> int:
+        first = moved(gens, handle, gidx)
+        if threading.current_thread().name == "copier":
+            checked.set()
+            assert resume.wait(10), "never resumed"
+        return first
+
+    monkeypatch.setattr(PoolMapping, "_moved", staticmethod(held))
+    toks = np.arange(2 * PAGE_TOKENS, dtype=np.uint32)
+    theirs = toks + 500_000
+    want = page_bytes_for(theirs)
+    with daemon.client() as c, daemon.client() as other:
+        ns, their_ns = c.register(**NS), other.register(**NS)
+        res = c.reserve(ns, toks)
+        assert len(res.offsets) == 2
+        errors: list[BaseException] = []
+
+        def copy() -> None:
+            try:
+                c.write_pages(res, np.full((2, PAGE_BYTES), 0xEE, dtype=np.uint8))
+            except BaseException as exc:
+                errors.append(exc)
+
+        copier = threading.Thread(target=copy, name="copier")
+        copier.start()
+        try:
+            assert checked.wait(10)
+            if end == "abort":
+                c.abort(res)
+            elif end == "commit":
+                assert c.commit(res, pages=1).published == 1  # page 0 is the client's own
+            else:  # another client published the pages first: the commit gives the slots back
+                other.store(their_ns, toks, page_bytes_for(toks))
+                assert c.commit(res).duplicates == 2
+            got = other.reserve(their_ns, theirs)
+            other.write_pages(got, want[got.present :])
+            other.commit(got)
+        finally:
+            resume.set()
+            copier.join(10)
+        assert not copier.is_alive()
+        assert all(isinstance(exc, StaleHandle) for exc in errors), errors
+        assert np.array_equal(other.load(their_ns, theirs), want), "another client's bytes"

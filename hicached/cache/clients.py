@@ -215,7 +215,7 @@ class Clients:
             lease = desk.leases.get(lease_id)
             if lease is not None:
                 desk.leases.pop(lease)
-                desk.leasing.end(lease, stale=True)
+                desk.leasing.end(lease)
         desk.names.left(session)
 
     def end_idle(self, since: float) -> None:

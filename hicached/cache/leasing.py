@@ -12,7 +12,8 @@ reads of the store too. Leases expire after
 ``leases.ttl_s`` so a client that dies cannot hold memory forever; the fresh
 slots of a write lease that ends without a commit of all of them sit in
 quarantine (``free_after``: one rule for every end) so a copy a client began
-just before its deadline cannot land in another key's page.
+just before its deadline, or one another of its threads has under way as the
+lease ends, cannot land in another key's page.
 """
 
 from __future__ import annotations
@@ -87,13 +88,15 @@ class Leasing:
         self.table.pop(lease)
         self.end(lease)
 
-    def end(self, lease: Lease, *, stale: bool = False) -> None:
+    def end(self, lease: Lease) -> None:
         """Drop a lease's pins and free its unused fresh slots.
 
-        ``stale``: the lease expired or its client left without ending it; a
-        copy into its fresh slots may still be running, so they go to
-        quarantine instead of the free list, as a key-addressed reservation's
-        always do (``free_after``: one rule for every end). A prefetch reader may still be
+        Fresh slots the client copies into go to quarantine instead of the free
+        list, however the lease ends (``free_after``: one rule for every end):
+        a copy into them may still be running, one begun just before the
+        deadline of a lease that expired or whose client left, or one that
+        another thread of the client has under way as it releases the lease
+        or commits fewer pages. A prefetch reader may still be
         writing into fresh slots: then they are left to it, the lease counts
         on against its bounds (``LeaseTable.keep_reading``), and the
         prefetch's end frees them and the count (cache/prefetch.py).
@@ -111,7 +114,7 @@ class Leasing:
                 ns.open += 1  # the reader still holds it; released when it finishes
                 self.table.keep_reading(lease)
                 return
-        if lease.client_writes and (stale or lease.chain is not None):
+        if lease.client_writes:
             until = self.free_after(lease)
             desk.l2.quarantine(lease.fresh, until)
             # a restart keeps the quarantine's end, neither shortens nor prolongs it
@@ -126,7 +129,8 @@ class Leasing:
         """When a client's copies into ``lease``'s fresh slots are over for sure.
 
         The one rule for every way a write lease ends without a commit of all
-        its slots (release, a commit mask, goodbye, a session dropped, expiry):
+        its slots (release, a commit of fewer pages or with a mask, goodbye, a
+        session dropped, expiry):
         the copier checks the lease's deadline before each copy, so the slots
         sit out ``leases.quarantine_s`` past that deadline, or past now if it
         is over. Worker processes copy through an adopted key-addressed
@@ -157,7 +161,7 @@ class Leasing:
         """End the leases past their deadline; returns how many."""
         ended = 0
         for lease in self.table.due(now):
-            self.end(lease, stale=True)
+            self.end(lease)
             ended += 1
         self.expired += ended
         return ended

@@ -133,8 +133,13 @@ class Writes:
         published, unused = ns.tree.insert(keys, slots, ns.id)
         ns.pages += published
         lease.fresh = fresh[count:]
-        for slot in unused:
-            desk.l2.free(slot, ns.spec.page_bytes)
+        if pf is None:
+            # written by the client, whose other threads may copy into them still:
+            # they end with the lease, as the pages after ``count`` do (Leasing.end)
+            lease.fresh = unused + lease.fresh
+        else:
+            for slot in unused:
+                desk.l2.free(slot, ns.spec.page_bytes)
         desk.leasing.end(lease)
         new = n - published
         page_tokens = ns.spec.page_tokens
