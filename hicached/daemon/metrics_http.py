@@ -207,24 +207,34 @@ class _Server(ThreadingMixIn, WSGIServer):
     _stopping = False
     timeout = 1.0  # handle_request's wait, should a ready connection be gone at accept
 
-    def serve(self, wake: socket.socket) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # ``serve`` waits on one end, ``stop`` writes to the other; made first:
+        # a failed bind closes the server (``server_close``) inside __init__
+        self._wake = socket.socketpair()
+        super().__init__(*args, **kwargs)
+
+    def serve(self) -> None:
         """Accept scrapes until ``stop``. socketserver's ``serve_forever`` looks
         for its stop every ``poll_interval`` (half a second) and its ``shutdown``
-        waits for that look: a stop here is seen at once, by ``wake``."""
+        waits for that look: a stop here is seen at once."""
         with selectors.DefaultSelector() as selector:
             selector.register(self, selectors.EVENT_READ)
-            selector.register(wake, selectors.EVENT_READ)
+            selector.register(self._wake[0], selectors.EVENT_READ)
             while not self._stopping:
                 for key, _ in selector.select():
                     if key.fileobj is self and not self._stopping:
                         self.handle_request()
 
-    def stop(self, wake: socket.socket) -> None:
-        """Make ``serve`` return, from another thread (``wake``: the other end of
-        the socket pair it waits on)."""
+    def stop(self) -> None:
+        """Make ``serve`` return, from another thread."""
         self._stopping = True
         with contextlib.suppress(OSError):
-            wake.send(b"\0")
+            self._wake[1].send(b"\0")
+
+    def server_close(self) -> None:
+        super().server_close()
+        for end in self._wake:
+            end.close()
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.slots.acquire(blocking=False):
@@ -273,7 +283,6 @@ class Listener:
         self.config = config
         self.gate = gate
         self._server: _Server | None = None
-        self._wake: tuple[socket.socket, socket.socket] | None = None
         self._turned_away = 0  # of servers stopped before
         self._thread: threading.Thread | None = None
         self.endpoint = ""
@@ -307,10 +316,7 @@ class Listener:
                 server.socket, server_side=True, do_handshake_on_connect=False
             )
         self._server = server
-        self._wake = socket.socketpair()
-        self._thread = threading.Thread(
-            target=server.serve, args=(self._wake[0],), name="hicached-metrics", daemon=True
-        )
+        self._thread = threading.Thread(target=server.serve, name="hicached-metrics", daemon=True)
         self._thread.start()
         host, port = str(server.server_address[0]), server.server_address[1]
         scheme = "https" if c.tls_cert else "http"
@@ -324,16 +330,12 @@ class Listener:
         return self._turned_away + (server.turned_away if server is not None else 0)
 
     def stop(self) -> None:
-        if self._server is not None and self._wake is not None:
+        if self._server is not None:
             self._turned_away += self._server.turned_away
-            self._server.stop(self._wake[1])
+            self._server.stop()
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
         if self._server is not None:
             self._server.server_close()
             self._server = None
-        if self._wake is not None:
-            for end in self._wake:
-                end.close()
-            self._wake = None
