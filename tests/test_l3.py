@@ -349,6 +349,9 @@ def test_full_disk_l2_keeps_serving(daemon_factory: Callable[..., Daemon], tmp_p
             assert "disk full after 2 of 8 segments" in d.log.read_text()
             for k in range(6):  # far more than 2 MiB: the two segments recycle
                 toks = seq(k * 10**6, 200)
+                # the last store's pages are pinned until written: with those
+                # writes settled, this one takes all the slots it asks for
+                settle_writes(c)
                 c.store(ns, toks, page_bytes_for(toks))
                 assert np.array_equal(c.load(ns, toks), page_bytes_for(toks))  # L2 serves
             settle_writes(c)
