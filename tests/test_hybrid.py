@@ -158,9 +158,8 @@ async def ask(d: Daemon, model: Model, **kwargs: Any) -> tuple[Answer, hicached.
 def read_hit(c: hicached.AsyncClient, model: Model, answer: Answer) -> None:
     """Every page of the hit reads back what was stored under its key."""
     names = list(SPECS)
-    for key, (g, place) in answer.hits.items():
-        handle = answer.handles[g]
-        assert handle is not None
+    for key, (g, part, place) in answer.hits.items():
+        handle = answer.handles[g][part]
         name = names[g]
         page = c.read_pages(handle.select([place]))[0]
         assert np.array_equal(page, model.pages[name][model.keys[name].index(key)])

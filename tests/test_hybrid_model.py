@@ -101,7 +101,8 @@ POOL: dict[str, Any] = dict(size_mib=10, slab_mib=1)
 
 # Across examples: that the runs reached what the invariants are about.
 SEEN = dict.fromkeys(
-    ["hits", "lowered", "failed_commits", "evicted", "rereads", "looks", "pressed"], 0
+    ["hits", "lowered", "failed_commits", "evicted", "rereads", "looks", "pressed", "in_parts"],
+    0,
 )
 
 
@@ -154,12 +155,21 @@ class Pressing(hicached.AsyncClient):
     """Fault injection: pool pressure (real pages stored by another client)
     right after one of a lookup's window probes answers, so that pages the
     lookup saw there leave L2 before it leases them, as the daemon's own
-    eviction for another client's store may do between two requests."""
+    eviction for another client's store may do between two requests. And
+    ``limit``: where set, the most keys a request takes as this client tells
+    a lookup (as a daemon's ``server.max_pages_per_request`` does), so that
+    lookups ask about a group's keys in parts and read a hit through a lease
+    a part."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.press: Callable[[], None] | None = None
         self.skip = 0  # probes to let by first
+        self.limit = 0
+
+    @property
+    def max_pages(self) -> int:
+        return self.limit or super().max_pages
 
     async def exists_keys(self, ns: Namespace, keys: Sequence[bytes]) -> KeysFound:
         found = await super().exists_keys(ns, keys)
@@ -207,9 +217,11 @@ class HybridMachine(RuleBasedStateMachine):
 
     # -- stores ---------------------------------------------------------------------------
 
-    @initialize(seq=SEQ)
-    def first(self, seq: tuple[int, ...]) -> None:
-        """A sequence stored whole before anything else, for lookups to find."""
+    @initialize(seq=SEQ, limit=st.sampled_from([0, 0, 1, 2, 3]))
+    def first(self, seq: tuple[int, ...], limit: int) -> None:
+        """A sequence stored whole before anything else, for lookups to find; and
+        the most keys of a group one of the lookups' requests asks about (0: all)."""
+        self.ac.limit = limit
         self.put(seq, [positions(g, len(seq)) for g in GROUPS], None)
 
     @rule(base=BASE, more=SEQ, fail=FAIL)
@@ -384,17 +396,17 @@ class HybridMachine(RuleBasedStateMachine):
         assert set(answer.hits) == want, "a hit's pages are what each group needs at its end"
         self.read(answer, s)
         SEEN["hits"] += 1
+        SEEN["in_parts"] += any(len(mine) > 1 for mine in answer.handles)
         if end < best_end(units, lambda n, p: self.key(n, s, p) in self.committed[n]):
             SEEN["lowered"] += 1
 
     def read(self, answer: Answer, s: tuple[int, ...]) -> None:
         """Every page of the hit reads back the bytes stored under its key."""
-        by_group: dict[int, list[tuple[bytes, int]]] = {}
-        for key, (n, place) in answer.hits.items():
-            by_group.setdefault(n, []).append((key, place))
-        for n, pages in by_group.items():
-            handle = answer.handles[n]
-            assert handle is not None, "a hit's group without a handle"
+        by_group: dict[tuple[int, int], list[tuple[bytes, int]]] = {}
+        for key, (n, part, place) in answer.hits.items():
+            by_group.setdefault((n, part), []).append((key, place))
+        for (n, part), pages in by_group.items():
+            handle = answer.handles[n][part]
             got = self.ac.read_pages(handle.select([place for _, place in pages]))
             for (key, _), page in zip(pages, got, strict=True):
                 want = pattern(key, GROUPS[n].page_bytes)

@@ -23,8 +23,8 @@ CHECK = ROOT / "tests" / "engines" / "vllm_manager_review_check.py"
 
 @pytest.fixture(scope="module")
 def facts() -> dict[str, Any]:
-    # a second daemon takes 4 pages a request (the limit scenario)
-    return vllm_engine.check_facts(CHECK, size_mib=2, max_pages=4)
+    # a second daemon takes 1 page a request (the limit scenario)
+    return vllm_engine.check_facts(CHECK, size_mib=2, max_pages=1)
 
 
 def test_an_answer_that_goes_stale_mid_pass_still_serves_the_load_its_hits_start(
@@ -166,19 +166,21 @@ def test_a_drafters_window_group_loads_the_window_vllm_asks_one_chunk_past_the_h
     assert got["kinds"] == [["full", 0], ["sliding32", 32]]  # groups.kind_of's lead
 
 
-def test_a_daemon_that_takes_fewer_pages_a_request_is_asked_and_stored_in_its_limit(
+def test_a_daemon_that_takes_one_page_a_request_is_asked_and_stored_in_parts(
     facts: dict[str, Any],
 ) -> None:
-    """A daemon whose server.max_pages_per_request is 4 and a prompt of ten whole
-    chunks of both groups: the store vLLM prepares reserves the first four
-    chunks of each group (a reservation of ten is refused as too large) and
-    says it stores those; the lookup asks each group about four keys (a
-    question of ten is refused, every key a miss), so the hit is those four
-    chunks, each block loaded holding the bytes stored from it."""
+    """A daemon whose server.max_pages_per_request is 1 and a prompt of ten whole
+    chunks of both groups: the store vLLM prepares reserves every chunk of
+    each group, a reservation a key, and vLLM is told it stores them all; the
+    lookup asks about a key a request, and the hit is all ten chunks (the
+    sliding window's last two), each group's read through a lease a chunk and
+    every block loaded holding the bytes stored from it (before, a longer
+    request was cut at the daemon's limit: four chunks with a limit of four)."""
     got = facts["limit"]
     assert "error" not in got, got["error"]
-    assert got["stored"] == [[0, 1, 2, 3], [0, 1, 2, 3]], got
+    every = list(range(10))
+    assert got["stored"] == [every, every], got
     a = got["A"]
-    assert a["hit"] == 4 * 16, a  # 0 when the question asks about all ten chunks
-    assert a["loaded"] == [[0, 1, 2, 3], [2, 3]], a
+    assert a["hit"] == 10 * 16, a
+    assert a["loaded"] == [every, [8, 9]], a
     assert a["finished"] and a["same"], a

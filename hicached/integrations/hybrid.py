@@ -19,8 +19,11 @@ leading run under a read lease at once, a window group's keys one by one),
 the end all of them can restore, the pages of that end loaded from L3 first
 where only L3 holds them, then read leases on exactly those pages, and the
 end again from what the leases hold, so an answer never names a page that was
-evicted in between. Engine-neutral: the vLLM integration builds the groups
-from vLLM's KV cache specs (hicached/integrations/vllm/groups.py).
+evicted in between. A request to the daemon covers its
+``server.max_pages_per_request`` keys at most, so a group with more is asked
+about in parts, and its hit is read through a lease a part. Engine-neutral:
+the vLLM integration builds the groups from vLLM's KV cache specs
+(hicached/integrations/vllm/groups.py).
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ __all__ = [
     "Prefix",
     "Window",
     "lookup",
+    "parts",
     "restorable_end",
 ]
 
@@ -72,35 +76,61 @@ class Kind:
     def since(self, end: int) -> int:
         raise NotImplementedError
 
-    async def probe(self, client: AsyncClient, ns: Namespace, keys: list[bytes]) -> Probe:
-        """Where each of ``keys`` is (ABSENT, IN_L2, IN_L3), and a read lease if
-        the question already takes one."""
+    async def probe(
+        self, client: AsyncClient, ns: Namespace, keys: list[bytes], held: list[Hit]
+    ) -> Probe:
+        """Where each of ``keys`` is (ABSENT, IN_L2, IN_L3), and the read leases
+        the question already takes (each also added to ``held`` as it is taken,
+        for the lookup to release should a later request fail)."""
         raise NotImplementedError
+
+
+# A read lease and the index, among its group's keys, of the first key it holds.
+Leased = tuple[Hit, int]
 
 
 @dataclass(frozen=True, slots=True)
 class Probe:
-    """A first look at a group's keys: where each one is, and the read lease the
-    look took, if it took one (on a leading run of the keys)."""
+    """A first look at a group's keys: where each one is, and the read leases the
+    look took, if it took some (on a leading run of the keys, a lease a part)."""
 
     flags: list[int]
-    lease: Hit | None = None
+    leases: list[Leased] = field(default_factory=list)
+
+
+def parts(count: int, limit: int) -> list[range]:
+    """``range(count)`` in runs of ``limit`` at most, in order: the keys one
+    request covers, where the daemon takes ``limit`` a request (its
+    ``server.max_pages_per_request``; 0, not known yet: all in one)."""
+    step = limit if 0 < limit < count else max(count, 1)
+    return [range(i, min(i + step, count)) for i in range(0, count, step)]
 
 
 class Prefix(Kind):
     """Full attention: every chunk from the first one asked about up to the end.
-    Its leading run is asked for with a read lease at once (one request: for a
-    model of one such group, the whole lookup)."""
+    Its leading run is asked for with a read lease at once (one request a
+    part: for a model of one such group, the whole lookup), part after part
+    while each part is there whole."""
 
     name = "full"
 
     def since(self, end: int) -> int:
         return -1
 
-    async def probe(self, client: AsyncClient, ns: Namespace, keys: list[bytes]) -> Probe:
-        hit = await client.match_keys(ns, keys)
-        flags = [IN_L2] * hit.hits + [IN_L3] * hit.l3_hits
-        return Probe(flags + [ABSENT] * (len(keys) - len(flags)), hit if hit.lease else None)
+    async def probe(
+        self, client: AsyncClient, ns: Namespace, keys: list[bytes], held: list[Hit]
+    ) -> Probe:
+        flags: list[int] = []
+        leases: list[Leased] = []
+        for part in parts(len(keys), client.max_pages):
+            hit = await client.match_keys(ns, keys[part.start : part.stop])
+            if hit.lease:
+                held.append(hit)
+                leases.append((hit, part.start))
+            flags += [IN_L2] * hit.hits + [IN_L3] * hit.l3_hits
+            if len(flags) < part.stop:
+                break  # the prefix ends in this part
+        return Probe(flags + [ABSENT] * (len(keys) - len(flags)), leases)
 
 
 @dataclass(frozen=True)
@@ -128,12 +158,16 @@ class Window(Kind):
     def since(self, end: int) -> int:
         return end - self.tokens
 
-    async def probe(self, client: AsyncClient, ns: Namespace, keys: list[bytes]) -> Probe:
-        found = await client.exists_keys(ns, keys)
-        flags = [
-            IN_L2 if l2 else IN_L3 if l3 else ABSENT
-            for l2, l3 in zip(found.in_l2, found.in_l3, strict=True)
-        ]
+    async def probe(
+        self, client: AsyncClient, ns: Namespace, keys: list[bytes], held: list[Hit]
+    ) -> Probe:
+        flags: list[int] = []
+        for part in parts(len(keys), client.max_pages):
+            found = await client.exists_keys(ns, keys[part.start : part.stop])
+            flags += [
+                IN_L2 if l2 else IN_L3 if l3 else ABSENT
+                for l2, l3 in zip(found.in_l2, found.in_l3, strict=True)
+            ]
         return Probe(flags)
 
 
@@ -211,13 +245,16 @@ class Group:
 @dataclass(slots=True)
 class Answer:
     """What the groups can restore: ``end`` (0: nothing), and for each key of the
-    hit, its group and its place in that group's handle. ``pending`` keys are on
-    their way from L3 (ask again). The answer owns ``leases`` (its handles'),
-    which whoever drops it releases."""
+    hit, its group, which of that group's handles it is read through and its
+    place there. Per group, ``handles`` are the read leases its keys are read
+    through, in the keys' order (more than one where the daemon took the
+    group's keys in parts; none for a group without keys in the hit).
+    ``pending`` keys are on their way from L3 (ask again). The answer owns
+    ``leases`` (its handles'), which whoever drops it releases."""
 
     end: int = 0
-    hits: dict[bytes, tuple[int, int]] = field(default_factory=dict)
-    handles: list[Hit | None] = field(default_factory=list)
+    hits: dict[bytes, tuple[int, int, int]] = field(default_factory=dict)
+    handles: list[list[Hit]] = field(default_factory=list)
     pending: frozenset[bytes] = frozenset()
     leases: list[Hit] = field(default_factory=list)
 
@@ -238,16 +275,16 @@ async def lookup(
     look and its lease is taken as absent and the end found again (a few
     times at most, then it is a miss). On an error, every lease taken so far
     is released before it is raised. Each request to the daemon asks about
-    some of one group's keys, so a question whose groups each have at most
-    the daemon's ``server.max_pages_per_request`` keys is never refused as
-    too large."""
+    the daemon's ``server.max_pages_per_request`` keys of one group at most
+    (``parts``), so no question is refused as too large."""
     held: list[Hit] = []
     try:
-        probes = [await g.kind.probe(client, g.ns, g.keys) if g.keys else Probe([]) for g in groups]
-        held += [p.lease for p in probes if p.lease is not None]
+        probes = [
+            await g.kind.probe(client, g.ns, g.keys, held) if g.keys else Probe([]) for g in groups
+        ]
         present = [[f != ABSENT for f in p.flags] for p in probes]
-        # per group: the lease its hit is read through, and where its keys start there
-        leases: list[tuple[Hit, int] | None] = [(p.lease, 0) if p.lease else None for p in probes]
+        # per group: the leases its hit may be read through
+        leases: list[list[Leased]] = [list(p.leases) for p in probes]
         loaded = False
         end = 0
         for _ in range(ROUNDS):
@@ -270,15 +307,13 @@ async def lookup(
             needs = [view.wanted(end) for view in views]
             short = False
             for n, (g, need) in enumerate(zip(groups, needs, strict=True)):
-                if _covers(leases[n], need):
+                if _cover(leases[n], need) is not None:
                     continue
-                hit = await client.match_keys(g.ns, g.keys[need.start : need.stop])
-                if hit.lease:
-                    held.append(hit)
-                if hit.hits == len(need):
-                    leases[n] = (hit, need.start)
+                got, found = await _lease(client, g, need, held)
+                if found == len(need):
+                    leases[n] = got
                 else:  # that page left L2 (or never came from L3): absent now
-                    present[n][need.start + hit.hits] = False
+                    present[n][need.start + found] = False
                     short = True
             if not short:
                 break
@@ -294,31 +329,63 @@ async def lookup(
 ROUNDS = 4
 
 
-def _covers(lease: tuple[Hit, int] | None, need: range) -> bool:
-    return lease is not None and lease[1] <= need.start and need.stop <= lease[1] + lease[0].hits
+async def _lease(
+    client: AsyncClient, g: Group, need: range, held: list[Hit]
+) -> tuple[list[Leased], int]:
+    """Read leases on group ``g``'s keys ``need``, a part a request, while each
+    part is in L2 whole: the leases (each also in ``held``) and how many of
+    the keys, from the first, they hold."""
+    got: list[Leased] = []
+    found = 0
+    for part in parts(len(need), client.max_pages):
+        first = need.start + part.start
+        hit = await client.match_keys(g.ns, g.keys[first : need.start + part.stop])
+        if hit.lease:
+            held.append(hit)
+            got.append((hit, first))
+        found += hit.hits
+        if hit.hits < len(part):
+            break
+    return got, found
+
+
+def _cover(leases: Sequence[Leased], need: range) -> list[tuple[Hit, int, range]] | None:
+    """The leases the keys ``need`` are read through, in the keys' order: each
+    with the index of its first key and the keys of ``need`` read through it
+    (each key through one lease); None where some key is in none of them."""
+    cover: list[tuple[Hit, int, range]] = []
+    at = need.start
+    while at < need.stop:
+        holding = [(hit, first) for hit, first in leases if first <= at < first + hit.hits]
+        if not holding:
+            return None
+        hit, first = max(holding, key=lambda lease: lease[1] + lease[0].hits)
+        stop = min(need.stop, first + hit.hits)
+        cover.append((hit, first, range(at, stop)))
+        at = stop
+    return cover
 
 
 async def _answer(
     client: AsyncClient,
     groups: Sequence[Group],
     present: list[list[bool]],
-    leases: list[tuple[Hit, int] | None],
+    leases: list[list[Leased]],
     held: list[Hit],
     end: int,
 ) -> Answer:
-    """The answer for ``end``: each needed key's place in its group's lease; the
-    leases it does not read through are released now."""
-    hits: dict[bytes, tuple[int, int]] = {}
-    handles: list[Hit | None] = [None] * len(groups)
+    """The answer for ``end``: each needed key's place in one of its group's
+    leases; the leases it does not read through are released now."""
+    hits: dict[bytes, tuple[int, int, int]] = {}
+    handles: list[list[Hit]] = [[] for _ in groups]
     if end:
         for n, (g, on) in enumerate(zip(groups, present, strict=True)):
-            lease = leases[n]
-            need = GroupView(g.kind, g.positions, on).wanted(end)
-            assert lease is not None and _covers(lease, need), "an end beyond the leases"
-            hit, start = lease
-            handles[n] = hit
-            hits.update((g.keys[i], (n, i - start)) for i in need)
-    used = {id(h) for h in handles if h is not None}
+            cover = _cover(leases[n], GroupView(g.kind, g.positions, on).wanted(end))
+            assert cover is not None, "an end beyond the leases"
+            for part, (hit, first, read) in enumerate(cover):
+                handles[n].append(hit)
+                hits.update((g.keys[i], (n, part, i - first)) for i in read)
+    used = {id(h) for mine in handles for h in mine}
     await _release(client, [h for h in held if id(h) not in used])
     return Answer(end, hits, handles, leases=[h for h in held if id(h) in used])
 
@@ -352,7 +419,7 @@ async def _load(
     if on_pending is not None:
         pairs = zip(groups, views, strict=True)
         pending = frozenset(g.keys[i] for g, view in pairs for i in view.wanted(end))
-        on_pending(Answer(end, handles=[None] * len(groups), pending=pending))
+        on_pending(Answer(end, handles=[[] for _ in groups], pending=pending))
     await _from_l3(client, loading, timeout_s)
     return True
 
@@ -373,15 +440,17 @@ def _skip_leads_in_l3(
 async def _from_l3(
     client: AsyncClient, loading: list[tuple[Group, list[bytes]]], timeout_s: float
 ) -> None:
-    """Load these keys of each group from L3 into L2 (all at once, within
-    ``timeout_s``); the leading pages that arrived in time are committed, the
-    rest released. Whatever did not come is found absent by the leases after."""
+    """Load these keys of each group from L3 into L2 (all at once, a prefetch a
+    part, within ``timeout_s``); the leading pages of each part that arrived
+    in time are committed, the rest released. Whatever did not come is found
+    absent by the leases after."""
     fetches: list[Fetch] = []
     deadline = time.monotonic() + timeout_s
     pause = 0.001
     try:
         for g, keys in loading:
-            fetches.append(await client.prefetch_keys(g.ns, keys))
+            for part in parts(len(keys), client.max_pages):
+                fetches.append(await client.prefetch_keys(g.ns, keys[part.start : part.stop]))
         completed = dict.fromkeys(range(len(fetches)), 0)
         waiting = list(completed)
         while True:

@@ -147,8 +147,7 @@ def main(endpoint: str, daemon_pid: int = 0) -> dict[str, Any]:
                 manager._link.submit(nothing()).result(5)
                 load = manager.prepare_load(keys, a)
                 assert isinstance(load, HicachedLoadSpec)
-                (handle,) = load.handles
-                assert handle is not None
+                ((handle,),) = load.handles
                 facts["loaded_pages"] = len(handle.offsets)
                 manager.on_schedule_end(None)
             # a reset with the load and the store still in flight (vLLM 0.33 would

@@ -132,8 +132,8 @@ def stale_mid_pass(endpoint: str) -> dict[str, Any]:
                 try:
                     load = manager.prepare_load(keys[:hit], ctx)
                     assert isinstance(load, HicachedLoadSpec)
-                    (handle,) = load.handles
-                    facts["load"] = 0 if handle is None else len(handle.offsets)
+                    (mine,) = load.handles
+                    facts["load"] = sum(len(h.offsets) for h in mine)
                 except AssertionError as exc:
                     facts["load"] = f"AssertionError: {exc}"
                 else:
@@ -204,7 +204,7 @@ def hybrid(endpoint: str) -> dict[str, Any]:
                         n = min(f, w)
                         load = manager.prepare_load(full_keys[:n] + window_keys[n - 2 : n], ctx)
                         assert isinstance(load, HicachedLoadSpec)
-                        got["load"] = [0 if h is None else len(h.offsets) for h in load.handles]
+                        got["load"] = [sum(len(h.offsets) for h in mine) for mine in load.handles]
                         manager.complete_load(full_keys[:n] + window_keys[n - 2 : n], ctx)
                     manager.on_schedule_end(None)
             facts[p] = got
@@ -598,22 +598,23 @@ def widening(endpoint: str) -> dict[str, Any]:
 
 # -- a daemon that takes a few pages a request ------------------------------------------
 
-LIMIT = 4  # the second daemon's server.max_pages_per_request
+LIMIT = 1  # the second daemon's server.max_pages_per_request
 LONG = 10  # whole chunks of the prompt, more than LIMIT
 
 
 def limit(endpoint: str) -> dict[str, Any]:
     """A daemon that takes LIMIT pages a request (its max_pages_per_request) and
     a prompt of LONG whole chunks of both groups: the store vLLM prepares
-    reserves the first LIMIT chunks of each group and says it stores those;
-    the lookup after it asks each group about LIMIT keys, and the hit is
-    those chunks, each block loaded holding the bytes stored from it."""
+    reserves every chunk of each group, LIMIT a reservation, and the worker
+    fills them; the lookup after it asks about LIMIT keys a request, and the
+    hit is every chunk, read through a lease a part, each block loaded
+    holding the bytes stored from it."""
     facts: dict[str, Any] = {}
     engine = Engine(endpoint)
     try:
         prompt = np.random.default_rng(13).integers(3, 500, LONG * BLOCK + 5).tolist()
         every = list(range(LONG))
-        sources = engine.store(engine.request("A", prompt), [every, every], whole=False)
+        sources = engine.store(engine.request("A", prompt), [every, every])
         facts["stored"] = [sorted(sources[g]) for g in sorted(sources)]
         facts["A"] = engine.hit_and_load("A_limit", prompt, None, sources)
     finally:

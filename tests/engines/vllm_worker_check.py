@@ -160,7 +160,7 @@ def main(endpoint: str) -> dict[str, Any]:
             # a store, held at its gate: submit returns, nothing is reported, then it is
             res = scheduler.reserve_keys(ns, keys)
             gate.close()
-            store = HicachedStoreSpec([res.portable()], acks)
+            store = HicachedStoreSpec([[res.portable()]], acks)
             facts["store_submitted"] = worker.submit_store(1, spec(blocks), store)
             facts["store_copy_began"] = gate.entered.wait(10)
             facts["store_reported_while_held"] = quiet(worker)
@@ -182,7 +182,7 @@ def main(endpoint: str) -> dict[str, Any]:
             for t in tensors:
                 t[targets] = 0
             gate.close()
-            load = HicachedLoadSpec([hit.portable()])
+            load = HicachedLoadSpec([[hit.portable()]])
             facts["load_submitted"] = worker.submit_load(2, load, spec(targets))
             facts["load_copy_began"] = gate.entered.wait(10)
             facts["load_reported_while_held"] = quiet(worker)
@@ -194,7 +194,7 @@ def main(endpoint: str) -> dict[str, Any]:
             )
             # wait() returns once a held job is done, and it is reported after
             gate.close()
-            worker.submit_load(3, HicachedLoadSpec([hit.portable()]), spec(targets))
+            worker.submit_load(3, HicachedLoadSpec([[hit.portable()]]), spec(targets))
             threading.Timer(0.3, gate.open.set).start()
             worker.wait({3})
             facts["gate_open_when_wait_returned"] = gate.open.is_set()
@@ -206,11 +206,11 @@ def main(endpoint: str) -> dict[str, Any]:
             for t in tensors:
                 t[first + second + third] = 0
             gate.close()
-            worker.submit_load(10, HicachedLoadSpec([hit.portable()]), spec(first))
+            worker.submit_load(10, HicachedLoadSpec([[hit.portable()]]), spec(first))
             facts["regular_held"] = gate.entered.wait(10)
-            worker.submit_load(11, HicachedLoadSpec([hit.portable()]), spec(second))
+            worker.submit_load(11, HicachedLoadSpec([[hit.portable()]]), spec(second))
             facts["expedited_submitted"] = worker.submit_load(
-                12, HicachedLoadSpec([hit.portable()]), spec(third), expedited=True
+                12, HicachedLoadSpec([[hit.portable()]]), spec(third), expedited=True
             )
             facts["expedited_returned_while_held"] = not gate.open.is_set()
             threading.Timer(0.3, gate.open.set).start()
@@ -230,7 +230,7 @@ def main(endpoint: str) -> dict[str, Any]:
             try:
                 for t in tensors:
                     t[third] = 0
-                inline.submit_load(13, HicachedLoadSpec([hit.portable()]), spec(third), True)
+                inline.submit_load(13, HicachedLoadSpec([[hit.portable()]]), spec(third), True)
                 facts["inline_loaded_at_return"] = bool(
                     np.array_equal(block_bytes(third), block_bytes(blocks))
                 )
@@ -243,10 +243,10 @@ def main(endpoint: str) -> dict[str, Any]:
                 kv, Settings(endpoint=endpoint, copy_thread=True, timeout_s=0.5), cfg, groups
             )
             try:
-                short.submit_load(14, HicachedLoadSpec([hit.portable()]), spec(first))
+                short.submit_load(14, HicachedLoadSpec([[hit.portable()]]), spec(first))
                 until(short, 14)  # its session is up
                 gate.close()
-                short.submit_load(15, HicachedLoadSpec([hit.portable()]), spec(first))
+                short.submit_load(15, HicachedLoadSpec([[hit.portable()]]), spec(first))
                 try:
                     short.wait({15})
                     facts["late_load_wait"] = "returned"
@@ -264,7 +264,7 @@ def main(endpoint: str) -> dict[str, Any]:
             late = scheduler.match_keys(ns, keys)
             gate.close()
             gate.open.set()
-            worker.submit_load(4, HicachedLoadSpec([late.portable()]), spec(targets))
+            worker.submit_load(4, HicachedLoadSpec([[late.portable()]]), spec(targets))
             facts["stale_copied"] = gate.copied.wait(10)
             scheduler.release(late)
             scheduler.release(hit)

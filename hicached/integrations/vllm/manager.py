@@ -19,7 +19,6 @@ import functools
 import logging
 import threading
 import time
-from bisect import bisect_left
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,15 +35,10 @@ from vllm.v1.kv_offload.base import (
 
 from hicached.client.handles import Hit, Reservation
 from hicached.errors import HicachedError
-from hicached.integrations.hybrid import Answer, Group, lookup
+from hicached.integrations.hybrid import Answer, Group, lookup, parts
 from hicached.integrations.vllm.groups import KVGroup
 from hicached.integrations.vllm.link import Link
-from hicached.integrations.vllm.settings import (
-    MAX_QUESTION,
-    UNREACHABLE,
-    Settings,
-    info_labels,
-)
+from hicached.integrations.vllm.settings import UNREACHABLE, Settings, info_labels
 from hicached.integrations.vllm.specs import HicachedLoadSpec, HicachedStoreSpec
 from hicached.wire.namespace import NamespaceSpec
 
@@ -64,26 +58,9 @@ class _Question:
 
     keys: list[list[bytes]]
     positions: list[list[int]]
-    capped: bool  # positions past the question's end were left out: their keys are misses
 
     def asked(self) -> frozenset[bytes]:
         return frozenset(k for keys in self.keys for k in keys)
-
-    def fit(self, limit: int) -> _Question:
-        """This question, or, where some group asks about more than ``limit`` keys
-        (the daemon's ``server.max_pages_per_request``, which refuses a longer
-        request whole), its part before the first chunk end that would take a
-        group past ``limit``: every group asks about its keys up to one end,
-        where a hit can end, and the keys after it are misses."""
-        bound = _bound(self.positions, limit)
-        if bound is None:
-            return self
-        cut = [bisect_left(mine, bound) for mine in self.positions]
-        return _Question(
-            [keys[:n] for keys, n in zip(self.keys, cut, strict=True)],
-            [ends[:n] for ends, n in zip(self.positions, cut, strict=True)],
-            capped=True,
-        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,23 +70,23 @@ class _Answer:
     answer: Answer
     asked: frozenset[bytes]
     until: float  # monotonic: ask again after this
-    capped: bool = False
 
     def result(self, key: bytes) -> LookupResult | None:
         if key in self.answer.hits:
             return LookupResult.HIT
         if key in self.answer.pending:
             return LookupResult.HIT_PENDING
-        if key in self.asked or self.capped:
+        if key in self.asked:
             return LookupResult.MISS
         return None  # a key this question did not know: ask again
 
 
 @dataclass(slots=True)
 class _Store:
-    """One prepare_store's reservations, per group: (group, reservation, the
-    reservation's slots the workers fill, in their order), and the chunk (block
-    hash) each key to store belongs to."""
+    """One prepare_store's reservations, a group's in the order of its keys (more
+    than one where the daemon took them in parts): (group, reservation, the
+    reservation's slots the workers fill, in their order), and the key each
+    of those slots is filled for."""
 
     parts: list[tuple[int, Reservation, list[int]]]
     keys: list[list[bytes]]  # per part, the key of each slot the workers fill
@@ -275,16 +252,14 @@ class HicachedManager(OffloadingManager):
     async def _ask(self, req: _Request, question: _Question) -> None:
         """Ask the daemon what every group can restore (hybrid.lookup); hand the
         answer, and meanwhile the one that names pages loading from L3, over.
-        The question asks each group about as many keys as the daemon takes in
-        one request at most (``_Question.fit``); hybrid.lookup's requests ask
-        about some of a group's keys each, so none is refused as too large."""
+        hybrid.lookup asks about as many keys a request as the daemon takes
+        (its ``server.max_pages_per_request``), a question of more in parts."""
+        asked = question.asked()
         try:
             client, namespaces = await self._link.session()
-            question = question.fit(client.max_pages)
-            asked = question.asked()
 
             def offer(answer: Answer) -> None:
-                self._offer(req, _Answer(answer, asked, self._until(answer), question.capped))
+                self._offer(req, _Answer(answer, asked, self._until(answer)))
 
             groups = [
                 Group(ns, g.kind, keys, ends)
@@ -311,7 +286,7 @@ class HicachedManager(OffloadingManager):
     def _miss(self, req: _Request, question: _Question, exc: BaseException) -> None:
         log.debug("hicached: lookup failed, a miss: %s", exc)
         until = time.monotonic() + self.settings.answer_ttl_s
-        self._offer(req, _Answer(Answer(), question.asked(), until, question.capped))
+        self._offer(req, _Answer(Answer(), question.asked(), until))
 
     def _offer(self, req: _Request, answer: _Answer) -> None:
         """Leave an answer for the scheduler (loop thread); an answer nobody took
@@ -357,16 +332,17 @@ class HicachedManager(OffloadingManager):
         req = self._request(req_context.req_id)
         answer = req.answer
         assert answer is not None, "a load of keys never found"
-        places: list[list[int]] = [[] for _ in self.groups]
+        # per group: the places read through each of its handles, in the keys' order
+        places: list[dict[int, list[int]]] = [{} for _ in self.groups]
         hits = answer.answer.hits
         for key in keys:
             assert key in hits, "a load of keys that were no hits"
-            group, place = hits[key]
-            places[group].append(place)
-        handles = [
-            hit.select(mine).portable() if mine and hit is not None else None
-            for hit, mine in zip(answer.answer.handles, places, strict=True)
-        ]
+            group, part, place = hits[key]
+            places[group].setdefault(part, []).append(place)
+        handles = []
+        for hits_of, mine in zip(answer.answer.handles, places, strict=True):
+            assert list(mine) == sorted(mine), "a group's keys to load out of order"
+            handles.append([hits_of[part].select(read).portable() for part, read in mine.items()])
         req.loading = answer
         return HicachedLoadSpec(handles)
 
@@ -386,66 +362,61 @@ class HicachedManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
         req = self._request(req_context.req_id)
-        empty = HicachedStoreSpec([None] * len(self.groups), self._link.acks)
+        empty = HicachedStoreSpec([[] for _ in self.groups], self._link.acks)
         nothing = PrepareStoreOutput([], empty, [])
-        # each group's keys and where their chunks end; a partial tail's key (a
-        # state that ends mid-chunk) is never looked up here
+        # each group's keys; a partial tail's key (a state that ends mid-chunk) is
+        # never looked up here
         by_group: dict[int, list[bytes]] = {}
-        ends: dict[int, list[int]] = {}
         for key in keys:
-            end = self._chunk_end(key, req_context)
-            if end is not None:
+            if self._chunk_end(key, req_context) is not None:
                 by_group.setdefault(self._group(key), []).append(key)
-                ends.setdefault(self._group(key), []).append(end)
         if not by_group or not self._link.available():
             return nothing  # not stored: a later request recomputes them
         parents = {
             g: req.before.get(mine[0], req.last_stored.get(g)) for g, mine in by_group.items()
         }
         req.last_stored.update((g, mine[-1]) for g, mine in by_group.items())
-        asked = self._link.submit(self._reserve(by_group, ends, parents))
+        asked = self._link.submit(self._reserve(by_group, parents))
         try:
-            granted, reserved = asked.result(self.settings.timeout_s)
+            granted = asked.result(self.settings.timeout_s)
         except (HicachedError, *UNREACHABLE) as exc:
             log.debug("hicached: reserve failed, not stored: %s", exc)
             asked.add_done_callback(functools.partial(_release_late, self._link))
             return nothing
-        store, fresh = _whole_chunks(granted, reserved)
+        store, fresh = _whole_chunks(granted)
         if not fresh:
-            self._link.release(granted.values())
+            self._link.release(res for _, res, _ in granted)
             return nothing  # all there already (or no room for some group): nothing to write
         req.stores[frozenset(fresh)] = store
-        handles: list[Any] = [None] * len(self.groups)
+        handles: list[list[Any]] = [[] for _ in self.groups]
         for g, res, slots in store.parts:
-            handles[g] = res.select(slots).portable() if slots else None
+            if slots:
+                handles[g].append(res.select(slots).portable())
         return PrepareStoreOutput(fresh, HicachedStoreSpec(handles, self._link.acks), [])
 
     async def _reserve(
-        self,
-        by_group: dict[int, list[bytes]],
-        ends: dict[int, list[int]],
-        parents: dict[int, bytes | None],
-    ) -> tuple[dict[int, Reservation], dict[int, list[bytes]]]:
-        """A reservation per group, and the keys each one reserves; if one fails,
-        the others end. A group reserves as many keys as the daemon takes in one
-        request at most (its ``server.max_pages_per_request``, which refuses a
-        longer request whole): where some group has more, every group's keys
-        stop before the first chunk end that would take one past it, and the
-        chunks after it are not stored (a store may store less; vLLM is told
-        which keys it stores)."""
-        granted: dict[int, Reservation] = {}
+        self, by_group: dict[int, list[bytes]], parents: dict[int, bytes | None]
+    ) -> list[tuple[int, Reservation, list[bytes]]]:
+        """Reservations of each group's keys, and the keys each one reserves (a
+        group's in parts of as many keys as the daemon takes a request, its
+        ``server.max_pages_per_request``, each part's parent the key before
+        it); if one fails, the others end."""
+        granted: list[tuple[int, Reservation, list[bytes]]] = []
         client, namespaces = await self._link.session()
-        by_group = _within(by_group, ends, client.max_pages)
         try:
             for g, mine in by_group.items():
-                if mine:
-                    granted[g] = await client.reserve_keys(namespaces[g], mine, parent=parents[g])
+                parent = parents[g]
+                for part in parts(len(mine), client.max_pages):
+                    some = mine[part.start : part.stop]
+                    res = await client.reserve_keys(namespaces[g], some, parent=parent)
+                    granted.append((g, res, some))
+                    parent = some[-1]
         except BaseException as exc:
             if isinstance(exc, UNREACHABLE):
                 self._link.failed()
-            self._link.release(granted.values())
+            self._link.release(res for _, res, _ in granted)
             raise
-        return granted, by_group
+        return granted
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
@@ -593,11 +564,9 @@ class HicachedManager(OffloadingManager):
 
 def _question(req: _Request, groups: Sequence[KVGroup], page_tokens: list[int]) -> _Question:
     """What to ask about ``req``: each group's keys at the chunk ends its pages
-    end at (``page_tokens``: tokens a chunk, per group), MAX_QUESTION ends at
-    most; a chunk's key after the chunk before is noted as its store's parent."""
+    end at (``page_tokens``: tokens a chunk, per group); a chunk's key after
+    the chunk before is noted as its store's parent."""
     ends = sorted(req.ends)
-    capped = len(ends) > MAX_QUESTION
-    ends = ends[:MAX_QUESTION]
     keys, positions = [], []
     for group in groups:
         tokens = page_tokens[group.index]
@@ -609,60 +578,36 @@ def _question(req: _Request, groups: Sequence[KVGroup], page_tokens: list[int]) 
                 req.before[chain[i]] = chain[i - 1]
         keys.append(chain)
         positions.append(mine)
-    return _Question(keys, positions, capped)
-
-
-def _bound(positions: Iterable[Sequence[int]], limit: int) -> int | None:
-    """Where a request to the daemon about these keys (per group, the token
-    positions where their chunks end) must stop so that no group asks about
-    more than ``limit`` keys: the first end past some group's first ``limit``
-    (the keys of every group before it fit); None if every group's keys fit
-    or no limit is known (0)."""
-    past = [sorted(mine)[limit] for mine in positions if 0 < limit < len(mine)]
-    return min(past, default=None)
-
-
-def _within(
-    by_group: dict[int, list[bytes]], ends: dict[int, list[int]], limit: int
-) -> dict[int, list[bytes]]:
-    """Each group's keys before the first chunk end (``ends``, per key) that
-    would take some group past ``limit`` keys (``_bound``); all where none would."""
-    bound = _bound(ends.values(), limit)
-    if bound is None:
-        return by_group
-    return {
-        g: [key for key, end in zip(mine, ends[g], strict=True) if end < bound]
-        for g, mine in by_group.items()
-    }
+    return _Question(keys, positions)
 
 
 def _release_late(
-    link: Link,
-    asked: concurrent.futures.Future[tuple[dict[int, Reservation], dict[int, list[bytes]]]],
+    link: Link, asked: concurrent.futures.Future[list[tuple[int, Reservation, list[bytes]]]]
 ) -> None:
     """Reservations granted after prepare_store gave up on them: end them."""
     if not asked.cancelled() and asked.exception() is None:
-        link.release(asked.result()[0].values())
+        link.release(res for _, res, _ in asked.result())
 
 
 def _whole_chunks(
-    granted: dict[int, Reservation], by_group: dict[int, list[bytes]]
+    granted: list[tuple[int, Reservation, list[bytes]]],
 ) -> tuple[_Store, list[bytes]]:
-    """What to write of each group's reservation: the fresh keys of the chunks
-    whose every page (of every group this store names) is either in L2 already
-    or has a slot; a chunk some group got no slot for is stored in none."""
+    """What to write of each reservation (group, reservation, its keys): the fresh
+    keys of the chunks whose every page (of every group this store names) is
+    either in L2 already or has a slot; a chunk some group got no slot for is
+    stored in none."""
     missing: set[bytes] = set()
-    fresh: dict[int, dict[int, int]] = {}  # group -> key index -> slot
-    for g, res in granted.items():
+    fresh: list[dict[int, int]] = []  # per reservation: key index -> slot
+    for _, res, keys in granted:
         slot_of = {i: slot for slot, i in enumerate(res.indices)}
-        fresh[g] = slot_of
-        for i, key in enumerate(by_group[g]):
+        fresh.append(slot_of)
+        for i, key in enumerate(keys):
             if not res.present_mask[i] and i not in slot_of:
                 missing.add(key[:-4])
-    parts, keys, kept = [], [], []
-    for g, res in granted.items():
-        mine = [(i, s) for i, s in fresh[g].items() if by_group[g][i][:-4] not in missing]
+    parts, stored, kept = [], [], []
+    for (g, res, keys), slot_of in zip(granted, fresh, strict=True):
+        mine = [(i, s) for i, s in slot_of.items() if keys[i][:-4] not in missing]
         parts.append((g, res, [s for _, s in mine]))
-        keys.append([by_group[g][i] for i, _ in mine])
-        kept += keys[-1]
-    return _Store(parts, keys), kept
+        stored.append([keys[i] for i, _ in mine])
+        kept += stored[-1]
+    return _Store(parts, stored), kept

@@ -20,10 +20,6 @@ from hicached.wire.namespace import NamespaceSpec
 # only with PYTHONHASHSEED set (vLLM seeds them at random otherwise).
 REPRODUCIBLE = ("sha256", "sha256_cbor")
 SEEDED = ("xxhash", "xxhash_cbor")
-# Most keys one lookup question asks about (the daemon's max_pages_per_request is
-# 16384 by default; a daemon that takes fewer is asked about as many a group at
-# most); the keys after them are misses.
-MAX_QUESTION = 8192
 # Errors that mean "the daemon is not there now": try again after retry_s.
 UNREACHABLE = (
     DaemonUnavailable,

@@ -1,6 +1,6 @@
 """What travels from vLLM's scheduler to its workers: the pages to load or to
-store (as portable handles, one per KV cache group), and the workers' word on
-each store.
+store (as portable handles, per KV cache group one a part of its keys), and
+the workers' word on each store.
 """
 
 from __future__ import annotations
@@ -15,17 +15,20 @@ from hicached.client.handles import PortableHandle
 # -- what travels from the scheduler to the workers -----------------------------------
 
 
-Handles = list[PortableHandle | None]
+# Per KV cache group (in the transfer's group order), the handles of its pages in
+# the order of its keys: one, or one a part where the daemon took the group's
+# keys in parts (its server.max_pages_per_request a request); none for a group
+# with nothing to move.
+Handles = list[list[PortableHandle]]
 
 
 def _pages(handles: Handles) -> list[int]:
-    return [len(h.offsets) if h is not None else 0 for h in handles]
+    return [sum(len(h.offsets) for h in mine) for mine in handles]
 
 
 class HicachedLoadSpec(LoadStoreSpec):
-    """Pages to load: per KV cache group (in the transfer's group order), a read
-    lease's slots, one per key of that group, in the keys' order; None for a
-    group with nothing to load."""
+    """Pages to load: per KV cache group, read leases' slots, one per key of that
+    group, in the keys' order (``Handles``)."""
 
     def __init__(self, handles: Handles) -> None:
         self.handles = handles
@@ -35,8 +38,8 @@ class HicachedLoadSpec(LoadStoreSpec):
 
 
 class HicachedStoreSpec(LoadStoreSpec):
-    """Slots to fill, per KV cache group one per key of it to store (None: none),
-    and where to say how the copy went."""
+    """Slots to fill, per KV cache group one per key of it to store, in the keys'
+    order (``Handles``), and where to say how the copy went."""
 
     def __init__(self, handles: Handles, acks: str) -> None:
         self.handles = handles

@@ -32,7 +32,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from hicached.client import Client, PendingCopy
 from hicached.client.handles import Hit, PortableHandle, Reservation
 from hicached.errors import HicachedError, StaleHandle
-from hicached.integrations.vllm.copies import worker_copies
+from hicached.integrations.vllm.copies import Copy, worker_copies
 from hicached.integrations.vllm.groups import KVGroup
 from hicached.integrations.vllm.settings import UNREACHABLE, Settings
 from hicached.integrations.vllm.specs import Ack, Handles, HicachedLoadSpec, HicachedStoreSpec
@@ -45,9 +45,41 @@ _POLL_S = 0.0005
 _NO_SLOTS = np.empty(0, dtype=np.int64)
 
 
-def _slots(handle: Reservation | Hit) -> np.ndarray:
-    """The pool slot of each page of a handle: the same on every worker."""
-    return np.asarray(handle.offsets, dtype=np.int64) // handle.ns.page_bytes
+def _slots(handles: list[Reservation | Hit]) -> np.ndarray:
+    """The pool slot of each page of a group's handles, one after another: the
+    same on every worker."""
+    if not handles:
+        return _NO_SLOTS
+    offsets = np.concatenate([np.asarray(h.offsets, dtype=np.int64) for h in handles])
+    return offsets // handles[0].ns.page_bytes
+
+
+def _through(
+    handles: list[Reservation | Hit], pages: list[int], blocks: np.ndarray
+) -> Iterator[tuple[Reservation | Hit, list[int], np.ndarray]]:
+    """A copy's pages (their places among a group's handles' pages, one handle's
+    after another's) and their blocks, by the handle each page is in: (handle,
+    places in it, blocks)."""
+    if len(handles) == 1:
+        yield handles[0], pages, blocks
+        return
+    places = np.asarray(pages, dtype=np.int64)
+    first = 0
+    for handle in handles:
+        mine = (places >= first) & (places < first + len(handle.offsets))
+        if mine.any():
+            yield handle, (places[mine] - first).tolist(), blocks[mine]
+        first += len(handle.offsets)
+
+
+def _start_copy(
+    client: Client, handle: Reservation | Hit, some: list[int], rows: np.ndarray, copy: Copy
+) -> PendingCopy:
+    """Start the copy of pages ``some`` of ``handle`` (to or from ``rows``)."""
+    view = handle.select(some) if len(some) != len(handle.offsets) else handle
+    if isinstance(view, Reservation):
+        return client.start_write(view, copy.segments, rows=rows, at=copy.at)
+    return client.start_read(view, out=copy.segments, rows=rows, at=copy.at)
 
 
 # -- the worker side --------------------------------------------------------------------
@@ -269,19 +301,15 @@ class HicachedWorker(OffloadingWorker):
         if not any(job.handles):
             return _Transfer(job, copies, True)
         try:
-            handles = [None if h is None else self._adopt(h) for h in job.handles]
+            handles = [[self._adopt(h) for h in mine] for mine in job.handles]
             client = self._session()
-            slots = [_NO_SLOTS if h is None else _slots(h) for h in handles]
+            slots = [_slots(mine) for mine in handles]
             with self._on_stream(job):
                 for copy in self._copies.plan(job.gpu, slots, job.store):
-                    handle = handles[copy.group]
-                    assert handle is not None, "blocks of a group without a handle"
-                    some, rows, at = copy.pages, copy.blocks, copy.at
-                    view = handle.select(some) if len(some) != len(handle.offsets) else handle
-                    if isinstance(view, Reservation):
-                        copies.append(client.start_write(view, copy.segments, rows=rows, at=at))
-                    else:
-                        copies.append(client.start_read(view, out=copy.segments, rows=rows, at=at))
+                    mine = handles[copy.group]
+                    assert mine, "blocks of a group without a handle"
+                    for handle, some, rows in _through(mine, copy.pages, copy.blocks):
+                        copies.append(_start_copy(client, handle, some, rows, copy))
             return _Transfer(job, copies, True)
         except (HicachedError, *UNREACHABLE) as exc:
             log.warning("hicached: transfer %d failed: %s", job.job_id, exc)
@@ -324,8 +352,8 @@ class HicachedWorker(OffloadingWorker):
         if job.store and any(job.handles) and self._copies.says:
             with self._lock:
                 ok = ok and job.job_id not in self._abandoned
-            for wire in job.handles:
-                if wire is not None:
+            for mine in job.handles:
+                for wire in mine:
                     self._say(wire, job.acks, ok)
         return TransferResult(
             job.job_id,
