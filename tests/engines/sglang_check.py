@@ -494,7 +494,7 @@ def limit(_: str, small: str) -> Facts:
     """A daemon that takes at most 4 pages a request (``small``): a query over
     more keys (SGLang's hybrid controller asks about a whole request's pages at
     once) still counts the leading pages stored, and reads and stores of more
-    pages do the first 4."""
+    pages move them all, 4 a request."""
     n = 10
     keys = page_hashes(n)
     a = host_pool("page_first")
@@ -513,6 +513,8 @@ def limit(_: str, small: str) -> Facts:
     more = page_hashes(6)
     facts["set_more"] = made.batch_set_v1(more, ia[: 6 * PAGE])
     facts["exists_more"] = made.batch_exists(more)
+    facts["get_more"] = made.batch_get_v1(more, ia[n * PAGE : (n + 6) * PAGE])
+    facts["same_more"] = same_pages(a, ia[: 6 * PAGE], a, ia[n * PAGE :], 6)
     return facts
 
 

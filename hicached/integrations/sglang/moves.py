@@ -87,9 +87,7 @@ def store(c: Client, session: Session, moves: list[Move]) -> bool:
         for move in moves:
             move.done = [False] * len(move.keys)
             if move.keys and move.copy is not None:
-                got = _reserve(c, session.ns(move.pool), move)
-                if got is not None:
-                    opened.append(got)
+                _reserve(c, session.ns(move.pool), move, opened)
         for job in opened:
             try:
                 if job.res.offsets:
@@ -127,23 +125,22 @@ class _Open:
     written: bool = False
 
 
-def _reserve(c: Client, ns: Namespace, move: Move) -> _Open | None:
+def _reserve(c: Client, ns: Namespace, move: Move, opened: list[_Open]) -> None:
     """Mark the leading keys L2 or L3 holds done, and reserve slots for the
-    rest (holes allowed: keys in L2 among them are pinned as present), as many
-    as the daemon takes in a request (the keys after them are not stored)."""
+    rest (holes allowed: keys in L2 among them are pinned as present), in
+    parts of as many keys as the daemon takes in a request, each under the
+    key before it; each reservation joins ``opened`` once granted."""
     where = found(c, ns, move.keys)
     have = [a or b for a, b in zip(where.in_l2, where.in_l3, strict=True)]
     first = have.index(False) if False in have else len(have)
     move.done = [i < first for i in range(len(move.keys))]
-    if first == len(move.keys):
-        return None
-    parent = move.keys[first - 1] if first else move.parent
-    res = c.reserve_keys(
-        ns, move.keys[first : first + (c.max_pages or len(move.keys))], parent=parent
-    )
-    for i, present in enumerate(res.present_mask):
-        move.done[first + i] = bool(present)
-    return _Open(move, res, first)
+    step = c.max_pages or len(move.keys)
+    for start in range(first, len(move.keys), step):
+        parent = move.keys[start - 1] if start else move.parent
+        res = c.reserve_keys(ns, move.keys[start : start + step], parent=parent)
+        for i, present in enumerate(res.present_mask):
+            move.done[start + i] = bool(present)
+        opened.append(_Open(move, res, start))
 
 
 # -- loads -----------------------------------------------------------------------------
@@ -152,9 +149,9 @@ def _reserve(c: Client, ns: Namespace, move: Move) -> _Open | None:
 def load(c: Client, session: Session, moves: list[Move], wait_s: float) -> bool:
     """Copy out each move's leading pages that L2 holds, then those that come
     back from L3 within ``wait_s`` (for the whole call); set each ``done``,
-    and leave a page done only where every move that names it read it. No
-    more pages than the daemon takes in a request are read (the keys after
-    them are misses). A key named by several pages of a move is fetched from
+    and leave a page done only where every move that names it read it. The
+    pages go in parts of as many as the daemon takes in a request, each part
+    after a whole one. A key named by several pages of a move is fetched from
     L3 once (``pages.once``: the daemon refuses a key twice in a prefetch),
     and each of those pages is copied out of its L2 slot."""
     deadline = time.monotonic() + wait_s
@@ -163,10 +160,16 @@ def load(c: Client, session: Session, moves: list[Move], wait_s: float) -> bool:
         if move.copy is None or not move.keys:
             continue
         ns = session.ns(move.pool)
-        keys = move.keys[: c.max_pages or len(move.keys)]
-        done, more = _read(c, ns, move, keys, 0)
-        if more and _prefetch(c, ns, once(keys[done:]).keys, deadline):
-            done += _read(c, ns, move, keys[done:], done)[0]
+        step = c.max_pages or len(move.keys)
+        done = 0
+        while done < len(move.keys):
+            keys = move.keys[done : done + step]
+            got, more = _read(c, ns, move, keys, done)
+            if more and _prefetch(c, ns, once(keys[got:]).keys, deadline):
+                got += _read(c, ns, move, keys[got:], done + got)[0]
+            done += got
+            if got < len(keys):
+                break
         move.done = [i < done for i in range(len(move.keys))]
     read: dict[bytes, bool] = {}  # per key: read by every move that names it
     for move in moves:
