@@ -452,35 +452,81 @@ def test_a_tenants_peer_that_claims_the_operator_property_still_gets_its_tenants
         assert nested == {"scope": "tenant", "pages": 0}, nested
 
 
-def test_connections_past_the_scrape_bound_are_closed_and_counted(daemon: Daemon) -> None:
-    """Local users who open connections and send nothing each held a thread
-    for REQUEST_TIMEOUT_S, without bound. Past MAX_SCRAPES a connection is
-    closed unserved and counted; once the idle ones go, scrapes are served."""
+def test_a_scrape_past_idle_connections_takes_the_oldest_ones_place(daemon: Daemon) -> None:
+    """Connections that send nothing held the endpoint's MAX_SCRAPES threads, and
+    every scrape that came meanwhile was closed unserved for REQUEST_TIMEOUT_S.
+    A connection past them now takes the place of the one that has waited
+    longest for its request: that one is closed unanswered (and counted), and
+    the scrape is served at once."""
     url = _endpoint(daemon)
     port = int(url.rsplit(":", 1)[1].split("/")[0])
     idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(MAX_SCRAPES)]
     try:
         time.sleep(0.5)  # accepted, each on a thread that waits for a request line
-        extra = socket.create_connection(("127.0.0.1", port), timeout=5)
-        with extra:
+        seen = scrape(url)  # served, not closed
+        assert seen[("hicached_metrics_turned_away_total", ())] == 1
+        first = idle[0].recv(64)  # closed unanswered, the one that waited longest
+        assert first == b"", first
+        for later in idle[1:]:  # the others still wait for their requests
+            later.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                later.recv(64)
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_a_connection_past_scrapes_all_being_answered_is_closed_and_counted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where every one of MAX_SCRAPES connections is being answered, none is cut
+    for a newcomer: it is closed at once, unanswered, and counted. The listener
+    runs in-process on a real socket; its app holds each answer until told."""
+    import threading
+
+    from hicached.daemon import metrics_http
+    from hicached.metrics_config import MetricsConfig
+
+    monkeypatch.setattr(metrics_http, "ROOM_WAIT_S", 0.2)
+    go = threading.Event()
+    inside = threading.Semaphore(0)
+
+    def app(environ: dict[str, object], start_response: Callable[..., object]) -> list[bytes]:
+        inside.release()
+        go.wait(10)
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"up 1\n"]
+
+    listener = metrics_http.Listener(
+        MetricsConfig(port=free_tcp_port()), metrics_http.Gate(app, None)
+    )
+    listener.start()
+    port = int(listener.endpoint.rsplit(":", 1)[1].split("/")[0])
+    busy = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(MAX_SCRAPES)]
+    try:
+        for s in busy:
+            s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        for _ in busy:
+            assert inside.acquire(timeout=10), "a request never reached the app"
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as extra:
             extra.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
             try:
                 answer = extra.recv(64)
             except ConnectionResetError:
                 answer = b""
         assert answer == b"", answer  # closed, not answered
+        assert listener.turned_away == 1
+        go.set()
+        for s in busy:  # every request being answered was answered
+            got = b""
+            while chunk := s.recv(4096):
+                got += chunk
+            assert got.startswith(b"HTTP/1.0 200") and got.endswith(b"up 1\n"), got
     finally:
-        for s in idle:
+        go.set()
+        for s in busy:
             s.close()
-    deadline = time.monotonic() + 10
-    while True:  # the idle ones' threads see them closed and free their slots
-        try:
-            seen = scrape(url)
-            break
-        except OSError:
-            assert time.monotonic() < deadline, "no scrape was served after the idle ones left"
-            time.sleep(0.1)
-    assert seen[("hicached_metrics_turned_away_total", ())] >= 1
+        listener.stop()
 
 
 def test_a_scraper_that_trickles_its_request_is_cut_off_and_frees_its_slot(

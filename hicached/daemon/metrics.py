@@ -333,7 +333,7 @@ def _counter(name: str, doc: str, label: str, values: dict[str, int]) -> Counter
 class _Refused(Collector):
     """Scrapes the endpoint refused (no token or a wrong one), counted by its
     request threads, and connections it closed unserved while MAX_SCRAPES
-    were in flight: probes by local users show here."""
+    were open: probes by local users show here."""
 
     def __init__(self, gate: Gate, listener: Listener) -> None:
         self.gate = gate
@@ -347,8 +347,9 @@ class _Refused(Collector):
         )
         yield _total(
             "hicached_metrics_turned_away",
-            f"Connections to the metrics endpoint closed unserved: {MAX_SCRAPES} scrapes "
-            "were in flight.",
+            f"Connections to the metrics endpoint closed unserved, {MAX_SCRAPES} being "
+            "open: the one that had waited longest for its request, or a newcomer "
+            "where all were being answered.",
             self.listener.turned_away,
         )
 

@@ -50,11 +50,18 @@ _TOKEN = re.compile(rb"[\x21-\x7e]+")
 # Seconds a scraper may take to finish its TLS handshake and send its request:
 # past it, its connection is closed and its thread freed.
 REQUEST_TIMEOUT_S = 10.0
-# Scrapes served at once, a thread each: a connection past them is closed at
-# once (and counted), so local users who open connections and send nothing
-# hold at most this many threads, each for REQUEST_TIMEOUT_S. Prometheus
+# Scrapes served at once, a thread each: a connection past them takes the place
+# of the one that has waited longest for its request (closed unanswered and
+# counted), or, where every one of them is being answered, is closed at once
+# (and counted). So connections that send nothing, or a byte now and then,
+# hold at most this many threads, each for REQUEST_TIMEOUT_S, and never keep
+# a scraper that sends its request at once from being served. Prometheus
 # scrapes one at a time.
 MAX_SCRAPES = 8
+# Seconds a connection past MAX_SCRAPES waits for the thread of the one whose
+# place it takes to end (that thread's read ends at once when its connection
+# is cut).
+ROOM_WAIT_S = 1.0
 
 WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
@@ -172,25 +179,35 @@ class _Handler(WSGIRequestHandler):
     sender liked, so a timer shuts the connection at the request's deadline."""
 
     timeout = REQUEST_TIMEOUT_S
+    server: _Server
 
     def setup(self) -> None:
-        super().setup()
-        self._cutoff = threading.Timer(REQUEST_TIMEOUT_S, self._cut)
+        self.server.waiting(self)  # until its request is in, its place may be taken
+        self._cutoff = threading.Timer(REQUEST_TIMEOUT_S, self.cut)
         self._cutoff.daemon = True
         self._cutoff.start()
+        try:
+            super().setup()
+        except BaseException:  # no finish() follows a failed setup()
+            self.server.answering(self)
+            self._cutoff.cancel()
+            raise
 
-    def _cut(self) -> None:
+    def cut(self) -> None:
+        """End the connection's reads at once (from any thread)."""
         # the plain socket's shutdown (an SSLSocket's drops its TLS object under
         # the reading thread): the read this thread waits in ends at once
         with contextlib.suppress(OSError):
-            socket.socket.shutdown(self.connection, socket.SHUT_RDWR)
+            socket.socket.shutdown(self.request, socket.SHUT_RDWR)
 
     def parse_request(self) -> bool:
-        ok = super().parse_request()
+        ok = super().parse_request()  # reads the headers
+        self.server.answering(self)
         self._cutoff.cancel()  # the request is in: its answer is written under the timeout
         return ok
 
     def finish(self) -> None:
+        self.server.answering(self)
         self._cutoff.cancel()
         super().finish()
 
@@ -203,7 +220,7 @@ class _Server(ThreadingMixIn, WSGIServer):
 
     daemon_threads = True  # a scrape in flight never holds up the daemon's exit
     slots: threading.BoundedSemaphore
-    turned_away = 0  # connections closed unserved, MAX_SCRAPES being in flight
+    turned_away = 0  # connections closed unserved, MAX_SCRAPES being open
     _stopping = False
     timeout = 1.0  # handle_request's wait, should a ready connection be gone at accept
 
@@ -211,7 +228,33 @@ class _Server(ThreadingMixIn, WSGIServer):
         # ``serve`` waits on one end, ``stop`` writes to the other; made first:
         # a failed bind closes the server (``server_close``) inside __init__
         self._wake = socket.socketpair()
+        # the connections whose request is not in yet, oldest first
+        self._waiting: dict[_Handler, None] = {}
+        self._lock = threading.Lock()
         super().__init__(*args, **kwargs)
+
+    def waiting(self, handler: _Handler) -> None:
+        """``handler``'s connection waits for its request (its thread's)."""
+        with self._lock:
+            self._waiting[handler] = None
+
+    def answering(self, handler: _Handler) -> None:
+        """``handler``'s request is in, or its connection ends (its thread's)."""
+        with self._lock:
+            self._waiting.pop(handler, None)
+
+    def _make_room(self) -> bool:
+        """Every slot taken: cut the connection that has waited longest for its
+        request, and wait ROOM_WAIT_S at most for its slot; False where every
+        connection is being answered (or its slot did not come)."""
+        with self._lock:
+            oldest = next(iter(self._waiting), None)
+            if oldest is None:
+                return False
+            del self._waiting[oldest]
+        oldest.cut()
+        self.turned_away += 1  # that one: closed unanswered
+        return self.slots.acquire(timeout=ROOM_WAIT_S)
 
     def serve(self) -> None:
         """Accept scrapes until ``stop``. socketserver's ``serve_forever`` looks
@@ -237,7 +280,7 @@ class _Server(ThreadingMixIn, WSGIServer):
             end.close()
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.slots.acquire(blocking=False):
+        if not (self.slots.acquire(blocking=False) or self._make_room()):
             self.turned_away += 1  # the accept thread alone counts
             self.shutdown_request(request)
             return
@@ -325,7 +368,7 @@ class Listener:
 
     @property
     def turned_away(self) -> int:
-        """Connections closed unserved since start, MAX_SCRAPES being in flight."""
+        """Connections closed unserved since start, MAX_SCRAPES being open."""
         server = self._server
         return self._turned_away + (server.turned_away if server is not None else 0)
 
