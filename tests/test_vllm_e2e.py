@@ -11,7 +11,9 @@ prompt's pages; then, each in a new engine process:
   attends to really comes from the pool);
 - after a daemon restart the pages come back from L3, same output;
 - with the daemon stopped, the engine recomputes, same output; and one whose
-  daemon is killed between two requests answers the second by recomputing.
+  daemon is killed between two requests answers the second by recomputing;
+- with a daemon that takes two pages a request, a prompt of nine blocks is
+  stored and loaded whole, in parts.
 
 The engines run in the vLLM venv (tests/engines/venv.py), hicached on their
 path. Besides the tests, a measurement of time to first token:
@@ -212,6 +214,27 @@ def test_an_engine_whose_daemon_dies_recomputes(
     assert same_answer(first, baselines[0]), (first, baselines[0])
     assert second["num_cached_tokens"] == 0
     assert same_answer(second, baselines[1]), (second, baselines[1])
+
+
+def test_a_prompt_of_more_chunks_than_the_daemon_takes_a_request_is_stored_and_loaded_whole(
+    python: Path, model: Path, alone: dict[str, Any]
+) -> None:
+    """A daemon that takes two pages a request (``server.max_pages_per_request``)
+    and a prompt of nine full blocks: the first engine stores every block (a
+    reservation of two keys at a time), and a new engine loads all of them
+    through leases of two pages each (before, a store or a lookup stopped at
+    the daemon's limit: two blocks), with the answer of an engine without
+    hicached."""
+    with Daemon(size_mib=16, extra="max_pages_per_request = 2") as d:
+        (first,) = run_engine(python, model, ask(), hicached=d.endpoint)["results"]
+        assert first["num_cached_tokens"] == 0
+        with d.client() as c:
+            assert c.stats().pages == CACHED // BLOCK
+        (second,) = run_engine(python, model, ask(), hicached=d.endpoint)["results"]
+        assert second["num_cached_tokens"] == CACHED
+        assert same_answer(second, alone), (second, alone)
+        with d.client() as c:
+            assert c.stats().match_pages.get("l2", 0) >= CACHED // BLOCK
 
 
 # -- time to first token ----------------------------------------------------------------
