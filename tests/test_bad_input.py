@@ -24,6 +24,7 @@ from hicached.config import Config, PoolConfig
 from hicached.daemon.requests import SKIP_BATCH, RequestLoop
 from hicached.errors import BadRequest, ForeignLease, InvalidNamespace, TooLarge, UnknownLease
 from hicached.server import peek_request
+from hicached.wire.namespace import MAX_KEY_BYTES
 from tests.support import NS, PAGE_BYTES, PAGE_TOKENS, Daemon, page_bytes_for
 
 
@@ -326,6 +327,11 @@ def test_a_negative_page_count_other_than_minus_one_is_refused(small_daemon: Dae
         reply = c._roundtrip(p.PrefetchKeys(id=0, ns=keyed.id, keys=twice, max_pages=-1))
         assert isinstance(reply, p.Error) and reply.code == "bad_request", reply
         assert "must differ" in reply.message
+        # a parent that is one of the keys, or longer than a key may be
+        for parent in (keys[1], bytes(MAX_KEY_BYTES + 1)):
+            reply = c._roundtrip(p.PrefetchKeys(id=0, ns=keyed.id, keys=keys, parent=parent))
+            assert isinstance(reply, p.Error) and reply.code == "bad_request", reply
+            assert "parent" in reply.message
     still_serving(small_daemon)
 
 

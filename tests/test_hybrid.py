@@ -5,16 +5,20 @@ and a recurrent state, with pages in L2, only in L3, or gone."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import pytest
+import zmq
 
 import hicached
 from hicached import Client
 from hicached.client.handles import Namespace
+from hicached.events import batch_decoder, block_hash
 from hicached.integrations.hybrid import (
     Answer,
     Group,
@@ -24,6 +28,8 @@ from hicached.integrations.hybrid import (
     lookup,
     restorable_end,
 )
+from hicached.wire.events import MEDIUM_L2
+from hicached.wire.protocol import PREFETCH_PARENT_MINOR
 from tests.l3util import settle_writes, wait_for
 from tests.support import Daemon
 
@@ -386,3 +392,94 @@ async def test_a_lead_only_l3_holds_is_not_waited_for(
         await ac.close()
     with d.client() as c:
         assert c.stats().pinned_pages == 0
+
+
+def stored_events(sub: zmq.Socket, medium: str, count: int) -> list[Any]:
+    """The BlockStored events of ``medium`` until they name ``count`` blocks."""
+    stored: list[Any] = []
+    deadline = time.monotonic() + 10
+    while sum(len(e.block_hashes) for e in stored) < count:
+        assert time.monotonic() < deadline, f"{stored} name fewer than {count} blocks"
+        if sub.poll(100):
+            _, _, payload = sub.recv_multipart()
+            stored += [
+                e
+                for e in batch_decoder.decode(payload).events
+                if type(e).__name__ == "BlockStored" and e.medium == medium
+            ]
+    return stored
+
+
+@pytest.mark.parametrize("minor", [None, PREFETCH_PARENT_MINOR - 1])
+async def test_pages_loaded_from_l3_in_parts_keep_their_parents(
+    daemon_factory: Callable[..., Daemon], monkeypatch: pytest.MonkeyPatch, minor: int | None
+) -> None:
+    """A daemon that takes two keys a request: six chunks of full attention,
+    only in L3, come back in three prefetches of two. Each page enters L2
+    under the page before it (a part's first under the last of the part
+    before, not as the start of a sequence), as one prefetch of all six
+    would enter them, and the BlockStored events that announce them say so.
+    A daemon older than 1.11 (tests/old_daemon.py) is sent no parent, which
+    it would refuse: the hit stands, each part's first page without one."""
+    old = {}
+    if minor is not None:
+        monkeypatch.setenv("HICACHED_TEST_DAEMON_MINOR", str(minor))
+        old = {"module": "tests.old_daemon"}
+    d = daemon_factory(storage=FILE_L3, tail=FILE_OPTIONS, extra="max_pages_per_request = 2", **old)
+    with d.client() as c:
+        model = Model(c)
+        keys = model.keys["full"][:6]
+        parent = None
+        for at in ([0, 1], [2, 3], [4, 5]):
+            res = c.reserve_keys(model.ns["full"], [keys[i] for i in at], parent=parent)
+            c.write_pages(res, model.pages["full"][at][res.indices])
+            assert c.commit(res).published == 2
+            parent = keys[at[-1]]
+        settle_writes(c)
+    d.stop()
+    d.config.write_text(
+        d.config.read_text() + f'[events]\nendpoint = "ipc://{d.runtime}/events.sock"\n'
+    )
+    d.start()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"ipc://{d.runtime}/events.sock")
+    ac = hicached.AsyncClient(d.endpoint, timeout=5.0)
+    try:
+        with d.client() as c:
+            ns = c.register(**spec("full"))
+            wait_for(lambda: all(all(c.exists_keys(ns, keys[i : i + 2]).in_l3) for i in (0, 2, 4)))
+        await asyncio.sleep(0.2)  # the subscription reaches the daemon
+        group = Group(
+            await ac.register(**spec("full")), FULL, keys, [CHUNK * (i + 1) for i in range(6)]
+        )
+        answer = await lookup(ac, [group], prefetch_timeout_s=10.0)
+        assert answer.end == 6 * CHUNK and len(answer.handles[0]) == 3
+        for hit in answer.leases:
+            await ac.release(hit)
+        events = stored_events(sub, MEDIUM_L2, 6)
+        parents = {
+            h: up
+            for e in events
+            for h, up in zip(
+                e.block_hashes, [e.parent_block_hash, *e.block_hashes][:-1], strict=True
+            )
+        }
+        hashes = [block_hash(k[:-4]) for k in keys]
+        if minor is None:
+            assert [parents[h] for h in hashes] == [None, *hashes[:-1]]
+        else:
+            assert [parents[h] for h in hashes] == [
+                None,
+                hashes[0],
+                None,
+                hashes[2],
+                None,
+                hashes[4],
+            ]
+    finally:
+        await ac.close()
+        sub.close()
+        ctx.term()

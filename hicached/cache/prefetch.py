@@ -36,6 +36,7 @@ from hicached.cache.sessions import (
 from hicached.cache.writes import chain, check_count, token_ids
 from hicached.errors import BadRequest, ForeignLease, UnknownLease
 from hicached.wire import protocol as p
+from hicached.wire.namespace import MAX_KEY_BYTES
 
 if TYPE_CHECKING:
     from hicached.cache.desk import Cache
@@ -76,8 +77,15 @@ class Prefetches:
         desk = self.desk
         check_count("prefetch max_pages", msg.max_pages)
         ns = desk.names.of(session, msg.ns)
-        if len(set(msg.keys)) != len(msg.keys):  # refused alike, whatever L2 and L3 hold
-            raise BadRequest("keys of one prefetch must differ: they follow one another")
+        if len(msg.parent) > MAX_KEY_BYTES:
+            raise BadRequest(f"parent must be at most {MAX_KEY_BYTES} bytes")
+        named = set(msg.keys)
+        if len(named) != len(msg.keys) or msg.parent in named:
+            # refused alike, whatever L2 and L3 hold
+            raise BadRequest(
+                "keys of one prefetch must differ from each other and from parent: they "
+                "follow one another in one sequence"
+            )
         keys = desk.names.engine_keys(ns, msg.keys)
         present = ns.index.match(keys)
         n = len(present)
@@ -87,7 +95,7 @@ class Prefetches:
             return p.PrefetchOk(id=msg.id, lease=held, l2_hits=n)
         lease = desk.leasing.new(session, ns, present)
         lease.keys = keys[:n]
-        parent = msg.keys[n - 1] if n else b""
+        parent = msg.keys[n - 1] if n else msg.parent
         lease.chain = chain(ns, wanted, msg.keys[n : n + len(wanted)], parent)
         return self._start(lease, wanted, msg.id, n)
 

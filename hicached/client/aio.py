@@ -21,6 +21,7 @@ from hicached.client.core import (
     R,
     _Core,
     _keys,
+    _prefetch_keys_msg,
 )
 from hicached.client.handles import (
     Fetch,
@@ -283,11 +284,16 @@ class AsyncClient(_Core):
         return await self._do(self._reserve_keys(ns, keys, parent))
 
     async def prefetch_keys(
-        self, ns: Namespace, keys: Sequence[bytes], *, max_pages: int = -1
+        self,
+        ns: Namespace,
+        keys: Sequence[bytes],
+        *,
+        max_pages: int = -1,
+        parent: bytes | None = None,
     ) -> Fetch:
         wire = _keys(keys)
         ok = await self._call(
-            lambda: p.PrefetchKeys(id=0, ns=ns.id, keys=wire, max_pages=max_pages), p.PrefetchOk
+            lambda: _prefetch_keys_msg(ns.id, wire, max_pages, parent, self._minor()), p.PrefetchOk
         )
         return Fetch(ns, ok.lease, ok.l2_hits, self._instance)
 

@@ -248,7 +248,7 @@ class _Core(Dealer):
         elif fields:
             raise TypeError("pass either a NamespaceSpec or its fields, not both")
         ok = yield from self._exchange(
-            lambda: _register_msg(spec, events, self._hello.minor if self._hello else 0),
+            lambda: _register_msg(spec, events, self._minor()),
             p.NamespaceOk,
         )
         for ns in self._namespaces:
@@ -358,6 +358,11 @@ class _Core(Dealer):
         """The (major, minor) protocol of the daemon this client's session is open
         with; None without a session (not connected, or only a probe answered)."""
         return None if self._hello is None else (self._hello.major, self._hello.minor)
+
+    def _minor(self) -> int:
+        """The minor protocol version of the daemon the session is open with (0
+        without one): what a request may carry."""
+        return self._hello.minor if self._hello else 0
 
     def adopt(self, handle: PortableHandle) -> Reservation | Hit:
         """A copy-only handle from another process's ``portable()`` (same host, same
@@ -535,6 +540,17 @@ def _run(gen: Exchange, roundtrip: Callable[[p.Request], p.AnyReply]) -> Any:
             request = gen.send(roundtrip(request))
     except StopIteration as stop:
         return stop.value
+
+
+def _prefetch_keys_msg(
+    ns: int, keys: list[bytes], max_pages: int, parent: bytes | None, minor: int
+) -> p.PrefetchKeys:
+    """A prefetch of ``keys``: with the key before them (``parent``) for a daemon
+    of protocol 1.11 or later, without for an older one, which refuses fields
+    it does not know (its first page read then has no parent)."""
+    if minor < p.PREFETCH_PARENT_MINOR:
+        parent = None
+    return p.PrefetchKeys(id=0, ns=ns, keys=keys, max_pages=max_pages, parent=parent or b"")
 
 
 def _register_msg(spec: NamespaceSpec, events: EventMeta | None, minor: int) -> p.RegisterNamespace:

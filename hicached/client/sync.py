@@ -20,6 +20,7 @@ from hicached.client.core import (
     _Core,
     _decode,
     _keys,
+    _prefetch_keys_msg,
     _released,
     _run,
 )
@@ -259,11 +260,20 @@ class Client(_Core):
         key before ``keys[0]`` in its sequence."""
         return self._do(self._reserve_keys(ns, keys, parent))
 
-    def prefetch_keys(self, ns: Namespace, keys: Sequence[bytes], *, max_pages: int = -1) -> Fetch:
-        """Start loading from L3 the ``keys`` after their leading L2 run."""
+    def prefetch_keys(
+        self,
+        ns: Namespace,
+        keys: Sequence[bytes],
+        *,
+        max_pages: int = -1,
+        parent: bytes | None = None,
+    ) -> Fetch:
+        """Start loading from L3 the ``keys`` after their leading L2 run; ``parent``:
+        the key before ``keys[0]`` in its sequence (a daemon of protocol 1.11 or
+        later takes it)."""
         wire = _keys(keys)
         ok = self._call(
-            lambda: p.PrefetchKeys(id=0, ns=ns.id, keys=wire, max_pages=max_pages), p.PrefetchOk
+            lambda: _prefetch_keys_msg(ns.id, wire, max_pages, parent, self._minor()), p.PrefetchOk
         )
         return Fetch(ns, ok.lease, ok.l2_hits, self._instance)
 

@@ -450,7 +450,10 @@ async def _from_l3(
     try:
         for g, keys in loading:
             for part in parts(len(keys), client.max_pages):
-                fetches.append(await client.prefetch_keys(g.ns, keys[part.start : part.stop]))
+                # a part's first page is read under the last key of the part before
+                before = keys[part.start - 1] if part.start else None
+                some = keys[part.start : part.stop]
+                fetches.append(await client.prefetch_keys(g.ns, some, parent=before))
         completed = dict.fromkeys(range(len(fetches)), 0)
         waiting = list(completed)
         while True:

@@ -17,7 +17,7 @@ from hicached.errors import HicachedError, error_from_code
 from hicached.wire.namespace import EventMeta, NamespaceSpec
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 10
+PROTOCOL_MINOR = 11
 # the first minor version whose clients map a tenant's arena (HelloOk.pool_base)
 ARENAS_MINOR = 4
 # the first minor version whose daemons take a client's gather report
@@ -34,6 +34,9 @@ TENANT_BOUNDS_MINOR = 9
 # the first minor version whose daemons keep their totals from tenants' peers
 # (DaemonStats.scope "tenant": only the asking peer's own tenant's figures)
 TENANT_VIEW_MINOR = 10
+# the first minor version whose daemons take the key before a prefetch's keys
+# (PrefetchKeys.parent)
+PREFETCH_PARENT_MINOR = 11
 
 # The largest reply a client takes by default (its socket's ZMQ_MAXMSGSIZE): a
 # larger message, from a broken or hostile endpoint, is refused by libzmq from
@@ -151,12 +154,20 @@ class ReserveKeys(Request, tag="reserve_keys"):
     parent: bytes = b""
 
 
-class PrefetchKeys(Request, tag="prefetch_keys"):
-    """``prefetch`` by key: load from L3 the keys that follow the leading L2 run."""
+class PrefetchKeys(Request, tag="prefetch_keys", omit_defaults=True):
+    """``prefetch`` by key: load from L3 the keys that follow the leading L2 run.
+
+    ``parent`` (1.11): the key before ``keys[0]`` in its sequence (empty: none
+    or unknown), the parent of the first page read where none of ``keys`` is
+    in L2 (else the last page of the L2 run is). A client that asks about a
+    sequence in parts names the last key of the part before. Left out of the
+    message when empty (``omit_defaults``), and sent only to a daemon of 1.11
+    or later: an older one refuses fields it does not know."""
 
     ns: int
     keys: list[bytes]
     max_pages: int = -1
+    parent: bytes = b""
 
 
 class Progress(Request, tag="progress"):
