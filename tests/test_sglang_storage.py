@@ -52,7 +52,10 @@ def report(sglang_python: Path) -> Iterator[dict[str, Facts]]:
     """Every scenario's facts, from one run of the check against one daemon
     (small L2, file L3, write-through). The last scenario kills the daemon."""
     nowhere = Path(tempfile.mkdtemp(prefix="hc-sgl-", dir="/tmp"))
-    daemon = Daemon(size_mib=8, slab_mib=1, storage=storage("file"), tail=L3).start()
+    daemon = Daemon(size_mib=8, slab_mib=1, storage=storage("file"), tail=L3)
+    events = f"ipc://{daemon.runtime}/events.sock"
+    daemon.config.write_text(daemon.config.read_text() + f'[events]\nendpoint = "{events}"\n')
+    daemon.start()
     small = Daemon(size_mib=8, slab_mib=1, extra="max_pages_per_request = 4")
     try:
         small.start()
@@ -67,6 +70,7 @@ def report(sglang_python: Path) -> Iterator[dict[str, Facts]]:
             "l3",
             "repeats",
             f"limit:{small.endpoint}",
+            f"l3_parents:{events}",
             f"down:ipc://{nowhere}/none.sock",
             f"dies:{daemon.proc.pid if daemon.proc else 0}",
         ]
@@ -233,6 +237,22 @@ def test_pages_evicted_from_l2_come_back_from_l3(report: dict[str, Facts]) -> No
     assert got["same"] == [True] * 8
     assert got["l3"]["pages_prefetched"] == 8
     assert got["in_l2_after"] == [True] * 8
+
+
+def test_pages_l3_gives_back_after_pages_l2_holds_enter_l2_under_the_page_before(
+    report: dict[str, Facts],
+) -> None:
+    """A read of six pages after L2 let go of them all: a read of the first
+    three brings them back (the first of them starts the sequence), then a
+    read of all six reads those three from L2 and asks L3 for the rest. Each
+    enters L2 under the page before it; the daemon took the fourth for the
+    start of a sequence, since the prefetch named only the pages after the
+    ones L2 held."""
+    got = facts(report, "l3_parents")
+    assert got["set"] == got["get"] == [True] * 6
+    assert got["get_first"] == [True] * 3
+    assert got["in_l2"] == [False] * 6
+    assert got["parents"] == [-1, 0, 1, 2, 3, 4], got["parents"]
 
 
 def test_a_key_twice_in_a_call_is_sent_once_and_answers_every_page(

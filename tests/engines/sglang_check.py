@@ -423,6 +423,62 @@ def l3(endpoint: str) -> Facts:
     return facts
 
 
+def l3_parents(endpoint: str, events: str) -> Facts:
+    """A read whose first pages L2 holds and whose next ones only L3 does: the
+    pages L3 gives back enter L2 under the page before them, as the daemon's
+    BlockStored events (``events``: its endpoint) of their return say."""
+    import zmq
+
+    from hicached.events import batch_decoder
+    from hicached.wire.events import MEDIUM_L2, block_hash
+
+    n = 6
+    keys = page_hashes(n)
+    a = host_pool("page_first")
+    ia = alloc(a, 8)  # 8 pages: to_l3's filler takes them
+    made = backend(endpoint, a)
+    wanted = [bytes.fromhex(k) for k in keys]
+    hashes = [block_hash(k) for k in wanted]
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(events)
+
+    def stored(wait_s: float) -> dict[Any, Any]:
+        """Each block the L2 BlockStored events name until none came for
+        ``wait_s``: its parent."""
+        parents: dict[Any, Any] = {}
+        while sub.poll(int(wait_s * 1000)):
+            _, _, payload = sub.recv_multipart()
+            for e in batch_decoder.decode(payload).events:
+                if type(e).__name__ == "BlockStored" and e.medium == MEDIUM_L2:
+                    before = [e.parent_block_hash, *e.block_hashes][:-1]
+                    parents.update(zip(e.block_hashes, before, strict=True))
+        return parents
+
+    try:
+        facts: Facts = {"set": made.batch_set_v1(keys, ia[: n * PAGE])}
+        with Client(endpoint) as c:
+            ns = c.register(**made.fields)
+            facts.update(to_l3(c, ns, made, wanted, ia))
+            stored(0.3)  # what the stores before announced
+            b = host_pool("page_first")
+            ib = alloc(b, n)
+            other = backend(endpoint, b)
+            facts["get_first"] = other.batch_get_v1(keys[:3], ib[: 3 * PAGE])
+            facts["get"] = other.batch_get_v1(keys, ib)
+        parents = stored(1.0)
+    finally:
+        sub.close()
+        ctx.term()
+    # per page back from L3: the index of its parent's page (-1: none or another)
+    facts["parents"] = [
+        hashes.index(parents[h]) if parents[h] in hashes else -1 for h in hashes if h in parents
+    ]
+    return facts
+
+
 def to_l3(c: Client, ns: Any, made: HicachedStorage, wanted: list[bytes], rows: Any) -> Facts:
     """Store filler pages until L2 lets go of the pages of ``wanted`` (L3 keeps
     them): the rounds it took and where the pages are then."""
@@ -539,6 +595,7 @@ SCENARIOS: dict[str, Callable[..., Facts]] = {
     "down": down,
     "dies": dies,
     "l3": l3,
+    "l3_parents": l3_parents,
     "repeats": repeats,
     "limit": limit,
 }

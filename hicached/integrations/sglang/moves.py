@@ -165,7 +165,9 @@ def load(c: Client, session: Session, moves: list[Move], wait_s: float) -> bool:
         while done < len(move.keys):
             keys = move.keys[done : done + step]
             got, more = _read(c, ns, move, keys, done)
-            if more and _prefetch(c, ns, once(keys[got:]).keys, deadline):
+            # the pages L3 gives back enter L2 under the key before them
+            before = move.keys[done + got - 1] if done + got else None
+            if more and _prefetch(c, ns, once(keys[got:]).keys, before, deadline):
                 got += _read(c, ns, move, keys[got:], done + got)[0]
             done += got
             if got < len(keys):
@@ -201,10 +203,12 @@ def _read(c: Client, ns: Namespace, move: Move, keys: list[bytes], first: int) -
     return hit.hits, hit.hits < len(keys) and hit.l3_hits > 0
 
 
-def _prefetch(c: Client, ns: Namespace, keys: list[bytes], deadline: float) -> bool:
-    """Bring the leading ``keys`` L3 holds into L2, waiting until ``deadline``
-    at most; whether any came."""
-    fetch = c.prefetch_keys(ns, keys)
+def _prefetch(
+    c: Client, ns: Namespace, keys: list[bytes], parent: bytes | None, deadline: float
+) -> bool:
+    """Bring the leading ``keys`` L3 holds into L2 (the first under ``parent``,
+    the key before it), waiting until ``deadline`` at most; whether any came."""
+    fetch = c.prefetch_keys(ns, keys, parent=parent if parent not in keys else None)
     if not fetch.lease:
         return False
     pause = 0.0005
