@@ -184,3 +184,17 @@ def test_a_daemon_that_takes_one_page_a_request_is_asked_and_stored_in_parts(
     assert a["hit"] == 10 * 16, a
     assert a["loaded"] == [every, [8, 9]], a
     assert a["finished"] and a["same"], a
+
+
+def test_a_commit_whose_answer_never_comes_ends_every_reservation_of_its_store(
+    facts: dict[str, Any],
+) -> None:
+    """A store of ten chunks of both groups to a daemon that takes one page a
+    request: twenty reservations. The first one's commit got no answer in
+    time (fault injection: TimeoutError from the manager's client). The parts
+    after it publish nothing, and every reservation ends at once (before,
+    the parts after it, and it, held their slots until their lease's end)."""
+    got = facts["commit_timeout"]
+    assert "error" not in got, got["error"]
+    assert got["commits"] == 1, got  # no part after the failed one is committed
+    assert got["leases"] and got["left"] == 0, got

@@ -622,6 +622,40 @@ def limit(endpoint: str) -> dict[str, Any]:
     return facts
 
 
+def commit_timeout(endpoint: str) -> dict[str, Any]:
+    """The daemon that takes LIMIT pages a request and a store of LONG chunks of
+    both groups, a reservation a part; the first part's commit gets no answer
+    in time (fault injection: the manager's client raises TimeoutError for
+    it, the only fake). The store publishes nothing after it, and every
+    reservation of the store ends at once, not at its lease's end."""
+    facts: dict[str, Any] = {}
+    engine = Engine(endpoint)
+    try:
+        link = engine.manager._link
+        client, _ = link.submit(link.session()).result(5)
+        commit = client.commit
+        calls: list[int] = []
+
+        async def late(res: Any, **kwargs: Any) -> Any:
+            calls.append(res.lease)
+            if len(calls) == 1:
+                raise TimeoutError("fault injection: the commit's answer never came")
+            return await commit(res, **kwargs)
+
+        client.commit = late  # type: ignore[method-assign]
+        prompt = np.random.default_rng(17).integers(3, 500, LONG * BLOCK + 5).tolist()
+        every = list(range(LONG))
+        engine.store(engine.request("T", prompt), [every, every])
+        facts["commits"] = len(calls)
+        with Client(endpoint) as c:
+            facts["leases"] = until(lambda: c.stats().leases == 0, 5.0)
+            facts["left"] = c.stats().leases
+            facts["pages"] = c.stats().pages
+    finally:
+        engine.shutdown()
+    return facts
+
+
 def main(endpoint: str, daemon_pid: int = 0, limited: str = "") -> dict[str, Any]:
     facts: dict[str, Any] = {}
     scenarios = (
@@ -635,6 +669,7 @@ def main(endpoint: str, daemon_pid: int = 0, limited: str = "") -> dict[str, Any
     runs = [(name, scenario, endpoint) for name, scenario in scenarios]
     if limited:
         runs.append(("limit", limit, limited))
+        runs.append(("commit_timeout", commit_timeout, limited))
     for name, scenario, at in runs:
         try:
             facts[name] = scenario(at)

@@ -463,11 +463,13 @@ class HicachedManager(OffloadingManager):
                         await client.commit(res, ok=mask)
                     else:
                         await client.release(res)
-                except HicachedError:
-                    # the groups' commits are requests of their own: once one fails,
-                    # the groups after it publish nothing of this store (those before
-                    # it stay published, unused: a lookup needs every group's page)
-                    link.release(later for (_, later, _), _, _ in parts[i + 1 :])
+                except (HicachedError, *UNREACHABLE) as exc:
+                    # the commits are requests of their own: once one fails, the
+                    # parts after it publish nothing of this store (those before it
+                    # stay published, unused: a lookup needs every group's page); one
+                    # whose answer never came may not have reached the daemon either
+                    unsure = [res] if isinstance(exc, UNREACHABLE) else []
+                    link.release(unsure + [later for (_, later, _), _, _ in parts[i + 1 :]])
                     raise
         except (HicachedError, *UNREACHABLE) as exc:
             if isinstance(exc, UNREACHABLE):
