@@ -33,10 +33,9 @@ from hicached.cache.sessions import (
     PrefetchState,
     Session,
 )
-from hicached.cache.writes import chain, check_count, token_ids
+from hicached.cache.writes import chain, check_count, check_sequence, token_ids
 from hicached.errors import BadRequest, ForeignLease, UnknownLease
 from hicached.wire import protocol as p
-from hicached.wire.namespace import MAX_KEY_BYTES
 
 if TYPE_CHECKING:
     from hicached.cache.desk import Cache
@@ -77,15 +76,7 @@ class Prefetches:
         desk = self.desk
         check_count("prefetch max_pages", msg.max_pages)
         ns = desk.names.of(session, msg.ns)
-        if len(msg.parent) > MAX_KEY_BYTES:
-            raise BadRequest(f"parent must be at most {MAX_KEY_BYTES} bytes")
-        named = set(msg.keys)
-        if len(named) != len(msg.keys) or msg.parent in named:
-            # refused alike, whatever L2 and L3 hold
-            raise BadRequest(
-                "keys of one prefetch must differ from each other and from parent: they "
-                "follow one another in one sequence"
-            )
+        check_sequence("prefetch", msg.keys, msg.parent)  # whatever L2 and L3 hold
         keys = desk.names.engine_keys(ns, msg.keys)
         present = ns.index.match(keys)
         n = len(present)

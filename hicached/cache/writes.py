@@ -72,14 +72,7 @@ class Writes:
         desk = self.desk
         ns = desk.names.of(session, msg.ns)
         keys = desk.names.engine_keys(ns, msg.keys)
-        if msg.parent and len(msg.parent) > MAX_KEY_BYTES:
-            raise BadRequest(f"parent must be at most {MAX_KEY_BYTES} bytes")
-        named = set(msg.keys)
-        if len(named) != len(msg.keys) or msg.parent in named:
-            raise BadRequest(
-                "keys of one reservation must differ from each other and from parent: "
-                "they follow one another in one sequence"
-            )
+        check_sequence("reservation", msg.keys, msg.parent)
         found = ns.table.find(keys)
         present = [slot for slot in found if slot >= 0]
         missing = [i for i, slot in enumerate(found) if slot < 0]
@@ -290,6 +283,20 @@ def check_count(what: str, count: int) -> None:
     less the L2 hits) would otherwise publish or read pages nobody agreed on."""
     if count < -1:
         raise BadRequest(f"{what} must be -1 (all) or a count of pages, got {count}")
+
+
+def check_sequence(what: str, keys: list[bytes], parent: bytes) -> None:
+    """Keys that follow one another in one sequence, after ``parent`` (empty:
+    none or unknown): each differs from the others and from ``parent``, and
+    ``parent`` is no longer than a key may be."""
+    if len(parent) > MAX_KEY_BYTES:
+        raise BadRequest(f"parent must be at most {MAX_KEY_BYTES} bytes")
+    named = set(keys)
+    if len(named) != len(keys) or parent in named:
+        raise BadRequest(
+            f"keys of one {what} must differ from each other and from parent: they follow "
+            "one another in one sequence"
+        )
 
 
 def token_ids(tokens: bytes, start: int, end: int) -> list[int]:
