@@ -40,10 +40,15 @@ def settle_writes(c: Client) -> None:
 
 
 def evict_everything(c: Client, ns: Namespace, salt: int = 7) -> None:
-    """Fill a 1 MiB pool with other pages, so every unpinned page is evicted."""
+    """Fill a 1 MiB pool with other pages, so every unpinned page is evicted (in
+    sequences of as many pages as the daemon takes a request)."""
     settle_writes(c)
-    filler = (np.arange(256 * PAGE_TOKENS, dtype=np.uint32) + salt * 10**7).astype(np.uint32)
-    c.store(ns, filler, np.zeros((256, PAGE_BYTES), np.uint8))
+    step = c.max_pages or 256
+    for first in range(0, 256, step):
+        pages = min(step, 256 - first)
+        start = salt * 10**7 + first * PAGE_TOKENS
+        filler = (np.arange(pages * PAGE_TOKENS, dtype=np.uint32) + start).astype(np.uint32)
+        c.store(ns, filler, np.zeros((pages, PAGE_BYTES), np.uint8))
     settle_writes(c)
 
 

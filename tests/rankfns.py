@@ -101,8 +101,12 @@ def coordinated_prefetch(
     policy: dict[str, Any],
     die_at_step: tuple[int, int] | None = None,
     end_at: tuple[int, int, str] | None = None,
+    stored_pages: int = PAGES,
 ) -> dict[str, Any]:
     """``die_at_step = (rank, step)``: that rank SIGKILLs itself mid-prefetch.
+
+    ``stored_pages``: the leading pages of the PAGES asked for that were stored
+    (a daemon that takes fewer pages a request holds no longer sequence).
 
     ``end_at = (rank, pages, how)``: once that rank's KV prefetch has read
     ``pages`` pages, it ends the prefetch there: ``"terminate"`` through the
@@ -133,7 +137,8 @@ def coordinated_prefetch(
     pools = {
         name: client.register(**spec_fields(coords(topo), name)) for name in ("kv", "swa", "state")
     }
-    toks = np.arange(PAGES * PAGE_TOKENS, dtype=np.uint32) + 7
+    asked = np.arange(PAGES * PAGE_TOKENS, dtype=np.uint32) + 7
+    toks = asked[: stored_pages * PAGE_TOKENS]
     data = {name: page_bytes_for(toks, salt=hash((name, topo.rank))) for name in pools}
     for name, ns in pools.items():
         client.store(ns, toks, data[name])
@@ -153,7 +158,7 @@ def coordinated_prefetch(
         ],
         policy=StopPolicy(**policy),
     )
-    coordinator.start(toks)
+    coordinator.start(asked)
     decision = None
     ended_after = None  # steps this rank had taken when it ended the prefetch
     while decision is None:

@@ -21,6 +21,7 @@ def faulty_daemon(
     factory: Callable[..., Daemon],
     delays: dict[str, float] | None = None,
     readable: dict[str, int] | None = None,
+    extra: str = "",
 ) -> Daemon:
     tail = '[storage.extra]\ninner = "memory"\n'
     tail += "[storage.extra.read_delay_s]\n" + "".join(
@@ -35,6 +36,7 @@ def faulty_daemon(
         allow_faults=True,
         storage='backend = "faulty"\nprefetch_batch_pages = 2\n',
         tail=tail,
+        extra=extra,
     )
 
 
@@ -58,6 +60,30 @@ def test_slow_and_failing_ranks_commit_the_same_length(
     results = run(d, {"kind": "wait_complete"}, tp=2)
     assert [r["kv"] for r in results] == [5, 5]
     assert all(r["sidecars"] == {"swa": True, "state": True} for r in results)
+
+
+def test_a_prompt_of_more_pages_than_the_daemon_takes_loads_as_many_as_it_takes(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """A daemon that takes 8 pages a request, which a token namespace then holds
+    of a sequence at most: a prefetch of PAGES (12) pages was refused whole, a
+    miss on every rank. The ranks now load and commit the leading 8, with the
+    window that ends there and the state."""
+    d = faulty_daemon(daemon_factory, extra="max_pages_per_request = 8")
+    results = launch(
+        rankfns.coordinated_prefetch,
+        d.endpoint,
+        {"kind": "wait_complete"},
+        None,  # no rank dies
+        None,  # no rank ends it
+        8,  # the pages stored
+        tp=2,
+        timeout=20,
+        deadline=120,
+    )
+    assert [r["kv"] for r in results] == [8, 8]
+    assert all(r["sidecars"] == {"swa": True, "state": True} for r in results)
+    assert all(r["missing"] == 0 for r in results)
 
 
 def test_a_partial_window_is_released_on_every_rank(daemon_factory: Callable[..., Daemon]) -> None:

@@ -151,9 +151,13 @@ class PrefetchCoordinator:
     # -- one prefetch ------------------------------------------------------------------
 
     def start(self, tokens: Any) -> None:
-        """Begin loading ``tokens`` on this rank (every rank calls it for the same request)."""
+        """Begin loading ``tokens`` on this rank (every rank calls it for the same
+        request): as many of their leading pages as the daemon takes in a request
+        (its ``server.max_pages_per_request``, in each pool), the most a token
+        namespace holds of one sequence."""
         if self._run is not None:
             raise RuntimeError("a prefetch is already running: step() it to the end first")
+        tokens = tokens[: self._most_tokens(len(tokens))]
         n_tokens = len(tokens)
         self.agreement.new_run()  # the last prefetch's values say nothing of this one
         run = _Running(n_tokens, time.monotonic(), self._safe_prefetch(self.kv_ns, tokens, -1))
@@ -171,6 +175,17 @@ class PrefetchCoordinator:
         if self._run is None:
             raise RuntimeError("no prefetch is running: call start() first")
         self._run.ended = True
+
+    def _most_tokens(self, asked: int) -> int:
+        """The leading tokens of ``asked`` whose pages no pool's request takes past
+        the daemon's limit (a longer prefetch is refused whole: a miss)."""
+        limit = self.client.max_pages
+        if not limit:
+            return asked
+        page_tokens = min(
+            ns.spec.page_tokens for ns in (self.kv_ns, *(p.ns for p in self.sidecars))
+        )
+        return min(asked, limit * page_tokens)
 
     def _safe_prefetch(self, ns: Namespace, tokens: Any, max_pages: int) -> Fetch | None:
         try:
