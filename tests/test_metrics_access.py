@@ -476,6 +476,38 @@ def test_a_scrape_past_idle_connections_takes_the_oldest_ones_place(daemon: Daem
             s.close()
 
 
+def test_a_connection_cut_before_its_request_was_in_is_not_answered(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """A connection cut while its request was still coming (half a request
+    line, or a line and no end of headers) had what it had sent taken for a
+    request once its reads ended: the gate ran for it, and with a token set it
+    counted as a refused scrape (the daemon's metrics gathered for no one where
+    no token is set). A cut connection now gets nothing."""
+    metrics, token = metrics_token(tmp_path)
+    d = daemon_factory(metrics=metrics)
+    url = _endpoint(d)
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    halves = [b"GET /metrics", b"GET /metrics HTTP/1.0\r\n"]
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(MAX_SCRAPES)]
+    try:
+        for i, s in enumerate(idle):
+            s.sendall(halves[i % 2])
+        time.sleep(0.5)  # accepted, each on a thread that waits for the rest of its request
+        # each scrape takes the place of the oldest, and is served once that one's
+        # thread has ended (its slot is the one the scrape gets)
+        for cut in range(1, 3):
+            if cut > 1:  # the slot the scrape before had, taken again
+                idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            seen = scrape(url, token=token)
+            assert seen[("hicached_metrics_turned_away_total", ())] == cut
+            assert seen[REFUSED] == 0, cut
+            assert idle[cut - 1].recv(64) == b""  # closed unanswered
+    finally:
+        for s in idle:
+            s.close()
+
+
 def test_a_connection_past_scrapes_all_being_answered_is_closed_and_counted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

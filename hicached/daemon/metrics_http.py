@@ -183,7 +183,7 @@ class _Handler(WSGIRequestHandler):
 
     def setup(self) -> None:
         self.server.waiting(self)  # until its request is in, its place may be taken
-        self._cutoff = threading.Timer(REQUEST_TIMEOUT_S, self.cut)
+        self._cutoff = threading.Timer(REQUEST_TIMEOUT_S, self.server.cut, (self,))
         self._cutoff.daemon = True
         self._cutoff.start()
         try:
@@ -202,8 +202,12 @@ class _Handler(WSGIRequestHandler):
 
     def parse_request(self) -> bool:
         ok = super().parse_request()  # reads the headers
-        self.server.answering(self)
         self._cutoff.cancel()  # the request is in: its answer is written under the timeout
+        if not self.server.answering(self):
+            # cut meanwhile: what it read before its reads ended (half a request
+            # line, a line and no end of headers) is no request, and gets nothing
+            self.close_connection = True
+            return False
         return ok
 
     def finish(self) -> None:
@@ -238,10 +242,19 @@ class _Server(ThreadingMixIn, WSGIServer):
         with self._lock:
             self._waiting[handler] = None
 
-    def answering(self, handler: _Handler) -> None:
-        """``handler``'s request is in, or its connection ends (its thread's)."""
+    def answering(self, handler: _Handler) -> bool:
+        """``handler``'s request is in, or its connection ends (its thread's):
+        False where its connection was cut before (it is not to be answered)."""
         with self._lock:
-            self._waiting.pop(handler, None)
+            return self._waiting.pop(handler, True) is None
+
+    def cut(self, handler: _Handler) -> None:
+        """Cut ``handler``'s connection at its request's deadline (its timer's),
+        unless its request is in: its answer is not cut short."""
+        with self._lock:
+            if self._waiting.pop(handler, True) is not None:
+                return
+        handler.cut()
 
     def _make_room(self) -> bool:
         """Every slot taken: cut the connection that has waited longest for its
@@ -251,7 +264,7 @@ class _Server(ThreadingMixIn, WSGIServer):
             oldest = next(iter(self._waiting), None)
             if oldest is None:
                 return False
-            del self._waiting[oldest]
+            del self._waiting[oldest]  # from now on, answering(oldest) is False
         oldest.cut()
         self.turned_away += 1  # that one: closed unanswered
         return self.slots.acquire(timeout=ROOM_WAIT_S)
