@@ -7,7 +7,7 @@ object of what it saw; tests/test_vllm_manager_review.py checks it.
     vllm_manager_review_check.py ENDPOINT [DAEMON_PID [LIMITED_ENDPOINT]]
 
 LIMITED_ENDPOINT: a second daemon whose ``server.max_pages_per_request`` is
-LIMIT (the ``limit`` scenario's).
+LIMIT (the ``limit`` and ``commit_timeout`` scenarios').
 
 One scenario (``budget``) runs vLLM's scheduler side whole rather than its
 lookup loops alone: vLLM's ``OffloadingConnector`` in the SCHEDULER role for
@@ -19,8 +19,9 @@ vLLM's connector in the WORKER role in this process, on KV in host memory.
 
 Fault injection, where a scenario says so: the manager's clock jumps past
 its answer's ``until`` in the middle of a lookup pass (as time passing
-does), and the link is marked down (as the loop thread marks it when
-another request finds the daemon unreachable).
+does), the link is marked down (as the loop thread marks it when another
+request finds the daemon unreachable), and a commit's answer never comes
+(the manager's client raises TimeoutError for it).
 """
 
 from __future__ import annotations
