@@ -508,6 +508,46 @@ def test_a_connection_cut_before_its_request_was_in_is_not_answered(
             s.close()
 
 
+def test_a_scrape_right_after_idle_connections_takes_a_place_their_threads_have_not_taken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A connection counted as waiting for its request only once its thread ran:
+    a scrape that came right after MAX_SCRAPES idle connections, before their
+    threads did, found none waiting and was closed unserved. Each counts from
+    its accept now. Fault injection, the only fake: each handler's thread
+    starts its work 0.5 s late (as on a busy host). The listener runs
+    in-process on a real socket."""
+    from hicached.daemon import metrics_http
+    from hicached.metrics_config import MetricsConfig
+
+    setup = metrics_http._Handler.setup
+
+    def late(self: metrics_http._Handler) -> None:
+        time.sleep(0.5)
+        setup(self)
+
+    monkeypatch.setattr(metrics_http._Handler, "setup", late)
+
+    def app(environ: dict[str, object], start_response: Callable[..., object]) -> list[bytes]:
+        start_response("200 OK", [("Content-Type", "text/plain")])
+        return [b"up 1\n"]
+
+    listener = metrics_http.Listener(
+        MetricsConfig(port=free_tcp_port()), metrics_http.Gate(app, None)
+    )
+    listener.start()
+    port = int(listener.endpoint.rsplit(":", 1)[1].split("/")[0])
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(MAX_SCRAPES)]
+    try:
+        status, body, _ = _get(listener.endpoint)  # at once: no idle thread has run yet
+        assert (status, body) == (200, b"up 1\n")
+        assert listener.turned_away == 1
+    finally:
+        for s in idle:
+            s.close()
+        listener.stop()
+
+
 def test_a_connection_past_scrapes_all_being_answered_is_closed_and_counted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

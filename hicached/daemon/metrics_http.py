@@ -182,28 +182,21 @@ class _Handler(WSGIRequestHandler):
     server: _Server
 
     def setup(self) -> None:
-        self.server.waiting(self)  # until its request is in, its place may be taken
-        self._cutoff = threading.Timer(REQUEST_TIMEOUT_S, self.server.cut, (self,))
+        # (the server counts the connection as waiting for its request from its accept)
+        self._cutoff = threading.Timer(REQUEST_TIMEOUT_S, self.server.cut, (self.request,))
         self._cutoff.daemon = True
         self._cutoff.start()
         try:
             super().setup()
         except BaseException:  # no finish() follows a failed setup()
-            self.server.answering(self)
+            self.server.answering(self.request)
             self._cutoff.cancel()
             raise
-
-    def cut(self) -> None:
-        """End the connection's reads at once (from any thread)."""
-        # the plain socket's shutdown (an SSLSocket's drops its TLS object under
-        # the reading thread): the read this thread waits in ends at once
-        with contextlib.suppress(OSError):
-            socket.socket.shutdown(self.request, socket.SHUT_RDWR)
 
     def parse_request(self) -> bool:
         ok = super().parse_request()  # reads the headers
         self._cutoff.cancel()  # the request is in: its answer is written under the timeout
-        if not self.server.answering(self):
+        if not self.server.answering(self.request):
             # cut meanwhile: what it read before its reads ended (half a request
             # line, a line and no end of headers) is no request, and gets nothing
             self.close_connection = True
@@ -211,12 +204,20 @@ class _Handler(WSGIRequestHandler):
         return ok
 
     def finish(self) -> None:
-        self.server.answering(self)
+        self.server.answering(self.request)
         self._cutoff.cancel()
         super().finish()
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
+
+
+def _cut(connection: Any) -> None:
+    """End a connection's reads at once (from any thread)."""
+    # the plain socket's shutdown (an SSLSocket's drops its TLS object under the
+    # reading thread): the read its thread waits in ends at once
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(connection, socket.SHUT_RDWR)
 
 
 class _Server(ThreadingMixIn, WSGIServer):
@@ -232,29 +233,25 @@ class _Server(ThreadingMixIn, WSGIServer):
         # ``serve`` waits on one end, ``stop`` writes to the other; made first:
         # a failed bind closes the server (``server_close``) inside __init__
         self._wake = socket.socketpair()
-        # the connections whose request is not in yet, oldest first
-        self._waiting: dict[_Handler, None] = {}
+        # the connections whose request is not in yet, oldest first (from their
+        # accept, before their thread runs)
+        self._waiting: dict[Any, None] = {}
         self._lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
-    def waiting(self, handler: _Handler) -> None:
-        """``handler``'s connection waits for its request (its thread's)."""
+    def answering(self, request: Any) -> bool:
+        """The request of connection ``request`` is in, or the connection ends
+        (its thread's): False where it was cut before (it is not to be answered)."""
         with self._lock:
-            self._waiting[handler] = None
+            return self._waiting.pop(request, True) is None
 
-    def answering(self, handler: _Handler) -> bool:
-        """``handler``'s request is in, or its connection ends (its thread's):
-        False where its connection was cut before (it is not to be answered)."""
-        with self._lock:
-            return self._waiting.pop(handler, True) is None
-
-    def cut(self, handler: _Handler) -> None:
-        """Cut ``handler``'s connection at its request's deadline (its timer's),
+    def cut(self, request: Any) -> None:
+        """Cut connection ``request`` at its request's deadline (its timer's),
         unless its request is in: its answer is not cut short."""
         with self._lock:
-            if self._waiting.pop(handler, True) is not None:
+            if self._waiting.pop(request, True) is not None:
                 return
-        handler.cut()
+        _cut(request)
 
     def _make_room(self) -> bool:
         """Every slot taken: cut the connection that has waited longest for its
@@ -265,7 +262,7 @@ class _Server(ThreadingMixIn, WSGIServer):
             if oldest is None:
                 return False
             del self._waiting[oldest]  # from now on, answering(oldest) is False
-        oldest.cut()
+        _cut(oldest)
         self.turned_away += 1  # that one: closed unanswered
         return self.slots.acquire(timeout=ROOM_WAIT_S)
 
@@ -297,9 +294,12 @@ class _Server(ThreadingMixIn, WSGIServer):
             self.turned_away += 1  # the accept thread alone counts
             self.shutdown_request(request)
             return
+        with self._lock:  # waiting for its request from now on: its place may be taken
+            self._waiting[request] = None
         try:
             super().process_request(request, client_address)
         except BaseException:
+            self.answering(request)
             self.slots.release()  # no thread started: its slot is free again
             raise
 
@@ -307,6 +307,7 @@ class _Server(ThreadingMixIn, WSGIServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
+            self.answering(request)  # however its handler ended
             self.slots.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
