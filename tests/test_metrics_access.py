@@ -22,6 +22,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -65,6 +66,29 @@ def _endpoint(d: Daemon) -> str:
         url = c.stats().metrics_endpoint
     assert url.startswith("http://127.0.0.1:")
     return url
+
+
+def _up(environ: dict[str, object], start_response: Callable[..., object]) -> list[bytes]:
+    """An app that answers every scrape ``up 1``."""
+    start_response("200 OK", [("Content-Type", "text/plain")])
+    return [b"up 1\n"]
+
+
+@contextlib.contextmanager
+def _in_process(app: Callable[..., list[bytes]] = _up) -> Iterator[tuple[Any, int]]:
+    """The metrics listener in this process on a real socket, serving ``app``
+    without a token: (listener, its port); stopped after."""
+    from hicached.daemon import metrics_http
+    from hicached.metrics_config import MetricsConfig
+
+    listener = metrics_http.Listener(
+        MetricsConfig(port=free_tcp_port()), metrics_http.Gate(app, None)
+    )
+    listener.start()
+    try:
+        yield listener, int(listener.endpoint.rsplit(":", 1)[1].split("/")[0])
+    finally:
+        listener.stop()
 
 
 def _tenants(uid: int = os.getuid()) -> str:
@@ -518,7 +542,6 @@ def test_a_scrape_right_after_idle_connections_takes_a_place_their_threads_have_
     starts its work 0.5 s late (as on a busy host). The listener runs
     in-process on a real socket."""
     from hicached.daemon import metrics_http
-    from hicached.metrics_config import MetricsConfig
 
     setup = metrics_http._Handler.setup
 
@@ -527,25 +550,17 @@ def test_a_scrape_right_after_idle_connections_takes_a_place_their_threads_have_
         setup(self)
 
     monkeypatch.setattr(metrics_http._Handler, "setup", late)
-
-    def app(environ: dict[str, object], start_response: Callable[..., object]) -> list[bytes]:
-        start_response("200 OK", [("Content-Type", "text/plain")])
-        return [b"up 1\n"]
-
-    listener = metrics_http.Listener(
-        MetricsConfig(port=free_tcp_port()), metrics_http.Gate(app, None)
-    )
-    listener.start()
-    port = int(listener.endpoint.rsplit(":", 1)[1].split("/")[0])
-    idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(MAX_SCRAPES)]
-    try:
-        status, body, _ = _get(listener.endpoint)  # at once: no idle thread has run yet
-        assert (status, body) == (200, b"up 1\n")
-        assert listener.turned_away == 1
-    finally:
-        for s in idle:
-            s.close()
-        listener.stop()
+    with _in_process() as (listener, port):
+        idle = [
+            socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(MAX_SCRAPES)
+        ]
+        try:
+            status, body, _ = _get(listener.endpoint)  # at once: no idle thread has run yet
+            assert (status, body) == (200, b"up 1\n")
+            assert listener.turned_away == 1
+        finally:
+            for s in idle:
+                s.close()
 
 
 def test_a_connection_past_scrapes_all_being_answered_is_closed_and_counted(
@@ -557,7 +572,6 @@ def test_a_connection_past_scrapes_all_being_answered_is_closed_and_counted(
     import threading
 
     from hicached.daemon import metrics_http
-    from hicached.metrics_config import MetricsConfig
 
     monkeypatch.setattr(metrics_http, "ROOM_WAIT_S", 0.2)
     go = threading.Event()
@@ -566,39 +580,35 @@ def test_a_connection_past_scrapes_all_being_answered_is_closed_and_counted(
     def app(environ: dict[str, object], start_response: Callable[..., object]) -> list[bytes]:
         inside.release()
         go.wait(10)
-        start_response("200 OK", [("Content-Type", "text/plain")])
-        return [b"up 1\n"]
+        return _up(environ, start_response)
 
-    listener = metrics_http.Listener(
-        MetricsConfig(port=free_tcp_port()), metrics_http.Gate(app, None)
-    )
-    listener.start()
-    port = int(listener.endpoint.rsplit(":", 1)[1].split("/")[0])
-    busy = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(MAX_SCRAPES)]
-    try:
-        for s in busy:
-            s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
-        for _ in busy:
-            assert inside.acquire(timeout=10), "a request never reached the app"
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as extra:
-            extra.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
-            try:
-                answer = extra.recv(64)
-            except ConnectionResetError:
-                answer = b""
-        assert answer == b"", answer  # closed, not answered
-        assert listener.turned_away == 1
-        go.set()
-        for s in busy:  # every request being answered was answered
-            got = b""
-            while chunk := s.recv(4096):
-                got += chunk
-            assert got.startswith(b"HTTP/1.0 200") and got.endswith(b"up 1\n"), got
-    finally:
-        go.set()
-        for s in busy:
-            s.close()
-        listener.stop()
+    with _in_process(app) as (listener, port):
+        busy = [
+            socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(MAX_SCRAPES)
+        ]
+        try:
+            for s in busy:
+                s.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+            for _ in busy:
+                assert inside.acquire(timeout=10), "a request never reached the app"
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as extra:
+                extra.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+                try:
+                    answer = extra.recv(64)
+                except ConnectionResetError:
+                    answer = b""
+            assert answer == b"", answer  # closed, not answered
+            assert listener.turned_away == 1
+            go.set()
+            for s in busy:  # every request being answered was answered
+                got = b""
+                while chunk := s.recv(4096):
+                    got += chunk
+                assert got.startswith(b"HTTP/1.0 200") and got.endswith(b"up 1\n"), got
+        finally:
+            go.set()
+            for s in busy:
+                s.close()
 
 
 def test_a_scraper_that_trickles_its_request_is_cut_off_and_frees_its_slot(
@@ -612,37 +622,26 @@ def test_a_scraper_that_trickles_its_request_is_cut_off_and_frees_its_slot(
     import threading
 
     from hicached.daemon import metrics_http
-    from hicached.metrics_config import MetricsConfig
 
     monkeypatch.setattr(metrics_http, "REQUEST_TIMEOUT_S", 0.5)
     monkeypatch.setattr(metrics_http._Handler, "timeout", 0.5)
-
-    def app(environ: dict[str, object], start_response: Callable[..., object]) -> list[bytes]:
-        start_response("200 OK", [("Content-Type", "text/plain")])
-        return [b"up 1\n"]
-
-    listener = metrics_http.Listener(
-        MetricsConfig(port=free_tcp_port()), metrics_http.Gate(app, None)
-    )
-    listener.start()
     stop = threading.Event()
-    port = int(listener.endpoint.rsplit(":", 1)[1].split("/")[0])
+    with _in_process() as (listener, port):
 
-    def trickle() -> None:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)) as s:
-            s.sendall(b"GET /metrics HTTP/1.0\r\n")
-            while not stop.wait(0.2):  # a header byte at a time, each within the timeout
-                s.sendall(b"X")
+        def trickle() -> None:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(b"GET /metrics HTTP/1.0\r\n")
+                while not stop.wait(0.2):  # a header byte at a time, each within the timeout
+                    s.sendall(b"X")
 
-    slow = [threading.Thread(target=trickle, daemon=True) for _ in range(MAX_SCRAPES)]
-    try:
-        for t in slow:
-            t.start()
-        time.sleep(1.5)  # each is past its whole-request time, still sending
-        status, body, _ = _get(listener.endpoint)
-        assert (status, body) == (200, b"up 1\n")
-    finally:
-        stop.set()
-        for t in slow:
-            t.join(5)
-        listener.stop()
+        slow = [threading.Thread(target=trickle, daemon=True) for _ in range(MAX_SCRAPES)]
+        try:
+            for t in slow:
+                t.start()
+            time.sleep(1.5)  # each is past its whole-request time, still sending
+            status, body, _ = _get(listener.endpoint)
+            assert (status, body) == (200, b"up 1\n")
+        finally:
+            stop.set()
+            for t in slow:
+                t.join(5)
