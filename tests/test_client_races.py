@@ -323,6 +323,52 @@ def test_a_lease_granted_to_a_cancelled_call_is_released(daemon: Daemon) -> None
     asyncio.run(run())
 
 
+def test_a_call_cancelled_once_its_reply_is_in_raises_the_cancel_and_releases_its_lease(
+    daemon: Daemon,
+) -> None:
+    """A match cancelled after its reply came but before its task ran again:
+    the wait for the reply gave the reply back and dropped the cancel, so the
+    call returned a Hit its caller never saw, pinning its pages until the
+    lease expired (leases.ttl_s). It raises the cancel; the lease is released."""
+
+    async def run() -> None:
+        async with hicached.AsyncClient(daemon.endpoint, timeout=3.0) as c:
+            ns = await c.register(**NS)
+            toks = np.arange(4 * PAGE_TOKENS, dtype=np.uint32)
+            await c.store(ns, toks, page_bytes_for(toks))
+            landed = 0
+            for _ in range(100):  # until three cancels met a reply that was in
+                call = asyncio.get_running_loop().create_task(c.match(ns, toks))
+                for _ in range(1000):  # until its request is out, waiting for the reply
+                    if c._pending:
+                        break
+                    await asyncio.sleep(0)
+                (reply,) = c._pending.values()
+                for _ in range(200_000):  # until the reader has it: seconds at most
+                    if reply.done():
+                        break
+                    await asyncio.sleep(0)
+                assert reply.done()
+                if call.done():  # its task ran first: a Hit of its own
+                    await c.release(call.result())
+                    continue
+                call.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+                landed += 1
+                if landed == 3:
+                    break
+            assert landed == 3
+            for _ in range(200):  # the releases go out as the cancels are raised
+                if not (await c.stats()).leases:
+                    break
+                await asyncio.sleep(0.05)
+            stats = await c.stats()
+            assert stats.leases == 0 and stats.pinned_pages == 0
+
+    asyncio.run(run())
+
+
 def test_a_lease_granted_to_an_interrupted_call_is_released(daemon: Daemon) -> None:
     """A match interrupted (KeyboardInterrupt) while the daemon was about to
     answer: the next call meets the late reply and releases the read lease it

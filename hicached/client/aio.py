@@ -38,6 +38,7 @@ from hicached.errors import (
     SessionLost,
 )
 from hicached.wire import protocol as p
+from hicached.wire.deadline import within
 from hicached.wire.hashing import pack_tokens
 from hicached.wire.namespace import EventMeta, NamespaceSpec
 
@@ -152,7 +153,7 @@ class AsyncClient(_Core):
             self._slots = asyncio.Semaphore(self.max_in_flight)
         started = time.monotonic()
         try:  # a call queued behind max_in_flight others keeps its own deadline
-            await asyncio.wait_for(self._slots.acquire(), self.timeout)
+            await within(self._slots.acquire(), self.timeout)
         except asyncio.TimeoutError:
             raise DeadlineExceeded(
                 f"{self.max_in_flight} requests to {self.endpoint} stayed in flight for "
@@ -185,12 +186,14 @@ class AsyncClient(_Core):
         self._pending[request_id] = future
         try:
             await sock.send(payload)
-            return await asyncio.wait_for(future, budget)
+            return await within(future, budget)
         except asyncio.CancelledError:
-            if future.done() and not future.cancelled() and future.exception() is None:
+            if _answered(future):
                 self._unclaimed(sock, future.result())  # it came, but the call is cancelled
             raise
         except asyncio.TimeoutError:
+            if _answered(future):
+                return future.result()  # it came as the deadline did
             if not int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLOUT:
                 self._redial(sock)  # the connection went away: for the next call
                 raise self._dropped() from None
@@ -344,6 +347,11 @@ class AsyncClient(_Core):
             return self.read_pages(hit)
         finally:
             await self.release(hit)
+
+
+def _answered(future: asyncio.Future[p.AnyReply]) -> bool:
+    """Whether the reply came (not a failure, not given up)."""
+    return future.done() and not future.cancelled() and future.exception() is None
 
 
 def _gone(loop: asyncio.AbstractEventLoop | None) -> bool:

@@ -70,6 +70,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from hicached.config import StorageConfig
+from hicached.wire.deadline import within
 from hicached_backends.base import Backend, BackendError, PageRef
 
 log = logging.getLogger("hicached.dispatcher")
@@ -177,7 +178,7 @@ class Dispatcher:
         # its threads to end on their own); a close that hangs itself is given
         # up on a second past the deadline.
         try:
-            await asyncio.wait_for(self.backend.close(), max(1.0, until + 1.0 - time.monotonic()))
+            await within(self.backend.close(), max(1.0, until + 1.0 - time.monotonic()))
         except TimeoutError:
             log.warning("%s: the backend did not close by the stop deadline", self.name)
         except Exception:  # the rest of the daemon's stop runs all the same
@@ -210,7 +211,7 @@ class Dispatcher:
         """Return when written pages leave the queue bound, or after ``timeout``."""
         self._room.clear()
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._room.wait(), timeout)
+            await within(self._room.wait(), timeout)
 
     # -- writes ----------------------------------------------------------------------
 
@@ -462,7 +463,7 @@ class Dispatcher:
         # one probe at a time: other calls fail at once while it runs
         self._down_until = time.monotonic() + self.config.breaker_cooldown_s
         try:
-            await asyncio.wait_for(self.backend.health(), self.config.op_timeout_s)
+            await within(self.backend.health(), self.config.op_timeout_s)
         except Exception as exc:  # any failure keeps it down for another cooldown
             self._down_until = time.monotonic() + self.config.breaker_cooldown_s
             log.info("%s still down: %s", self.name, exc)

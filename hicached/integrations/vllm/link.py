@@ -26,6 +26,7 @@ from hicached.client.handles import Hit, Namespace, Reservation
 from hicached.errors import HicachedError
 from hicached.integrations.vllm.settings import UNREACHABLE, Settings
 from hicached.integrations.vllm.specs import Ack
+from hicached.wire.deadline import within
 from hicached.wire.namespace import EventMeta, NamespaceSpec
 
 __all__ = ["Link"]
@@ -182,7 +183,7 @@ class Link:
             event = self._ack_event
             assert event is not None
             try:
-                await asyncio.wait_for(event.wait(), max(left, 0.0))
+                await within(event.wait(), left)
             except asyncio.TimeoutError:
                 self._acks.pop(key, None)
                 return None
