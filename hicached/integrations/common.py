@@ -1,5 +1,6 @@
 """What the engine integrations share: their settings, read from the engine's
-extra config, and namespace names made from the engine's model name.
+extra config, namespace names made from the engine's model name, and requests
+cut to the daemon's page limit.
 
 Engines pass a backend one dict of extra config, their own keys beside ours;
 each integration takes the keys its ``Settings`` knows, typed and checked.
@@ -58,3 +59,11 @@ def settings_from(cls: type[S], extra: Mapping[str, Any] | None) -> S:
     ValidationError, naming the key."""
     ours = {f.name for f in msgspec.structs.fields(cls)}
     return msgspec.convert({k: v for k, v in (extra or {}).items() if k in ours}, cls)
+
+
+def parts(count: int, limit: int) -> list[range]:
+    """``range(count)`` in runs of ``limit`` at most, in order: the keys one
+    request covers, where the daemon takes ``limit`` a request (its
+    ``server.max_pages_per_request``; 0, not known yet: all in one)."""
+    step = limit if 0 < limit < count else max(count, 1)
+    return [range(i, min(i + step, count)) for i in range(0, count, step)]

@@ -39,6 +39,7 @@ from itertools import accumulate, pairwise
 from hicached.client import AsyncClient
 from hicached.client.handles import Fetch, Hit, Namespace
 from hicached.errors import HicachedError
+from hicached.integrations.common import parts
 
 __all__ = [
     "ABSENT",
@@ -96,14 +97,6 @@ class Probe:
 
     flags: list[int]
     leases: list[Leased] = field(default_factory=list)
-
-
-def parts(count: int, limit: int) -> list[range]:
-    """``range(count)`` in runs of ``limit`` at most, in order: the keys one
-    request covers, where the daemon takes ``limit`` a request (its
-    ``server.max_pages_per_request``; 0, not known yet: all in one)."""
-    step = limit if 0 < limit < count else max(count, 1)
-    return [range(i, min(i + step, count)) for i in range(0, count, step)]
 
 
 class Prefix(Kind):

@@ -23,6 +23,7 @@ from typing import Any
 from hicached.client import Client, KeysFound
 from hicached.client.handles import Namespace, Reservation
 from hicached.errors import HicachedError, StaleHandle
+from hicached.integrations.common import parts
 from hicached.integrations.sglang.link import UNREACHABLE, Session
 from hicached.integrations.sglang.pages import once
 
@@ -57,18 +58,18 @@ def found(c: Client, ns: Namespace, keys: list[bytes], *, whole: bool = True) ->
     daemon takes in a request (SGLang asks about a whole request's pages at
     once); ``whole`` False: no part after one that holds a page neither tier
     has (the keys after it are not found), for a leading count alone."""
-    step = c.max_pages or len(keys)
-    if len(keys) <= step:
+    cuts = parts(len(keys), c.max_pages)
+    if len(cuts) <= 1:
         return c.exists_keys(ns, keys)
     l2 = leading = 0
     in_l2: list[bool] = []
     in_l3: list[bool] = []
-    for first in range(0, len(keys), step):
-        if not whole and leading < first:
+    for cut in cuts:
+        if not whole and leading < cut.start:
             break
-        part = c.exists_keys(ns, keys[first : first + step])
-        l2 += part.l2 if l2 == first else 0
-        leading += part.leading if leading == first else 0
+        part = c.exists_keys(ns, keys[cut.start : cut.stop])
+        l2 += part.l2 if l2 == cut.start else 0
+        leading += part.leading if leading == cut.start else 0
         in_l2 += part.in_l2
         in_l3 += part.in_l3
     rest = [False] * (len(keys) - len(in_l2))
@@ -134,10 +135,10 @@ def _reserve(c: Client, ns: Namespace, move: Move, opened: list[_Open]) -> None:
     have = [a or b for a, b in zip(where.in_l2, where.in_l3, strict=True)]
     first = have.index(False) if False in have else len(have)
     move.done = [i < first for i in range(len(move.keys))]
-    step = c.max_pages or len(move.keys)
-    for start in range(first, len(move.keys), step):
+    for cut in parts(len(move.keys) - first, c.max_pages):
+        start = first + cut.start
         parent = move.keys[start - 1] if start else move.parent
-        res = c.reserve_keys(ns, move.keys[start : start + step], parent=parent)
+        res = c.reserve_keys(ns, move.keys[start : first + cut.stop], parent=parent)
         for i, present in enumerate(res.present_mask):
             move.done[start + i] = bool(present)
         opened.append(_Open(move, res, start))
@@ -160,10 +161,9 @@ def load(c: Client, session: Session, moves: list[Move], wait_s: float) -> bool:
         if move.copy is None or not move.keys:
             continue
         ns = session.ns(move.pool)
-        step = c.max_pages or len(move.keys)
         done = 0
-        while done < len(move.keys):
-            keys = move.keys[done : done + step]
+        for cut in parts(len(move.keys), c.max_pages):
+            keys = move.keys[cut.start : cut.stop]
             got, more = _read(c, ns, move, keys, done)
             # the pages L3 gives back enter L2 under the key before them
             before = move.keys[done + got - 1] if done + got else None

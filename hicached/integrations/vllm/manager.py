@@ -35,7 +35,8 @@ from vllm.v1.kv_offload.base import (
 
 from hicached.client.handles import Hit, Reservation
 from hicached.errors import HicachedError
-from hicached.integrations.hybrid import Answer, Group, lookup, parts
+from hicached.integrations.common import parts
+from hicached.integrations.hybrid import Answer, Group, lookup
 from hicached.integrations.vllm.groups import KVGroup
 from hicached.integrations.vllm.link import Link
 from hicached.integrations.vllm.settings import UNREACHABLE, Settings, info_labels
