@@ -410,6 +410,30 @@ def stored_events(sub: zmq.Socket, medium: str, count: int) -> list[Any]:
     return stored
 
 
+def restart_with_events(d: Daemon) -> tuple[zmq.Context[Any], zmq.Socket[Any]]:
+    """Restart ``d`` (L2 empty, L3 kept) publishing KV events, and subscribe."""
+    d.stop()
+    d.config.write_text(
+        d.config.read_text() + f'[events]\nendpoint = "ipc://{d.runtime}/events.sock"\n'
+    )
+    d.start()
+    ctx: zmq.Context[Any] = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"ipc://{d.runtime}/events.sock")
+    return ctx, sub
+
+
+def parents_of(events: list[Any]) -> dict[bytes, bytes | None]:
+    """Each block the BlockStored ``events`` name, and the block before it."""
+    return {
+        h: up
+        for e in events
+        for h, up in zip(e.block_hashes, [e.parent_block_hash, *e.block_hashes][:-1], strict=True)
+    }
+
+
 @pytest.mark.parametrize("minor", [None, PREFETCH_PARENT_MINOR - 1])
 async def test_pages_loaded_from_l3_in_parts_keep_their_parents(
     daemon_factory: Callable[..., Daemon], monkeypatch: pytest.MonkeyPatch, minor: int | None
@@ -436,16 +460,7 @@ async def test_pages_loaded_from_l3_in_parts_keep_their_parents(
             assert c.commit(res).published == 2
             parent = keys[at[-1]]
         settle_writes(c)
-    d.stop()
-    d.config.write_text(
-        d.config.read_text() + f'[events]\nendpoint = "ipc://{d.runtime}/events.sock"\n'
-    )
-    d.start()
-    ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(f"ipc://{d.runtime}/events.sock")
+    ctx, sub = restart_with_events(d)
     ac = hicached.AsyncClient(d.endpoint, timeout=5.0)
     try:
         with d.client() as c:
@@ -459,14 +474,7 @@ async def test_pages_loaded_from_l3_in_parts_keep_their_parents(
         assert answer.end == 6 * CHUNK and len(answer.handles[0]) == 3
         for hit in answer.leases:
             await ac.release(hit)
-        events = stored_events(sub, MEDIUM_L2, 6)
-        parents = {
-            h: up
-            for e in events
-            for h, up in zip(
-                e.block_hashes, [e.parent_block_hash, *e.block_hashes][:-1], strict=True
-            )
-        }
+        parents = parents_of(stored_events(sub, MEDIUM_L2, 6))
         hashes = [block_hash(k[:-4]) for k in keys]
         if minor is None:
             assert [parents[h] for h in hashes] == [None, *hashes[:-1]]
@@ -479,6 +487,56 @@ async def test_pages_loaded_from_l3_in_parts_keep_their_parents(
                 None,
                 hashes[4],
             ]
+    finally:
+        await ac.close()
+        sub.close()
+        ctx.term()
+
+
+async def test_window_pages_loaded_from_l3_enter_l2_under_the_chunk_before(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """A window of four chunks, its pages only in L3, asked about at chunks 1-6
+    and 8 (the engine showed no chunk 7, so no key before chunk 8's is known):
+    a hit at chunk 8 loads chunks 5, 6 and 8. Chunk 5 enters L2 under chunk 4,
+    the chunk before it, not as a sequence's start; chunk 8 under none, not
+    under chunk 6 across the hole (as vLLM's events announce a window's
+    pages: each under the chunk before it in the request)."""
+    d = daemon_factory(storage=FILE_L3, tail=FILE_OPTIONS)
+    keys = chain(8, 1)
+    with d.client() as c:
+        ns = c.register(**spec("sliding"))
+        store(c, ns, keys, data("sliding", 8), range(8))
+        settle_writes(c)
+    ctx, sub = restart_with_events(d)
+    ac = hicached.AsyncClient(d.endpoint, timeout=5.0)
+    try:
+        with d.client() as c:
+            ns = c.register(**spec("sliding"))
+            wait_for(lambda: all(c.exists_keys(ns, keys).in_l3))
+        await asyncio.sleep(0.2)  # the subscription reaches the daemon
+        shown = [0, 1, 2, 3, 4, 5, 7]
+        asked = [keys[i] for i in shown]
+        before = {keys[i]: keys[i - 1] for i in shown if i and i - 1 in shown}
+        group = Group(
+            await ac.register(**spec("sliding")),
+            Window(4 * CHUNK, "sliding"),
+            asked,
+            [CHUNK * (i + 1) for i in shown],
+            before,
+        )
+        answer = await lookup(ac, [group], prefetch_timeout_s=10.0)
+        assert answer.end == 8 * CHUNK
+        assert sorted(answer.hits) == sorted([keys[4], keys[5], keys[7]])
+        for hit in answer.leases:
+            await ac.release(hit)
+        parents = parents_of(stored_events(sub, MEDIUM_L2, 3))
+        hashes = [block_hash(k[:-4]) for k in keys]
+        assert {h: parents[h] for h in (hashes[4], hashes[5], hashes[7])} == {
+            hashes[4]: hashes[3],
+            hashes[5]: hashes[4],
+            hashes[7]: None,
+        }
     finally:
         await ac.close()
         sub.close()

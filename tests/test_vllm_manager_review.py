@@ -198,3 +198,20 @@ def test_a_commit_whose_answer_never_comes_ends_every_reservation_of_its_store(
     assert "error" not in got, got["error"]
     assert got["commits"] == 1, got  # no part after the failed one is committed
     assert got["leases"] and got["left"] == 0, got
+
+
+def test_a_store_enters_each_run_of_chunks_under_the_chunk_before_it(
+    facts: dict[str, Any],
+) -> None:
+    """Stores of chunks 0-2, 3-4, then 6, 8 and 9 of one request (vLLM's keys,
+    both groups): a reservation a run of chunks that follow one another,
+    under the chunk before the run where the manager knows it (chunk 3's
+    under chunk 2, stored by the store before); chunk 6 and chunk 8 follow
+    a hole, under none. Before, the third store was one reservation under
+    chunk 4, entering chunk 6 under 4 and chunk 8 under 6 in L2 (their
+    BlockStored parents)."""
+    got = facts["parents"]
+    assert "error" not in got, got["error"]
+    stores = [[([0, 1, 2], None)], [([3, 4], 2)], [([6], None), ([8, 9], None)]]
+    want = [[g, chunks, up] for runs in stores for g in (0, 1) for chunks, up in runs]
+    assert got["reservations"] == want, got

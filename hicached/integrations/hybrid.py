@@ -32,7 +32,7 @@ import asyncio
 import contextlib
 import time
 from bisect import bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, pairwise
 
@@ -227,12 +227,17 @@ def restorable_end(views: Sequence[GroupView]) -> int:
 @dataclass(frozen=True, slots=True)
 class Group:
     """One group's part of a question: its namespace, its kind, and its keys by
-    the position where each key's chunk ends (ascending)."""
+    the position where each key's chunk ends (ascending). ``before``: where
+    the engine knows them, the key of the chunk right before each key's (a
+    page loaded from L3 enters L2 under it, as the engine's own events would
+    announce it); a key without one follows no key (the first chunk, or one
+    after a hole). None: the keys follow one another, the first none."""
 
     ns: Namespace
     kind: Kind
     keys: list[bytes]
     positions: list[int]
+    before: Mapping[bytes, bytes] | None = None
 
 
 @dataclass(slots=True)
@@ -442,11 +447,12 @@ async def _from_l3(
     pause = 0.001
     try:
         for g, keys in loading:
-            for part in parts(len(keys), client.max_pages):
-                # a part's first page is read under the last key of the part before
-                before = keys[part.start - 1] if part.start else None
-                some = keys[part.start : part.stop]
-                fetches.append(await client.prefetch_keys(g.ns, some, parent=before))
+            for run, parent in _runs(g, keys):
+                for part in parts(len(run), client.max_pages):
+                    # a part's first page enters L2 under the last key of the part before
+                    before = run[part.start - 1] if part.start else parent
+                    some = run[part.start : part.stop]
+                    fetches.append(await client.prefetch_keys(g.ns, some, parent=before))
         completed = dict.fromkeys(range(len(fetches)), 0)
         waiting = list(completed)
         while True:
@@ -469,6 +475,22 @@ async def _from_l3(
             with contextlib.suppress(HicachedError, TimeoutError, asyncio.TimeoutError):
                 await client.release(fetch)
         raise
+
+
+def _runs(g: Group, keys: list[bytes]) -> list[tuple[list[bytes], bytes | None]]:
+    """``keys`` of group ``g`` in runs of chunks that follow one another, each
+    with the key its first follows (None: none, or not known): a prefetch
+    enters its pages in L2 as one sequence, so a hole starts another."""
+    if g.before is None:
+        return [(keys, None)]
+    runs: list[tuple[list[bytes], bytes | None]] = []
+    for key in keys:
+        parent = g.before.get(key)
+        if runs and parent is not None and parent == runs[-1][0][-1]:
+            runs[-1][0].append(key)
+        else:
+            runs.append(([key], parent))
+    return runs
 
 
 async def _release(client: AsyncClient, leases: Sequence[Hit]) -> None:

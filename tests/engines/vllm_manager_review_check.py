@@ -657,6 +657,38 @@ def commit_timeout(endpoint: str) -> dict[str, Any]:
     return facts
 
 
+def parents(endpoint: str) -> dict[str, Any]:
+    """Three stores of one request, both groups: chunks 0-2, then 3-4, then 6, 8
+    and 9 (no chunk 5 or 7 stored or shown). Each reservation the manager
+    asks for, per group: its chunks and the chunk its first enters L2 under
+    (its BlockStored parent), recorded on the way to the daemon."""
+    facts: dict[str, Any] = {}
+    engine = Engine(endpoint)
+    try:
+        link = engine.manager._link
+        client, _ = link.submit(link.session()).result(5)
+        reserve_keys = client.reserve_keys
+        asked: list[tuple[list[bytes], bytes | None]] = []
+
+        async def recorded(ns: Any, keys: list[bytes], **kwargs: Any) -> Any:
+            asked.append((list(keys), kwargs.get("parent")))
+            return await reserve_keys(ns, keys, **kwargs)
+
+        client.reserve_keys = recorded  # type: ignore[method-assign]
+        prompt = np.random.default_rng(19).integers(3, 500, LONG * BLOCK + 5).tolist()
+        request = engine.request("P", prompt)
+        for chunks in ([0, 1, 2], [3, 4], [6, 8, 9]):
+            engine.store(request, [chunks, chunks])
+        index = {key: i for g in (0, 1) for i, key in enumerate(engine.keys(request, g))}
+        facts["reservations"] = [
+            [int.from_bytes(keys[0][-4:], "big"), [index[k] for k in keys], index.get(parent)]
+            for keys, parent in asked
+        ]
+    finally:
+        engine.shutdown()
+    return facts
+
+
 def main(endpoint: str, daemon_pid: int = 0, limited: str = "") -> dict[str, Any]:
     facts: dict[str, Any] = {}
     scenarios = (
@@ -666,6 +698,7 @@ def main(endpoint: str, daemon_pid: int = 0, limited: str = "") -> dict[str, Any
         ("mtp", mtp),
         ("widening", widening),
         ("eagle", eagle),
+        ("parents", parents),
     )
     runs = [(name, scenario, endpoint) for name, scenario in scenarios]
     if limited:

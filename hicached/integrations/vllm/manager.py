@@ -55,10 +55,12 @@ REPORTS_FLUSH = hasattr(OffloadingManager, "on_reset_flushed")
 @dataclass(frozen=True, slots=True)
 class _Question:
     """The keys one question asks about: per group (in the engine's group order)
-    its keys and the token position where each one's chunk ends."""
+    its keys, the token position where each one's chunk ends, and the key of
+    the chunk right before each (where that chunk was asked about too)."""
 
     keys: list[list[bytes]]
     positions: list[list[int]]
+    before: list[dict[bytes, bytes]]
 
     def asked(self) -> frozenset[bytes]:
         return frozenset(k for keys in self.keys for k in keys)
@@ -108,7 +110,8 @@ class _Request:
     offers: int = 0  # answers the loop thread left so far (under the manager's lock)
     stores: dict[frozenset[bytes], _Store] = field(default_factory=dict)
     before: dict[bytes, bytes] = field(default_factory=dict)  # key -> the key before it
-    last_stored: dict[int, bytes] = field(default_factory=dict)  # group -> its last key stored
+    # group -> the end and key of its last chunk stored
+    last_stored: dict[int, tuple[int, bytes]] = field(default_factory=dict)
     finished: bool = False
 
     def idle(self) -> bool:
@@ -263,9 +266,14 @@ class HicachedManager(OffloadingManager):
                 self._offer(req, _Answer(answer, asked, self._until(answer)))
 
             groups = [
-                Group(ns, g.kind, keys, ends)
-                for ns, g, keys, ends in zip(
-                    namespaces, self.groups, question.keys, question.positions, strict=True
+                Group(ns, g.kind, keys, ends, before)
+                for ns, g, keys, ends, before in zip(
+                    namespaces,
+                    self.groups,
+                    question.keys,
+                    question.positions,
+                    question.before,
+                    strict=True,
                 )
             ]
             answer = await lookup(
@@ -365,19 +373,17 @@ class HicachedManager(OffloadingManager):
         req = self._request(req_context.req_id)
         empty = HicachedStoreSpec([[] for _ in self.groups], self._link.acks)
         nothing = PrepareStoreOutput([], empty, [])
-        # each group's keys; a partial tail's key (a state that ends mid-chunk) is
-        # never looked up here
-        by_group: dict[int, list[bytes]] = {}
+        # each group's keys and their chunks' ends; a partial tail's key (a state
+        # that ends mid-chunk) is never looked up here
+        by_group: dict[int, list[tuple[int, bytes]]] = {}
         for key in keys:
-            if self._chunk_end(key, req_context) is not None:
-                by_group.setdefault(self._group(key), []).append(key)
+            end = self._chunk_end(key, req_context)
+            if end is not None:
+                by_group.setdefault(self._group(key), []).append((end, key))
         if not by_group or not self._link.available():
             return nothing  # not stored: a later request recomputes them
-        parents = {
-            g: req.before.get(mine[0], req.last_stored.get(g)) for g, mine in by_group.items()
-        }
-        req.last_stored.update((g, mine[-1]) for g, mine in by_group.items())
-        asked = self._link.submit(self._reserve(by_group, parents))
+        runs = [run for g, mine in by_group.items() for run in self._runs(req, g, mine)]
+        asked = self._link.submit(self._reserve(runs))
         try:
             granted = asked.result(self.settings.timeout_s)
         except (HicachedError, *UNREACHABLE) as exc:
@@ -395,18 +401,39 @@ class HicachedManager(OffloadingManager):
                 handles[g].append(res.select(slots).portable())
         return PrepareStoreOutput(fresh, HicachedStoreSpec(handles, self._link.acks), [])
 
+    def _runs(
+        self, req: _Request, g: int, mine: list[tuple[int, bytes]]
+    ) -> list[tuple[int, list[bytes], bytes | None]]:
+        """Group ``g``'s keys to store (with their chunks' ends) in runs of chunks
+        that follow one another, each with the key of the chunk before its
+        first, where known (None: the first chunk, or one after a hole); a
+        reservation enters its keys as one sequence, so a hole starts
+        another. The chunk before is the one the scheduler showed before it,
+        or this group's last one stored."""
+        tokens = self._tokens[g]
+        runs: list[tuple[int, list[bytes], bytes | None]] = []
+        last_end, last_key = req.last_stored.get(g, (0, b""))
+        for end, key in mine:
+            follows = bool(last_key) and end - last_end == tokens
+            if runs and follows:
+                runs[-1][1].append(key)
+            else:
+                runs.append((g, [key], req.before.get(key) or (last_key if follows else None)))
+            last_end, last_key = end, key
+        req.last_stored[g] = (last_end, last_key)
+        return runs
+
     async def _reserve(
-        self, by_group: dict[int, list[bytes]], parents: dict[int, bytes | None]
+        self, runs: list[tuple[int, list[bytes], bytes | None]]
     ) -> list[tuple[int, Reservation, list[bytes]]]:
-        """Reservations of each group's keys, and the keys each one reserves (a
-        group's in parts of as many keys as the daemon takes a request, its
-        ``server.max_pages_per_request``, each part's parent the key before
-        it); if one fails, the others end."""
+        """Reservations of each run's keys (group, keys, the key before them),
+        and the keys each one reserves (a run's in parts of as many keys as the
+        daemon takes a request, its ``server.max_pages_per_request``, each
+        part's parent the key before it); if one fails, the others end."""
         granted: list[tuple[int, Reservation, list[bytes]]] = []
         client, namespaces = await self._link.session()
         try:
-            for g, mine in by_group.items():
-                parent = parents[g]
+            for g, mine, parent in runs:
                 for part in parts(len(mine), client.max_pages):
                     some = mine[part.start : part.stop]
                     res = await client.reserve_keys(namespaces[g], some, parent=parent)
@@ -570,18 +597,22 @@ def _question(req: _Request, groups: Sequence[KVGroup], page_tokens: list[int]) 
     end at (``page_tokens``: tokens a chunk, per group); a chunk's key after
     the chunk before is noted as its store's parent."""
     ends = sorted(req.ends)
-    keys, positions = [], []
+    keys, positions, befores = [], [], []
     for group in groups:
         tokens = page_tokens[group.index]
         mine = [end for end in ends if end % tokens == 0]
         suffix = group.group_id.to_bytes(4, "big")
         chain = [req.ends[end] + suffix for end in mine]
-        for i in range(1, len(mine)):
-            if mine[i] - mine[i - 1] == tokens:  # the chunk before: a store's parent
-                req.before[chain[i]] = chain[i - 1]
+        before = {
+            chain[i]: chain[i - 1]
+            for i in range(1, len(mine))
+            if mine[i] - mine[i - 1] == tokens  # the chunk before: a load's and a store's parent
+        }
+        req.before.update(before)
         keys.append(chain)
         positions.append(mine)
-    return _Question(keys, positions)
+        befores.append(before)
+    return _Question(keys, positions, befores)
 
 
 def _release_late(
