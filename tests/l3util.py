@@ -43,7 +43,7 @@ def evict_everything(c: Client, ns: Namespace, salt: int = 7) -> None:
     """Fill a 1 MiB pool with other pages, so every unpinned page is evicted (in
     sequences of as many pages as the daemon takes a request)."""
     settle_writes(c)
-    step = c.max_pages or 256
+    step = c.pages_per_request(4 * PAGE_TOKENS) or 256
     for first in range(0, 256, step):
         pages = min(step, 256 - first)
         start = salt * 10**7 + first * PAGE_TOKENS

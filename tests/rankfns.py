@@ -102,11 +102,13 @@ def coordinated_prefetch(
     die_at_step: tuple[int, int] | None = None,
     end_at: tuple[int, int, str] | None = None,
     stored_pages: int = PAGES,
+    asked_pages: int = PAGES,
 ) -> dict[str, Any]:
     """``die_at_step = (rank, step)``: that rank SIGKILLs itself mid-prefetch.
 
-    ``stored_pages``: the leading pages of the PAGES asked for that were stored
-    (a daemon that takes fewer pages a request holds no longer sequence).
+    ``stored_pages``: the leading pages of the ``asked_pages`` asked for that
+    were stored (a daemon that takes fewer pages a request holds no longer
+    sequence).
 
     ``end_at = (rank, pages, how)``: once that rank's KV prefetch has read
     ``pages`` pages, it ends the prefetch there: ``"terminate"`` through the
@@ -137,7 +139,7 @@ def coordinated_prefetch(
     pools = {
         name: client.register(**spec_fields(coords(topo), name)) for name in ("kv", "swa", "state")
     }
-    asked = np.arange(PAGES * PAGE_TOKENS, dtype=np.uint32) + 7
+    asked = np.arange(asked_pages * PAGE_TOKENS, dtype=np.uint32) + 7
     toks = asked[: stored_pages * PAGE_TOKENS]
     data = {name: page_bytes_for(toks, salt=hash((name, topo.rank))) for name in pools}
     for name, ns in pools.items():

@@ -86,6 +86,33 @@ def test_a_prompt_of_more_pages_than_the_daemon_takes_loads_as_many_as_it_takes(
     assert all(r["missing"] == 0 for r in results)
 
 
+def test_a_prompt_over_the_daemons_message_bound_loads_as_many_pages_as_a_request_holds(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """A daemon whose requests hold 4,096 bytes at most (server.max_message_bytes)
+    and a prompt of 70 pages of 16 tokens, 4,480 bytes of tokens: the ranks'
+    prefetch of it was refused as too large, a miss on every rank. They now
+    load and commit as many leading pages as a request holds (56: the
+    tokens of 3,584 bytes, the rest left for the request's other fields)."""
+    d = faulty_daemon(daemon_factory, extra="max_message_bytes = 4096")
+    most = (4096 - 512) // (4 * rankfns.PAGE_TOKENS)
+    results = launch(
+        rankfns.coordinated_prefetch,
+        d.endpoint,
+        {"kind": "wait_complete"},
+        None,  # no rank dies
+        None,  # no rank ends it
+        most,  # the pages stored
+        70,  # the pages asked for
+        tp=2,
+        timeout=20,
+        deadline=120,
+    )
+    assert [r["kv"] for r in results] == [most, most]
+    assert all(r["sidecars"] == {"swa": True, "state": True} for r in results)
+    assert all(r["missing"] == 0 for r in results)
+
+
 def test_a_partial_window_is_released_on_every_rank(daemon_factory: Callable[..., Daemon]) -> None:
     d = faulty_daemon(daemon_factory, readable={digest(TP2[1], "swa"): 1})  # rank 1 reads 1 page
     results = run(d, {"kind": "wait_complete"}, tp=2)

@@ -410,6 +410,45 @@ def stored_events(sub: zmq.Socket, medium: str, count: int) -> list[Any]:
     return stored
 
 
+async def test_a_group_of_more_keys_than_a_message_holds_is_asked_about_in_parts(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """A daemon whose requests hold 4,096 bytes at most (server.max_message_bytes,
+    far below its 16,384 pages a request) and a full-attention group of 120
+    keys of 36 bytes: a request naming all of them is over the bound (the
+    lookup failed with TooLarge). Each request now names as many as a message
+    holds, and the hit is all 120 chunks, read through a lease a part."""
+    d = daemon_factory(extra="max_message_bytes = 4096")
+    keys = chain(120, 0)
+    pages = np.random.default_rng(3).integers(0, 256, (120, 4096), dtype=np.uint8)
+    with d.client() as c:
+        ns = c.register(**spec("sliding"))
+        step = c.keys_per_request(keys)
+        assert 1 < step < len(keys)
+        parent = None
+        for first in range(0, len(keys), step):
+            at = list(range(first, min(first + step, len(keys))))
+            res = c.reserve_keys(ns, [keys[i] for i in at], parent=parent)
+            c.write_pages(res, pages[at][res.indices])
+            assert c.commit(res).published == len(at)
+            parent = keys[at[-1]]
+    ac = hicached.AsyncClient(d.endpoint, timeout=5.0)
+    try:
+        group = Group(
+            await ac.register(**spec("sliding")), FULL, keys, [CHUNK * (i + 1) for i in range(120)]
+        )
+        answer = await lookup(ac, [group], prefetch_timeout_s=5.0)
+        assert answer.end == 120 * CHUNK
+        assert len(answer.handles[0]) == -(-120 // step)
+        for key, (_, part, place) in answer.hits.items():
+            got = ac.read_pages(answer.handles[0][part].select([place]))[0]
+            assert np.array_equal(got, pages[keys.index(key)])
+        for hit in answer.leases:
+            await ac.release(hit)
+    finally:
+        await ac.close()
+
+
 def restart_with_events(d: Daemon) -> tuple[zmq.Context[Any], zmq.Socket[Any]]:
     """Restart ``d`` (L2 empty, L3 kept) publishing KV events, and subscribe."""
     d.stop()

@@ -131,6 +131,7 @@ class _Core(Dealer):
         self._namespaces: list[Namespace] = []
         self._instance = 0
         self._max_pages = 0  # the last hello's server.max_pages_per_request
+        self._max_message = 0  # and its server.max_message_bytes
         self._margin = 1.0  # seconds before a lease's deadline that copies stop
         self._reporter = GatherReporter()  # this process's gather pick, told the daemon
 
@@ -193,6 +194,7 @@ class _Core(Dealer):
         renumber = reply.instance != self._instance
         self._instance = reply.instance
         self._max_pages = reply.max_pages_per_request
+        self._max_message = reply.max_message_bytes
         self._margin = lease_margin(reply.lease_ttl_s)
         self._check_reply_bound(reply)
         self._reporter.new_session()
@@ -352,6 +354,23 @@ class _Core(Dealer):
         last said hello to (its ``server.max_pages_per_request``; longer ones
         are refused as TooLarge); 0 before the first hello."""
         return self._max_pages
+
+    def pages_per_request(self, page_bytes: int) -> int:
+        """The most pages one request may name where each takes ``page_bytes``
+        of it (a page's tokens: 4 bytes a token): the daemon's
+        ``server.max_pages_per_request``, or fewer where more would be over its
+        ``server.max_message_bytes`` (refused as TooLarge); 0 before the first
+        hello."""
+        if not self._max_pages:
+            return 0
+        fits = (self._max_message - p.REQUEST_BYTES_BESIDE_PAGES) // max(page_bytes, 1)
+        return max(1, min(self._max_pages, fits))
+
+    def keys_per_request(self, keys: Sequence[bytes]) -> int:
+        """The most of ``keys`` (or keys as long as its longest) one request may
+        name (``pages_per_request``); 0 before the first hello."""
+        longest = max(map(len, keys), default=0)
+        return self.pages_per_request(longest + p.KEY_FRAMING_BYTES)
 
     @property
     def protocol(self) -> tuple[int, int] | None:

@@ -63,7 +63,9 @@ def settings_from(cls: type[S], extra: Mapping[str, Any] | None) -> S:
 
 def parts(count: int, limit: int) -> list[range]:
     """``range(count)`` in runs of ``limit`` at most, in order: the keys one
-    request covers, where the daemon takes ``limit`` a request (its
-    ``server.max_pages_per_request``; 0, not known yet: all in one)."""
+    request covers, where the daemon takes ``limit`` a request (the client's
+    ``keys_per_request``: its ``server.max_pages_per_request``, or fewer where
+    its ``server.max_message_bytes`` holds fewer; 0, not known yet: all in
+    one)."""
     step = limit if 0 < limit < count else max(count, 1)
     return [range(i, min(i + step, count)) for i in range(0, count, step)]

@@ -20,7 +20,8 @@ the end all of them can restore, the pages of that end loaded from L3 first
 where only L3 holds them, then read leases on exactly those pages, and the
 end again from what the leases hold, so an answer never names a page that was
 evicted in between. A request to the daemon covers its
-``server.max_pages_per_request`` keys at most, so a group with more is asked
+``server.max_pages_per_request`` keys at most (fewer where more would be
+over its ``server.max_message_bytes``), so a group with more is asked
 about in parts, and its hit is read through a lease a part. Engine-neutral:
 the vLLM integration builds the groups from vLLM's KV cache specs
 (hicached/integrations/vllm/groups.py).
@@ -115,7 +116,7 @@ class Prefix(Kind):
     ) -> Probe:
         flags: list[int] = []
         leases: list[Leased] = []
-        for part in parts(len(keys), client.max_pages):
+        for part in parts(len(keys), client.keys_per_request(keys)):
             hit = await client.match_keys(ns, keys[part.start : part.stop])
             if hit.lease:
                 held.append(hit)
@@ -155,7 +156,7 @@ class Window(Kind):
         self, client: AsyncClient, ns: Namespace, keys: list[bytes], held: list[Hit]
     ) -> Probe:
         flags: list[int] = []
-        for part in parts(len(keys), client.max_pages):
+        for part in parts(len(keys), client.keys_per_request(keys)):
             found = await client.exists_keys(ns, keys[part.start : part.stop])
             flags += [
                 IN_L2 if l2 else IN_L3 if l3 else ABSENT
@@ -273,8 +274,9 @@ async def lookup(
     look and its lease is taken as absent and the end found again (a few
     times at most, then it is a miss). On an error, every lease taken so far
     is released before it is raised. Each request to the daemon asks about
-    the daemon's ``server.max_pages_per_request`` keys of one group at most
-    (``parts``), so no question is refused as too large."""
+    as many keys of one group as the daemon takes a request at most
+    (``parts``, ``keys_per_request``), so no question is refused as too
+    large."""
     held: list[Hit] = []
     try:
         probes = [
@@ -335,7 +337,7 @@ async def _lease(
     the keys, from the first, they hold."""
     got: list[Leased] = []
     found = 0
-    for part in parts(len(need), client.max_pages):
+    for part in parts(len(need), client.keys_per_request(g.keys)):
         first = need.start + part.start
         hit = await client.match_keys(g.ns, g.keys[first : need.start + part.stop])
         if hit.lease:
@@ -448,7 +450,7 @@ async def _from_l3(
     try:
         for g, keys in loading:
             for run, parent in _runs(g, keys):
-                for part in parts(len(run), client.max_pages):
+                for part in parts(len(run), client.keys_per_request(run)):
                     # a part's first page enters L2 under the last key of the part before
                     before = run[part.start - 1] if part.start else parent
                     some = run[part.start : part.stop]

@@ -42,6 +42,7 @@ from typing import Any, Literal
 from hicached.client import Client, Fetch, Namespace
 from hicached.errors import HicachedError
 from hicached.ranks.agreement import Agreement, Fields, Topology
+from hicached.wire.hashing import TOKEN_BYTES
 
 log = logging.getLogger("hicached.coordinator")
 
@@ -153,8 +154,9 @@ class PrefetchCoordinator:
     def start(self, tokens: Any) -> None:
         """Begin loading ``tokens`` on this rank (every rank calls it for the same
         request): as many of their leading pages as the daemon takes in a request
-        (its ``server.max_pages_per_request``, in each pool), the most a token
-        namespace holds of one sequence."""
+        (its ``server.max_pages_per_request`` in each pool, and the tokens its
+        ``server.max_message_bytes`` holds), the most a token namespace holds
+        of one sequence."""
         if self._run is not None:
             raise RuntimeError("a prefetch is already running: step() it to the end first")
         tokens = tokens[: self._most_tokens(len(tokens))]
@@ -178,14 +180,16 @@ class PrefetchCoordinator:
 
     def _most_tokens(self, asked: int) -> int:
         """The leading tokens of ``asked`` whose pages no pool's request takes past
-        the daemon's limit (a longer prefetch is refused whole: a miss)."""
-        limit = self.client.max_pages
-        if not limit:
+        the daemon's limits, on pages and on a message's bytes (a longer
+        prefetch is refused whole: a miss)."""
+        if not self.client.max_pages:
             return asked
-        page_tokens = min(
-            ns.spec.page_tokens for ns in (self.kv_ns, *(p.ns for p in self.sidecars))
+        pools = (self.kv_ns, *(p.ns for p in self.sidecars))
+        most = min(
+            self.client.pages_per_request(TOKEN_BYTES * ns.spec.page_tokens) * ns.spec.page_tokens
+            for ns in pools
         )
-        return min(asked, limit * page_tokens)
+        return min(asked, most)
 
     def _safe_prefetch(self, ns: Namespace, tokens: Any, max_pages: int) -> Fetch | None:
         try:

@@ -53,6 +53,11 @@ MIN_REPLY_BYTES = 1 << 20
 REPLY_BYTES_PER_PAGE = 16
 # What a reply takes beside its pages' bytes, at most (stats with its sessions)
 REPLY_BYTES_BESIDE_PAGES = 512 << 10
+# What a request of pages takes beside them, at most (its other fields: about
+# 160 bytes with a parent key of 64), and what each of its keys takes beside
+# its own bytes (msgpack's bin header, for a key of up to 255 bytes)
+REQUEST_BYTES_BESIDE_PAGES = 512
+KEY_FRAMING_BYTES = 2
 
 
 class Request(msgspec.Struct, tag_field="op", kw_only=True, forbid_unknown_fields=True):

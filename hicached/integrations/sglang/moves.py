@@ -58,7 +58,7 @@ def found(c: Client, ns: Namespace, keys: list[bytes], *, whole: bool = True) ->
     daemon takes in a request (SGLang asks about a whole request's pages at
     once); ``whole`` False: no part after one that holds a page neither tier
     has (the keys after it are not found), for a leading count alone."""
-    cuts = parts(len(keys), c.max_pages)
+    cuts = parts(len(keys), c.keys_per_request(keys))
     if len(cuts) <= 1:
         return c.exists_keys(ns, keys)
     l2 = leading = 0
@@ -135,7 +135,7 @@ def _reserve(c: Client, ns: Namespace, move: Move, opened: list[_Open]) -> None:
     have = [a or b for a, b in zip(where.in_l2, where.in_l3, strict=True)]
     first = have.index(False) if False in have else len(have)
     move.done = [i < first for i in range(len(move.keys))]
-    for cut in parts(len(move.keys) - first, c.max_pages):
+    for cut in parts(len(move.keys) - first, c.keys_per_request(move.keys)):
         start = first + cut.start
         parent = move.keys[start - 1] if start else move.parent
         res = c.reserve_keys(ns, move.keys[start : first + cut.stop], parent=parent)
@@ -162,7 +162,7 @@ def load(c: Client, session: Session, moves: list[Move], wait_s: float) -> bool:
             continue
         ns = session.ns(move.pool)
         done = 0
-        for cut in parts(len(move.keys), c.max_pages):
+        for cut in parts(len(move.keys), c.keys_per_request(move.keys)):
             keys = move.keys[cut.start : cut.stop]
             got, more = _read(c, ns, move, keys, done)
             # the pages L3 gives back enter L2 under the key before them

@@ -434,7 +434,7 @@ class HicachedManager(OffloadingManager):
         client, namespaces = await self._link.session()
         try:
             for g, mine, parent in runs:
-                for part in parts(len(mine), client.max_pages):
+                for part in parts(len(mine), client.keys_per_request(mine)):
                     some = mine[part.start : part.stop]
                     res = await client.reserve_keys(namespaces[g], some, parent=parent)
                     granted.append((g, res, some))
