@@ -157,7 +157,8 @@ class Pressing(hicached.AsyncClient):
     lookup saw there leave L2 before it leases them, as the daemon's own
     eviction for another client's store may do between two requests. And
     ``limit``: where set, the most keys a request takes as this client tells
-    a lookup (as a daemon's ``server.max_pages_per_request`` does), so that
+    a lookup (as a daemon's ``server.max_pages_per_request`` or
+    ``server.max_message_bytes`` does), so that
     lookups ask about a group's keys in parts and read a hit through a lease
     a part."""
 
@@ -167,9 +168,8 @@ class Pressing(hicached.AsyncClient):
         self.skip = 0  # probes to let by first
         self.limit = 0
 
-    @property
-    def max_pages(self) -> int:
-        return self.limit or super().max_pages
+    def keys_per_request(self, keys: Sequence[bytes]) -> int:
+        return self.limit or super().keys_per_request(keys)
 
     async def exists_keys(self, ns: Namespace, keys: Sequence[bytes]) -> KeysFound:
         found = await super().exists_keys(ns, keys)
