@@ -20,10 +20,12 @@ import hicached
 from hicached.errors import (
     BadRequest,
     DaemonUnavailable,
+    DeadlineExceeded,
     HicachedError,
     StaleHandle,
     UnknownLease,
 )
+from hicached.wire.protocol import DaemonStats
 from tests.support import NS, PAGE_BYTES, PAGE_TOKENS, Daemon, in_child, page_bytes_for
 
 
@@ -367,6 +369,92 @@ def test_a_call_cancelled_once_its_reply_is_in_raises_the_cancel_and_releases_it
             assert stats.leases == 0 and stats.pinned_pages == 0
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("call", ["store", "load"])
+def test_an_async_store_or_load_cancelled_before_its_last_request_went_out_ends_its_lease(
+    daemon: Daemon, call: str
+) -> None:
+    """store and load end the lease they took, which their caller never sees,
+    with a request of its own (commit, release). Cancelled while that request
+    waited for its turn (max_in_flight calls in flight), they raised the cancel
+    and left the lease open: a reservation holding its slots, or a hit pinning
+    its pages, until it expired (leases.ttl_s). The lease is released."""
+
+    async def run() -> None:
+        async with hicached.AsyncClient(daemon.endpoint, timeout=3.0, max_in_flight=1) as c:
+            ns = await c.register(**NS)
+            toks = np.arange(4 * PAGE_TOKENS, dtype=np.uint32)
+            if call == "load":
+                await c.store(ns, toks, page_bytes_for(toks))
+            loop = asyncio.get_running_loop()
+            task = loop.create_task(
+                c.store(ns, toks, page_bytes_for(toks)) if call == "store" else c.load(ns, toks)
+            )
+            await _turns_until(lambda: bool(c._pending))  # its reserve (match) is out
+            other = loop.create_task(c.stats())  # waits for the one turn
+            slots = c._slots
+            assert slots is not None
+            await _turns_until(lambda: bool(slots._waiters))
+            (turn,) = slots._waiters
+            # the reply came and the turn went to the other call: the commit
+            # (release) waits for the next one
+            await _turns_until(lambda: task.done() or any(w is not turn for w in slots._waiters))
+            assert not task.done()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await other
+            stats = await _settled(c)
+            assert stats.leases == 0 and stats.pinned_pages == 0
+
+    asyncio.run(run())
+
+
+def test_an_async_release_given_up_at_its_deadline_still_ends_the_lease(daemon: Daemon) -> None:
+    """A release whose reply did not come in time (a stalled daemon) raised
+    DeadlineExceeded, and the daemon, once it ran again, dropped the request
+    as past its deadline: the lease pinned its pages until it expired
+    (leases.ttl_s), though its hit was closed. The release goes out again as
+    the call gives up."""
+
+    async def run() -> None:
+        async with hicached.AsyncClient(daemon.endpoint, timeout=1.0) as c:
+            ns = await c.register(**NS)
+            toks = np.arange(4 * PAGE_TOKENS, dtype=np.uint32)
+            await c.store(ns, toks, page_bytes_for(toks))
+            hit = await c.match(ns, toks)
+            assert daemon.proc is not None
+            os.kill(daemon.proc.pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(DeadlineExceeded):
+                    await c.release(hit)
+            finally:
+                os.kill(daemon.proc.pid, signal.SIGCONT)
+            assert hit.closed
+            stats = await _settled(c)
+            assert stats.leases == 0 and stats.pinned_pages == 0
+
+    asyncio.run(run())
+
+
+async def _turns_until(done: Callable[[], bool]) -> None:
+    """Let the loop run until ``done()``: seconds at most."""
+    for _ in range(200_000):
+        if done():
+            return
+        await asyncio.sleep(0)
+    pytest.fail("never came to pass")
+
+
+async def _settled(c: hicached.AsyncClient) -> DaemonStats:
+    """The daemon's stats once no lease is open, or after 5 s: releases sent
+    without waiting are answered after the calls that sent them end."""
+    for _ in range(100):
+        if not (await c.stats()).leases:
+            break
+        await asyncio.sleep(0.05)
+    return await c.stats()
 
 
 def test_a_lease_granted_to_an_interrupted_call_is_released(daemon: Daemon) -> None:

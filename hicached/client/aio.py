@@ -22,6 +22,7 @@ from hicached.client.core import (
     _Core,
     _keys,
     _prefetch_keys_msg,
+    _released,
 )
 from hicached.client.handles import (
     Fetch,
@@ -311,10 +312,10 @@ class AsyncClient(_Core):
         return await self._do(self._progress(pf))
 
     async def cancel(self, pf: Fetch) -> None:
-        await self._do(self._release(pf))
+        await self._end(pf)
 
     async def abort(self, res: Reservation) -> None:
-        await self._do(self._release(res))
+        await self._end(res)
 
     async def match(self, ns: Namespace, tokens: Any, *, lease: bool = True) -> Hit:
         packed, sent = pack_tokens(tokens), time.monotonic()
@@ -324,7 +325,22 @@ class AsyncClient(_Core):
         return self._hit(ns, ok, sent)
 
     async def release(self, handle: Hit | Reservation | Fetch) -> None:
-        await self._do(self._release(handle))
+        await self._end(handle)
+
+    async def _end(self, handle: Hit | Reservation | Fetch) -> None:
+        """``_release``. A release cancelled, or out of time, before the daemon
+        answered (waiting for its turn, or for a stalled daemon, which drops a
+        request past its deadline) goes out again without waiting: whoever gave
+        up on it may never ask again (``load``, a cleanup that was cancelled),
+        and the lease would pin its pages until it expired."""
+        send = self._releasing(handle)  # a view is refused before anything
+        try:
+            await self._do(self._release(handle))
+        except (asyncio.CancelledError, DeadlineExceeded):
+            if send and handle.instance == self._instance:
+                self._let_go(self._sock, handle.lease)
+            _released(handle)
+            raise
 
     async def renew(self, handle: Reservation | Hit) -> None:
         await self._do(self._renew(handle))
@@ -339,7 +355,15 @@ class AsyncClient(_Core):
         except BaseException:
             await self.abort(res)
             raise
-        return await self.commit(res)
+        try:
+            return await self.commit(res)
+        except BaseException:
+            # ``res`` never reaches the caller: a commit that did not go out
+            # (cancelled, or out of time waiting for its turn) or was refused
+            # would leave its lease holding the slots until it expired
+            if res.lease and res.instance == self._instance:
+                self._let_go(self._sock, res.lease)
+            raise
 
     async def load(self, ns: Namespace, tokens: Any) -> np.ndarray:
         hit = await self.match(ns, tokens)

@@ -163,6 +163,13 @@ class Dealer(PageCopies):
         if not lease:
             self._reporter.answered(reply, self.endpoint)
             return
+        self._let_go(sock, lease)
+
+    def _let_go(self, sock: zmq.Socket[Any], lease: int) -> None:
+        """Release ``lease`` without waiting for the daemon's word: one that reached
+        no handle, or whose call could not wait (it was cancelled, or its time
+        ran out before the release went out or was answered). A lease released
+        twice is refused the second time, harmlessly."""
         try:  # the plain send, even on asyncio; its Ok is another unclaimed reply
             zmq.Socket.send(sock, self._stamp(p.Release(id=0, lease=lease)), _NOBLOCK)
         except (zmq.ZMQError, HicachedError) as exc:
