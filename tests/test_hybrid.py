@@ -580,3 +580,117 @@ async def test_window_pages_loaded_from_l3_enter_l2_under_the_chunk_before(
         await ac.close()
         sub.close()
         ctx.term()
+
+
+class Watched(hicached.AsyncClient):
+    """Counts the calls begun, by name, for a test to cancel a lookup in the
+    middle of one."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.begun: dict[str, int] = {}
+
+    def _count(self, name: str) -> None:
+        self.begun[name] = self.begun.get(name, 0) + 1
+
+    async def progress(self, pf: Any) -> Any:
+        self._count("progress")
+        return await super().progress(pf)
+
+    async def release(self, handle: Any) -> None:
+        self._count("release")
+        await super().release(handle)
+
+
+async def turns_until(done: Callable[[], bool]) -> None:
+    """Let the loop run until ``done()``: seconds at most."""
+    for _ in range(200_000):
+        if done():
+            return
+        await asyncio.sleep(0)
+    pytest.fail("never came to pass")
+
+
+async def settled(c: hicached.AsyncClient) -> tuple[int, int]:
+    """The leases open and the pages they pin, once none is, or after 5 s."""
+    for _ in range(100):
+        if not (await c.stats()).leases:
+            break
+        await asyncio.sleep(0.05)
+    stats = await c.stats()
+    return stats.leases, stats.pinned_pages
+
+
+async def test_a_cancel_while_a_failed_lookup_releases_its_leases_releases_them_all(
+    daemon: Daemon,
+) -> None:
+    """A lookup that fails releases the leases it took, one request each, before
+    it raises; a cancel that came meanwhile (its caller giving up on it) ended
+    the releases at the one in flight, and the leases after it pinned their
+    pages until they expired (leases.ttl_s). Every one is released."""
+    with daemon.client() as c:
+        model = Model(c)
+        model.store(c, "full", range(8))
+        model.store(c, "sliding", range(8))
+    ac = Watched(daemon.endpoint, timeout=5.0)
+    try:
+        nss = {name: await ac.register(**spec(name)) for name in SPECS}
+        positions = [(i + 1) * CHUNK for i in range(model.N)]
+        unknown = Namespace(nss["state"].spec, 0, b"")  # no daemon's: its request fails
+        groups = [
+            Group(nss["full"], FULL, model.keys["full"], positions),
+            Group(nss["sliding"], FULL, model.keys["sliding"], positions),
+            Group(unknown, FULL, model.keys["state"], positions),
+        ]
+        asked = asyncio.get_running_loop().create_task(lookup(ac, groups, prefetch_timeout_s=1.0))
+        await turns_until(lambda: "release" in ac.begun or asked.done())
+        assert not asked.done()
+        asked.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asked
+        assert await settled(ac) == (0, 0)
+    finally:
+        await ac.close()
+
+
+async def test_a_lookup_cancelled_twice_while_pages_come_from_l3_releases_every_prefetch(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """A lookup cancelled while pages come back from L3 releases each part's
+    prefetch; cancelled again meanwhile (a caller that gives up twice, as
+    asyncio.run's end cancels every task left), it stopped at the release in
+    flight, and the prefetches after it held their slots until they expired
+    (leases.ttl_s). Every one is released."""
+    d = daemon_factory(storage=FILE_L3, tail=FILE_OPTIONS, extra="max_pages_per_request = 2")
+    with d.client() as c:
+        model = Model(c)
+        keys = model.keys["full"]
+        parent = None
+        for at in ([0, 1], [2, 3], [4, 5], [6, 7]):
+            res = c.reserve_keys(model.ns["full"], [keys[i] for i in at], parent=parent)
+            c.write_pages(res, model.pages["full"][at][res.indices])
+            assert c.commit(res).published == 2
+            parent = keys[at[-1]]
+        settle_writes(c)
+    d.stop()
+    d.start()
+    with d.client() as c:
+        ns = c.register(**spec("full"))
+        wait_for(lambda: all(all(c.exists_keys(ns, keys[i : i + 2]).in_l3) for i in (0, 2, 4, 6)))
+    ac = Watched(d.endpoint, timeout=5.0)
+    try:
+        group = Group(
+            await ac.register(**spec("full")), FULL, keys, [(i + 1) * CHUNK for i in range(8)]
+        )
+        asked = asyncio.get_running_loop().create_task(lookup(ac, [group], prefetch_timeout_s=10.0))
+        await turns_until(lambda: "progress" in ac.begun or asked.done())
+        assert not asked.done()
+        asked.cancel()
+        await turns_until(lambda: "release" in ac.begun or asked.done())
+        assert not asked.done()
+        asked.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asked
+        assert await settled(ac) == (0, 0)
+    finally:
+        await ac.close()

@@ -272,11 +272,11 @@ async def lookup(
     ``prefetch_timeout_s``; meanwhile ``on_pending`` gets an answer that names
     them pending (and holds no lease). A page that left L2 between the first
     look and its lease is taken as absent and the end found again (a few
-    times at most, then it is a miss). On an error, every lease taken so far
-    is released before it is raised. Each request to the daemon asks about
-    as many keys of one group as the daemon takes a request at most
-    (``parts``, ``keys_per_request``), so no question is refused as too
-    large."""
+    times at most, then it is a miss). On an error or a cancel, every lease
+    taken so far is released before it is raised, a cancel meanwhile
+    notwithstanding. Each request to the daemon asks about as many keys of
+    one group as the daemon takes a request at most (``parts``,
+    ``keys_per_request``), so no question is refused as too large."""
     held: list[Hit] = []
     try:
         probes = [
@@ -473,9 +473,7 @@ async def _from_l3(
             else:
                 await client.release(fetch)
     except BaseException:  # the prefetches' leases end now, not at their TTL
-        for fetch in fetches:
-            with contextlib.suppress(HicachedError, TimeoutError, asyncio.TimeoutError):
-                await client.release(fetch)
+        await _release(client, fetches)
         raise
 
 
@@ -495,8 +493,23 @@ def _runs(g: Group, keys: list[bytes]) -> list[tuple[list[bytes], bytes | None]]
     return runs
 
 
-async def _release(client: AsyncClient, leases: Sequence[Hit]) -> None:
-    """End leases this lookup will not hand on; a daemon that is gone ended them."""
-    for hit in leases:
+# The releases under way in tasks of their own (``_release``): the loop keeps
+# only weak references to its tasks.
+_RELEASING: set[asyncio.Task[None]] = set()
+
+
+async def _release(client: AsyncClient, leases: Sequence[Hit | Fetch]) -> None:
+    """End leases this lookup will not hand on; a daemon that is gone ended them.
+    They end in a task of their own, which a cancel of the lookup meanwhile
+    (its caller giving up on it, once or again) does not stop: the leases
+    after the one in flight would pin their pages until they expired."""
+    releasing = asyncio.get_running_loop().create_task(_release_each(client, leases))
+    _RELEASING.add(releasing)
+    releasing.add_done_callback(_RELEASING.discard)
+    await asyncio.shield(releasing)
+
+
+async def _release_each(client: AsyncClient, leases: Sequence[Hit | Fetch]) -> None:
+    for handle in leases:
         with contextlib.suppress(HicachedError, TimeoutError, asyncio.TimeoutError):
-            await client.release(hit)
+            await client.release(handle)
