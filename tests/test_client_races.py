@@ -12,6 +12,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -455,6 +456,51 @@ async def _settled(c: hicached.AsyncClient) -> DaemonStats:
             break
         await asyncio.sleep(0.05)
     return await c.stats()
+
+
+@pytest.mark.parametrize("call", ["store", "load"])
+def test_a_sync_store_or_load_whose_last_request_gets_no_turn_ends_its_lease_at_the_next(
+    daemon: Daemon, monkeypatch: pytest.MonkeyPatch, call: str
+) -> None:
+    """Another thread holds the client from a store's or a load's page copy
+    until past the call's timeout (fault injection: it takes the client's
+    turn, as a long call of its own would): the commit or release that ends
+    the call never goes out (DeadlineExceeded), and the lease, on a handle
+    the caller never sees, held its slots or pages until it expired. It is
+    released at the next call any thread makes."""
+    c = daemon.client(timeout=1.0)
+    try:
+        ns = c.register(**NS)
+        toks = np.arange(4 * PAGE_TOKENS, dtype=np.uint32)
+        if call == "load":
+            c.store(ns, toks, page_bytes_for(toks))
+        held, done = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with c._turn:
+                held.set()
+                done.wait(10)
+
+        name = "_store_data" if call == "store" else "read_pages"
+        copy = getattr(c, name)
+
+        def copying(*args: Any, **kwargs: Any) -> Any:
+            out = copy(*args, **kwargs)
+            threading.Thread(target=hold, daemon=True).start()
+            assert held.wait(5)
+            return out
+
+        monkeypatch.setattr(c, name, copying)
+        with pytest.raises(DeadlineExceeded):
+            if call == "store":
+                c.store(ns, toks, page_bytes_for(toks))
+            else:
+                c.load(ns, toks)
+        done.set()
+        stats = c.stats()  # its turn sends the release first
+        assert stats.leases == 0 and stats.pinned_pages == 0
+    finally:
+        c.close()
 
 
 def test_a_lease_granted_to_an_interrupted_call_is_released(daemon: Daemon) -> None:

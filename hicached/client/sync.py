@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,6 +47,10 @@ from hicached.wire import protocol as p
 from hicached.wire.hashing import pack_tokens
 from hicached.wire.namespace import EventMeta, NamespaceSpec
 
+# The most leases a client keeps to release at its next turn (``_orphan``); one
+# past it is left to expire, as every one was before.
+MAX_ORPHANS = 1024
+
 
 class Client(_Core):
     """Synchronous client. ``timeout`` bounds every request, in seconds.
@@ -86,6 +91,10 @@ class Client(_Core):
         # one call at a time on the socket (a call of another thread would take
         # this one's reply); reentrant: a call may say hello first (connect)
         self._turn = threading.RLock()
+        # leases of handles that never reached their caller, whose ending could
+        # not go out (no turn in time, an interrupt): (instance, lease), each
+        # released without waiting at the next turn any thread takes
+        self._orphans: deque[tuple[int, int]] = deque(maxlen=MAX_ORPHANS)
 
     def __enter__(self) -> Client:
         try:
@@ -122,6 +131,17 @@ class Client(_Core):
             raise DeadlineExceeded(
                 f"calls of other threads held this client for {self.timeout:.3g}s"
             )
+        while self._orphans:
+            instance, lease = self._orphans.popleft()
+            if instance == self._instance:  # one that ended with its daemon is gone
+                self._let_go(self._sock, lease)
+
+    def _orphan(self, handle: Hit | Reservation | Fetch) -> None:
+        """``handle`` reaches no caller and its lease may still be open: release it
+        at the next turn (a call of this client's may never come: then it
+        ends at its expiry, as before)."""
+        if handle.lease and handle.instance == self._instance:
+            self._orphans.append((handle.instance, handle.lease))
 
     def _roundtrip(self, request: p.Request) -> p.AnyReply:
         sock = self._sock
@@ -308,7 +328,13 @@ class Client(_Core):
         # one turn for the release and the report after it (the lock is
         # reentrant): another thread's call in between could hold the report
         # past its timeout, and a release that was done would raise
-        self._take_turn()
+        try:
+            self._take_turn()
+        except BaseException:
+            if send:
+                self._orphan(handle)
+            _released(handle)
+            raise
         try:
             try:
                 if send:
@@ -318,6 +344,10 @@ class Client(_Core):
             except ForeignLease:
                 raise  # another client's lease: this handle stays as it was
             except BaseException:
+                # out of time or interrupted: the daemon may not have it (one
+                # past its deadline drops it), so it goes again at the next turn
+                if send:
+                    self._orphan(handle)
                 _released(handle)
                 raise
             _released(handle)
@@ -340,9 +370,19 @@ class Client(_Core):
         try:
             self._store_data(res, pages)
         except BaseException:
-            self.abort(res)
+            try:
+                self.abort(res)
+            except BaseException:
+                self._orphan(res)  # ended at the next turn
+                raise
             raise
-        return self.commit(res)
+        try:
+            return self.commit(res)
+        except BaseException:
+            # ``res`` never reaches the caller: a commit that did not go out (no
+            # turn in time, an interrupt) or was refused leaves its slots held
+            self._orphan(res)
+            raise
 
     def load(self, ns: Namespace, tokens: Any) -> np.ndarray:
         """Copy out the leading pages of ``tokens`` present in L2 (n, page_bytes)."""
