@@ -46,7 +46,6 @@ from pathlib import Path
 
 import numpy as np
 
-from hicached.wire.deadline import within
 from hicached_backends.file_reads import (
     read_records,
     settle,
@@ -430,7 +429,7 @@ class _Reader:
             child.stdin.close()
         with contextlib.suppress(asyncio.TimeoutError):
             grace = min(self.deadline_s, _STOP_GRACE_S)
-            await within(asyncio.shield(child.exited), grace)
+            await asyncio.wait_for(asyncio.shield(child.exited), grace)
         await child.end()
         if child.transport is not None:
             child.transport.close()

@@ -24,6 +24,7 @@ from hicached.client.core import (
     _prefetch_keys_msg,
     _released,
 )
+from hicached.client.deadline import within
 from hicached.client.handles import (
     Fetch,
     FetchProgress,
@@ -39,7 +40,6 @@ from hicached.errors import (
     SessionLost,
 )
 from hicached.wire import protocol as p
-from hicached.wire.deadline import within
 from hicached.wire.hashing import pack_tokens
 from hicached.wire.namespace import EventMeta, NamespaceSpec
 

@@ -70,7 +70,6 @@ from typing import Any, TypeVar
 import numpy as np
 
 from hicached.config import StorageConfig
-from hicached.wire.deadline import within
 from hicached_backends.base import Backend, BackendError, PageRef
 
 log = logging.getLogger("hicached.dispatcher")
@@ -178,7 +177,7 @@ class Dispatcher:
         # its threads to end on their own); a close that hangs itself is given
         # up on a second past the deadline.
         try:
-            await within(self.backend.close(), max(1.0, until + 1.0 - time.monotonic()))
+            await asyncio.wait_for(self.backend.close(), max(1.0, until + 1.0 - time.monotonic()))
         except TimeoutError:
             log.warning("%s: the backend did not close by the stop deadline", self.name)
         except Exception:  # the rest of the daemon's stop runs all the same
@@ -211,7 +210,7 @@ class Dispatcher:
         """Return when written pages leave the queue bound, or after ``timeout``."""
         self._room.clear()
         with contextlib.suppress(asyncio.TimeoutError):
-            await within(self._room.wait(), timeout)
+            await asyncio.wait_for(self._room.wait(), timeout)
 
     # -- writes ----------------------------------------------------------------------
 
@@ -463,7 +462,7 @@ class Dispatcher:
         # one probe at a time: other calls fail at once while it runs
         self._down_until = time.monotonic() + self.config.breaker_cooldown_s
         try:
-            await within(self.backend.health(), self.config.op_timeout_s)
+            await asyncio.wait_for(self.backend.health(), self.config.op_timeout_s)
         except Exception as exc:  # any failure keeps it down for another cooldown
             self._down_until = time.monotonic() + self.config.breaker_cooldown_s
             log.info("%s still down: %s", self.name, exc)

@@ -16,7 +16,6 @@ from hicached.config import Config, load_config
 from hicached.daemon.access import events_group_id
 from hicached.daemon.metrics_http import read_token
 from hicached.errors import ConfigError
-from hicached.wire.deadline import within
 
 __all__ = ["ConfigReader", "NotRegular", "ReadTimeout", "Reread"]
 
@@ -74,7 +73,7 @@ class ConfigReader:
         self._thread = threading.Thread(target=work, name="hicached-reload-read", daemon=True)
         self._thread.start()
         try:
-            return await within(done, timeout)
+            return await asyncio.wait_for(done, timeout)
         except asyncio.TimeoutError:
             raise ReadTimeout(
                 f"{path} was not read within server.reload_timeout_s ({timeout:g}s; a hung "

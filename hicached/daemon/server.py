@@ -57,7 +57,6 @@ from hicached.daemon.tier import Tier, make_backend
 from hicached.errors import ConfigError
 from hicached.wire.arena import Arena, arena_path
 from hicached.wire.arenas import TenantArena, TenantArenas
-from hicached.wire.deadline import within
 from hicached.wire.peek import peek_request  # noqa: F401 (still importable from here)
 
 log = logging.getLogger("hicached")
@@ -404,7 +403,7 @@ class Server:
         while True:
             # a reload wakes it, so a shorter interval applies at once
             with contextlib.suppress(TimeoutError):
-                await within(self._resweep.wait(), self.config.leases.sweep_interval_s)
+                await asyncio.wait_for(self._resweep.wait(), self.config.leases.sweep_interval_s)
             self._resweep.clear()
             ended = self.cache.expire()
             self.collector.stored(self.cache.committed_pages)  # may freeze what they made

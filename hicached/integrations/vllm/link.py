@@ -22,11 +22,11 @@ import zmq
 import zmq.asyncio
 
 from hicached.client import AsyncClient
+from hicached.client.deadline import within
 from hicached.client.handles import Hit, Namespace, Reservation
 from hicached.errors import HicachedError
 from hicached.integrations.vllm.settings import UNREACHABLE, Settings
 from hicached.integrations.vllm.specs import Ack
-from hicached.wire.deadline import within
 from hicached.wire.namespace import EventMeta, NamespaceSpec
 
 __all__ = ["Link"]

@@ -382,7 +382,7 @@ class HicachedManager(OffloadingManager):
                 by_group.setdefault(self._group(key), []).append((end, key))
         if not by_group or not self._link.available():
             return nothing  # not stored: a later request recomputes them
-        runs = [run for g, mine in by_group.items() for run in self._runs(req, g, mine)]
+        runs = [run for g, mine in by_group.items() for run in _runs(req, g, mine, self._tokens[g])]
         asked = self._link.submit(self._reserve(runs))
         try:
             granted = asked.result(self.settings.timeout_s)
@@ -400,28 +400,6 @@ class HicachedManager(OffloadingManager):
             if slots:
                 handles[g].append(res.select(slots).portable())
         return PrepareStoreOutput(fresh, HicachedStoreSpec(handles, self._link.acks), [])
-
-    def _runs(
-        self, req: _Request, g: int, mine: list[tuple[int, bytes]]
-    ) -> list[tuple[int, list[bytes], bytes | None]]:
-        """Group ``g``'s keys to store (with their chunks' ends) in runs of chunks
-        that follow one another, each with the key of the chunk before its
-        first, where known (None: the first chunk, or one after a hole); a
-        reservation enters its keys as one sequence, so a hole starts
-        another. The chunk before is the one the scheduler showed before it,
-        or this group's last one stored."""
-        tokens = self._tokens[g]
-        runs: list[tuple[int, list[bytes], bytes | None]] = []
-        last_end, last_key = req.last_stored.get(g, (0, b""))
-        for end, key in mine:
-            follows = bool(last_key) and end - last_end == tokens
-            if runs and follows:
-                runs[-1][1].append(key)
-            else:
-                runs.append((g, [key], req.before.get(key) or (last_key if follows else None)))
-            last_end, last_key = end, key
-        req.last_stored[g] = (last_end, last_key)
-        return runs
 
     async def _reserve(
         self, runs: list[tuple[int, list[bytes], bytes | None]]
@@ -613,6 +591,28 @@ def _question(req: _Request, groups: Sequence[KVGroup], page_tokens: list[int]) 
         positions.append(mine)
         befores.append(before)
     return _Question(keys, positions, befores)
+
+
+def _runs(
+    req: _Request, g: int, mine: list[tuple[int, bytes]], tokens: int
+) -> list[tuple[int, list[bytes], bytes | None]]:
+    """Group ``g``'s keys to store (with their chunks' ends; ``tokens`` a chunk)
+    in runs of chunks that follow one another, each with the key of the
+    chunk before its first, where known (None: the first chunk, or one after
+    a hole); a reservation enters its keys as one sequence, so a hole starts
+    another. The chunk before is the one the scheduler showed before it, or
+    this group's last one stored."""
+    runs: list[tuple[int, list[bytes], bytes | None]] = []
+    last_end, last_key = req.last_stored.get(g, (0, b""))
+    for end, key in mine:
+        follows = bool(last_key) and end - last_end == tokens
+        if runs and follows:
+            runs[-1][1].append(key)
+        else:
+            runs.append((g, [key], req.before.get(key) or (last_key if follows else None)))
+        last_end, last_key = end, key
+    req.last_stored[g] = (last_end, last_key)
+    return runs
 
 
 def _release_late(

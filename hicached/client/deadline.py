@@ -1,4 +1,4 @@
-"""The one way either side waits with a deadline: ``within``.
+"""How the engine side waits with a deadline: ``within``.
 
 Before Python 3.12, ``asyncio.wait_for`` gives back what it waited for when a
 cancel meets that end in the same turn of the loop, and the cancel is lost:
