@@ -709,6 +709,44 @@ def test_keys_in_a_numpy_bytes_array_keep_their_trailing_nul_bytes(daemon: Daemo
         c.release(hit)
 
 
+def _keys_shaped(shape: str) -> object:
+    """Distinct keys as an engine may hand them over, more than a request holds."""
+    if shape == "longest":  # 64 bytes, the longest a key may be
+        return [hashlib.sha256(bytes([i % 256, i // 256])).digest() * 2 for i in range(400)]
+    if shape == "short":
+        return [i.to_bytes(2, "big") for i in range(1, 1001)]
+    vllm = engine_keys(200, salt=41)  # each ends in 4 NUL bytes (group 0)
+    if shape == "vllm_rows":
+        return np.array(vllm, dtype="S36")
+    # 64-byte rows of a 2-byte id and NUL padding: numpy's items are 2 bytes long
+    return np.array([i.to_bytes(2, "big") + bytes(62) for i in range(1, 401)], dtype="S64")
+
+
+@pytest.mark.parametrize("shape", ["longest", "short", "vllm_rows", "padded_rows"])
+def test_as_many_keys_as_keys_per_request_says_go_in_one_request(
+    daemon_factory: Callable[..., Daemon], shape: str
+) -> None:
+    """A daemon whose requests hold 4,096 bytes at most: every operation on as
+    many keys as ``keys_per_request`` says, with a parent of 64 bytes, is
+    taken, whatever the keys' lengths. An "S" array's keys go on the wire as
+    whole rows, NULs and all, but its items drop their trailing NULs: their
+    lengths said more keys fit than do (vLLM's 36-byte keys ending in a group
+    index of 0 counted as 32 bytes; 64-byte padded rows as 2), and a request
+    of that many was refused as TooLarge."""
+    d = daemon_factory(extra="max_message_bytes = 4096")
+    keys = _keys_shaped(shape)
+    parent = b"\xff" * 64
+    with d.client() as c:
+        ns = c.register(**SPEC)
+        n = c.keys_per_request(keys)  # type: ignore[arg-type]
+        assert 1 < n < len(keys)  # type: ignore[arg-type]
+        some = keys[:n]  # type: ignore[index]
+        assert c.exists_keys(ns, some).in_l2 == [False] * n
+        c.release(c.match_keys(ns, some))
+        c.abort(c.reserve_keys(ns, some, parent=parent))
+        c.cancel(c.prefetch_keys(ns, some, parent=parent))
+
+
 @pytest.mark.parametrize("at", [[0.9, 8.7], [16.0, 40.0], ["8", "16"], 3.0, "8"])
 def test_segment_places_that_are_not_integers_are_refused(daemon: Daemon, at: object) -> None:
     """A place that is not an integer byte (a float, a string) is refused before

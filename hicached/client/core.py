@@ -368,8 +368,10 @@ class _Core(Dealer):
 
     def keys_per_request(self, keys: Sequence[bytes]) -> int:
         """The most of ``keys`` (or keys as long as its longest) one request may
-        name (``pages_per_request``); 0 before the first hello."""
-        longest = max(map(len, keys), default=0)
+        name (``pages_per_request``); 0 before the first hello. Each key counts
+        as the wire carries it: an "S" array's keys are whole rows, trailing
+        NULs and all, which its items drop."""
+        longest = max(map(len, _keys(keys)), default=0)
         return self.pages_per_request(longest + p.KEY_FRAMING_BYTES)
 
     @property
