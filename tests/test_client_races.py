@@ -297,6 +297,16 @@ def test_an_async_release_that_finds_the_daemon_restarted_is_done(daemon: Daemon
     asyncio.run(run())
 
 
+async def no_lease_left(c: hicached.AsyncClient) -> None:
+    """Every lease the daemon granted ends within 10 s, and no page stays pinned."""
+    for _ in range(200):
+        if not (await c.stats()).leases:
+            break
+        await asyncio.sleep(0.05)
+    stats = await c.stats()
+    assert stats.leases == 0 and stats.pinned_pages == 0
+
+
 def test_a_lease_granted_to_a_cancelled_call_is_released(daemon: Daemon) -> None:
     """A match cancelled while its reply was on the way: the read lease the
     daemon granted reached no handle, and pinned its pages until it expired
@@ -316,12 +326,7 @@ def test_a_lease_granted_to_a_cancelled_call_is_released(daemon: Daemon) -> None
                 call.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await call
-            for _ in range(200):  # the replies arrive after the cancels: 10 s at most
-                if not (await c.stats()).leases:
-                    break
-                await asyncio.sleep(0.05)
-            stats = await c.stats()
-            assert stats.leases == 0 and stats.pinned_pages == 0
+            await no_lease_left(c)  # the replies arrive after the cancels
 
     asyncio.run(run())
 
@@ -362,12 +367,7 @@ def test_a_call_cancelled_once_its_reply_is_in_raises_the_cancel_and_releases_it
                 if landed == 3:
                     break
             assert landed == 3
-            for _ in range(200):  # the releases go out as the cancels are raised
-                if not (await c.stats()).leases:
-                    break
-                await asyncio.sleep(0.05)
-            stats = await c.stats()
-            assert stats.leases == 0 and stats.pinned_pages == 0
+            await no_lease_left(c)  # the releases go out as the cancels are raised
 
     asyncio.run(run())
 
