@@ -37,7 +37,9 @@ from hicached.errors import (
     BadRequest,
     DaemonUnavailable,
     DeadlineExceeded,
+    ForeignLease,
     SessionLost,
+    UnknownLease,
 )
 from hicached.wire import protocol as p
 from hicached.wire.hashing import pack_tokens
@@ -357,11 +359,13 @@ class AsyncClient(_Core):
             raise
         try:
             return await self.commit(res)
-        except BaseException:
+        except BaseException as exc:
             # ``res`` never reaches the caller: a commit that did not go out
             # (cancelled, or out of time waiting for its turn) or was refused
-            # would leave its lease holding the slots until it expired
-            if res.lease and res.instance == self._instance:
+            # would leave its lease holding the slots until it expired (unless
+            # the daemon said it is not open, or not this client's)
+            ended = isinstance(exc, (UnknownLease, ForeignLease))
+            if res.lease and res.instance == self._instance and not ended:
                 self._let_go(self._sock, res.lease)
             raise
 

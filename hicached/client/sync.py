@@ -42,6 +42,7 @@ from hicached.errors import (
     ForeignLease,
     LeaseEnded,
     SessionLost,
+    UnknownLease,
 )
 from hicached.wire import protocol as p
 from hicached.wire.hashing import pack_tokens
@@ -136,10 +137,13 @@ class Client(_Core):
             if instance == self._instance:  # one that ended with its daemon is gone
                 self._let_go(self._sock, lease)
 
-    def _orphan(self, handle: Hit | Reservation | Fetch) -> None:
-        """``handle`` reaches no caller and its lease may still be open: release it
-        at the next turn (a call of this client's may never come: then it
-        ends at its expiry, as before)."""
+    def _orphan(self, handle: Hit | Reservation | Fetch, exc: BaseException) -> None:
+        """The request that ended ``handle`` failed with ``exc``, and its lease
+        may still be open (unless the daemon said it is not open, or not this
+        client's): release it at the next turn (a call of this client's may
+        never come: then it ends at its expiry, as before)."""
+        if isinstance(exc, (UnknownLease, ForeignLease)):
+            return
         if handle.lease and handle.instance == self._instance:
             self._orphans.append((handle.instance, handle.lease))
 
@@ -330,9 +334,9 @@ class Client(_Core):
         # past its timeout, and a release that was done would raise
         try:
             self._take_turn()
-        except BaseException:
+        except BaseException as exc:
             if send:
-                self._orphan(handle)
+                self._orphan(handle, exc)
             _released(handle)
             raise
         try:
@@ -343,11 +347,11 @@ class Client(_Core):
                 pass  # it ended with the daemon that granted it: released
             except ForeignLease:
                 raise  # another client's lease: this handle stays as it was
-            except BaseException:
+            except BaseException as exc:
                 # out of time or interrupted: the daemon may not have it (one
                 # past its deadline drops it), so it goes again at the next turn
                 if send:
-                    self._orphan(handle)
+                    self._orphan(handle, exc)
                 _released(handle)
                 raise
             _released(handle)
@@ -372,16 +376,16 @@ class Client(_Core):
         except BaseException:
             try:
                 self.abort(res)
-            except BaseException:
-                self._orphan(res)  # ended at the next turn
+            except BaseException as exc:
+                self._orphan(res, exc)  # ended at the next turn
                 raise
             raise
         try:
             return self.commit(res)
-        except BaseException:
+        except BaseException as exc:
             # ``res`` never reaches the caller: a commit that did not go out (no
             # turn in time, an interrupt) or was refused leaves its slots held
-            self._orphan(res)
+            self._orphan(res, exc)
             raise
 
     def load(self, ns: Namespace, tokens: Any) -> np.ndarray:
