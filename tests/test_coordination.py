@@ -62,40 +62,27 @@ def test_slow_and_failing_ranks_commit_the_same_length(
     assert all(r["sidecars"] == {"swa": True, "state": True} for r in results)
 
 
-def test_a_prompt_of_more_pages_than_the_daemon_takes_loads_as_many_as_it_takes(
-    daemon_factory: Callable[..., Daemon],
-) -> None:
-    """A daemon that takes 8 pages a request, which a token namespace then holds
-    of a sequence at most: a prefetch of PAGES (12) pages was refused whole, a
-    miss on every rank. The ranks now load and commit the leading 8, with the
-    window that ends there and the state."""
-    d = faulty_daemon(daemon_factory, extra="max_pages_per_request = 8")
-    results = launch(
-        rankfns.coordinated_prefetch,
-        d.endpoint,
-        {"kind": "wait_complete"},
-        None,  # no rank dies
-        None,  # no rank ends it
-        8,  # the pages stored
-        tp=2,
-        timeout=20,
-        deadline=120,
-    )
-    assert [r["kv"] for r in results] == [8, 8]
-    assert all(r["sidecars"] == {"swa": True, "state": True} for r in results)
-    assert all(r["missing"] == 0 for r in results)
+# A daemon's limit on a request, the pages the ranks ask for, and the most a
+# request of them holds: a page limit of 8 (a token namespace then holds 8
+# pages of a sequence at most), and a message bound of 4,096 bytes with 70
+# pages of 16 tokens asked (4,480 bytes of tokens; 56 pages hold 3,584, the
+# rest left for the request's other fields).
+LIMITS = {
+    "pages": ("max_pages_per_request = 8", rankfns.PAGES, 8),
+    "bytes": ("max_message_bytes = 4096", 70, (4096 - 512) // (4 * rankfns.PAGE_TOKENS)),
+}
 
 
-def test_a_prompt_over_the_daemons_message_bound_loads_as_many_pages_as_a_request_holds(
-    daemon_factory: Callable[..., Daemon],
+@pytest.mark.parametrize("limit", list(LIMITS))
+def test_a_prompt_over_the_daemons_request_limits_loads_as_many_pages_as_a_request_holds(
+    daemon_factory: Callable[..., Daemon], limit: str
 ) -> None:
-    """A daemon whose requests hold 4,096 bytes at most (server.max_message_bytes)
-    and a prompt of 70 pages of 16 tokens, 4,480 bytes of tokens: the ranks'
-    prefetch of it was refused as too large, a miss on every rank. They now
-    load and commit as many leading pages as a request holds (56: the
-    tokens of 3,584 bytes, the rest left for the request's other fields)."""
-    d = faulty_daemon(daemon_factory, extra="max_message_bytes = 4096")
-    most = (4096 - 512) // (4 * rankfns.PAGE_TOKENS)
+    """A prefetch of more pages than one request to the daemon holds was refused
+    whole, a miss on every rank. The ranks now load and commit as many
+    leading pages as a request holds, with the window that ends there and
+    the state."""
+    extra, asked, most = LIMITS[limit]
+    d = faulty_daemon(daemon_factory, extra=extra)
     results = launch(
         rankfns.coordinated_prefetch,
         d.endpoint,
@@ -103,7 +90,7 @@ def test_a_prompt_over_the_daemons_message_bound_loads_as_many_pages_as_a_reques
         None,  # no rank dies
         None,  # no rank ends it
         most,  # the pages stored
-        70,  # the pages asked for
+        asked,
         tp=2,
         timeout=20,
         deadline=120,

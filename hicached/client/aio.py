@@ -37,9 +37,7 @@ from hicached.errors import (
     BadRequest,
     DaemonUnavailable,
     DeadlineExceeded,
-    ForeignLease,
     SessionLost,
-    UnknownLease,
 )
 from hicached.wire import protocol as p
 from hicached.wire.hashing import pack_tokens
@@ -338,8 +336,8 @@ class AsyncClient(_Core):
         send = self._releasing(handle)  # a view is refused before anything
         try:
             await self._do(self._release(handle))
-        except (asyncio.CancelledError, DeadlineExceeded):
-            if send and handle.instance == self._instance:
+        except (asyncio.CancelledError, DeadlineExceeded) as exc:
+            if send and self._left_open(handle, exc):
                 self._let_go(self._sock, handle.lease)
             _released(handle)
             raise
@@ -364,8 +362,7 @@ class AsyncClient(_Core):
             # (cancelled, or out of time waiting for its turn) or was refused
             # would leave its lease holding the slots until it expired (unless
             # the daemon said it is not open, or not this client's)
-            ended = isinstance(exc, (UnknownLease, ForeignLease))
-            if res.lease and res.instance == self._instance and not ended:
+            if self._left_open(res, exc):
                 self._let_go(self._sock, res.lease)
             raise
 

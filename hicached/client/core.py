@@ -480,6 +480,15 @@ class _Core(Dealer):
                 _released(handle)
         return None
 
+    def _left_open(self, handle: Reservation | Hit | Fetch, exc: BaseException) -> bool:
+        """Whether ``handle``'s lease may still be open at the daemon after the
+        request that was to end it failed with ``exc`` (it may not have gone
+        out, or not in time): not when the daemon said it is not open or not
+        this client's, or when it ended with the daemon that granted it."""
+        if isinstance(exc, (UnknownLease, ForeignLease)):
+            return False
+        return bool(handle.lease) and handle.instance == self._instance
+
     def _releasing(self, handle: Reservation | Hit | Fetch) -> bool:
         """Whether the daemon must be asked to end ``handle``'s lease (not when it
         holds none, or when it ended with the daemon that granted it); a view

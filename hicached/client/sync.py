@@ -42,7 +42,6 @@ from hicached.errors import (
     ForeignLease,
     LeaseEnded,
     SessionLost,
-    UnknownLease,
 )
 from hicached.wire import protocol as p
 from hicached.wire.hashing import pack_tokens
@@ -142,9 +141,7 @@ class Client(_Core):
         may still be open (unless the daemon said it is not open, or not this
         client's): release it at the next turn (a call of this client's may
         never come: then it ends at its expiry, as before)."""
-        if isinstance(exc, (UnknownLease, ForeignLease)):
-            return
-        if handle.lease and handle.instance == self._instance:
+        if self._left_open(handle, exc):
             self._orphans.append((handle.instance, handle.lease))
 
     def _roundtrip(self, request: p.Request) -> p.AnyReply:

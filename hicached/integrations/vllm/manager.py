@@ -406,8 +406,8 @@ class HicachedManager(OffloadingManager):
     ) -> list[tuple[int, Reservation, list[bytes]]]:
         """Reservations of each run's keys (group, keys, the key before them),
         and the keys each one reserves (a run's in parts of as many keys as the
-        daemon takes a request, its ``server.max_pages_per_request``, each
-        part's parent the key before it); if one fails, the others end."""
+        daemon takes a request, ``keys_per_request``, each part's parent the
+        key before it); if one fails, the others end."""
         granted: list[tuple[int, Reservation, list[bytes]]] = []
         client, namespaces = await self._link.session()
         try:
