@@ -70,6 +70,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from hicached.config import StorageConfig
+from hicached.daemon.waits import bounded, end_tasks, wait_event
 from hicached_backends.base import Backend, BackendError, PageRef
 
 log = logging.getLogger("hicached.dispatcher")
@@ -160,11 +161,9 @@ class Dispatcher:
         if dropped:
             self.counters["write_dropped_stop"] += dropped
             log.warning("%s: %d queued writes not done by the stop deadline", self.name, dropped)
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # a writer cancelled in a call waits for it until the stop deadline (its
+        # grace): a second past it, the stop goes on without it
+        await end_tasks(self._tasks, max(1.0, until + 1.0 - time.monotonic()), self.name)
         self._tasks = []
         if self.running:
             log.warning(
@@ -177,7 +176,7 @@ class Dispatcher:
         # its threads to end on their own); a close that hangs itself is given
         # up on a second past the deadline.
         try:
-            await asyncio.wait_for(self.backend.close(), max(1.0, until + 1.0 - time.monotonic()))
+            await bounded(self.backend.close(), max(1.0, until + 1.0 - time.monotonic()))
         except TimeoutError:
             log.warning("%s: the backend did not close by the stop deadline", self.name)
         except Exception:  # the rest of the daemon's stop runs all the same
@@ -209,8 +208,7 @@ class Dispatcher:
     async def wait_room(self, timeout: float) -> None:
         """Return when written pages leave the queue bound, or after ``timeout``."""
         self._room.clear()
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._room.wait(), timeout)
+        await wait_event(self._room, timeout)
 
     # -- writes ----------------------------------------------------------------------
 
@@ -462,7 +460,7 @@ class Dispatcher:
         # one probe at a time: other calls fail at once while it runs
         self._down_until = time.monotonic() + self.config.breaker_cooldown_s
         try:
-            await asyncio.wait_for(self.backend.health(), self.config.op_timeout_s)
+            await bounded(self.backend.health(), self.config.op_timeout_s)
         except Exception as exc:  # any failure keeps it down for another cooldown
             self._down_until = time.monotonic() + self.config.breaker_cooldown_s
             log.info("%s still down: %s", self.name, exc)

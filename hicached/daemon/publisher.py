@@ -54,6 +54,7 @@ import zmq
 from hicached.cache.eventlog import EventLog
 from hicached.config import EventsConfig
 from hicached.daemon.requests import let_go
+from hicached.daemon.waits import TASK_STOP_S, end_tasks
 from hicached.wire.events import END_SEQ, AnyEvent, WireFormat
 from hicached.wire.namespace import MAX_MODEL_CHARS
 
@@ -371,9 +372,7 @@ class Publisher:
     async def stop(self) -> None:
         """Publish every queued event, then close within ``close_linger_s``."""
         if self._flusher is not None:
-            self._flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._flusher
+            await end_tasks((self._flusher,), TASK_STOP_S, "the KV events flusher")
             self._flusher = None
         self._stop_reading()
         live = list(self._live)

@@ -15,6 +15,7 @@ from typing import NamedTuple
 from hicached.config import Config, load_config
 from hicached.daemon.access import events_group_id
 from hicached.daemon.metrics_http import read_token
+from hicached.daemon.waits import bounded
 from hicached.errors import ConfigError
 
 __all__ = ["ConfigReader", "NotRegular", "ReadTimeout", "Reread"]
@@ -73,8 +74,8 @@ class ConfigReader:
         self._thread = threading.Thread(target=work, name="hicached-reload-read", daemon=True)
         self._thread.start()
         try:
-            return await asyncio.wait_for(done, timeout)
-        except asyncio.TimeoutError:
+            return await bounded(done, timeout)
+        except TimeoutError:
             raise ReadTimeout(
                 f"{path} was not read within server.reload_timeout_s ({timeout:g}s; a hung "
                 "filesystem?)"

@@ -18,7 +18,6 @@ SIGHUP reads the config file again and applies what may change at run time
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
 import logging
 import os
@@ -54,6 +53,7 @@ from hicached.daemon.reread import ConfigReader, ReadTimeout
 from hicached.daemon.routing import unpredictable_routing_ids
 from hicached.daemon.tenants import TENANT_DOMAIN
 from hicached.daemon.tier import Tier, make_backend
+from hicached.daemon.waits import TASK_STOP_S, end_tasks, wait_event
 from hicached.errors import ConfigError
 from hicached.wire.arena import Arena, arena_path
 from hicached.wire.arenas import TenantArena, TenantArenas
@@ -341,11 +341,7 @@ class Server:
 
     async def shutdown(self) -> None:
         sd_notify("STOPPING=1")
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await end_tasks(self._tasks, TASK_STOP_S, "the sweep and watchdog")
         self._tasks.clear()
         if self._requests is not None:
             self._requests.stop()
@@ -402,8 +398,7 @@ class Server:
         assert self.cache is not None
         while True:
             # a reload wakes it, so a shorter interval applies at once
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._resweep.wait(), self.config.leases.sweep_interval_s)
+            await wait_event(self._resweep, self.config.leases.sweep_interval_s)
             self._resweep.clear()
             ended = self.cache.expire()
             self.collector.stored(self.cache.committed_pages)  # may freeze what they made

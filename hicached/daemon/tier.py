@@ -13,7 +13,6 @@ deadline, in steps as the write queue drains.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -27,6 +26,7 @@ from hicached.cache import Cache, Lease, NamespaceState
 from hicached.cache.tiering import SCAN_FORGOTTEN_MAX
 from hicached.config import Config, data_dir
 from hicached.daemon.dispatcher import Dispatcher, WriteJob
+from hicached.daemon.waits import end_tasks
 from hicached.errors import ConfigError
 from hicached.wire.arena import Arena
 from hicached.wire.arenas import TenantArenas
@@ -338,11 +338,8 @@ class Tier:
         end = time.monotonic() + self.config.flush_deadline_s
         self._stopping = True  # no lookup starts from now: none would be waited for
         self.dispatcher.stop_by = end
-        for started in (self._scan, self._adopted):
-            if started is not None:
-                started.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await started
+        started = [task for task in (self._scan, self._adopted) if task is not None]
+        await end_tasks(started, end - time.monotonic(), "the L3 scan and adopted-page writes")
         self._scan = self._adopted = None
         running: set[asyncio.Future[Any]] = {*self._prefetches, *self._lookups}
         for task in running:
