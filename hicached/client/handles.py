@@ -14,13 +14,16 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Self
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
 
 from hicached.errors import BadRequest
 from hicached.wire.namespace import EventMeta, NamespaceSpec
+
+if TYPE_CHECKING:  # typing.Self is 3.11 on; engines run 3.10 too
+    from typing_extensions import Self
 
 # over an immutable buffer: it cannot be made writeable again, or resized
 _NO_GENS = np.frombuffer(b"", dtype=np.uint32)
