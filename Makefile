@@ -9,7 +9,7 @@ CONSTRAINTS := constraints-dev.txt
 # `make serve`: the daemon's own dependencies only.
 RUNTIME_STAMP := $(VENV)/.runtime
 
-.PHONY: install serve test check lint typecheck pytest bench clean system-deps install-service
+.PHONY: install serve test check lint typecheck pytest bench clean system-deps install-service test-pythons
 
 ## System packages the test suite needs: the mooncake wheel loads libibverbs
 ## even for TCP. `make test` asks for this step; it says what it installs, and
@@ -57,6 +57,24 @@ typecheck:
 
 pytest:
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+## The package on other Pythons than the development venv's (3.10 is the
+## oldest it runs on: Ubuntu 22.04's python3): for each interpreter in
+## OTHER_PYTHONS, a venv of its own (.venv-VERSION, without torch) and the
+## tests of the daemon, its clients and their bad input and races.
+OTHER_PYTHONS ?= python3.10 python3.13
+PYTHON_TESTS  ?= tests/test_daemon.py tests/test_daemon_waits.py tests/test_bad_input.py \
+	tests/test_client_races.py tests/test_bounds.py tests/test_reload.py tests/test_l3.py
+test-pythons:
+	@set -e; for py in $(OTHER_PYTHONS); do \
+		ver=$$($$py -c 'import sys; print("%d.%d" % sys.version_info[:2])'); \
+		venv=.venv-$$ver; \
+		echo "test-pythons: Python $$ver ($$py) in $$venv"; \
+		[ -x $$venv/bin/python ] || $$py -m venv $$venv; \
+		grep -v '^torch' $(CONSTRAINTS) > $$venv/constraints.txt; \
+		$$venv/bin/python -m pip install -q -c $$venv/constraints.txt -e '.[dev]'; \
+		$$venv/bin/python -m pytest -q -p no:cacheprovider $(PYTHON_TESTS); \
+	done
 
 ## Benchmarks: JSON on stdout, one object per command.
 bench: $(STAMP)

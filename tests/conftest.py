@@ -5,6 +5,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from hicached.client import deadline
 from tests.services import MooncakeMaster, S3Server
 from tests.services import mooncake_master as _mooncake_master
 from tests.services import s3_server as _s3_server
@@ -17,6 +18,16 @@ def pytest_asyncio_loop_factories(
     import uvloop
 
     return {"uvloop": uvloop.new_event_loop}
+
+
+@pytest.fixture(params=["timeout", "timer"])
+def engine_waits(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The engine side's waits with a deadline (client/deadline.py) both ways a
+    Python runs them: under asyncio.timeout (3.11 on) and by the timer that
+    cancels the task (3.10), so the suite proves both on one interpreter."""
+    if request.param == "timer":
+        monkeypatch.setattr(deadline, "_timeout", None)
+    return str(request.param)
 
 
 @pytest.fixture

@@ -332,7 +332,7 @@ def test_a_lease_granted_to_a_cancelled_call_is_released(daemon: Daemon) -> None
 
 
 def test_a_call_cancelled_once_its_reply_is_in_raises_the_cancel_and_releases_its_lease(
-    daemon: Daemon,
+    daemon: Daemon, engine_waits: str
 ) -> None:
     """A match cancelled after its reply came but before its task ran again:
     the wait for the reply gave the reply back and dropped the cancel, so the

@@ -654,7 +654,7 @@ async def test_a_cancel_while_a_failed_lookup_releases_its_leases_releases_them_
 
 
 async def test_a_lookup_cancelled_twice_while_pages_come_from_l3_releases_every_prefetch(
-    daemon_factory: Callable[..., Daemon],
+    daemon_factory: Callable[..., Daemon], engine_waits: str
 ) -> None:
     """A lookup cancelled while pages come back from L3 releases each part's
     prefetch; cancelled again meanwhile (a caller that gives up twice, as
