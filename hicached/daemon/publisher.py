@@ -375,11 +375,7 @@ class Publisher:
             await end_tasks((self._flusher,), TASK_STOP_S, "the KV events flusher")
             self._flusher = None
         self._stop_reading()
-        live = list(self._live)
-        for task in live:
-            task.cancel()
-        if live:
-            await asyncio.wait(live)
+        await end_tasks(list(self._live), TASK_STOP_S, "KV event replays")
         self.flush()
         self.close(self.config.close_linger_s)
 

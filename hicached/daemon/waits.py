@@ -45,12 +45,19 @@ async def bounded(aw: Awaitable[T], timeout: float) -> T:
     try:
         done, _ = await asyncio.wait((task,), timeout=max(timeout, 0.0))
     except BaseException:
-        task.cancel()
+        _let_go(task)
         raise
     if not done:
-        task.cancel()
+        _let_go(task)
         raise TimeoutError
     return task.result()
+
+
+def _let_go(task: asyncio.Future[Any]) -> None:
+    """Cancel what is no longer waited for; its end, whatever it is, is
+    retrieved when it comes (never "exception was never retrieved")."""
+    task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
 async def end_tasks(tasks: Collection[asyncio.Future[Any]], timeout: float, what: str) -> int:
