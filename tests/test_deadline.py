@@ -63,3 +63,22 @@ async def test_a_slot_granted_in_the_turn_its_waiter_is_cancelled_goes_back(
     # the slot is free again: taken at once, not after a deadline
     await within(slots.acquire(), 1.0)
     assert slots.locked()
+
+
+async def test_a_cancel_while_the_awaited_call_cleans_up_after_its_deadline_stays_a_cancel(
+    engine_waits: str,
+) -> None:
+    cleaning = asyncio.Event()
+
+    async def slow_to_end() -> None:
+        try:
+            await asyncio.sleep(10)
+        finally:
+            cleaning.set()
+            await asyncio.sleep(0.05)  # cleaning up after the deadline's cancel
+
+    call = asyncio.create_task(within(slow_to_end(), 0.01))
+    await asyncio.wait_for(cleaning.wait(), 5.0)
+    call.cancel()  # the caller's own cancel, while the cleanup runs
+    with pytest.raises(asyncio.CancelledError):
+        await call

@@ -7,9 +7,9 @@ up returns its reply to no one (a read lease in it pins pages until it
 expires), a task being stopped keeps running. ``within`` awaits in the task
 itself under ``asyncio.timeout`` (3.11 on), which raises the cancel. Python
 3.10 has no ``asyncio.timeout``: there a timer cancels the task at the
-deadline, and that cancel is told from others by the timer having fired
-(``asyncio.timeout``'s way, less the count of cancels 3.10 does not keep: a
-cancel from elsewhere in the very turn the deadline passes reads as the
+deadline, and that cancel is told from others by a marker it carries
+(3.10 keeps no count of cancels: one from elsewhere that comes in the very
+turn the deadline passes, just before the timer's, reads as the
 deadline's)."""
 
 from __future__ import annotations
@@ -33,22 +33,30 @@ async def within(aw: Awaitable[T], timeout: float) -> T:
 
 
 async def _within_by_timer(aw: Awaitable[T], timeout: float) -> T:
-    """``within`` for Python 3.10 (and the tests, on any Python)."""
+    """``within`` for Python 3.10 (and the tests, on any Python). The timer's
+    cancel carries a marker of its own: any other cancel, even one that comes
+    while ``aw`` still cleans up after the deadline's, stays a cancel. One
+    ``within`` at a time in a task (none of the callers nests them)."""
     task = asyncio.current_task()
-    assert task is not None, "within() runs in a task"
+    if task is None:
+        raise RuntimeError("within() runs in a task")
+    marker = object()
     fired = False
 
     def expire() -> None:
         nonlocal fired
         fired = True
-        task.cancel()
+        task.cancel(marker)
 
     timer = asyncio.get_running_loop().call_later(max(timeout, 0.0), expire)
     try:
         return await aw
-    except asyncio.CancelledError:
-        if fired:
-            raise asyncio.TimeoutError from None
-        raise
+    except asyncio.CancelledError as exc:
+        if not (fired and exc.args and exc.args[0] is marker):
+            raise
+        uncancel = getattr(task, "uncancel", None)  # 3.11 on: the deadline's cancel is spent
+        if uncancel is not None:
+            uncancel()
+        raise asyncio.TimeoutError from None
     finally:
         timer.cancel()

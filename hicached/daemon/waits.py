@@ -39,8 +39,10 @@ async def wait_event(event: asyncio.Event, timeout: float) -> bool:
 
 
 async def bounded(aw: Awaitable[T], timeout: float) -> T:
-    """``await aw``, or ``TimeoutError`` (``aw`` cancelled) once ``timeout``
-    seconds have passed; a cancel of the caller cancels ``aw`` too."""
+    """``await aw``, or ``TimeoutError`` once ``timeout`` seconds have passed; a
+    cancel of the caller cancels ``aw`` too. What is given up on is cancelled,
+    not awaited (unlike ``wait_for``): a backend call that ignores its cancel
+    goes on in the background, its end retrieved when it comes."""
     task = asyncio.ensure_future(aw)
     try:
         done, _ = await asyncio.wait((task,), timeout=max(timeout, 0.0))
