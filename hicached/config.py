@@ -429,6 +429,10 @@ def parse_config(text: str | bytes, source: str = "<config>") -> Config:
         tree = tomllib.loads(raw.decode())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    except RecursionError:  # arrays or inline tables thousands deep; tomli's dotted keys
+        raise ConfigError(
+            f"{source}: values nested deeper than the TOML reader can go (no knob is)"
+        ) from None
     try:
         flat = leaves(tree)
     except ConfigError as exc:

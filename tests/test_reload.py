@@ -162,6 +162,9 @@ def test_a_bad_config_on_sighup_changes_nothing(daemon_factory: Callable[..., Da
         c.store(ns, _seq(1), page_bytes_for(_seq(1)))
         lines = _sighup(d, good + "[pool\n")
         assert "reload:" in lines and "not valid TOML" in lines and "keeps running" in lines
+        lines = _sighup(d, good + "[storage.extra]\nx = " + "[" * 5000 + "]" * 5000 + "\n")
+        assert "values nested deeper" in lines and "keeps running" in lines
+        assert "Traceback" not in lines
         lines = _sighup(d, good.replace("size_mib = 16", "size_mib = 0"))
         assert "pool.size_mib" in lines and "keeps running" in lines
         assert c.match(ns, _seq(1), lease=False).hits == 4
