@@ -155,3 +155,19 @@ def test_off_loopback_needs_curve_and_curve_needs_its_files(tmp_path: Path) -> N
     with pytest.raises(RuntimeError, match=r"curve\.secret_key_file: cannot read"):
         d.start(timeout=20)
     d.cleanup()
+    # nor does one whose authorized keys include a file that holds no key
+    # (it failed with a traceback)
+    import zmq.auth
+
+    keys, authorized = tmp_path / "keys", tmp_path / "authorized"
+    keys.mkdir()
+    authorized.mkdir()
+    _, secret = zmq.auth.create_certificates(keys, "server")
+    (authorized / "notakey.key").write_text("not a certificate\n")
+    d = Daemon(
+        tcp=True,
+        tail=f'[curve]\nsecret_key_file = "{secret}"\nauthorized_keys_dir = "{authorized}"\n',
+    )
+    with pytest.raises(RuntimeError, match=r"curve\.authorized_keys_dir: cannot read .*notakey"):
+        d.start(timeout=20)
+    d.cleanup()

@@ -226,8 +226,14 @@ class Access:
             raise ConfigError(
                 f"curve.authorized_keys_dir: {curve.authorized_keys_dir} is not a directory"
             )
+        try:
+            authorized = set(zmq.auth.load_certificates(curve.authorized_keys_dir))
+        except (OSError, ValueError) as exc:  # a .key file that holds no public key
+            raise ConfigError(
+                f"curve.authorized_keys_dir: cannot read {curve.authorized_keys_dir}: {exc}"
+            ) from None
         self.curve_keys = (public, secret)
-        return set(zmq.auth.load_certificates(curve.authorized_keys_dir))
+        return authorized
 
     def _tenant_keys(self, authorized: set[bytes]) -> dict[bytes, str]:
         """Z85 public key -> tenant, from the certificates each tenant lists."""
