@@ -9,7 +9,7 @@ CONSTRAINTS := constraints-dev.txt
 # `make serve`: the daemon's own dependencies only.
 RUNTIME_STAMP := $(VENV)/.runtime
 
-.PHONY: install serve test check lint typecheck pytest bench clean system-deps install-service test-pythons
+.PHONY: install serve test check lint typecheck pytest bench clean system-deps install-service test-pythons test-lowest
 
 ## System packages the test suite needs: the mooncake wheel loads libibverbs
 ## even for TCP. `make test` asks for this step; it says what it installs, and
@@ -75,6 +75,15 @@ test-pythons:
 		$$venv/bin/python -m pip install -q -c $$venv/constraints.txt -e '.[dev]'; \
 		$$venv/bin/python -m pytest -q -p no:cacheprovider $(PYTHON_TESTS); \
 	done
+
+## The same tests on the oldest versions of the runtime dependencies that
+## pyproject.toml allows (constraints-lowest.txt; an engine's venv may hold
+## them), in .venv-lowest, on the development venv's Python.
+test-lowest:
+	@[ -x .venv-lowest/bin/python ] || $(PYTHON) -m venv .venv-lowest
+	.venv-lowest/bin/python -m pip install -q -c constraints-lowest.txt -e '.[dev]'
+	.venv-lowest/bin/python -m pip check
+	.venv-lowest/bin/python -m pytest -q -p no:cacheprovider $(PYTHON_TESTS)
 
 ## Benchmarks: JSON on stdout, one object per command.
 bench: $(STAMP)
