@@ -210,7 +210,8 @@ class StorageConfig(msgspec.Struct, **_Section):
     # Backend calls of reads and writes in flight at once, plus one kept for
     # existence checks (L3 lookups, a prefetch's first step). Checks are served
     # first, then reads (prefetch), then writes; writes leave one of these free
-    # for reads when there are two or more.
+    # for reads when there are two or more. At most 1024 (a writer task
+    # each).
     concurrency: int = 4
     # Seconds one backend call may take before it counts as failed.
     op_timeout_s: float = 30.0
@@ -259,6 +260,8 @@ class StorageConfig(msgspec.Struct, **_Section):
         if self.write_policy not in WRITE_POLICIES:
             raise ValueError(f"write_policy must be one of {', '.join(WRITE_POLICIES)}")
         positive(self, "selective_hits", "queue_pages", "batch_pages", "concurrency")
+        if self.concurrency > MAX_CONCURRENCY:
+            raise ValueError(f"concurrency must be at most {MAX_CONCURRENCY}")
         if self.known_keys < 2:
             raise ValueError("known_keys must be at least 2")
         positive(
@@ -438,11 +441,18 @@ def parse_config(text: str | bytes, source: str = "<config>") -> Config:
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc.message}") from None
     for key, value in flat.items():
+        if "\x00" in key:
+            raise ConfigError(f"{source}: {key!r}: a key holds a NUL character")
         # TOML has nan and inf; no knob means either, and a comparison with NaN
         # is always false, so range checks alone would let it through
         for item in value if isinstance(value, list) else [value]:
             if isinstance(item, float) and not math.isfinite(item):
                 raise ConfigError(f"{source}: {key}: must be a finite number, got {item}")
+            if isinstance(item, str) and "\x00" in item:
+                raise ConfigError(f"{source}: {key}: holds a NUL character (no path or name can)")
+            if isinstance(item, int) and not -MAX_INT <= item <= MAX_INT:
+                # past this, sizes in MiB overflow the C calls they reach
+                raise ConfigError(f"{source}: {key}: {item} is past any knob's range (2**43)")
     try:
         return msgspec.toml.decode(raw, type=Config)
     except msgspec.ValidationError as exc:
@@ -488,6 +498,13 @@ def config_source(config: Config) -> str | None:
         return _last_loaded[1]
     return None
 
+
+# Backend calls in flight at most (storage.concurrency): each has a writer task.
+MAX_CONCURRENCY = 1024
+
+# The largest integer any knob takes (in MiB: 8 EiB): a size past it would
+# overflow the C calls it reaches (posix_fallocate, socket options).
+MAX_INT = (1 << 43) - 1
 
 # Tables nested deeper than this are refused: no knob is, and a walk over a
 # thousand levels would run out of stack (TOML itself sets no bound).

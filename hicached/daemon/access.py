@@ -19,6 +19,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from hicached.config import Config, runtime_dir
+from hicached.daemon.metrics_http import regular_file
 from hicached.daemon.tenants import EVENTS_DOMAIN, PeerAuthenticator, TenantMap
 from hicached.errors import ConfigError
 
@@ -33,8 +34,11 @@ def ensure_private_dir(
     0750 and that group's: its members reach the sockets inside, nobody else
     does. ``setgid`` (2750) makes what is bound inside that group's from birth,
     so no chown is needed (the unit's system call filter allows none)."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = path.lstat()
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.lstat()
+    except OSError as exc:  # a file in the way, /proc, a name too long
+        raise ConfigError(f"{path}: cannot make it a directory: {exc.strerror or exc}") from None
     if not stat.S_ISDIR(st.st_mode):
         raise ConfigError(f"{path} must be a directory, not a link or a file")
     if st.st_uid != os.getuid():
@@ -211,6 +215,10 @@ class Access:
     def _load_curve(self) -> set[bytes]:
         """The daemon's key pair (kept for binding) and the authorized public keys."""
         curve = self.config.curve
+        regular_file(curve.secret_key_file, "curve.secret_key_file")
+        if Path(curve.authorized_keys_dir).is_dir():
+            for cert in sorted(Path(curve.authorized_keys_dir).glob("*.key")):
+                regular_file(cert, "curve.authorized_keys_dir")
         try:
             public, secret = zmq.auth.load_certificate(curve.secret_key_file)
         except (OSError, ValueError) as exc:
@@ -242,6 +250,7 @@ class Access:
             for cert in tenant.curve_keys:
                 path = Path(self.config.curve.authorized_keys_dir, cert)  # as is if absolute
                 what = f"tenants.{name}.curve_keys"
+                regular_file(path, what)
                 try:
                     public, _ = zmq.auth.load_certificate(path)
                 except (OSError, ValueError) as exc:

@@ -78,6 +78,8 @@ def read_token(path: str, *, check_owner: bool = True) -> bytes:
         fd = os.open(path, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:
         raise ConfigError(f"{where}: cannot open it: {exc.strerror}") from None
+    except ValueError as exc:  # a NUL in the path
+        raise ConfigError(f"{where}: cannot open it: {exc}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -316,7 +318,34 @@ class _Server(ThreadingMixIn, WSGIServer):
         log.debug("metrics: a scrape from %s failed", client_address, exc_info=True)
 
 
+# A key or certificate file larger than this is not one (a wrong path, a device).
+MAX_KEY_FILE_BYTES = 1 << 20
+
+
+def regular_file(path: str | os.PathLike[str], where: str) -> None:
+    """ConfigError (naming ``where``) unless ``path`` is a regular file of at most
+    MAX_KEY_FILE_BYTES: what a key, certificate or token is. Checked before a
+    library opens it for reading, where a FIFO would block the start and a
+    device (/dev/zero) would be read without end."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        raise ConfigError(f"{where}: cannot open {path}: {getattr(exc, 'strerror', exc)}") from None
+    try:
+        st = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{where}: {path} is not a regular file")
+    if st.st_size > MAX_KEY_FILE_BYTES:
+        raise ConfigError(f"{where}: {path} is larger than {MAX_KEY_FILE_BYTES} bytes")
+
+
 def _tls(c: MetricsConfig) -> ssl.SSLContext:
+    regular_file(c.tls_cert, "metrics.tls_cert")
+    regular_file(c.tls_key, "metrics.tls_key")
+    if c.client_ca:
+        regular_file(c.client_ca, "metrics.client_ca")
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     try:
         context.load_cert_chain(certfile=c.tls_cert, keyfile=c.tls_key)

@@ -408,7 +408,7 @@ class Publisher:
         pub = self._pub
         if pub is None and self._rebinding:
             pub = self._rebind()
-        if pub is None:
+        if pub is None or pub.closed:  # closed: its bind failed, and the start with it
             return
         self._read_subscriptions(pub)
         log, size = self.log, self.config.batch_events

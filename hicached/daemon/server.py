@@ -371,7 +371,9 @@ class Server:
             self._sock = None
         self.access.stop()
         if self._ctx is not None:
-            self._ctx.term()
+            # closes, without linger, any socket a failed start left open (an
+            # option its setup refused): term() alone would wait for it for ever
+            self._ctx.destroy(linger=0)
             self._ctx = None
         if bound and self.endpoint.startswith("ipc://"):  # never another daemon's socket
             Path(self.endpoint[len("ipc://") :]).unlink(missing_ok=True)

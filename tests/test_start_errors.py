@@ -1,0 +1,94 @@
+"""A start the config or the files it names cannot give exits 2 with the key
+and what is wrong, at once: no traceback, no hang on a FIFO, no read of a
+device without end, no memory run away with. Each case runs the real
+``hicached serve`` on a config of its own (found by attacking the start)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _fifo(where: Path) -> str:
+    path = where / "fifo"
+    os.mkfifo(path)
+    return str(path)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# name -> (the config's tail, made in a scratch dir; what stderr must say)
+CASES: dict[str, tuple[Callable[[Path], str], str]] = {
+    "runtime_dir is a file": (
+        lambda d: "",  # the base config's runtime_dir is made a file below
+        "cannot make it a directory",
+    ),
+    "tls_cert is a FIFO": (
+        lambda d: (
+            f"[metrics]\nenabled = true\nport = {_free_port()}\n"
+            f'tls_cert = "{_fifo(d)}"\ntls_key = "{d}/key.pem"\n'
+        ),
+        "metrics.tls_cert: ",
+    ),
+    "CURVE secret key is a FIFO": (
+        lambda d: f'[curve]\nsecret_key_file = "{_fifo(d)}"\nauthorized_keys_dir = "{d}"\n',
+        "curve.secret_key_file: ",
+    ),
+    "CURVE secret key is /dev/zero": (
+        lambda d: f'[curve]\nsecret_key_file = "/dev/zero"\nauthorized_keys_dir = "{d}"\n',
+        "curve.secret_key_file: /dev/zero is not a regular file",
+    ),
+    "events endpoint cannot be bound": (
+        lambda d: f'[events]\nendpoint = "ipc://{d}/{"e" * 150}"\n',
+        "events.endpoint: cannot listen",
+    ),
+    "NUL in a name": (
+        lambda d: '[events]\ngroup = "a\\u0000b"\n',
+        "events.group: holds a NUL character",
+    ),
+    "integer past any knob": (
+        lambda d: "[storage]\nconcurrency = 1180591620717411303424\n",
+        "storage.concurrency: 1180591620717411303424 is past any knob's range",
+    ),
+    "storage calls past their bound": (
+        lambda d: "[storage]\nconcurrency = 5000\n",
+        "concurrency must be at most 1024",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_start_the_config_cannot_give_exits_2_naming_the_key(tmp_path: Path, case: str) -> None:
+    tail, says = CASES[case]
+    run = tmp_path / "run"
+    if case == "runtime_dir is a file":
+        run.write_text("not a directory")
+    config = tmp_path / "c.toml"
+    config.write_text(
+        f'[server]\nendpoint = "ipc://{tmp_path}/hicached.sock"\nruntime_dir = "{run}"\n'
+        f"[pool]\nsize_mib = 8\nslab_mib = 4\npopulate = false\nadopt = false\n"
+        f'shm_dir = "{tmp_path}"\n'
+        + ("[metrics]\nenabled = false\n" if "metrics" not in (body := tail(tmp_path)) else "")
+        + body
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "hicached", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stderr
+    assert says in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
