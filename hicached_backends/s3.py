@@ -25,6 +25,7 @@ import boto3
 import botocore.config
 import botocore.exceptions
 
+from hicached.errors import ConfigError
 from hicached_backends.base import Backend, BackendEnv, BackendError, PageRef, let_go
 from hicached_backends.options import S3Options
 from hicached_backends.record import HEADER_BYTES, other_version, pack_header, verify
@@ -81,7 +82,13 @@ class S3Backend(Backend):
             aws_secret_access_key=o.secret_access_key or None,
             region_name=o.region or None,
         )
-        self._client = session.client("s3", endpoint_url=o.endpoint_url or None, config=config)
+        try:  # no call goes out yet: what fails here is the settings
+            self._client = session.client("s3", endpoint_url=o.endpoint_url or None, config=config)
+        except (ValueError, botocore.exceptions.BotoCoreError) as exc:
+            raise ConfigError(
+                f"storage.s3: endpoint_url {o.endpoint_url!r} or region {o.region!r} "
+                f"cannot be used: {exc}"
+            ) from None
         self._pool = ThreadPoolExecutor(o.threads, thread_name_prefix="hicached-s3")
         self._reads = ThreadPoolExecutor(o.threads, thread_name_prefix="hicached-s3-read")
         self._heads = ThreadPoolExecutor(o.threads, thread_name_prefix="hicached-s3-head")

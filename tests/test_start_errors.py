@@ -62,6 +62,18 @@ CASES: dict[str, tuple[Callable[[Path], str], str]] = {
         lambda d: "[storage]\nconcurrency = 1180591620717411303424\n",
         "storage.concurrency: 1180591620717411303424 is past any knob's range",
     ),
+    "S3 endpoint that is no URL": (
+        lambda d: (
+            '[storage]\nbackend = "s3"\n[storage.s3]\nbucket = "b"\nendpoint_url = "http://[::1"\n'
+        ),
+        "storage.s3: endpoint_url 'http://[::1' or region '' cannot be used",
+    ),
+    "S3 region that is no region": (
+        lambda d: (
+            '[storage]\nbackend = "s3"\n[storage.s3]\nbucket = "b"\nregion = "no such region!/"\n'
+        ),
+        "cannot be used",
+    ),
     "storage calls past their bound": (
         lambda d: "[storage]\nconcurrency = 5000\n",
         "concurrency must be at most 1024",
