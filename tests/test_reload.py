@@ -21,13 +21,17 @@ from hicached.testing import scrape
 from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
 
 
-def test_the_plan_takes_what_may_change_and_refuses_the_rest() -> None:
+@pytest.mark.parametrize("name", ["alpha", "al.pha"])
+def test_the_plan_takes_what_may_change_and_refuses_the_rest(name: str) -> None:
+    """A tenant's name may hold dots: its quotas reload all the same (they were
+    refused as a change of tenant "al")."""
     running = parse_config(
-        '[tenants.alpha]\nuids = [1]\nmax_pages = 64\n[log]\nlevel = "info"\n'
+        f'[tenants."{name}"]\nuids = [1]\nmax_pages = 64\n[log]\nlevel = "info"\n'
         "[pool]\nsize_mib = 64\n"
     )
     wanted = parse_config(
-        "[tenants.alpha]\nuids = [2]\nmax_pages = 256\nmax_mib = 8\n"
+        f'[tenants."{name}"]\nuids = [2]'
+        "\nmax_pages = 256\nmax_mib = 8\n"
         '[tenants.beta]\nuids = [3]\n[log]\nlevel = "debug"\n[pool]\nsize_mib = 128\n'
         'max_namespaces = 9\n[storage]\nwrite_policy = "write_back"\n[server]\nhwm = 5\n'
     )
@@ -36,13 +40,13 @@ def test_the_plan_takes_what_may_change_and_refuses_the_rest() -> None:
         "log.level": "debug",
         "pool.max_namespaces": 9,
         "storage.write_policy": "write_back",
-        "tenants.alpha.max_mib": 8,
-        "tenants.alpha.max_pages": 256,
+        f"tenants.{name}.max_mib": 8,
+        f"tenants.{name}.max_pages": 256,
     }
-    assert refused == ["pool.size_mib", "server.hwm", "tenants.alpha.uids", "tenants.beta"]
-    assert config.log.level == "debug" and config.tenants["alpha"].max_pages == 256
+    assert refused == ["pool.size_mib", "server.hwm", f"tenants.{name}.uids", "tenants.beta"]
+    assert config.log.level == "debug" and config.tenants[name].max_pages == 256
     assert config.pool.size_mib == 64 and config.server.hwm == running.server.hwm
-    assert config.tenants["alpha"].uids == [1] and set(config.tenants) == {"alpha"}
+    assert config.tenants[name].uids == [1] and set(config.tenants) == {name}
     assert reload_plan(running, running)[1:] == ({}, [])
 
 

@@ -53,9 +53,9 @@ def reload_plan(running: Config, wanted: Config) -> tuple[Config, dict[str, Any]
             continue
         if key in now and key in new and _reloadable(key, running):
             applied[key] = new[key]
-            _set(merged, key, new[key])
+            _set(merged, _parts(key, running, wanted), new[key])
             continue
-        parts = key.split(".")
+        parts = _parts(key, running, wanted)
         if (
             parts[0] == "tenants"
             and len(parts) > 1
@@ -77,10 +77,22 @@ def reload_plan(running: Config, wanted: Config) -> tuple[Config, dict[str, Any]
 _ABSENT = object()
 
 
+def _parts(key: str, *configs: Config) -> list[str]:
+    """A dotted key's parts; a tenant's name is one part, dots and all
+    (``tenants.a.b.max_pages``: tenant ``a.b``, knob ``max_pages``)."""
+    if not key.startswith("tenants."):
+        return key.split(".")
+    rest = key[len("tenants.") :]
+    if any(rest in config.tenants for config in configs):  # a tenant's table, whole
+        return ["tenants", rest]
+    name, _, knob = rest.rpartition(".")
+    return ["tenants", name, knob] if name else ["tenants", rest]
+
+
 def _reloadable(key: str, running: Config) -> bool:
     if key in RELOADABLE:
         return True
-    parts = key.split(".")
+    parts = _parts(key, running)
     return (
         len(parts) == 3
         and parts[0] == "tenants"
@@ -89,8 +101,8 @@ def _reloadable(key: str, running: Config) -> bool:
     )
 
 
-def _set(table: dict[str, Any], key: str, value: Any) -> None:
-    *parents, last = key.split(".")
+def _set(table: dict[str, Any], parts: list[str], value: Any) -> None:
+    *parents, last = parts
     for part in parents:
         table = table[part]
     table[last] = value
