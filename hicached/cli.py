@@ -37,14 +37,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_check_config(args: argparse.Namespace) -> int:
     config = load_config(args.path)
     from hicached.config import endpoint, runtime_dir
-    from hicached.daemon.access import events_group_id
+    from hicached.daemon.access import Access
     from hicached.daemon.arenas import checked_layout
 
     # what serve refuses of tenant arenas fails here too: sizes that are not
     # whole slabs, a pool too small for them, and accounts that could open
     # another tenant's arena (as passwd and group list them on this host)
     checked_layout(config, endpoint(config), runtime_dir(config))
-    events_group_id(config)  # as serve resolves it
+    access = Access(config, endpoint(config))
+    access.resolve_group()  # server.client_group and events.group, as serve resolves them
+    access.check()  # the CURVE key files and the tenants' keys, as serve reads them
     _check_metrics_access(config)
     if config.storage.backend:
         # the backend must be installed, and its options valid as a whole: what
@@ -58,12 +60,17 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
 
 
 def _check_metrics_access(config: Config) -> None:
-    """The metrics token file as serve reads it; root checks it for whichever
-    user will run the daemon, so its owner is checked only as that user. With
-    tenants and no credential, a warning: every scrape would be refused."""
+    """The TLS files and the metrics token file as serve reads them; root checks
+    the token for whichever user will run the daemon, so its owner is checked
+    only as that user. With tenants and no credential, a warning: every scrape
+    would be refused."""
     m = config.metrics
     if not m.enabled:
         return
+    if m.tls_cert:
+        from hicached.daemon.metrics_http import tls_context
+
+        tls_context(m)
     if m.token_file:
         from hicached.daemon.metrics_http import read_token
 

@@ -78,25 +78,42 @@ CASES: dict[str, tuple[Callable[[Path], str], str]] = {
         lambda d: "[storage]\nconcurrency = 5000\n",
         "concurrency must be at most 1024",
     ),
+    "no such client group": (lambda d: "", "server.client_group"),  # set below
 }
+# what check-config finds too: all but what only a start meets (a directory to
+# make, an endpoint to bind, an S3 client to build)
+CHECKED = [
+    case
+    for case in CASES
+    if case not in ("runtime_dir is a file", "events endpoint cannot be bound")
+    and not case.startswith("S3")
+]
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_a_start_the_config_cannot_give_exits_2_naming_the_key(tmp_path: Path, case: str) -> None:
+@pytest.mark.parametrize(
+    ("command", "case"),
+    [("serve", case) for case in CASES] + [("check-config", case) for case in CHECKED],
+)
+def test_a_start_the_config_cannot_give_exits_2_naming_the_key(
+    tmp_path: Path, command: str, case: str
+) -> None:
     tail, says = CASES[case]
     run = tmp_path / "run"
     if case == "runtime_dir is a file":
         run.write_text("not a directory")
+    group = 'client_group = "hicached-no-such-group"\n' if case == "no such client group" else ""
+    body = tail(tmp_path)
     config = tmp_path / "c.toml"
     config.write_text(
-        f'[server]\nendpoint = "ipc://{tmp_path}/hicached.sock"\nruntime_dir = "{run}"\n'
+        f'[server]\nendpoint = "ipc://{tmp_path}/hicached.sock"\nruntime_dir = "{run}"\n{group}'
         f"[pool]\nsize_mib = 8\nslab_mib = 4\npopulate = false\nadopt = false\n"
         f'shm_dir = "{tmp_path}"\n'
-        + ("[metrics]\nenabled = false\n" if "metrics" not in (body := tail(tmp_path)) else "")
+        + ("" if "[metrics]" in body else "[metrics]\nenabled = false\n")
         + body
     )
+    how = ["serve", "--config"] if command == "serve" else [command]
     out = subprocess.run(
-        [sys.executable, "-m", "hicached", "serve", "--config", str(config)],
+        [sys.executable, "-m", "hicached", *how, str(config)],
         capture_output=True,
         text=True,
         timeout=60,

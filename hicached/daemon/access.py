@@ -212,6 +212,13 @@ class Access:
                 ),
             )
 
+    def check(self) -> None:
+        """Read what ``start`` reads (the CURVE key files and the tenants' keys),
+        starting nothing: ``hicached check-config``."""
+        authorized = self._load_curve() if self.config.curve.secret_key_file else set()
+        if self.config.tenants:
+            self._tenant_keys(authorized)
+
     def _load_curve(self) -> set[bytes]:
         """The daemon's key pair (kept for binding) and the authorized public keys."""
         curve = self.config.curve

@@ -341,7 +341,9 @@ def regular_file(path: str | os.PathLike[str], where: str) -> None:
         raise ConfigError(f"{where}: {path} is larger than {MAX_KEY_FILE_BYTES} bytes")
 
 
-def _tls(c: MetricsConfig) -> ssl.SSLContext:
+def tls_context(c: MetricsConfig) -> ssl.SSLContext:
+    """The listener's TLS: its certificate and key, and the CA that signs its
+    scrapers' certificates if one is set (ConfigError naming the key)."""
     regular_file(c.tls_cert, "metrics.tls_cert")
     regular_file(c.tls_key, "metrics.tls_key")
     if c.client_ca:
@@ -375,7 +377,7 @@ class Listener:
 
     def start(self) -> None:
         c = self.config
-        context = _tls(c) if c.tls_cert else None
+        context = tls_context(c) if c.tls_cert else None
         try:
             family, _, _, _, sockaddr = socket.getaddrinfo(
                 c.host, c.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
