@@ -79,6 +79,10 @@ CASES: dict[str, tuple[Callable[[Path], str], str]] = {
         "concurrency must be at most 1024",
     ),
     "no such client group": (lambda d: "", "server.client_group"),  # set below
+    "options of another package's backend for a built-in one": (
+        lambda d: f'[storage]\nbackend = "file"\ndata_dir = "{d}"\n[storage.extra]\nfoo = 1\n',
+        "storage.extra: backend 'file' takes its options from [storage.file]",
+    ),
 }
 # what check-config finds too: all but what only a start meets (a directory to
 # make, an endpoint to bind, an S3 client to build)

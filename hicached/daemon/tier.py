@@ -51,6 +51,11 @@ def backend_options(config: Config, cls: type[Backend]) -> Any:
     if isinstance(table, cls.options_type):
         options: Any = table
         where = f"storage.{name}"
+        if config.storage.extra:  # taken for this backend's, it would be ignored
+            raise ConfigError(
+                f"storage.extra: backend {name!r} takes its options from [storage.{name}]; "
+                "[storage.extra] is for a backend of another package"
+            )
     else:
         where = "storage.extra"
         try:
