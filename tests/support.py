@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hicached.config import Config, parse_config
 from hicached.testing import DaemonProcess as Daemon
 from hicached.testing import free_tcp_port
 
@@ -104,3 +105,13 @@ def metrics_token(directory: Path, name: str = "metrics.token") -> tuple[str, st
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")  # a trailing newline, as `openssl rand -hex 32 > FILE` leaves
     return f'port = 0\ntoken_file = "{path}"', token
+
+
+def in_process_config(where: Path) -> Config:
+    """The config of a daemon run in the test's own process, under ``where``:
+    a 2 MiB pool not prefaulted, no metrics."""
+    return parse_config(
+        f'[server]\nendpoint = "ipc://{where}/run/hicached.sock"\nruntime_dir = "{where}/run"\n'
+        "[pool]\nsize_mib = 2\nslab_mib = 1\nmax_page_bytes = 65536\npopulate = false\n"
+        "[metrics]\nenabled = false\n"
+    )

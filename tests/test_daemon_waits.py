@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from hicached.config import parse_config
 from hicached.daemon.server import Server
 from hicached.daemon.waits import bounded, end_tasks, wait_event
+from tests.support import in_process_config
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -113,12 +113,7 @@ async def test_end_tasks_gives_up_on_a_task_that_will_not_end_and_logs_errors(
 
 async def test_a_stop_that_cancels_the_sweep_as_a_reload_wakes_it_ends() -> None:
     where = Path(tempfile.mkdtemp(prefix="hc-", dir="/tmp"))
-    config = parse_config(
-        f'[server]\nendpoint = "ipc://{where}/run/hicached.sock"\nruntime_dir = "{where}/run"\n'
-        "[pool]\nsize_mib = 2\nslab_mib = 1\nmax_page_bytes = 65536\npopulate = false\n"
-        "[metrics]\nenabled = false\n"
-    )
-    daemon = Server(config)
+    daemon = Server(in_process_config(where))
     try:
         await daemon.startup()
         daemon._serving()

@@ -22,8 +22,8 @@ import pytest
 import zmq
 
 from hicached import protocol as p
-from hicached.config import parse_config
 from hicached.server import Server
+from tests.support import in_process_config
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -32,12 +32,7 @@ pytestmark = pytest.mark.timeout(30)
 async def server() -> AsyncIterator[Server]:
     """A daemon on this test's event loop (pool not prefaulted, no metrics)."""
     where = Path(tempfile.mkdtemp(prefix="hc-", dir="/tmp"))
-    config = parse_config(
-        f'[server]\nendpoint = "ipc://{where}/run/hicached.sock"\nruntime_dir = "{where}/run"\n'
-        "[pool]\nsize_mib = 2\nslab_mib = 1\nmax_page_bytes = 65536\npopulate = false\n"
-        "[metrics]\nenabled = false\n"
-    )
-    daemon = Server(config)
+    daemon = Server(in_process_config(where))
     task = asyncio.create_task(daemon.run())
     try:
         await asyncio.wait_for(daemon.ready.wait(), 10)
