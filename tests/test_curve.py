@@ -152,7 +152,7 @@ def test_off_loopback_needs_curve_and_curve_needs_its_files(tmp_path: Path) -> N
         tail=f'[curve]\nsecret_key_file = "{tmp_path / "nope"}"\n'
         f'authorized_keys_dir = "{tmp_path}"\n',
     )
-    with pytest.raises(RuntimeError, match=r"curve\.secret_key_file: cannot open .*nope"):
+    with pytest.raises(RuntimeError, match=r"curve\.secret_key_file: .*nope: cannot open it"):
         d.start(timeout=20)
     d.cleanup()
     # nor does one whose authorized keys include a file that holds no key

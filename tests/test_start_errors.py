@@ -48,7 +48,7 @@ CASES: dict[str, tuple[Callable[[Path], str], str]] = {
     ),
     "CURVE secret key is /dev/zero": (
         lambda d: f'[curve]\nsecret_key_file = "/dev/zero"\nauthorized_keys_dir = "{d}"\n',
-        "curve.secret_key_file: /dev/zero is not a regular file",
+        "curve.secret_key_file: /dev/zero: not a regular file",
     ),
     "events endpoint cannot be bound": (
         lambda d: f'[events]\nendpoint = "ipc://{d}/{"e" * 150}"\n',

@@ -223,9 +223,6 @@ class Access:
         """The daemon's key pair (kept for binding) and the authorized public keys."""
         curve = self.config.curve
         regular_file(curve.secret_key_file, "curve.secret_key_file")
-        if Path(curve.authorized_keys_dir).is_dir():
-            for cert in sorted(Path(curve.authorized_keys_dir).glob("*.key")):
-                regular_file(cert, "curve.authorized_keys_dir")
         try:
             public, secret = zmq.auth.load_certificate(curve.secret_key_file)
         except (OSError, ValueError) as exc:
@@ -241,6 +238,8 @@ class Access:
             raise ConfigError(
                 f"curve.authorized_keys_dir: {curve.authorized_keys_dir} is not a directory"
             )
+        for cert in sorted(Path(curve.authorized_keys_dir).glob("*.key")):
+            regular_file(cert, "curve.authorized_keys_dir")
         try:
             authorized = set(zmq.auth.load_certificates(curve.authorized_keys_dir))
         except (OSError, ValueError) as exc:  # a .key file that holds no public key

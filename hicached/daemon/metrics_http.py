@@ -73,17 +73,8 @@ def read_token(path: str, *, check_owner: bool = True) -> bytes:
     that no one else may read or change, holding one token of at least
     MIN_TOKEN_CHARS visible ASCII characters."""
     where = f"metrics.token_file: {path}"
+    fd, st = _open_regular(path, where)
     try:
-        # O_NONBLOCK: a FIFO put there would hold the open until someone writes
-        fd = os.open(path, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        raise ConfigError(f"{where}: cannot open it: {exc.strerror}") from None
-    except ValueError as exc:  # a NUL in the path
-        raise ConfigError(f"{where}: cannot open it: {exc}") from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError(f"{where}: not a regular file")
         if check_owner and st.st_uid != os.geteuid():
             raise ConfigError(
                 f"{where}: owned by uid {st.st_uid}, not by the daemon's user (uid "
@@ -322,23 +313,33 @@ class _Server(ThreadingMixIn, WSGIServer):
 MAX_KEY_FILE_BYTES = 1 << 20
 
 
-def regular_file(path: str | os.PathLike[str], where: str) -> None:
-    """ConfigError (naming ``where``) unless ``path`` is a regular file of at most
-    MAX_KEY_FILE_BYTES: what a key, certificate or token is. Checked before a
-    library opens it for reading, where a FIFO would block the start and a
-    device (/dev/zero) would be read without end."""
+def _open_regular(path: str | os.PathLike[str], where: str) -> tuple[int, os.stat_result]:
+    """``path`` opened for reading, and its status; ConfigError (``where``
+    first) unless it opens and is a regular file. O_NONBLOCK: a FIFO put there
+    would hold the open until someone writes."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
-        raise ConfigError(f"{where}: cannot open {path}: {getattr(exc, 'strerror', exc)}") from None
-    try:
-        st = os.fstat(fd)
-    finally:
-        os.close(fd)
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot open it: {exc.strerror}") from None
+    except ValueError as exc:  # a NUL in the path
+        raise ConfigError(f"{where}: cannot open it: {exc}") from None
+    st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
-        raise ConfigError(f"{where}: {path} is not a regular file")
+        os.close(fd)
+        raise ConfigError(f"{where}: not a regular file")
+    return fd, st
+
+
+def regular_file(path: str | os.PathLike[str], key: str) -> None:
+    """ConfigError (naming ``key``) unless ``path`` is a regular file of at most
+    MAX_KEY_FILE_BYTES: what a key or certificate is. Checked before a library
+    opens it for reading, where a FIFO would block the start and a device
+    (/dev/zero) would be read without end."""
+    where = f"{key}: {path}"
+    fd, st = _open_regular(path, where)
+    os.close(fd)
     if st.st_size > MAX_KEY_FILE_BYTES:
-        raise ConfigError(f"{where}: {path} is larger than {MAX_KEY_FILE_BYTES} bytes")
+        raise ConfigError(f"{where}: larger than {MAX_KEY_FILE_BYTES} bytes")
 
 
 def tls_context(c: MetricsConfig) -> ssl.SSLContext:
