@@ -170,8 +170,8 @@ CREDENTIALS = {"access_key_id": "testing", "secret_access_key": "testing", "regi
 class S3Server:
     """``moto_server`` on loopback, in its own process."""
 
-    def __init__(self) -> None:
-        self.port = free_tcp_port()
+    def __init__(self, port: int = 0) -> None:
+        self.port = port or free_tcp_port()  # a port: a store that comes up where one was expected
         self.endpoint = f"http://127.0.0.1:{self.port}"
         exe = shutil.which("moto_server", path=str(Path(sys.executable).parent))
         cmd = [exe] if exe else [sys.executable, "-m", "moto.server"]
@@ -232,8 +232,10 @@ def s3_server() -> Iterator[S3Server]:
 class MooncakeMaster:
     """A real ``mooncake_master`` on loopback with its embedded HTTP metadata server."""
 
-    def __init__(self, client_ttl_s: int = 5) -> None:
-        self.rpc_port, self.http_port, self.metrics_port = (free_tcp_port() for _ in range(3))
+    def __init__(self, client_ttl_s: int = 5, ports: tuple[int, int] | None = None) -> None:
+        # ports: (rpc, http metadata), for a master that comes up where one was expected
+        self.rpc_port, self.http_port = ports or (free_tcp_port(), free_tcp_port())
+        self.metrics_port = free_tcp_port()
         self.master = f"127.0.0.1:{self.rpc_port}"
         self.metadata = f"http://127.0.0.1:{self.http_port}/metadata"
         exe = shutil.which("mooncake_master", path=str(Path(sys.executable).parent))

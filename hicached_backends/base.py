@@ -104,7 +104,10 @@ class Backend(ABC):
             self.on_forget(ns, keys)
 
     async def open(self) -> None:
-        """Connect, create files, start pools; raise BackendError if it cannot."""
+        """Connect, create files, start pools; raise BackendError if it cannot.
+        A retriable one says the store does not answer now: the daemon starts
+        with it down (L2 serves) and calls ``health`` after each cooldown, which
+        then connects what ``open`` could not, until it passes."""
         return None
 
     async def close(self) -> None:
@@ -112,7 +115,8 @@ class Backend(ABC):
         return None
 
     async def health(self) -> None:
-        """Raise BackendError if the backend cannot serve now."""
+        """Raise BackendError if the backend cannot serve now (connecting first
+        where ``open`` found the store unreachable)."""
         return None
 
     @abstractmethod

@@ -12,6 +12,8 @@ every read's answer that long after the inner store gave it (what it read may
 be let go of meanwhile); ``write_delay_s`` is added
 to every write (a backend that hangs past ``storage.op_timeout_s``);
 ``scan_delay_s`` is added per page the startup scan lists (a slow listing);
+``open_delay_s`` is added to the store's opening (a store slow to answer at
+the start);
 ``exists_delay_s`` is added to every existence check (a slow L3 lookup), and
 every one waits until the file ``exists_gate`` names exists, if it names one;
 the first ``scan_failures`` listings fail after their first page, if any (a
@@ -62,6 +64,7 @@ class FaultyOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     read_gate: dict[str, str] = {}
     write_delay_s: float = 0.0
     scan_delay_s: float = 0.0
+    open_delay_s: float = 0.0
     exists_delay_s: float = 0.0
     exists_gate: str = ""
     scan_failures: int = 0
@@ -116,6 +119,8 @@ class FaultyBackend(Backend):
 
     async def open(self) -> None:
         self.inner.on_forget = self.on_forget
+        if self.options.open_delay_s:
+            await asyncio.sleep(self.options.open_delay_s)
         await self.inner.open()
 
     async def close(self) -> None:

@@ -62,6 +62,10 @@ def _address(buf: memoryview) -> int:
 _PROBE = "hc/health-probe"  # an object name no page has (pages: hc/<ns hex>/<key hex>)
 
 
+# seconds the master and an HTTP metadata server each have to accept a
+# connection before the store's setup is called (MooncakeBackend._reachable)
+_REACH_S = 3.0
+
 # threads of existence checks (L3 lookups): short calls, two so one seldom waits for another
 _CHECK_THREADS = 2
 
@@ -86,6 +90,7 @@ class MooncakeBackend(Backend):
         self._free_headers: collections.deque[int] = collections.deque(range(HEADER_SLOTS))
         self._header_wait = asyncio.Condition()
         self._arena: tuple[int, int] | None = None  # registered pool: (address, size)
+        self._setup: asyncio.Future[None] | None = None  # the store's setup (_connect)
         self.counters = {"errors": 0, "bad_objects": 0, "bad_removed": 0, "bad_remove_failed": 0}
 
     # -- lifecycle ---------------------------------------------------------------
@@ -101,6 +106,30 @@ class MooncakeBackend(Backend):
             self._hashers = ThreadPoolExecutor(
                 o.verify_threads, thread_name_prefix="hicached-verify"
             )
+        try:
+            await self._connect()
+        except BackendError as exc:
+            if not exc.retriable:
+                await self.close()  # the start fails: no thread stays behind
+            # else unreachable now: the daemon serves from L2 and its probe
+            # (health) connects once the store answers
+            raise
+
+    async def _connect(self) -> None:
+        """Set the store up, once its master and metadata server accept a
+        connection. A failed setup with both answering is not retriable. One
+        setup at a time: a caller cancelled (a probe past its timeout) leaves
+        it running, and the next caller waits for that one."""
+        if self._store is not None:
+            return
+        if self._setup is None or self._setup.done():
+            self._setup = asyncio.ensure_future(self._set_up())
+            self._setup.add_done_callback(lambda t: t.cancelled() or t.exception())
+        await asyncio.shield(self._setup)
+
+    async def _set_up(self) -> None:
+        await self._reachable()
+        o = self.options
         store = MooncakeDistributedStore()
         rc = await self._blocking(
             store.setup,
@@ -117,14 +146,34 @@ class MooncakeBackend(Backend):
                 f"Mooncake setup failed (code {rc}): is the master at {o.master} and the "
                 f"metadata server at {o.metadata_server} running?"
             )
+        try:
+            await self._register(store, int(self._headers.ctypes.data), self._headers.nbytes)
+            if self.env.pool is not None:
+                base = _address(self.env.pool)
+                await self._register(store, base, len(self.env.pool))
+                self._arena = (base, len(self.env.pool))
+        except BaseException:
+            await self._blocking(store.close)
+            raise
         self._store = store
-        await self._register(int(self._headers.ctypes.data), self._headers.nbytes)
-        if self.env.pool is not None:
-            base = _address(self.env.pool)
-            await self._register(base, len(self.env.pool))
-            self._arena = (base, len(self.env.pool))
+
+    async def _reachable(self) -> None:
+        """Mooncake's setup holds the GIL while it retries an address that does
+        not answer (some 90 s), and nothing else of the daemon runs meanwhile,
+        not even a SIGTERM's stop: each address is first asked on the loop."""
+        for what, host, port in self.options.addresses():
+            try:
+                _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), _REACH_S)
+            except (OSError, asyncio.TimeoutError) as exc:
+                why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "no answer"
+                raise BackendError(
+                    f"Mooncake {what} at {host}:{port} does not answer ({why})", retriable=True
+                ) from None
+            writer.close()
 
     async def close(self) -> None:
+        if self._setup is not None:
+            self._setup.cancel()  # a setup still running on its thread is not waited for
         if self._store is not None:
             store, self._store = self._store, None
             await self._blocking(store.close)
@@ -132,8 +181,7 @@ class MooncakeBackend(Backend):
         self._pool = self._checks = self._hashers = None
 
     async def health(self) -> None:
-        if self._store is None:
-            raise BackendError("Mooncake store is not open", retriable=True)
+        await self._connect()  # not reachable at start: set up once it is
         rc = await self._blocking(self._store.health_check, checks=True)
         if rc != 0:
             raise BackendError(f"Mooncake health check failed (code {rc})", retriable=True)
@@ -154,8 +202,8 @@ class MooncakeBackend(Backend):
             raise BackendError("Mooncake backend is closed", retriable=True)
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
-    async def _register(self, address: int, size: int) -> None:
-        rc = await self._blocking(self._store.register_buffer, address, size)
+    async def _register(self, store: Any, address: int, size: int) -> None:
+        rc = await self._blocking(store.register_buffer, address, size)
         if rc != 0:
             raise BackendError(f"Mooncake could not register {size} bytes (code {rc})")
 
@@ -202,7 +250,7 @@ class MooncakeBackend(Backend):
                 ]
             )
             for address, size in foreign:
-                await self._register(address, size)
+                await self._register(self._store, address, size)
             headers = await self._take_headers(len(chunk))
             try:
                 out.extend(await call(chunk, addresses, headers))

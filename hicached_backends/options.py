@@ -7,6 +7,7 @@ host that lacks boto3 or mooncake.
 from __future__ import annotations
 
 import os
+import urllib.parse
 from typing import Literal
 
 import msgspec
@@ -160,15 +161,35 @@ class MooncakeOptions(msgspec.Struct, **_Table):
         ``verify_threads`` helpers, at most the CPUs each store thread has."""
         return max(1, min(self.verify_threads + 1, usable_cpus() // self.threads))
 
+    def addresses(self) -> list[tuple[str, str, int]]:
+        """(what, host, port) of the master and of an HTTP metadata server."""
+        host, _, port = self.master.rpartition(":")
+        found = [("master", host.strip("[]"), int(port))]
+        meta = urllib.parse.urlsplit(self.metadata_server)
+        if meta.scheme in ("http", "https") and meta.hostname:
+            default = 443 if meta.scheme == "https" else 80
+            found.append(("metadata server", meta.hostname, meta.port or default))
+        return found
+
     def check_required(self) -> None:
         """What a start with this backend needs beyond the defaults (check_options)."""
         host, sep, port = self.master.rpartition(":")
-        if not (sep and host and port.isdigit()):
+        if not (sep and host and port.isdigit() and 0 < int(port) < 65536):
             raise ValueError(f"master must be host:port, got {self.master!r}")
         if not self.metadata_server:
             raise ValueError(
                 "metadata_server is empty: give http://host:port/metadata or P2PHANDSHAKE"
             )
+        meta = urllib.parse.urlsplit(self.metadata_server)
+        if meta.scheme in ("http", "https"):
+            try:
+                meta.port  # noqa: B018 (a port out of range or not a number raises)
+            except ValueError:
+                meta = meta._replace(netloc="")
+            if not meta.hostname:
+                raise ValueError(
+                    f"metadata_server {self.metadata_server!r}: give http://host:port/metadata"
+                )
         if not self.local_hostname:
             raise ValueError("local_hostname is empty: name this host as other clients reach it")
 

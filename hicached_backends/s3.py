@@ -97,9 +97,9 @@ class S3Backend(Backend):
         except BackendError as exc:
             if not exc.retriable:
                 await self.close()  # the start fails: no thread stays behind
-                raise
-            # unreachable now: serve from L2, the breaker retries later
-            log.warning("S3 at %s not reachable at start: %s", o.endpoint_url or "AWS", exc.message)
+            # else unreachable now: the daemon serves from L2 and its probe
+            # (health) asks again until the store answers
+            raise
 
     async def close(self) -> None:
         let_go(self._pool, self._reads, self._heads)  # a call ends within the client's timeouts

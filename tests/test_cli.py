@@ -77,6 +77,47 @@ def test_status_without_a_daemon_says_so(tmp_path: Path) -> None:
     assert "is it running?" in out.stderr
 
 
+def test_a_sigterm_while_the_store_opens_ends_the_start(tmp_path: Path) -> None:
+    """A start waiting on its store (here one that takes a minute to open:
+    fault injection) ends at SIGTERM: it waited for the store, and systemd
+    killed the daemon at TimeoutStopSec. Exit 0, the socket and the lock
+    released: a daemon starts at once on the same runtime directory."""
+    tmp_path.chmod(0o700)
+    config = tmp_path / "c.toml"
+    config.write_text(
+        f'[server]\nendpoint = "ipc://{tmp_path}/hicached.sock"\n'
+        f'runtime_dir = "{tmp_path / "run"}"\n'
+        f"[pool]\nsize_mib = 8\nslab_mib = 4\npopulate = false\nadopt = false\n"
+        f'shm_dir = "{tmp_path}"\n[metrics]\nenabled = false\n'
+        f'[storage]\nbackend = "faulty"\n[storage.extra]\ninner = "memory"\nopen_delay_s = 60.0\n'
+    )
+    serve = [sys.executable, "-m", "hicached", "serve", "--config", str(config)]
+    env = {**os.environ, **FAULTS_ALLOWED}
+
+    def stopped(after: str) -> tuple[int, str]:
+        """Exit status and log of a daemon sent SIGTERM once it logs ``after``."""
+        with subprocess.Popen(serve, env=env, stderr=subprocess.PIPE, text=True) as proc:
+            try:
+                assert proc.stderr is not None
+                for line in proc.stderr:
+                    if after in line:
+                        break
+                time.sleep(0.5)
+                proc.send_signal(signal.SIGTERM)
+                return proc.wait(20), proc.stderr.read()
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+
+    code, log = stopped("pool:")  # past the pool: the store opens
+    assert code == 0 and "stopped before the start ended" in log, log
+    assert "Traceback" not in log, log
+    assert not (tmp_path / "hicached.sock").exists()
+    config.write_text(config.read_text().replace("open_delay_s = 60.0", "open_delay_s = 0.0"))
+    code, log = stopped("listening on")
+    assert code == 0 and "stopped before the start ended" not in log, log
+
+
 def test_serve_on_defaults_and_stop_cleanly_on_sigterm(tmp_path: Path) -> None:
     """No config file at all: defaults, a private runtime dir, a clean ordered exit."""
     runtime_base = Path("/tmp") / f"hc-xdg-{os.getpid()}"
@@ -278,6 +319,18 @@ def test_bench_commands_print_json_figures(daemon_factory: object) -> None:
             "storage.s3.access_key_id",
         ),
         ('backend = "mooncake"\n[storage.mooncake]\nmaster = ""\n', "storage.mooncake.master"),
+        (
+            'backend = "mooncake"\n[storage.mooncake]\nmaster = "h:99999"\n',
+            "storage.mooncake.master",
+        ),
+        (
+            'backend = "mooncake"\n[storage.mooncake]\nmetadata_server = "http://:80/m"\n',
+            "storage.mooncake.metadata_server",
+        ),
+        (
+            'backend = "mooncake"\n[storage.mooncake]\nmetadata_server = "http://h:99999/m"\n',
+            "storage.mooncake.metadata_server",
+        ),
         (
             'backend = "mooncake"\n[storage.mooncake]\nmetadata_server = ""\n',
             "storage.mooncake.metadata_server",

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from hicached.testing import free_tcp_port
 from tests.l3util import evict_everything, l3_count, storage, wait_for, wait_prefetch
 from tests.services import MooncakeMaster
 from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
@@ -75,3 +76,45 @@ def test_a_dead_master_keeps_the_backend_down(daemon_factory: Callable[..., Daem
             assert np.array_equal(c.load(ns, toks), page_bytes_for(toks))
     finally:
         master.stop()
+
+
+def test_a_master_that_comes_up_after_the_daemon_is_used_once_it_answers(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """A master not yet up at the daemon's start: the start does not wait on
+    Mooncake's own retries (some 90 s, holding the GIL, deaf to SIGTERM), the
+    daemon serves from L2 with L3 down, and its probe sets the store up once a
+    master answers; pages are then written there and read back."""
+    ports = (free_tcp_port(), free_tcp_port())
+    d = daemon_factory(
+        size_mib=1,
+        slab_mib=1,
+        storage=storage("mooncake", more="breaker_cooldown_s = 0.3\n"),
+        tail=(
+            f'[storage.mooncake]\nmaster = "127.0.0.1:{ports[0]}"\n'
+            f'metadata_server = "http://127.0.0.1:{ports[1]}/metadata"\n'
+            "global_segment_mib = 64\nlocal_buffer_mib = 16\n"
+        ),
+    )
+    master = None
+    try:
+        with d.client(timeout=10.0) as c:
+            assert c.stats().l3_state == "down"
+            ns = c.register(**NS)
+            early = seq(0, 4)
+            c.store(ns, early, page_bytes_for(early))
+            assert np.array_equal(c.load(ns, early), page_bytes_for(early))  # L2 serves
+            assert "not reachable at start" in d.log.read_text()
+            master = MooncakeMaster(ports=ports)
+            wait_for(lambda: c.stats().l3_state == "up", timeout=30)
+            toks = seq(10**6, 8)
+            c.store(ns, toks, page_bytes_for(toks))
+            wait_for(lambda: l3_count(c, "written") >= 8)
+            evict_everything(c, ns)
+            pf = c.prefetch(ns, toks)
+            assert wait_prefetch(c, pf).completed == 8
+            c.commit(pf)
+            assert np.array_equal(c.load(ns, toks), page_bytes_for(toks))
+    finally:
+        if master is not None:
+            master.stop()

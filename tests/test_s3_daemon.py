@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hicached.hashing import pack_tokens, page_keys
-from hicached.testing import scrape
+from hicached.testing import free_tcp_port, scrape
 from tests.faults import FaultProxy
 from tests.l3util import (
     evict_everything,
@@ -90,6 +90,46 @@ def test_a_missing_bucket_stops_the_start(s3: S3Server) -> None:
     """A daemon whose bucket does not exist would fail every write: it exits 2."""
     d = Daemon(size_mib=1, slab_mib=1, storage=storage("s3"), tail=s3_tail(s3.endpoint, "absent"))
     refused_start(d, "S3 bucket 'absent' does not exist")
+
+
+def test_a_store_that_comes_up_after_the_daemon_is_used_once_it_answers(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """No S3 server at the endpoint yet at the daemon's start: it serves from
+    L2 with L3 down (not up with every call failing until the breaker opens),
+    and its probe finds the store once it answers with the bucket."""
+    port = free_tcp_port()
+    d = daemon_factory(
+        size_mib=1,
+        slab_mib=1,
+        storage=storage("s3", more="breaker_cooldown_s = 0.3\n"),
+        tail=s3_tail(f"http://127.0.0.1:{port}", "late", max_attempts=1),
+    )
+    server = None
+    try:
+        with d.client(timeout=10.0) as c:
+            assert c.stats().l3_state == "down"
+            ns = c.register(**NS)
+            early = seq(0, 4)
+            c.store(ns, early, page_bytes_for(early))
+            assert np.array_equal(c.load(ns, early), page_bytes_for(early))  # L2 serves
+            assert "not reachable at start" in d.log.read_text()
+            server = S3Server(port=port)
+            time.sleep(1.0)  # probes that find the server without the bucket keep it down
+            assert c.stats().l3_state == "down"
+            server.make_bucket("late")
+            wait_for(lambda: c.stats().l3_state == "up", timeout=30)
+            toks = seq(10**6, 8)
+            c.store(ns, toks, page_bytes_for(toks))
+            wait_for(lambda: l3_count(c, "written") >= 8)
+            evict_everything(c, ns)
+            pf = c.prefetch(ns, toks)
+            assert wait_prefetch(c, pf).completed == 8
+            c.commit(pf)
+            assert np.array_equal(c.load(ns, toks), page_bytes_for(toks))
+    finally:
+        if server is not None:
+            server.stop()
 
 
 def test_s3_faults_never_give_wrong_bytes(
@@ -257,12 +297,13 @@ def test_a_listing_that_fails_leaves_the_index_incomplete(
     b = daemon_factory(
         size_mib=1,
         slab_mib=1,
-        storage=storage("s3", more="breaker_failures = 1000\n"),
+        storage=storage("s3", more="breaker_failures = 1000\nbreaker_cooldown_s = 0.3\n"),
         tail=s3_tail(proxy.endpoint, bucket, max_attempts=1),
     )
     with b.client() as cb:
-        wait_for(lambda: cb.stats().l3_state != "scanning")
+        wait_for(lambda: l3_count(cb, "scan_failed") or cb.stats().l3["index_complete"])
         proxy.rates = {}
+        wait_for(lambda: cb.stats().l3_state == "up")  # down from the start: S3 did not answer
         stats = cb.stats()
         assert stats.l3["scan_failed"] == 1, "a listing S3 broke off counted as complete"
         assert stats.l3["index_complete"] == 0

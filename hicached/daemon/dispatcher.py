@@ -140,10 +140,28 @@ class Dispatcher:
     # -- lifecycle -----------------------------------------------------------------
 
     async def start(self) -> None:
-        await self.backend.open()
+        """Open the backend. A store that does not answer now (a retriable
+        error) is down from the start: L2 serves, and the probe (its health)
+        brings it up once it answers."""
+        unreachable: BackendError | None = None
+        try:
+            await self.backend.open()
+        except BackendError as exc:
+            if not exc.retriable:
+                raise
+            unreachable = exc
         self._accepting = True
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._writer()) for _ in range(self.config.concurrency)]
+        if unreachable is not None:
+            log.warning(
+                "%s not reachable at start (%s): serving from L2, tried again every %.1fs",
+                self.name,
+                unreachable.message,
+                self.config.breaker_cooldown_s,
+            )
+            self._failures = self.config.breaker_failures - 1
+            self._failed(f"not reachable at start: {unreachable.message}")
 
     async def stop(self, until: float) -> None:
         """Finish queued and in-flight writes until ``until`` (monotonic), drop

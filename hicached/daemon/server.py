@@ -109,9 +109,9 @@ class Server:
             loop.add_signal_handler(sig, self._on_signal, sig)
         loop.add_signal_handler(signal.SIGHUP, self._reload_wanted.set)
         try:
-            await self.startup()
-            self._serving()
-            await self._stop.wait()
+            if await self._start_unless_stopped():
+                self._serving()
+                await self._stop.wait()
         finally:
             await self.shutdown()
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -123,6 +123,27 @@ class Server:
 
     def stop(self) -> None:
         self._stop.set()
+
+    async def _start_unless_stopped(self) -> bool:
+        """Start, unless a stop comes first (whether it started). A start that
+        waits on its store (an unreachable Mooncake master is retried for some
+        90 s, a listing before READY) ends at SIGTERM: the rest of the stop runs
+        at once, and a store call stuck on a thread is not waited for."""
+        start = asyncio.ensure_future(self.startup())
+        stopped = asyncio.ensure_future(self._stop.wait())
+        try:
+            await asyncio.wait((start, stopped), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            await end_tasks([start], TASK_STOP_S, "the start")
+            raise
+        finally:
+            stopped.cancel()
+        if start.done():
+            start.result()  # its error is the start's
+            return True
+        log.warning("stopped before the start ended")
+        await end_tasks([start], TASK_STOP_S, "the start")
+        return False
 
     def _on_signal(self, sig: signal.Signals) -> None:
         self._signals += 1
@@ -164,7 +185,11 @@ class Server:
                     stall_s=2 * cfg.storage.op_timeout_s,
                     unit=" pages",
                 )
-                await tier.start()  # opens the store and learns what it holds
+                try:
+                    await tier.start()  # opens the store and learns what it holds
+                except BaseException:  # a failed or stopped start closes what it opened
+                    await tier.dispatcher.stop(time.monotonic())
+                    raise
                 self.cache.use_tier(tier)
                 self.tier = tier
                 log.info("L3: %s backend, %s", cfg.storage.backend, cfg.storage.write_policy)
