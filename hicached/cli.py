@@ -39,6 +39,7 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
     from hicached.config import endpoint, runtime_dir
     from hicached.daemon.access import Access
     from hicached.daemon.arenas import checked_layout
+    from hicached.daemon.startpaths import check_paths
 
     # what serve refuses of tenant arenas fails here too: sizes that are not
     # whole slabs, a pool too small for them, and accounts that could open
@@ -55,6 +56,7 @@ def _cmd_check_config(args: argparse.Namespace) -> int:
         from hicached_backends import load_backend_class
 
         backend_options(config, load_backend_class(config.storage.backend))
+    check_paths(config)  # pool.shm_dir, and where a file store's segments go
     print(f"{args.path}: ok")
     return 0
 

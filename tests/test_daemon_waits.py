@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from hicached.daemon.server import Server
-from hicached.daemon.waits import bounded, end_tasks, wait_event
+from hicached.daemon.waits import bounded, end_tasks, unless_set, wait_event
 from tests.support import in_process_config
 
 pytestmark = pytest.mark.timeout(30)
@@ -109,6 +109,42 @@ async def test_end_tasks_gives_up_on_a_task_that_will_not_end_and_logs_errors(
     tasks[0].cancel()
     await asyncio.wait({tasks[0]}, timeout=2.0)
     assert tasks[0].done()
+
+
+async def test_unless_set_ends_what_it_waits_for_when_the_event_comes_first() -> None:
+    """A start waits on its store; a stop's event cancels it (and a start
+    that ended, or failed, is its own answer, set event or not)."""
+    event = asyncio.Event()
+    ended = asyncio.Event()
+
+    async def slow() -> None:
+        try:
+            await asyncio.sleep(60)
+        finally:
+            ended.set()
+
+    waiting = asyncio.ensure_future(unless_set(slow(), event, "the start"))
+    await _settled()
+    assert not waiting.done()
+    event.set()
+    assert await asyncio.wait_for(waiting, 5) is False
+    assert ended.is_set()
+    assert await unless_set(asyncio.sleep(0), asyncio.Event(), "the start") is True
+
+    async def fails() -> None:
+        raise RuntimeError("no pool")
+
+    with pytest.raises(RuntimeError, match="no pool"):
+        await unless_set(fails(), asyncio.Event(), "the start")
+    # set before: what it would wait for never runs
+    ran = False
+
+    async def never() -> None:
+        nonlocal ran
+        ran = True
+
+    assert await unless_set(never(), event, "the start") is False
+    assert not ran
 
 
 async def test_a_stop_that_cancels_the_sweep_as_a_reload_wakes_it_ends() -> None:

@@ -23,6 +23,12 @@ def _fifo(where: Path) -> str:
     return str(path)
 
 
+def _file(where: Path) -> str:
+    path = where / "file"
+    path.write_text("not a directory")
+    return str(path)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -79,6 +85,17 @@ CASES: dict[str, tuple[Callable[[Path], str], str]] = {
         "concurrency must be at most 1024",
     ),
     "no such client group": (lambda d: "", "server.client_group"),  # set below
+    # pool.shm_dir set below, to d / "absent" and to d / "file"
+    "shm_dir does not exist": (lambda d: "", "pool.shm_dir: "),
+    "shm_dir is a file": (lambda d: "", "pool.shm_dir: "),
+    "a file store's path is a file": (
+        lambda d: f'[storage]\nbackend = "file"\n[storage.file]\npath = "{_file(d)}/pages"\n',
+        "storage.file.path: ",
+    ),
+    "the data dir of a file store is a file": (
+        lambda d: f'[storage]\nbackend = "file"\ndata_dir = "{_file(d)}"\n',
+        "storage.data_dir: ",
+    ),
     "options of another package's backend for a built-in one": (
         lambda d: f'[storage]\nbackend = "file"\ndata_dir = "{d}"\n[storage.extra]\nfoo = 1\n',
         "storage.extra: backend 'file' takes its options from [storage.file]",
@@ -107,11 +124,14 @@ def test_a_start_the_config_cannot_give_exits_2_naming_the_key(
         run.write_text("not a directory")
     group = 'client_group = "hicached-no-such-group"\n' if case == "no such client group" else ""
     body = tail(tmp_path)
+    shm = tmp_path
+    if case.startswith("shm_dir"):
+        shm = tmp_path / ("absent" if "not exist" in case else _file(tmp_path))
     config = tmp_path / "c.toml"
     config.write_text(
         f'[server]\nendpoint = "ipc://{tmp_path}/hicached.sock"\nruntime_dir = "{run}"\n{group}'
         f"[pool]\nsize_mib = 8\nslab_mib = 4\npopulate = false\nadopt = false\n"
-        f'shm_dir = "{tmp_path}"\n'
+        f'shm_dir = "{shm}"\n'
         + ("" if "[metrics]" in body else "[metrics]\nenabled = false\n")
         + body
     )

@@ -51,9 +51,10 @@ from hicached.daemon.reload import reload_plan
 from hicached.daemon.requests import RequestLoop
 from hicached.daemon.reread import ConfigReader, ReadTimeout
 from hicached.daemon.routing import unpredictable_routing_ids
+from hicached.daemon.startpaths import check_paths
 from hicached.daemon.tenants import TENANT_DOMAIN
 from hicached.daemon.tier import Tier, make_backend
-from hicached.daemon.waits import TASK_STOP_S, end_tasks, wait_event
+from hicached.daemon.waits import TASK_STOP_S, end_tasks, unless_set, wait_event
 from hicached.errors import ConfigError
 from hicached.wire.arena import Arena, arena_path
 from hicached.wire.arenas import TenantArena, TenantArenas
@@ -109,7 +110,10 @@ class Server:
             loop.add_signal_handler(sig, self._on_signal, sig)
         loop.add_signal_handler(signal.SIGHUP, self._reload_wanted.set)
         try:
-            if await self._start_unless_stopped():
+            # A start that waits (an L3 store opening, a scan before READY) ends
+            # at SIGTERM: the rest of the stop runs at once, and a store call
+            # stuck on a thread is not waited for.
+            if await unless_set(self.startup(), self._stop, "the start"):
                 self._serving()
                 await self._stop.wait()
         finally:
@@ -123,27 +127,6 @@ class Server:
 
     def stop(self) -> None:
         self._stop.set()
-
-    async def _start_unless_stopped(self) -> bool:
-        """Start, unless a stop comes first (whether it started). A start that
-        waits on its store (an unreachable Mooncake master is retried for some
-        90 s, a listing before READY) ends at SIGTERM: the rest of the stop runs
-        at once, and a store call stuck on a thread is not waited for."""
-        start = asyncio.ensure_future(self.startup())
-        stopped = asyncio.ensure_future(self._stop.wait())
-        try:
-            await asyncio.wait((start, stopped), return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:
-            await end_tasks([start], TASK_STOP_S, "the start")
-            raise
-        finally:
-            stopped.cancel()
-        if start.done():
-            start.result()  # its error is the start's
-            return True
-        log.warning("stopped before the start ended")
-        await end_tasks([start], TASK_STOP_S, "the start")
-        return False
 
     def _on_signal(self, sig: signal.Signals) -> None:
         self._signals += 1
@@ -224,6 +207,7 @@ class Server:
             ensure_private_dir(sock_path.parent, gid)
             release_stale(sock_path, "server.endpoint")
         started = time.monotonic()
+        check_paths(cfg)  # pool.shm_dir, and where a file store's segments go
         path = arena_path(cfg.pool.shm_dir, self.runtime_dir)
         layout = checked_layout(cfg, self.endpoint, self.runtime_dir)
         if layout:

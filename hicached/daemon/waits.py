@@ -78,3 +78,25 @@ async def end_tasks(tasks: Collection[asyncio.Future[Any]], timeout: float, what
     if left:
         log.warning("%s: %d still running %.1fs after being cancelled", what, len(left), timeout)
     return len(left)
+
+
+async def unless_set(aw: Awaitable[Any], event: asyncio.Event, what: str) -> bool:
+    """``await aw`` unless ``event`` is set first: then ``aw`` is cancelled
+    and given ``TASK_STOP_S`` to end (logged, under ``what``). Whether ``aw``
+    ended; its error is raised."""
+    task = asyncio.ensure_future(aw)
+    if not event.is_set():
+        waiter = asyncio.ensure_future(event.wait())
+        try:
+            await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            await end_tasks([task], TASK_STOP_S, what)
+            raise
+        finally:
+            waiter.cancel()
+    if task.done():
+        task.result()
+        return True
+    log.warning("stopped before %s ended", what)
+    await end_tasks([task], TASK_STOP_S, what)
+    return False
