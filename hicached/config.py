@@ -219,6 +219,7 @@ class StorageConfig(msgspec.Struct, **_Section):
     retries: int = 3
     retry_backoff_s: float = 0.05
     # Consecutive failures that mark the backend down; it is probed again after the cooldown.
+    # A store that does not answer at the start is down from the start (L2 serves).
     breaker_failures: int = 5
     breaker_cooldown_s: float = 5.0
     # Pages per read while prefetching.
