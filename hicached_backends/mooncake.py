@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -65,6 +66,10 @@ _PROBE = "hc/health-probe"  # an object name no page has (pages: hc/<ns hex>/<ke
 # seconds the master and an HTTP metadata server each have to accept a
 # connection before the store's setup is called (MooncakeBackend._reachable)
 _REACH_S = 3.0
+
+# seconds a trial setup in a process of its own may take (MooncakeBackend._trial):
+# one that answers takes well under a second
+_TRIAL_S = 15.0
 
 # threads of existence checks (L3 lookups): short calls, two so one seldom waits for another
 _CHECK_THREADS = 2
@@ -129,6 +134,7 @@ class MooncakeBackend(Backend):
 
     async def _set_up(self) -> None:
         await self._reachable()
+        await self._trial()
         o = self.options
         store = MooncakeDistributedStore()
         rc = await self._blocking(
@@ -170,6 +176,45 @@ class MooncakeBackend(Backend):
                     f"Mooncake {what} at {host}:{port} does not answer ({why})", retriable=True
                 ) from None
             writer.close()
+
+    async def _trial(self) -> None:
+        """A setup in a process of its own first (hicached_backends/mooncake_trial.py):
+        a master that accepts connections but does not answer (hung, or another
+        service on its port) would hold the daemon's own setup, and with it
+        every request and the stop, for minutes."""
+        o = self.options
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "hicached_backends.mooncake_trial",
+            o.local_hostname,
+            o.metadata_server,
+            o.protocol,
+            o.device,
+            o.master,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        try:
+            code = await asyncio.wait_for(proc.wait(), _TRIAL_S)
+        except asyncio.TimeoutError:
+            raise BackendError(
+                f"Mooncake master at {o.master} accepts connections but a client's setup "
+                f"did not end within {_TRIAL_S:.0f}s",
+                retriable=True,
+            ) from None
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        if code != 0:
+            raise BackendError(
+                f"Mooncake setup failed with the master at {o.master} and the metadata "
+                f"server at {o.metadata_server} answering (tried in a process of its own, "
+                f"exit {code}): are they Mooncake's, and the protocol and device right?",
+                retriable=True,
+            )
 
     async def close(self) -> None:
         if self._setup is not None:

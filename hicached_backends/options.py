@@ -183,10 +183,10 @@ class MooncakeOptions(msgspec.Struct, **_Table):
         meta = urllib.parse.urlsplit(self.metadata_server)
         if meta.scheme in ("http", "https"):
             try:
-                meta.port  # noqa: B018 (a port out of range or not a number raises)
+                meta_port = meta.port  # a port out of range or not a number raises
             except ValueError:
-                meta = meta._replace(netloc="")
-            if not meta.hostname:
+                meta_port = 0
+            if not meta.hostname or meta_port == 0:
                 raise ValueError(
                     f"metadata_server {self.metadata_server!r}: give http://host:port/metadata"
                 )

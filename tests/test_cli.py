@@ -332,6 +332,10 @@ def test_bench_commands_print_json_figures(daemon_factory: object) -> None:
             "storage.mooncake.metadata_server",
         ),
         (
+            'backend = "mooncake"\n[storage.mooncake]\nmetadata_server = "http://h:0/m"\n',
+            "storage.mooncake.metadata_server",
+        ),
+        (
             'backend = "mooncake"\n[storage.mooncake]\nmetadata_server = ""\n',
             "storage.mooncake.metadata_server",
         ),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 
@@ -118,3 +119,45 @@ def test_a_master_that_comes_up_after_the_daemon_is_used_once_it_answers(
     finally:
         if master is not None:
             master.stop()
+
+
+def test_a_master_that_accepts_but_never_answers_holds_nothing_of_the_daemon(
+    daemon_factory: Callable[..., Daemon],
+) -> None:
+    """Something listens on the master's and the metadata server's ports but
+    never answers (a hung master, another service): Mooncake's setup would
+    hold the interpreter's lock for minutes, so it is first tried in a process
+    of its own. The daemon starts, serves from L2 with L3 down while probes
+    try again, and stops at once on SIGTERM."""
+    listeners = []
+    for _ in range(2):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen(64)
+        listeners.append(s)
+    rpc, http = (s.getsockname()[1] for s in listeners)
+    try:
+        d = daemon_factory(
+            size_mib=1,
+            slab_mib=1,
+            storage=storage("mooncake", more="breaker_cooldown_s = 0.3\n"),
+            tail=(
+                f'[storage.mooncake]\nmaster = "127.0.0.1:{rpc}"\n'
+                f'metadata_server = "http://127.0.0.1:{http}/metadata"\n'
+                "global_segment_mib = 64\nlocal_buffer_mib = 16\n"
+            ),
+        )
+        with d.client(timeout=5.0) as c:
+            ns = c.register(**NS)
+            toks = seq(0, 4)
+            c.store(ns, toks, page_bytes_for(toks))
+            until = time.monotonic() + 20  # past a trial's 15 s: one is given up on
+            while time.monotonic() < until:
+                assert c.stats().l3_state == "down"  # each answered within its 5 s
+                assert np.array_equal(c.load(ns, toks), page_bytes_for(toks))
+                time.sleep(0.5)
+        assert "did not end within" in d.log.read_text()
+        assert d.stop(timeout=20) == 0
+    finally:
+        for s in listeners:
+            s.close()

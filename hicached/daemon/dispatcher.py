@@ -155,13 +155,16 @@ class Dispatcher:
         self._tasks = [loop.create_task(self._writer()) for _ in range(self.config.concurrency)]
         if unreachable is not None:
             log.warning(
-                "%s not reachable at start (%s): serving from L2, tried again every %.1fs",
+                "%s not reachable at start (%s): down, serving from L2, probed every %.1fs",
                 self.name,
                 unreachable.message,
                 self.config.breaker_cooldown_s,
             )
-            self._failures = self.config.breaker_failures - 1
-            self._failed(f"not reachable at start: {unreachable.message}")
+            self._failures = self.config.breaker_failures
+            self._down = True
+            self._down_until = time.monotonic() + self.config.breaker_cooldown_s
+            self.counters["breaker_opened"] += 1
+            self._prober = loop.create_task(self._recover())
 
     async def stop(self, until: float) -> None:
         """Finish queued and in-flight writes until ``until`` (monotonic), drop
@@ -481,7 +484,8 @@ class Dispatcher:
             await bounded(self.backend.health(), self.config.op_timeout_s)
         except Exception as exc:  # any failure keeps it down for another cooldown
             self._down_until = time.monotonic() + self.config.breaker_cooldown_s
-            log.info("%s still down: %s", self.name, exc)
+            why = str(exc) or f"no answer within {self.config.op_timeout_s}s"
+            log.info("%s still down: %s", self.name, why)
             return False
         self._failures = self.config.breaker_failures - 1  # one more failure: down again
         self._down = False

@@ -30,7 +30,7 @@ from hicached.daemon.waits import end_tasks
 from hicached.errors import ConfigError
 from hicached.wire.arena import Arena
 from hicached.wire.arenas import TenantArenas
-from hicached_backends import Backend, BackendEnv, PageRef, load_backend_class
+from hicached_backends import Backend, BackendEnv, BackendError, PageRef, load_backend_class
 
 log = logging.getLogger("hicached.storage")
 
@@ -151,6 +151,9 @@ class Tier:
         if not self.config.scan_on_start:
             self._write_adopted_unlisted("storage.scan_on_start is off")
             return
+        if self.dispatcher.state == "down":  # it did not answer: listed later, once up
+            self._scan = asyncio.get_running_loop().create_task(self._scan_until_listed(tried=True))
+            return
         self.scanning = True
         if self.config.scan_in_background or not await self._scan_store():
             self._scan = asyncio.get_running_loop().create_task(
@@ -214,9 +217,12 @@ class Tier:
         except asyncio.CancelledError:
             log.info("L3 scan stopped after %d pages", self.scan_pages)
             raise
-        except Exception:
+        except Exception as exc:
             self.dispatcher.counters["scan_failed"] += 1
-            log.exception("L3 scan failed after %d pages", self.scan_pages)
+            if isinstance(exc, BackendError):  # the store's fault: said, not traced
+                log.warning("L3 scan failed after %d pages: %s", self.scan_pages, exc.message)
+            else:
+                log.exception("L3 scan failed after %d pages", self.scan_pages)
             return False
         else:
             if tiering.scan_overflow:  # as a failed scan: what L3 lacks stays unknown
@@ -326,7 +332,7 @@ class Tier:
         i = 0
         while i < len(pages) and (now := time.monotonic()) < end:
             room = dispatcher.room
-            if room <= 0 or dispatcher.cooling:
+            if room <= 0 or dispatcher.state == "down":  # its probe brings it up
                 await dispatcher.wait_room(min(0.05, end - now))
                 continue
             step = pages[i : i + room]
