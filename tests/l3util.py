@@ -10,7 +10,7 @@ import numpy as np
 
 from hicached import Client, Fetch, FetchProgress, Namespace
 from hicached.hashing import pack_tokens, page_keys
-from tests.support import PAGE_BYTES, PAGE_TOKENS, Daemon
+from tests.support import PAGE_BYTES, PAGE_TOKENS, Daemon, page_bytes_for
 
 FILE_STORE = "[storage.file]\ncapacity_mib = 8\nsegment_mib = 2\nio_threads = 2\n"
 
@@ -54,6 +54,16 @@ def evict_everything(c: Client, ns: Namespace, salt: int = 7) -> None:
 
 def wait_prefetch(c: Client, pf: Fetch, timeout: float = 15.0) -> FetchProgress:
     return wait_for(lambda: (p := c.progress(pf)).done and p, timeout)  # type: ignore[return-value]
+
+
+def read_back(c: Client, ns: Namespace, toks: np.ndarray) -> None:
+    """Evict ``toks``'s pages from L2, prefetch them from L3 whole, and check
+    their bytes."""
+    evict_everything(c, ns)
+    pf = c.prefetch(ns, toks)
+    assert wait_prefetch(c, pf).completed == len(toks) // PAGE_TOKENS
+    c.commit(pf)
+    assert np.array_equal(c.load(ns, toks), page_bytes_for(toks))
 
 
 def record_offset(store: Path, ns_digest: bytes, tokens: np.ndarray, page: int) -> tuple[Path, int]:

@@ -9,13 +9,23 @@ from collections.abc import Callable
 import numpy as np
 
 from hicached.testing import free_tcp_port
-from tests.l3util import evict_everything, l3_count, storage, wait_for, wait_prefetch
+from tests.l3util import evict_everything, l3_count, read_back, storage, wait_for, wait_prefetch
 from tests.services import MooncakeMaster
 from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
 
 
 def seq(start: int, pages: int) -> np.ndarray:
     return np.arange(start, start + pages * PAGE_TOKENS, dtype=np.uint32)
+
+
+def master_at(ports: tuple[int, int]) -> str:
+    """[storage.mooncake] of a master at ``ports`` (rpc, http metadata) on
+    loopback, whether one runs there or not."""
+    return (
+        f'[storage.mooncake]\nmaster = "127.0.0.1:{ports[0]}"\n'
+        f'metadata_server = "http://127.0.0.1:{ports[1]}/metadata"\n'
+        "global_segment_mib = 64\nlocal_buffer_mib = 16\n"
+    )
 
 
 def test_two_hosts_share_pages_through_one_master(
@@ -91,11 +101,7 @@ def test_a_master_that_comes_up_after_the_daemon_is_used_once_it_answers(
         size_mib=1,
         slab_mib=1,
         storage=storage("mooncake", more="breaker_cooldown_s = 0.3\n"),
-        tail=(
-            f'[storage.mooncake]\nmaster = "127.0.0.1:{ports[0]}"\n'
-            f'metadata_server = "http://127.0.0.1:{ports[1]}/metadata"\n'
-            "global_segment_mib = 64\nlocal_buffer_mib = 16\n"
-        ),
+        tail=master_at(ports),
     )
     master = None
     try:
@@ -111,11 +117,7 @@ def test_a_master_that_comes_up_after_the_daemon_is_used_once_it_answers(
             toks = seq(10**6, 8)
             c.store(ns, toks, page_bytes_for(toks))
             wait_for(lambda: l3_count(c, "written") >= 8)
-            evict_everything(c, ns)
-            pf = c.prefetch(ns, toks)
-            assert wait_prefetch(c, pf).completed == 8
-            c.commit(pf)
-            assert np.array_equal(c.load(ns, toks), page_bytes_for(toks))
+            read_back(c, ns, toks)
     finally:
         if master is not None:
             master.stop()
@@ -141,11 +143,7 @@ def test_a_master_that_accepts_but_never_answers_holds_nothing_of_the_daemon(
             size_mib=1,
             slab_mib=1,
             storage=storage("mooncake", more="breaker_cooldown_s = 0.3\n"),
-            tail=(
-                f'[storage.mooncake]\nmaster = "127.0.0.1:{rpc}"\n'
-                f'metadata_server = "http://127.0.0.1:{http}/metadata"\n'
-                "global_segment_mib = 64\nlocal_buffer_mib = 16\n"
-            ),
+            tail=master_at((rpc, http)),
         )
         with d.client(timeout=5.0) as c:
             ns = c.register(**NS)
@@ -175,11 +173,7 @@ def test_pages_adopted_while_the_master_is_down_are_written_once_it_answers(
         slab_mib=1,
         fresh=False,
         storage=storage("mooncake", more="breaker_cooldown_s = 0.3\n"),
-        tail=(
-            f'[storage.mooncake]\nmaster = "127.0.0.1:{ports[0]}"\n'
-            f'metadata_server = "http://127.0.0.1:{ports[1]}/metadata"\n'
-            "global_segment_mib = 64\nlocal_buffer_mib = 16\n"
-        ),
+        tail=master_at(ports),
     )
     toks = seq(0, 8)
     with d.client() as c:
@@ -195,11 +189,7 @@ def test_pages_adopted_while_the_master_is_down_are_written_once_it_answers(
             time.sleep(1.0)  # probes fail meanwhile; the adopted pages wait
             master = MooncakeMaster(ports=ports)
             wait_for(lambda: l3_count(c, "written") == 8, timeout=30)
-            evict_everything(c, ns)
-            pf = c.prefetch(ns, toks)
-            assert wait_prefetch(c, pf).completed == 8
-            c.commit(pf)
-            assert np.array_equal(c.load(ns, toks), page_bytes_for(toks))
+            read_back(c, ns, toks)
     finally:
         if master is not None:
             master.stop()

@@ -15,6 +15,7 @@ from tests.faults import FaultProxy
 from tests.l3util import (
     evict_everything,
     l3_count,
+    read_back,
     refused_start,
     settle_writes,
     storage,
@@ -122,11 +123,7 @@ def test_a_store_that_comes_up_after_the_daemon_is_used_once_it_answers(
             toks = seq(10**6, 8)
             c.store(ns, toks, page_bytes_for(toks))
             wait_for(lambda: l3_count(c, "written") >= 8)
-            evict_everything(c, ns)
-            pf = c.prefetch(ns, toks)
-            assert wait_prefetch(c, pf).completed == 8
-            c.commit(pf)
-            assert np.array_equal(c.load(ns, toks), page_bytes_for(toks))
+            read_back(c, ns, toks)
     finally:
         if server is not None:
             server.stop()
