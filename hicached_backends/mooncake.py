@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -96,6 +97,7 @@ class MooncakeBackend(Backend):
         self._header_wait = asyncio.Condition()
         self._arena: tuple[int, int] | None = None  # registered pool: (address, size)
         self._setup: asyncio.Future[None] | None = None  # the store's setup (_connect)
+        self._refused: BackendError | None = None  # a setup failed with the store answering
         self.counters = {"errors": 0, "bad_objects": 0, "bad_removed": 0, "bad_remove_failed": 0}
 
     # -- lifecycle ---------------------------------------------------------------
@@ -127,6 +129,8 @@ class MooncakeBackend(Backend):
         it running, and the next caller waits for that one."""
         if self._store is not None:
             return
+        if self._refused is not None:
+            raise self._refused
         if self._setup is None or self._setup.done():
             self._setup = asyncio.ensure_future(self._set_up())
             self._setup.add_done_callback(lambda t: t.cancelled() or t.exception())
@@ -148,10 +152,15 @@ class MooncakeBackend(Backend):
             o.master,
         )
         if rc != 0:
-            raise BackendError(
-                f"Mooncake setup failed (code {rc}): is the master at {o.master} and the "
-                f"metadata server at {o.metadata_server} running?"
+            # Not tried again: each try leaks Mooncake's memory and threads in
+            # this process, and what the trial's setup passed is the config's
+            self._refused = BackendError(
+                f"Mooncake setup failed (code {rc}) with the master at {o.master} and the "
+                f"metadata server at {o.metadata_server} answering: global_segment_mib, "
+                "local_buffer_mib, protocol or device cannot be given on this host; "
+                "L3 stays down until the daemon restarts"
             )
+            raise self._refused
         try:
             await self._register(store, int(self._headers.ctypes.data), self._headers.nbytes)
             if self.env.pool is not None:
@@ -187,6 +196,7 @@ class MooncakeBackend(Backend):
             sys.executable,
             "-m",
             "hicached_backends.mooncake_trial",
+            str(os.getpid()),
             o.local_hostname,
             o.metadata_server,
             o.protocol,

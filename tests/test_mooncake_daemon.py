@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -9,7 +10,15 @@ from collections.abc import Callable
 import numpy as np
 
 from hicached.testing import free_tcp_port
-from tests.l3util import evict_everything, l3_count, read_back, storage, wait_for, wait_prefetch
+from tests.l3util import (
+    evict_everything,
+    l3_count,
+    read_back,
+    refused_start,
+    storage,
+    wait_for,
+    wait_prefetch,
+)
 from tests.services import MooncakeMaster
 from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
 
@@ -153,6 +162,10 @@ def test_a_master_that_accepts_but_never_answers_holds_nothing_of_the_daemon(
             while time.monotonic() < until:
                 assert c.stats().l3_state == "down"  # each answered within its 5 s
                 assert np.array_equal(c.load(ns, toks), page_bytes_for(toks))
+                # asks the store nothing while a probe runs (it waited for the
+                # trial's end, up to 15 s); one probe at a time
+                pf = c.prefetch(ns, seq(10**6, 2))
+                assert wait_prefetch(c, pf, timeout=5.0).failed
                 time.sleep(0.5)
         assert "did not end within" in d.log.read_text()
         assert d.stop(timeout=20) == 0
@@ -193,3 +206,39 @@ def test_pages_adopted_while_the_master_is_down_are_written_once_it_answers(
     finally:
         if master is not None:
             master.stop()
+
+
+def test_a_setup_the_host_cannot_give_is_refused_once(
+    daemon_factory: Callable[..., Daemon], mooncake: MooncakeMaster
+) -> None:
+    """A segment larger than the host can give: the trial (no memory of its
+    own) passes and the daemon's own setup fails. At the start that is exit 2,
+    saying so; with the master up only later, L3 stays down, and the setup is
+    not tried again at every probe (each try left Mooncake's threads, memory
+    and descriptors in the daemon)."""
+    huge = "global_segment_mib = 100000000\n"
+    d = Daemon(
+        size_mib=1,
+        slab_mib=1,
+        storage=storage("mooncake"),
+        tail=mooncake.toml().replace("global_segment_mib = 64\n", huge),
+    )
+    refused_start(d, "cannot be given on this host")
+    ports = (free_tcp_port(), free_tcp_port())
+    d = daemon_factory(
+        size_mib=1,
+        slab_mib=1,
+        storage=storage("mooncake", more="breaker_cooldown_s = 0.3\n"),
+        tail=master_at(ports).replace("global_segment_mib = 64\n", huge),
+    )
+    assert d.proc is not None
+    master = MooncakeMaster(ports=ports)
+    try:
+        with d.client(timeout=10.0) as c:
+            wait_for(lambda: "stays down until the daemon restarts" in d.log.read_text(), 30)
+            threads = len(os.listdir(f"/proc/{d.proc.pid}/task"))
+            time.sleep(3.0)  # some 10 probes
+            assert c.stats().l3_state == "down"
+            assert len(os.listdir(f"/proc/{d.proc.pid}/task")) < threads + 5
+    finally:
+        master.stop()

@@ -129,6 +129,7 @@ class Dispatcher:
         self._down = False  # the breaker is open: down until a probe passes
         self._prober: asyncio.Task[None] | None = None  # probes while down
         self._down_until = 0.0  # the end of its cooldown
+        self._probing = False  # a probe (the backend's health) runs
         #: monotonic time by which a stop must be done; inf while serving
         self.stop_by = math.inf
         self.running = 0  # backend calls in progress, hung ones included
@@ -223,8 +224,8 @@ class Dispatcher:
 
     @property
     def cooling(self) -> bool:
-        """Down, and within the cooldown: calls fail without a probe."""
-        return self._down and time.monotonic() < self._down_until
+        """Down, and within the cooldown or probing: calls fail without a probe."""
+        return self._down and (self._probing or time.monotonic() < self._down_until)
 
     async def wait_room(self, timeout: float) -> None:
         """Return when written pages leave the queue bound, or after ``timeout``."""
@@ -476,10 +477,11 @@ class Dispatcher:
             )
 
     async def _probe(self) -> bool:
-        if time.monotonic() < self._down_until:
+        # one probe at a time: other calls fail at once while it runs, however
+        # long past the cooldown it takes (a Mooncake setup tried: up to 15 s)
+        if self._probing or time.monotonic() < self._down_until:
             return False
-        # one probe at a time: other calls fail at once while it runs
-        self._down_until = time.monotonic() + self.config.breaker_cooldown_s
+        self._probing = True
         try:
             await bounded(self.backend.health(), self.config.op_timeout_s)
         except Exception as exc:  # any failure keeps it down for another cooldown
@@ -487,6 +489,8 @@ class Dispatcher:
             why = str(exc) or f"no answer within {self.config.op_timeout_s}s"
             log.info("%s still down: %s", self.name, why)
             return False
+        finally:
+            self._probing = False
         self._failures = self.config.breaker_failures - 1  # one more failure: down again
         self._down = False
         self._down_until = 0.0
@@ -498,7 +502,8 @@ class Dispatcher:
         that came back is reported up on an idle daemon too."""
         while self._down:
             await asyncio.sleep(max(0.0, self._down_until - time.monotonic()))
-            await self._probe()
+            if not await self._probe() and self._probing:  # a call's probe runs: not a spin
+                await asyncio.sleep(self.config.breaker_cooldown_s)
 
     async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int | None:
         """Leading keys held by the backend; None when it cannot tell now (down,
