@@ -76,6 +76,62 @@ _TRIAL_S = 15.0
 _CHECK_THREADS = 2
 
 
+async def _reachable(options: MooncakeOptions) -> None:
+    """Mooncake's setup holds the GIL while it retries an address that does
+    not answer (some 90 s), and nothing else of the daemon runs meanwhile,
+    not even a SIGTERM's stop: each address is first asked on the loop."""
+    for what, host, port in options.addresses():
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), _REACH_S)
+        except (OSError, asyncio.TimeoutError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "no answer"
+            raise BackendError(
+                f"Mooncake {what} at {host}:{port} does not answer ({why})", retriable=True
+            ) from None
+        writer.close()
+
+
+async def _trial(options: MooncakeOptions) -> None:
+    """A setup in a process of its own first (hicached_backends/mooncake_trial.py):
+    a master that accepts connections but does not answer (hung, or another
+    service on its port) would hold the daemon's own setup, and with it
+    every request and the stop, for minutes."""
+    o = options
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "hicached_backends.mooncake_trial",
+        str(os.getpid()),
+        o.local_hostname,
+        o.metadata_server,
+        o.protocol,
+        o.device,
+        o.master,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        code = await asyncio.wait_for(proc.wait(), _TRIAL_S)
+    except asyncio.TimeoutError:
+        raise BackendError(
+            f"Mooncake master at {o.master} accepts connections but a client's setup "
+            f"did not end within {_TRIAL_S:.0f}s",
+            retriable=True,
+        ) from None
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    if code != 0:
+        raise BackendError(
+            f"Mooncake setup failed with the master at {o.master} and the metadata "
+            f"server at {o.metadata_server} answering (tried in a process of its own, "
+            f"exit {code}): are they Mooncake's, and the protocol and device right?",
+            retriable=True,
+        )
+
+
 class MooncakeBackend(Backend):
     options_type = MooncakeOptions
 
@@ -137,8 +193,8 @@ class MooncakeBackend(Backend):
         await asyncio.shield(self._setup)
 
     async def _set_up(self) -> None:
-        await self._reachable()
-        await self._trial()
+        await _reachable(self.options)
+        await _trial(self.options)
         o = self.options
         store = MooncakeDistributedStore()
         rc = await self._blocking(
@@ -171,60 +227,6 @@ class MooncakeBackend(Backend):
             await self._blocking(store.close)
             raise
         self._store = store
-
-    async def _reachable(self) -> None:
-        """Mooncake's setup holds the GIL while it retries an address that does
-        not answer (some 90 s), and nothing else of the daemon runs meanwhile,
-        not even a SIGTERM's stop: each address is first asked on the loop."""
-        for what, host, port in self.options.addresses():
-            try:
-                _, writer = await asyncio.wait_for(asyncio.open_connection(host, port), _REACH_S)
-            except (OSError, asyncio.TimeoutError) as exc:
-                why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "no answer"
-                raise BackendError(
-                    f"Mooncake {what} at {host}:{port} does not answer ({why})", retriable=True
-                ) from None
-            writer.close()
-
-    async def _trial(self) -> None:
-        """A setup in a process of its own first (hicached_backends/mooncake_trial.py):
-        a master that accepts connections but does not answer (hung, or another
-        service on its port) would hold the daemon's own setup, and with it
-        every request and the stop, for minutes."""
-        o = self.options
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "hicached_backends.mooncake_trial",
-            str(os.getpid()),
-            o.local_hostname,
-            o.metadata_server,
-            o.protocol,
-            o.device,
-            o.master,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.DEVNULL,
-        )
-        try:
-            code = await asyncio.wait_for(proc.wait(), _TRIAL_S)
-        except asyncio.TimeoutError:
-            raise BackendError(
-                f"Mooncake master at {o.master} accepts connections but a client's setup "
-                f"did not end within {_TRIAL_S:.0f}s",
-                retriable=True,
-            ) from None
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-        if code != 0:
-            raise BackendError(
-                f"Mooncake setup failed with the master at {o.master} and the metadata "
-                f"server at {o.metadata_server} answering (tried in a process of its own, "
-                f"exit {code}): are they Mooncake's, and the protocol and device right?",
-                retriable=True,
-            )
 
     async def close(self) -> None:
         if self._setup is not None:

@@ -38,12 +38,9 @@
   a page; an iterator's are not (no length to check). A flag is a bool or
   the integer 0 or 1: an item that is another number (a store's code) makes
   the answer a contract break, not a page read.
-- A circuit breaker: ``breaker_failures`` failed calls in a row mark the
-  backend down. For ``breaker_cooldown_s`` calls then fail at once (writes
-  are dropped, reads miss), so L2 keeps serving at full speed; after it, the
-  next call first runs one probe (``health``): it passes, and the backend is
-  up again; it fails, and another cooldown begins. The backend is reported
-  down until a probe passes, not just until the cooldown ends.
+- A circuit breaker (daemon/breaker.py): ``breaker_failures`` failed calls
+  in a row, or a store that does not answer at the start, mark the backend
+  down; calls then fail at once while probes bring it up again.
 - A call that times out is *not* abandoned: its completion callback runs
   when the backend finally returns, so the pool slots it reads or writes stay
   held until then; meanwhile it counts in ``hung_calls``.
@@ -70,6 +67,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from hicached.config import StorageConfig
+from hicached.daemon.breaker import Breaker
 from hicached.daemon.waits import bounded, end_tasks, wait_event
 from hicached_backends.base import Backend, BackendError, PageRef
 
@@ -125,11 +123,6 @@ class Dispatcher:
         self._hung: set[asyncio.Future[Any]] = set()  # calls past their timeout, still running
         self._tasks: list[asyncio.Task[None]] = []
         self._accepting = False
-        self._failures = 0
-        self._down = False  # the breaker is open: down until a probe passes
-        self._prober: asyncio.Task[None] | None = None  # probes while down
-        self._down_until = 0.0  # the end of its cooldown
-        self._probing = False  # a probe (the backend's health) runs
         #: monotonic time by which a stop must be done; inf while serving
         self.stop_by = math.inf
         self.running = 0  # backend calls in progress, hung ones included
@@ -137,6 +130,7 @@ class Dispatcher:
         #: called with (operation, seconds) when a backend call attempt ends
         self.on_call: Callable[[str, float], None] | None = None
         self.counters: collections.Counter[str] = collections.Counter()
+        self.breaker = Breaker(config, backend.health, name, self.counters)
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -151,29 +145,18 @@ class Dispatcher:
             if not exc.retriable:
                 raise
             unreachable = exc
-        self._accepting = True
+        self._accepting = self.breaker.probes = True
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._writer()) for _ in range(self.config.concurrency)]
         if unreachable is not None:
-            log.warning(
-                "%s not reachable at start (%s): down, serving from L2, probed every %.1fs",
-                self.name,
-                unreachable.message,
-                self.config.breaker_cooldown_s,
-            )
-            self._failures = self.config.breaker_failures
-            self._down = True
-            self._down_until = time.monotonic() + self.config.breaker_cooldown_s
-            self.counters["breaker_opened"] += 1
-            self._prober = loop.create_task(self._recover())
+            self.breaker.down_from_start(unreachable.message)
 
     async def stop(self, until: float) -> None:
         """Finish queued and in-flight writes until ``until`` (monotonic), drop
         what is left, then close the backend."""
         self._accepting = False
         self.stop_by = min(self.stop_by, until)
-        if self._prober is not None:
-            self._prober.cancel()
+        self.breaker.stop()
         while (self._queue or self.writing) and time.monotonic() < until:
             self._wake.set()
             await self.wait_room(min(0.05, max(0.0, until - time.monotonic())))
@@ -220,12 +203,12 @@ class Dispatcher:
 
     @property
     def state(self) -> str:
-        return "down" if self._down else "up"
+        return "down" if self.breaker.down else "up"
 
     @property
     def cooling(self) -> bool:
         """Down, and within the cooldown or probing: calls fail without a probe."""
-        return self._down and (self._probing or time.monotonic() < self._down_until)
+        return self.breaker.cooling
 
     async def wait_room(self, timeout: float) -> None:
         """Return when written pages leave the queue bound, or after ``timeout``."""
@@ -303,7 +286,7 @@ class Dispatcher:
 
     def _bad_answer(self, what: str, why: str) -> None:
         self.counters["bad_answers"] += 1
-        self._failed(f"{what} answered {why}")
+        self.breaker.failed(f"{what} answered {why}")
         log.error("%s: %s answered %s; taken as a failed call", self.name, what, why)
 
     # -- call slots ------------------------------------------------------------------
@@ -406,7 +389,7 @@ class Dispatcher:
         kind = _class_of(what)
         if not await self._take_slot(kind):
             self.counters["slot_timeouts"] += 1
-            self._failed(f"{what}: no call slot came free within op_timeout_s")
+            self.breaker.failed(f"{what}: no call slot came free within op_timeout_s")
             raise Unavailable(f"{self.name}: every call slot is busy")
         self.running += 1
         started = time.monotonic()
@@ -438,7 +421,7 @@ class Dispatcher:
         A timed-out attempt is not retried (it may still own its buffers): it
         raises _Late, whose task is still running and holds its call slot.
         """
-        if self._down and not await self._probe():
+        if self.breaker.down and not await self.breaker.probe():
             raise Unavailable(f"{self.name} is down")
         what = getattr(fn, "__name__", "call")
         attempts = self.config.retries + 1
@@ -446,13 +429,13 @@ class Dispatcher:
             task = await self._attempt(fn, args, what)
             if not task.done():
                 self.counters["timeouts"] += 1
-                self._failed(f"{what} timed out")
+                self.breaker.failed(f"{what} timed out")
                 raise _Late(task)
             exc = task.exception()
             if exc is None:
-                self._failures = 0
+                self.breaker.failures = 0
                 return task.result()
-            self._failed(f"{what}: {exc}")
+            self.breaker.failed(f"{what}: {exc}")
             if not isinstance(exc, BackendError):
                 log.error("%s: unexpected error in %s", self.name, what, exc_info=exc)
             if not (isinstance(exc, BackendError) and exc.retriable) or attempt == attempts - 1:
@@ -462,48 +445,6 @@ class Dispatcher:
             if self.cooling:
                 raise Unavailable(f"{self.name} is down")
         raise AssertionError("unreachable")  # pragma: no cover
-
-    def _failed(self, why: str) -> None:
-        self._failures += 1
-        self.counters["failures"] += 1
-        if self._failures >= self.config.breaker_failures and not self._down:
-            self._down = True
-            self._down_until = time.monotonic() + self.config.breaker_cooldown_s
-            if self._accepting and (self._prober is None or self._prober.done()):
-                self._prober = asyncio.get_running_loop().create_task(self._recover())
-            self.counters["breaker_opened"] += 1
-            log.warning(
-                "%s marked down after %d failures (last: %s)", self.name, self._failures, why
-            )
-
-    async def _probe(self) -> bool:
-        # one probe at a time: other calls fail at once while it runs, however
-        # long past the cooldown it takes (a Mooncake setup tried: up to 15 s)
-        if self._probing or time.monotonic() < self._down_until:
-            return False
-        self._probing = True
-        try:
-            await bounded(self.backend.health(), self.config.op_timeout_s)
-        except Exception as exc:  # any failure keeps it down for another cooldown
-            self._down_until = time.monotonic() + self.config.breaker_cooldown_s
-            why = str(exc) or f"no answer within {self.config.op_timeout_s}s"
-            log.info("%s still down: %s", self.name, why)
-            return False
-        finally:
-            self._probing = False
-        self._failures = self.config.breaker_failures - 1  # one more failure: down again
-        self._down = False
-        self._down_until = 0.0
-        log.info("%s is up again", self.name)
-        return True
-
-    async def _recover(self) -> None:
-        """While down, probe after each cooldown even without calls, so a backend
-        that came back is reported up on an idle daemon too."""
-        while self._down:
-            await asyncio.sleep(max(0.0, self._down_until - time.monotonic()))
-            if not await self._probe() and self._probing:  # a call's probe runs: not a spin
-                await asyncio.sleep(self.config.breaker_cooldown_s)
 
     async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int | None:
         """Leading keys held by the backend; None when it cannot tell now (down,

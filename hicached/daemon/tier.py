@@ -151,13 +151,11 @@ class Tier:
         if not self.config.scan_on_start:
             self._write_adopted_unlisted("storage.scan_on_start is off")
             return
-        if self.dispatcher.state == "down":  # it did not answer: listed later, once up
-            self._scan = asyncio.get_running_loop().create_task(self._scan_until_listed(tried=True))
-            return
-        self.scanning = True
-        if self.config.scan_in_background or not await self._scan_store():
+        down = self.dispatcher.state == "down"  # it did not answer: listed later, once up
+        self.scanning = not down
+        if down or self.config.scan_in_background or not await self._scan_store():
             self._scan = asyncio.get_running_loop().create_task(
-                self._scan_until_listed(tried=not self.config.scan_in_background)
+                self._scan_until_listed(tried=down or not self.config.scan_in_background)
             )
 
     async def _scan_until_listed(self, *, tried: bool) -> None:
