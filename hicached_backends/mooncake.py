@@ -65,10 +65,10 @@ _PROBE = "hc/health-probe"  # an object name no page has (pages: hc/<ns hex>/<ke
 
 
 # seconds the master and an HTTP metadata server each have to accept a
-# connection before the store's setup is called (MooncakeBackend._reachable)
+# connection before the store's setup is called (_reachable)
 _REACH_S = 3.0
 
-# seconds a trial setup in a process of its own may take (MooncakeBackend._trial):
+# seconds a trial setup in a process of its own may take (_trial):
 # one that answers takes well under a second
 _TRIAL_S = 15.0
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from hicached import Client, Fetch, FetchProgress, Namespace
 from hicached.hashing import pack_tokens, page_keys
-from tests.support import PAGE_BYTES, PAGE_TOKENS, Daemon, page_bytes_for
+from tests.support import NS, PAGE_BYTES, PAGE_TOKENS, Daemon, page_bytes_for
 
 FILE_STORE = "[storage.file]\ncapacity_mib = 8\nsegment_mib = 2\nio_threads = 2\n"
 
@@ -64,6 +64,27 @@ def read_back(c: Client, ns: Namespace, toks: np.ndarray) -> None:
     assert wait_prefetch(c, pf).completed == len(toks) // PAGE_TOKENS
     c.commit(pf)
     assert np.array_equal(c.load(ns, toks), page_bytes_for(toks))
+
+
+def down_and_l2_serves(d: Daemon, c: Client) -> Namespace:
+    """A daemon whose store did not answer at its start: L3 down from the
+    first request, said in its log, and L2 storing and loading all the same.
+    The namespace it registered."""
+    assert c.stats().l3_state == "down"
+    ns = c.register(**NS)
+    early = np.arange(0, 4 * PAGE_TOKENS, dtype=np.uint32)
+    c.store(ns, early, page_bytes_for(early))
+    assert np.array_equal(c.load(ns, early), page_bytes_for(early))
+    assert "not reachable at start" in d.log.read_text()
+    return ns
+
+
+def written_and_read_back(c: Client, ns: Namespace) -> None:
+    """Once L3 is up: 8 new pages are written there and read back whole."""
+    toks = np.arange(10**6, 10**6 + 8 * PAGE_TOKENS, dtype=np.uint32)
+    c.store(ns, toks, page_bytes_for(toks))
+    wait_for(lambda: l3_count(c, "written") >= 8)
+    read_back(c, ns, toks)
 
 
 def record_offset(store: Path, ns_digest: bytes, tokens: np.ndarray, page: int) -> tuple[Path, int]:

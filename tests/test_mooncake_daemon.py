@@ -11,6 +11,7 @@ import numpy as np
 
 from hicached.testing import free_tcp_port
 from tests.l3util import (
+    down_and_l2_serves,
     evict_everything,
     l3_count,
     read_back,
@@ -18,6 +19,7 @@ from tests.l3util import (
     storage,
     wait_for,
     wait_prefetch,
+    written_and_read_back,
 )
 from tests.services import MooncakeMaster
 from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
@@ -115,18 +117,10 @@ def test_a_master_that_comes_up_after_the_daemon_is_used_once_it_answers(
     master = None
     try:
         with d.client(timeout=10.0) as c:
-            assert c.stats().l3_state == "down"
-            ns = c.register(**NS)
-            early = seq(0, 4)
-            c.store(ns, early, page_bytes_for(early))
-            assert np.array_equal(c.load(ns, early), page_bytes_for(early))  # L2 serves
-            assert "not reachable at start" in d.log.read_text()
+            ns = down_and_l2_serves(d, c)
             master = MooncakeMaster(ports=ports)
             wait_for(lambda: c.stats().l3_state == "up", timeout=30)
-            toks = seq(10**6, 8)
-            c.store(ns, toks, page_bytes_for(toks))
-            wait_for(lambda: l3_count(c, "written") >= 8)
-            read_back(c, ns, toks)
+            written_and_read_back(c, ns)
     finally:
         if master is not None:
             master.stop()

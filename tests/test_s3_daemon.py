@@ -13,14 +13,15 @@ from hicached.hashing import pack_tokens, page_keys
 from hicached.testing import free_tcp_port, scrape
 from tests.faults import FaultProxy
 from tests.l3util import (
+    down_and_l2_serves,
     evict_everything,
     l3_count,
-    read_back,
     refused_start,
     settle_writes,
     storage,
     wait_for,
     wait_prefetch,
+    written_and_read_back,
 )
 from tests.services import S3Server
 from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
@@ -109,21 +110,13 @@ def test_a_store_that_comes_up_after_the_daemon_is_used_once_it_answers(
     server = None
     try:
         with d.client(timeout=10.0) as c:
-            assert c.stats().l3_state == "down"
-            ns = c.register(**NS)
-            early = seq(0, 4)
-            c.store(ns, early, page_bytes_for(early))
-            assert np.array_equal(c.load(ns, early), page_bytes_for(early))  # L2 serves
-            assert "not reachable at start" in d.log.read_text()
+            ns = down_and_l2_serves(d, c)
             server = S3Server(port=port)
             time.sleep(1.0)  # probes that find the server without the bucket keep it down
             assert c.stats().l3_state == "down"
             server.make_bucket("late")
             wait_for(lambda: c.stats().l3_state == "up", timeout=30)
-            toks = seq(10**6, 8)
-            c.store(ns, toks, page_bytes_for(toks))
-            wait_for(lambda: l3_count(c, "written") >= 8)
-            read_back(c, ns, toks)
+            written_and_read_back(c, ns)
     finally:
         if server is not None:
             server.stop()
