@@ -17,7 +17,9 @@ the start);
 ``exists_delay_s`` is added to every existence check (a slow L3 lookup), and
 every one waits until the file ``exists_gate`` names exists, if it names one;
 the first ``scan_failures`` listings fail after their first page, if any (a
-store that breaks off a listing), the later ones run whole.
+store that breaks off a listing), the later ones run whole; while the file
+``down_file`` names exists, every write and every health probe fails (a
+store that goes down, and comes back once the file is removed).
 
 Its stats add ``calls_running`` and ``peak_calls``: the backend calls inside
 it at once, now and at most, so a test can see the dispatcher's bound hold.
@@ -68,6 +70,7 @@ class FaultyOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     exists_delay_s: float = 0.0
     exists_gate: str = ""
     scan_failures: int = 0
+    down_file: str = ""
 
 
 def _inner_options(options: FaultyOptions) -> tuple[type[Backend], Any]:
@@ -126,7 +129,14 @@ class FaultyBackend(Backend):
     async def close(self) -> None:
         await self.inner.close()
 
+    async def _down(self) -> None:
+        """Fail while the file ``down_file`` names exists."""
+        path = self.options.down_file
+        if path and await asyncio.to_thread(os.path.exists, path):
+            raise BackendError("the store is down (fault injected)", retriable=True)
+
     async def health(self) -> None:
+        await self._down()
         await self.inner.health()
 
     async def exists(self, ns: bytes, keys: Sequence[bytes]) -> int:
@@ -167,6 +177,7 @@ class FaultyBackend(Backend):
         try:
             if self.options.write_delay_s:
                 await asyncio.sleep(self.options.write_delay_s)
+            await self._down()
             return await self.inner.put(ns, pages)
         finally:
             self.calls -= 1

@@ -66,13 +66,16 @@ def read_back(c: Client, ns: Namespace, toks: np.ndarray) -> None:
     assert np.array_equal(c.load(ns, toks), page_bytes_for(toks))
 
 
+EARLY = np.arange(0, 4 * PAGE_TOKENS, dtype=np.uint32)  # stored while L3 is down
+
+
 def down_and_l2_serves(d: Daemon, c: Client) -> Namespace:
     """A daemon whose store did not answer at its start: L3 down from the
-    first request, said in its log, and L2 storing and loading all the same.
-    The namespace it registered."""
+    first request, said in its log, and L2 storing and loading all the same
+    (4 pages, EARLY). The namespace it registered."""
     assert c.stats().l3_state == "down"
     ns = c.register(**NS)
-    early = np.arange(0, 4 * PAGE_TOKENS, dtype=np.uint32)
+    early = EARLY
     c.store(ns, early, page_bytes_for(early))
     assert np.array_equal(c.load(ns, early), page_bytes_for(early))
     assert "not reachable at start" in d.log.read_text()
@@ -80,11 +83,14 @@ def down_and_l2_serves(d: Daemon, c: Client) -> Namespace:
 
 
 def written_and_read_back(c: Client, ns: Namespace) -> None:
-    """Once L3 is up: 8 new pages are written there and read back whole."""
+    """Once L3 is up: 8 new pages are written there, and the 4 stored while it
+    was down (write_through writes what it missed once the store is up), and
+    all are read back whole from it."""
     toks = np.arange(10**6, 10**6 + 8 * PAGE_TOKENS, dtype=np.uint32)
     c.store(ns, toks, page_bytes_for(toks))
-    wait_for(lambda: l3_count(c, "written") >= 8)
+    wait_for(lambda: l3_count(c, "written") >= 12)
     read_back(c, ns, toks)
+    read_back(c, ns, EARLY)
 
 
 def record_offset(store: Path, ns_digest: bytes, tokens: np.ndarray, page: int) -> tuple[Path, int]:

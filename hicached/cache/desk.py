@@ -295,7 +295,7 @@ class Cache:
         (``Tiering.unwritten_batches``), where the write policy writes adopted
         pages (write_through: their writes were queued or under way when the
         daemon before stopped); None otherwise."""
-        if self.adopted is None or not self.adopted.pages or not self.policy.writes_adopted:
+        if self.adopted is None or not self.adopted.pages or not self.policy.writes_all:
             return None
         return self.tiering.unwritten_batches(most)
 

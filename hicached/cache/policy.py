@@ -10,9 +10,11 @@ wherever one matters:
   (and at a graceful stop, whatever L3 lacks);
 - ``rewrites``: whether a page L3 lets go of while it stays in L2 is written
   again (bounded in cache/tiering.py's ``forget_l3``);
-- ``writes_adopted``: whether the pages adopted from the daemon before
-  (docs/restarts.md) that L3 lacks are written once L3's listing ended (their
-  writes were queued or under way when that daemon stopped).
+- ``writes_all``: whether every page in L2 belongs in L3: the pages adopted
+  from the daemon before (docs/restarts.md) that L3 lacks are written once
+  L3's listing ended (their writes were queued or under way when that daemon
+  stopped), and pages whose writes were missed (the store down, the queue
+  full, a failed write) once the store is up (daemon/backfill.py).
 
 A new policy is a class here and its name in config.WRITE_POLICIES.
 """
@@ -32,7 +34,7 @@ class WritePolicy:
     name: ClassVar[str]
     writes_back: ClassVar[bool] = False
     rewrites: ClassVar[bool] = False
-    writes_adopted: ClassVar[bool] = False
+    writes_all: ClassVar[bool] = False
 
     def committed(
         self, tiering: Tiering, ns: NamespaceState, keys: list[bytes], slots: list[int]
@@ -50,7 +52,7 @@ class WriteThrough(WritePolicy):
 
     name = "write_through"
     rewrites = True
-    writes_adopted = True  # every committed page goes to L3, those of the daemon before too
+    writes_all = True  # every committed page goes to L3: missed ones, the daemon before's too
 
     def committed(
         self, tiering: Tiering, ns: NamespaceState, keys: list[bytes], slots: list[int]

@@ -448,8 +448,9 @@ class Tiering:
         self._scan_forgotten = None
 
     def unwritten_pages(self) -> list[tuple[NamespaceState, bytes, int, int]]:
-        """Every L2 page that L3 lacks and no write is carrying: (namespace, key,
-        slot, the slot's generation now), in one go."""
+        """Every L2 page that L3 lacks, no write is carrying and L3 did not let
+        go of in this stay in L2 (``forget_l3``): (namespace, key, slot, the
+        slot's generation now), in one go."""
         return [page for batch in self.unwritten_batches(1 << 62) for page in batch]
 
     def unwritten_batches(
@@ -469,11 +470,12 @@ class Tiering:
                 if not any(live is index for live in desk.l2.indexes()):
                     break
                 l3, writing, namespaces = desk.l3, self.writing, desk.names.by_id
+                let_go = self.let_go  # not written again in this stay, by any path
                 gens = desk.pool.gens
                 yield [
                     (namespaces[owner], key, slot, int(gens[slot // GEN_GRANULE]))
                     for key, slot, owner in index.pages_at(slots[start : start + most])
-                    if key not in l3 and key not in writing
+                    if key not in l3 and key not in writing and key not in let_go
                 ]
 
     def write_back(self, pages: list[tuple[NamespaceState, bytes, int, int]]) -> int:
@@ -482,7 +484,7 @@ class Tiering:
         queued = 0
         l3, gens = self.desk.l3, self.desk.pool.gens
         for ns, key, slot, gen in pages:
-            if key in l3 or key in self.writing:
+            if key in l3 or key in self.writing or key in self.let_go:
                 continue
             if int(gens[slot // GEN_GRANULE]) != gen and not ns.index.has(key, slot):
                 continue  # freed since (or a neighbour in its granule was), perhaps reused

@@ -44,6 +44,8 @@ class Breaker:
         self._down_until = 0.0  # the end of the cooldown
         self._probing = False  # a probe runs
         self._prober: asyncio.Task[None] | None = None  # probes while down
+        self.up = asyncio.Event()  # set while up, for what waits for the store
+        self.up.set()
 
     @property
     def cooling(self) -> bool:
@@ -72,6 +74,7 @@ class Breaker:
 
     def _open(self) -> None:
         self.down = True
+        self.up.clear()
         self._down_until = time.monotonic() + self.config.breaker_cooldown_s
         if self.probes and (self._prober is None or self._prober.done()):
             self._prober = asyncio.get_running_loop().create_task(self._recover())
@@ -99,6 +102,7 @@ class Breaker:
             self._probing = False
         self.failures = self.config.breaker_failures - 1  # one more failure: down again
         self.down = False
+        self.up.set()
         self._down_until = 0.0
         log.info("%s is up again", self.name)
         return True

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -25,6 +23,7 @@ import msgspec
 from hicached.cache import Cache, Lease, NamespaceState
 from hicached.cache.tiering import SCAN_FORGOTTEN_MAX
 from hicached.config import Config, data_dir
+from hicached.daemon.backfill import Backfill, FlushCounts
 from hicached.daemon.dispatcher import Dispatcher, WriteJob
 from hicached.daemon.waits import end_tasks
 from hicached.errors import ConfigError
@@ -37,10 +36,6 @@ log = logging.getLogger("hicached.storage")
 _SCAN_YIELD_PAGES = 4096  # the startup scan lets requests in after this many pages
 # a failed scan is tried again after storage.scan_retry_s, doubled each time up to this
 _SCAN_RETRY_MAX_S = 600.0
-# pages of L2 listed at once for the writes of adopted pages L3 lacks (about 3 ms)
-_LIST_BATCH_PAGES = 4096
-# calls in flight asking the store about adopted pages when no listing ended
-_ASK_AT_ONCE = 32
 
 
 def backend_options(config: Config, cls: type[Backend]) -> Any:
@@ -83,22 +78,6 @@ def make_backend(config: Config, pool: memoryview | None, pool_path: str = "") -
     return cls(backend_options(config, cls), env)
 
 
-@dataclass(slots=True)
-class FlushCounts:
-    """What one write-back flush did, logged at the stop."""
-
-    pages: int = 0  # L2 pages L3 lacked when the flush began
-    queued: int = 0
-    written: int = 0
-    failed: int = 0  # queued, but the backend refused or failed them
-    skipped: int = 0  # written meanwhile by another path, or gone from L2
-
-    @property
-    def left(self) -> int:
-        """Pages not written by the deadline (never queued, or still queued or in flight)."""
-        return self.pages - self.written - self.failed - self.skipped
-
-
 class Tier:
     """The cache's port to L3 (cache/tiering.py's TierPort): its I/O side."""
 
@@ -114,7 +93,7 @@ class Tier:
         self._stopping = False
         self.lookup_pages = 0  # pages lookups found that the cache did not know
         self._scan: asyncio.Task[None] | None = None
-        self._adopted: asyncio.Task[None] | None = None  # writes of adopted pages L3 lacks
+        self.backfill = Backfill(cache, self.dispatcher, self.config)  # pages L3 lacks
         self.scanning = False
         self.scan_pages = 0  # pages the startup scan has found so far
         # hears the startup scan's end, once every page it found is known
@@ -149,7 +128,7 @@ class Tier:
         # not know is asked of the backend meanwhile (and ever, without a scan).
         self.cache.l3.listed(False)
         if not self.config.scan_on_start:
-            self._write_adopted_unlisted("storage.scan_on_start is off")
+            self.backfill.adopted_unlisted("storage.scan_on_start is off")
             return
         down = self.dispatcher.state == "down"  # it did not answer: listed later, once up
         self.scanning = not down
@@ -168,7 +147,7 @@ class Tier:
         wait = self.config.scan_retry_s
         if not tried and await self._scan_store():
             return
-        self._write_adopted_unlisted("the listing of L3 failed")
+        self.backfill.adopted_unlisted("the listing of L3 failed")
         while wait > 0:
             log.info("L3 scan again in %.1fs", wait)
             await asyncio.sleep(wait)
@@ -246,99 +225,13 @@ class Tier:
                 log.info("L3 cannot be listed: keys not known are asked of the store")
             if self.on_scanned is not None:
                 self.on_scanned()
-            if self._adopted is None or self._adopted.done():  # else it asks the store
-                batches = cache.adopted_unwritten(_LIST_BATCH_PAGES)
-                if batches is not None:
-                    self._adopted = asyncio.get_running_loop().create_task(
-                        self._write_adopted(batches)
-                    )
+            self.backfill.adopted_listed()
             return True
         finally:
             if listed or not self.config.scan_retry_s or self._stopping:
                 tiering.scan_ends()  # else a page let go of is not learned from the next try
             announce()  # what was found before a stop or a failure is in L3 all the same
             self.scanning = False
-
-    def _write_adopted_unlisted(self, why: str) -> None:
-        """Adopted pages wait for L3's listing to say which it lacks; a store that
-        cannot be listed (a bucket without the list permission, a scan turned
-        off) would leave them unwritten for good, lost to L3 when they leave L2.
-        Without a listing each is asked of the store (``exists``) and written
-        where it does not hold it. Once: a listing that ends later finds the
-        pages written by then in L3 and writes any other."""
-        if self._adopted is not None or self._stopping:
-            return
-        batches = self.cache.adopted_unwritten(_LIST_BATCH_PAGES)
-        if batches is None:
-            return
-        log.info("%s: adopted pages are asked of the store and written where it lacks them", why)
-        loop = asyncio.get_running_loop()
-        self._adopted = loop.create_task(self._write_adopted(batches, ask=True))
-
-    async def _lacking(
-        self, pages: list[tuple[NamespaceState, bytes, int, int]]
-    ) -> list[tuple[NamespaceState, bytes, int, int]]:
-        """Of ``pages``, those the store does not say it holds (asked one key a
-        call, at most _ASK_AT_ONCE calls at once); those it holds are learned.
-        A page it cannot tell of now (down, late) is written: a write is
-        idempotent, a page left unwritten may be lost."""
-        lacking = []
-        for start in range(0, len(pages), _ASK_AT_ONCE):
-            part = pages[start : start + _ASK_AT_ONCE]
-            held = await asyncio.gather(
-                *(self.dispatcher.exists(ns.digest, [key]) for ns, key, _, _ in part)
-            )
-            for page, count in zip(part, held, strict=True):
-                if count:
-                    self.cache.learn_l3(page[0].digest, [page[1]])
-                else:
-                    lacking.append(page)
-        return lacking
-
-    async def _write_adopted(
-        self,
-        batches: Iterator[list[tuple[NamespaceState, bytes, int, int]]],
-        *,
-        ask: bool = False,
-    ) -> None:
-        """Queue writes of adopted pages L3 lacks as the write queue has room (none
-        is dropped for lack of it), until all are queued or the daemon stops;
-        requests are served between two batches of the listing. ``ask``: no
-        listing ended, so each page is asked of the store first."""
-        counts = FlushCounts()
-        try:
-            for pages in batches:
-                if ask:
-                    pages = await self._lacking(pages)
-                counts.pages += len(pages)
-                await self._queue_writes(pages, math.inf, counts)
-                await asyncio.sleep(0)  # a batch L3 has whole queues nothing: yield all the same
-        except Exception:  # a bug here must not stop the daemon's stop
-            log.exception("writing adopted pages L3 lacked failed after %d", counts.queued)
-            return
-        if counts.pages:
-            log.info("adopted pages L3 lacked: %d, %d writes queued", counts.pages, counts.queued)
-
-    async def _queue_writes(
-        self, pages: list[tuple[NamespaceState, bytes, int, int]], end: float, counts: FlushCounts
-    ) -> None:
-        """Queue writes of ``pages`` (``Cache.unwritten_pages``'s) as many at a time
-        as the write queue has room for, and more as it drains, until all are
-        queued or ``end``; ``counts`` counts them. No page is dropped for lack
-        of room; one written meanwhile, or gone from L2, is skipped."""
-        dispatcher = self.dispatcher
-        i = 0
-        while i < len(pages) and (now := time.monotonic()) < end:
-            room = dispatcher.room
-            if room <= 0 or dispatcher.state == "down":  # its probe brings it up
-                await dispatcher.wait_room(min(0.05, end - now))
-                continue
-            step = pages[i : i + room]
-            i += len(step)
-            queued = self.cache.write_back(step)
-            counts.queued += queued
-            counts.skipped += len(step) - queued
-            await asyncio.sleep(0)  # let the writers take what was queued
 
     async def stop(self) -> None:
         """Stop within storage.flush_deadline_s, all steps together: end the scan
@@ -347,9 +240,9 @@ class Tier:
         end = time.monotonic() + self.config.flush_deadline_s
         self._stopping = True  # no lookup starts from now: none would be waited for
         self.dispatcher.stop_by = end
-        started = [task for task in (self._scan, self._adopted) if task is not None]
-        await end_tasks(started, end - time.monotonic(), "the L3 scan and adopted-page writes")
-        self._scan = self._adopted = None
+        started = [*self.backfill.stop(), *([self._scan] if self._scan is not None else [])]
+        await end_tasks(started, end - time.monotonic(), "the L3 scan and background writes")
+        self._scan = None
         running: set[asyncio.Future[Any]] = {*self._prefetches, *self._lookups}
         for task in running:
             task.cancel()  # a lookup cancelled is answered from the index at once
@@ -380,7 +273,7 @@ class Tier:
         pages = self.cache.unwritten_pages()
         counts = self._flush = FlushCounts(pages=len(pages))
         try:
-            await self._queue_writes(pages, end, counts)
+            await self.backfill.queue_writes(pages, end, counts)
             while counts.written + counts.failed < counts.queued and (
                 (now := time.monotonic()) < end
             ):
@@ -411,6 +304,7 @@ class Tier:
             "index_complete": int(self.cache.l3.complete),
             "known_forgotten": self.cache.l3.forgotten,
             **self._lookup_counts,
+            **self.backfill.counters,
             "lookups_in_flight": len(self._lookups),
             "lookup_pages": self.lookup_pages,
             **{f"store_{k}": v for k, v in self.backend.stats().items()},
@@ -436,7 +330,11 @@ class Tier:
                         counts.failed += 1
                 inner(ok)
 
-        return self.dispatcher.submit_write(WriteJob(ns.digest, key, self._view(ns, slot), done))
+        job = WriteJob(ns.digest, key, self._view(ns, slot), self.backfill.watch(done))
+        if self.dispatcher.submit_write(job):
+            return True
+        self.backfill.missed()
+        return False
 
     def lookup(self, ns: bytes, keys: list[bytes], answer: Callable[[int], None]) -> None:
         """Ask the backend how many leading ``keys`` (of namespace ``ns``) it

@@ -1,0 +1,218 @@
+"""Writes of L2 pages that L3 lacks, in the background: the tier's second path
+to the store beside the writes the cache asks for as pages are committed.
+
+- **Adopted pages** (docs/restarts.md): where the write policy writes every
+  page, those the daemon before left unwritten (their writes were queued or
+  under way when it stopped), once L3's listing ended; asked of the store
+  first where no listing ends.
+- **Missed pages**: where the write policy writes every page
+  (``write_through``), a page whose write could not be queued (the store
+  down, the write queue full) or failed is in L2 only. Once the store is up,
+  the pages L2 holds and L3 lacks are listed and written (``backfill``
+  counters): an outage, or a burst past the queue's bound, leaves L3 whole
+  again rather than short of every page committed meanwhile. Writes that go
+  on failing are tried again after ``_FIRST_WAIT_S``, the wait doubled each
+  time up to ten minutes.
+
+Both queue their writes as the write queue has room, never dropping one for
+lack of it, and let requests in between two batches of the listing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from hicached.cache import Cache, NamespaceState
+from hicached.config import StorageConfig
+from hicached.daemon.dispatcher import Dispatcher
+
+log = logging.getLogger("hicached.storage")
+
+# pages of L2 listed at once (about 3 ms)
+_LIST_BATCH_PAGES = 4096
+# calls in flight asking the store about pages when no listing ended
+_ASK_AT_ONCE = 32
+# a missed write is written again this long after it was missed (more missed
+# meanwhile go with it), and after each run that missed more, twice as long
+# as before, up to _MAX_WAIT_S
+_FIRST_WAIT_S = 1.0
+_MAX_WAIT_S = 600.0
+
+Page = tuple[NamespaceState, bytes, int, int]  # Cache.unwritten_pages's
+
+
+@dataclass(slots=True)
+class FlushCounts:
+    """What one run of queued writes did (the write-back flush logs it at the stop)."""
+
+    pages: int = 0  # L2 pages L3 lacked when it began
+    queued: int = 0
+    written: int = 0
+    failed: int = 0  # queued, but the backend refused or failed them
+    skipped: int = 0  # written meanwhile by another path, or gone from L2
+
+    @property
+    def left(self) -> int:
+        """Pages not written by the deadline (never queued, or still queued or in flight)."""
+        return self.pages - self.written - self.failed - self.skipped
+
+
+class Backfill:
+    """The background writes of adopted and missed pages L3 lacks."""
+
+    def __init__(self, cache: Cache, dispatcher: Dispatcher, config: StorageConfig) -> None:
+        self.cache = cache
+        self.dispatcher = dispatcher
+        self.config = config
+        self._adopted: asyncio.Task[None] | None = None
+        self._missed_task: asyncio.Task[None] | None = None
+        self._missed = False  # a page that belongs in L3 was not written since the last run
+        self._wait = _FIRST_WAIT_S  # before the next run of missed pages
+        self._quiet_after = 0.0  # a miss after this is not of the last run's writes
+        self._stopping = False
+        self.counters = {"backfill_runs": 0, "backfill_queued": 0}
+
+    # -- adopted pages -------------------------------------------------------------
+
+    def adopted_listed(self) -> None:
+        """L3's listing ended: write the adopted pages it lacks (unless pages
+        are being asked of the store already)."""
+        if self._stopping or (self._adopted is not None and not self._adopted.done()):
+            return
+        batches = self.cache.adopted_unwritten(_LIST_BATCH_PAGES)
+        if batches is not None:
+            self._adopted = asyncio.get_running_loop().create_task(
+                self._write(batches, "adopted pages L3 lacked")
+            )
+
+    def adopted_unlisted(self, why: str) -> None:
+        """Adopted pages wait for L3's listing to say which it lacks; a store that
+        cannot be listed (a bucket without the list permission, a scan turned
+        off) would leave them unwritten for good, lost to L3 when they leave L2.
+        Without a listing each is asked of the store (``exists``) and written
+        where it does not hold it. Once: a listing that ends later finds the
+        pages written by then in L3 and writes any other."""
+        if self._adopted is not None or self._stopping:
+            return
+        batches = self.cache.adopted_unwritten(_LIST_BATCH_PAGES)
+        if batches is None:
+            return
+        log.info("%s: adopted pages are asked of the store and written where it lacks them", why)
+        loop = asyncio.get_running_loop()
+        self._adopted = loop.create_task(self._write(batches, "adopted pages L3 lacked", ask=True))
+
+    # -- missed pages --------------------------------------------------------------
+
+    def watch(self, done: Callable[[bool], None]) -> Callable[[bool], None]:
+        """``done`` of a write the policy makes of every page, noting a failure."""
+        if not self.cache.policy.writes_all:
+            return done
+
+        def watched(ok: bool) -> None:
+            if not ok:
+                self.missed()
+            done(ok)
+
+        return watched
+
+    def missed(self) -> None:
+        """A page that belongs in L3 was not written (not queued, or failed)."""
+        if self._stopping or not self.cache.policy.writes_all:
+            return
+        self._missed = True
+        if self._missed_task is None or self._missed_task.done():
+            if time.monotonic() > self._quiet_after:  # a new outage: not the last run's
+                self._wait = _FIRST_WAIT_S
+            self._missed_task = asyncio.get_running_loop().create_task(self._write_missed())
+
+    async def _write_missed(self) -> None:
+        """Once the store is up, write what L2 holds and L3 lacks, until a run
+        misses nothing more (or the policy no longer writes every page). A run
+        whose own writes fail waits twice as long before the next."""
+        while self._missed:
+            await asyncio.sleep(self._wait)
+            await self.dispatcher.breaker.up.wait()  # its prober brings it up
+            if not self.cache.policy.writes_all:  # reloaded
+                self._missed = False
+                return
+            self._missed = False
+            self.counters["backfill_runs"] += 1
+            batches = self.cache.tiering.unwritten_batches(_LIST_BATCH_PAGES)
+            # without a listing, "not known in L3" proves nothing: each is asked
+            ask = not self.cache.l3.complete
+            await self._write(batches, "pages whose writes were missed", ask=ask)
+            self._wait = min(2 * self._wait, _MAX_WAIT_S)
+            # its writes end within op_timeout_s of being taken from the queue
+            self._quiet_after = time.monotonic() + self._wait + self.config.op_timeout_s
+
+    # -- both ----------------------------------------------------------------------
+
+    async def _lacking(self, pages: list[Page]) -> list[Page]:
+        """Of ``pages``, those the store does not say it holds (asked one key a
+        call, at most _ASK_AT_ONCE calls at once); those it holds are learned.
+        A page it cannot tell of now (down, late) is written: a write is
+        idempotent, a page left unwritten may be lost."""
+        lacking = []
+        for start in range(0, len(pages), _ASK_AT_ONCE):
+            part = pages[start : start + _ASK_AT_ONCE]
+            held = await asyncio.gather(
+                *(self.dispatcher.exists(ns.digest, [key]) for ns, key, _, _ in part)
+            )
+            for page, count in zip(part, held, strict=True):
+                if count:
+                    self.cache.learn_l3(page[0].digest, [page[1]])
+                else:
+                    lacking.append(page)
+        return lacking
+
+    async def _write(self, batches: Iterator[list[Page]], what: str, *, ask: bool = False) -> None:
+        """Queue writes of ``batches`` as the write queue has room (none is
+        dropped for lack of it), until all are queued or the daemon stops;
+        requests are served between two batches. ``ask``: no listing ended,
+        so each page is asked of the store first."""
+        counts = FlushCounts()
+        try:
+            for pages in batches:
+                if ask:
+                    pages = await self._lacking(pages)
+                counts.pages += len(pages)
+                await self.queue_writes(pages, math.inf, counts)
+                await asyncio.sleep(0)  # a batch L3 has whole queues nothing: yield all the same
+        except Exception:  # a bug here must not stop the daemon's stop
+            log.exception("writing %s failed after %d", what, counts.queued)
+            return
+        self.counters["backfill_queued"] += counts.queued
+        if counts.pages:
+            log.info("%s: %d, %d writes queued", what, counts.pages, counts.queued)
+
+    async def queue_writes(self, pages: list[Page], end: float, counts: FlushCounts) -> None:
+        """Queue writes of ``pages`` (``Cache.unwritten_pages``'s) as many at a time
+        as the write queue has room for, and more as it drains, until all are
+        queued or ``end``; ``counts`` counts them. No page is dropped for lack
+        of room; one written meanwhile, or gone from L2, is skipped."""
+        dispatcher = self.dispatcher
+        i = 0
+        while i < len(pages) and (now := time.monotonic()) < end:
+            room = dispatcher.room
+            if room <= 0 or dispatcher.state == "down":  # its probe brings it up
+                await dispatcher.wait_room(min(0.05, end - now))
+                continue
+            step = pages[i : i + room]
+            i += len(step)
+            queued = self.cache.write_back(step)
+            counts.queued += queued
+            counts.skipped += len(step) - queued
+            await asyncio.sleep(0)  # let the writers take what was queued
+
+    def stop(self) -> list[asyncio.Task[Any]]:
+        """No run starts from now; the runs under way, for the stop to end."""
+        self._stopping = True
+        tasks = [task for task in (self._adopted, self._missed_task) if task is not None]
+        self._adopted = self._missed_task = None
+        return tasks

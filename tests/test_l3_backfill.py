@@ -1,0 +1,206 @@
+"""Under write_through every committed page belongs in L3. A page whose write
+was missed (the store down, the write queue full, a failed write) used to
+stay in L2 alone: L3 never got it unless a restart adopted it, so an outage
+or a burst left L3 short of every page committed meanwhile, and those pages
+were lost to the cache once L2 let go of them. Now the daemon writes what L2
+holds and L3 lacks once the store can take it (daemon/backfill.py), through
+real daemons; the store's faults are injected (the ``faulty`` backend's
+``down_file`` and ``write_delay_s``) or a real S3 server's (the fault proxy)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hicached import Client, Namespace
+from hicached.state.pool import GEN_GRANULE
+from tests.l3rig import Harness
+from tests.l3util import evict_everything, l3_count, storage, wait_for, wait_prefetch
+from tests.services import S3Server
+from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
+from tests.test_s3_daemon import s3_tail
+
+_buckets = itertools.count()
+
+
+def seq(start: int, pages: int) -> np.ndarray:
+    return np.arange(start, start + pages * PAGE_TOKENS, dtype=np.uint32)
+
+
+def faulty(d_dir: Path, policy: str = "write_through", more: str = "") -> dict[str, object]:
+    """A daemon over the faulty backend (a memory store inside) that is down
+    while ``d_dir/down`` exists."""
+    return {
+        "size_mib": 1,
+        "slab_mib": 1,
+        "allow_faults": True,
+        "storage": storage(
+            "faulty",
+            policy,
+            "breaker_failures = 1\nbreaker_cooldown_s = 0.2\nretries = 0\n" + more,
+        ),
+        "tail": f'[storage.extra]\ninner = "memory"\ndown_file = "{d_dir / "down"}"\n',
+    }
+
+
+def all_read_back_from_l3(c: Client, ns: Namespace, seqs: list[np.ndarray]) -> None:
+    """Every page of ``seqs`` is read back whole from L3 once L2 let go of it."""
+    evict_everything(c, ns)
+    for toks in seqs:
+        assert c.match(ns, toks, lease=False).hits == 0, "still in L2"
+        pf = c.prefetch(ns, toks)
+        assert wait_prefetch(c, pf).completed == len(toks) // PAGE_TOKENS, "not in L3"
+        c.commit(pf)
+        assert np.array_equal(c.load(ns, toks), page_bytes_for(toks))
+
+
+def test_pages_committed_while_the_store_was_down_are_written_once_it_is_back(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """Writes fail, the breaker marks the store down, and more pages are
+    committed meanwhile (their writes skipped). Before, once the store was
+    back, none of them was ever written: L3 lacked all 8, and they were gone
+    from the cache once evicted. Now they are written once it is up, and read
+    back from L3."""
+    down = tmp_path / "down"
+    d = daemon_factory(**faulty(tmp_path))
+    with d.client() as c:
+        ns = c.register(**NS)
+        before = seq(0, 4)
+        c.store(ns, before, page_bytes_for(before))
+        wait_for(lambda: l3_count(c, "pages_written") == 4)
+        down.touch()
+        failed = seq(10**5, 4)
+        c.store(ns, failed, page_bytes_for(failed))
+        wait_for(lambda: c.stats().l3_state == "down")
+        skipped = seq(2 * 10**5, 4)
+        c.store(ns, skipped, page_bytes_for(skipped))
+        stats = c.stats().l3
+        assert stats.get("write_failed", 0) + stats.get("write_skipped_down", 0) >= 8
+        down.unlink()
+        wait_for(lambda: c.stats().l3_pages_known == 12)
+        assert l3_count(c, "backfill_runs") >= 1
+        assert l3_count(c, "backfill_queued") >= 8
+        all_read_back_from_l3(c, ns, [before, failed, skipped])
+
+
+def test_pages_refused_by_a_full_write_queue_are_written_as_it_drains(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """A burst past ``queue_pages``: the writes beyond the bound are refused
+    (L2 never waits on L3), and written later as the queue drains, within the
+    same bound."""
+    d = daemon_factory(
+        **faulty(
+            tmp_path,
+            more="queue_pages = 8\nbatch_pages = 2\nconcurrency = 2\n",
+        )
+        | {"tail": '[storage.extra]\ninner = "memory"\nwrite_delay_s = 0.05\n'}
+    )
+    with d.client() as c:
+        ns = c.register(**NS)
+        toks = seq(0, 40)
+        c.store(ns, toks, page_bytes_for(toks))
+        assert l3_count(c, "write_dropped_full") >= 24
+
+        def all_known() -> bool:
+            s = c.stats()
+            assert s.l3["queued_pages"] + s.l3["in_flight_pages"] <= 8
+            return s.l3_pages_known == 40
+
+        wait_for(all_known, timeout=30)
+        all_read_back_from_l3(c, ns, [toks])
+
+
+@pytest.mark.parametrize("policy", ["write_through_selective", "write_back"])
+def test_only_a_policy_that_writes_every_page_writes_missed_ones(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path, policy: str
+) -> None:
+    """Under write_through_selective a page goes to L3 once matched often
+    enough, and under write_back when it leaves L2: what L2 holds and L3
+    lacks is no missed write there, and nothing is written of it once the
+    store is back."""
+    down = tmp_path / "down"
+    d = daemon_factory(**faulty(tmp_path, policy, "selective_hits = 1\n"))
+    with d.client() as c:
+        ns = c.register(**NS)
+        down.touch()
+        toks = seq(0, 4)
+        c.store(ns, toks, page_bytes_for(toks))
+        for _ in range(3):  # selective: matched, so written (and failing)
+            c.match(ns, toks, lease=False)
+        evict_everything(c, ns)  # write_back: written as they leave (and failing)
+        wait_for(lambda: c.stats().l3_state == "down")
+        down.unlink()
+        wait_for(lambda: c.stats().l3_state == "up")
+        kept = seq(10**6, 4)
+        c.store(ns, kept, page_bytes_for(kept))
+        assert c.match(ns, kept, lease=False).hits == 4
+        time.sleep(2.0)  # past the first backfill's wait
+        assert l3_count(c, "backfill_runs") == 0
+
+
+def test_a_page_l3_let_go_of_in_this_stay_is_not_written_again_by_the_backfill() -> None:
+    """L3 let go of a page while L2 holds it, and L3 proved smaller than L2:
+    the page is not written again in this stay, by any path (cache/tiering.py).
+    The backfill's listing of what L3 lacks leaves it out, and a write of it
+    from an older listing is not queued."""
+    h = Harness()
+    h.hello()
+    ns = h.register()
+    keys = h.store(ns, [1, 2])
+    for key in keys:
+        h.tier.finish(key)
+    tiering = h.cache.tiering
+    h.cache.forget_l3([keys[0]], ns.digest)
+    assert keys[0] in tiering.let_go, "the harness no longer makes L3 undersized"
+    assert [key for _, key, _, _ in tiering.unwritten_pages()] == []
+    state = h.cache.names.by_digest[ns.digest]
+    slots = state.index.slots()
+    [(slot, gen)] = [
+        (slot, int(h.cache.pool.gens[slot // GEN_GRANULE]))
+        for key, slot, _ in state.index.pages_at(slots)
+        if key == keys[0]
+    ]
+    assert tiering.write_back([(state, keys[0], slot, gen)]) == 0
+    assert keys[0] not in h.tier.pending
+
+
+def test_pages_committed_while_s3_fails_are_written_once_it_answers(
+    daemon_factory: Callable[..., Daemon], s3: S3Server
+) -> None:
+    """A real S3 server behind the fault proxy answers every request with 500
+    for a while: the pages committed meanwhile are in the bucket once it
+    answers again, and read back from it."""
+    from tests.faults import FaultProxy
+
+    bucket = s3.make_bucket(f"backfill-{next(_buckets)}")
+    proxy = FaultProxy(s3.endpoint, seed=7)
+    try:
+        more = "breaker_failures = 1\nbreaker_cooldown_s = 0.3\nretries = 0\n"
+        d = daemon_factory(
+            size_mib=1,
+            slab_mib=1,
+            storage=storage("s3", more=more),
+            tail=s3_tail(proxy.endpoint, bucket, max_attempts=1),
+        )
+        with d.client() as c:
+            ns = c.register(**NS)
+            before = seq(0, 4)
+            c.store(ns, before, page_bytes_for(before))
+            wait_for(lambda: l3_count(c, "pages_written") == 4)
+            proxy.rates = {"error": 1.0}
+            during = [seq((k + 1) * 10**5, 2) for k in range(4)]
+            for toks in during:
+                c.store(ns, toks, page_bytes_for(toks))
+            wait_for(lambda: c.stats().l3_state == "down")
+            proxy.rates = {}
+            wait_for(lambda: c.stats().l3_pages_known == 12, timeout=30)
+            all_read_back_from_l3(c, ns, [before, *during])
+    finally:
+        proxy.stop()
