@@ -10,6 +10,7 @@ real daemons; the store's faults are injected (the ``faulty`` backend's
 from __future__ import annotations
 
 import itertools
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,10 +20,12 @@ import pytest
 
 from hicached import Client, Namespace
 from hicached.state.pool import GEN_GRANULE
+from hicached.testing import scrape
 from tests.l3rig import Harness
 from tests.l3util import evict_everything, l3_count, storage, wait_for, wait_prefetch
 from tests.services import S3Server
 from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
+from tests.test_reload import _sighup
 from tests.test_s3_daemon import s3_tail
 
 _buckets = itertools.count()
@@ -204,3 +207,133 @@ def test_pages_committed_while_s3_fails_are_written_once_it_answers(
             all_read_back_from_l3(c, ns, [before, *during])
     finally:
         proxy.stop()
+
+
+def exists_calls(c: Client) -> float:
+    """Existence checks the daemon asked of its store so far (its metrics)."""
+    metrics = scrape(c.stats().metrics_endpoint)
+    return sum(
+        value
+        for (name, labels), value in metrics.items()
+        if name == "hicached_l3_call_seconds_count" and ("op", "exists") in labels
+    )
+
+
+def test_a_bursty_load_on_a_healthy_store_loses_no_page_to_the_backfill_s_wait(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """Bursts of 32 pages against a queue of 8 on a store that never fails a
+    write: the pages past the bound are written by the backfill, a second
+    after they were missed every time. The first version doubled its wait
+    after every run, failing writes or not (1, 2, 4, 8 s...), so L2 (256
+    pages, 2.4 s of this load) let go of pages before a run listed them:
+    they never reached L3."""
+    d = daemon_factory(
+        **faulty(tmp_path, more="queue_pages = 8\nbatch_pages = 2\nconcurrency = 2\n")
+        | {"tail": '[storage.extra]\ninner = "memory"\nwrite_delay_s = 0.005\n'}
+    )
+    with d.client() as c:
+        ns = c.register(**NS)
+        end = time.monotonic() + 11.0  # into the 8 s wait after runs at 1, 3 and 7 s
+        i = 0
+        while time.monotonic() < end:
+            toks = seq(i * 1000, 32)
+            c.store(ns, toks, page_bytes_for(toks))
+            i += 1
+            time.sleep(0.3)
+        assert l3_count(c, "write_dropped_full") > 0
+        wait_for(lambda: (s := c.stats()).l3_pages_known == s.committed_pages, timeout=10)
+        assert l3_count(c, "write_failed") == 0
+
+
+def test_a_backfill_leaves_half_the_queue_to_pages_committed_meanwhile(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """200 pages missed while the store was down are written as the queue has
+    room, but only into half of it: pages committed meanwhile find room and
+    are written at once. The first version filled the whole queue, so every
+    page committed during a backfill was refused, and waited for the next."""
+    down = tmp_path / "down"
+    d = daemon_factory(
+        **faulty(tmp_path, more="queue_pages = 16\nbatch_pages = 2\nconcurrency = 2\n")
+        | {
+            "tail": f'[storage.extra]\ninner = "memory"\nwrite_delay_s = 0.05\n'
+            f'down_file = "{down}"\n'
+        }
+    )
+    with d.client() as c:
+        ns = c.register(**NS)
+        down.touch()
+        for k in range(4):
+            toks = seq(k * 10**5, 50)
+            c.store(ns, toks, page_bytes_for(toks))
+        wait_for(lambda: c.stats().l3_state == "down")
+        down.unlink()
+        wait_for(lambda: l3_count(c, "backfill_runs") >= 1)
+        dropped = l3_count(c, "write_dropped_full")
+        for k in range(8):
+            toks = seq(10**8 + k * 10**5, 2)
+            c.store(ns, toks, page_bytes_for(toks))
+            time.sleep(0.2)
+        assert l3_count(c, "write_dropped_full") == dropped
+        wait_for(lambda: c.stats().l3_pages_known == 216, timeout=30)
+
+
+def test_a_missed_page_is_written_without_asking_the_store_about_l2(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """With the store holding more keys than ``known_keys``, the daemon's
+    record of L3 is incomplete. The first version listed every page L2 holds
+    and L3 was not known to hold, and asked the store of each: one missed page
+    cost an existence check per page of L2 (about 1,000 here; 16,000 for a
+    64 MiB pool), slowed the requests' own lookups, and came last. Now the
+    missed pages are written by key, and nothing is asked."""
+    down = tmp_path / "down"
+    d = daemon_factory(**faulty(tmp_path, more="known_keys = 64\n") | {"size_mib": 4})
+    with d.client() as c:
+        ns = c.register(**NS)
+        for k in range(16):
+            toks = seq(k * 10**5, 60)
+            c.store(ns, toks, page_bytes_for(toks))
+            wait_for(lambda: c.stats().l3.get("queued", 0) == 0)
+        assert c.stats().l3["index_complete"] == 0
+        asked = exists_calls(c)
+        down.touch()
+        missed = seq(10**9, 2)
+        c.store(ns, missed, page_bytes_for(missed))
+        wait_for(lambda: c.stats().l3_state == "down")
+        written = l3_count(c, "pages_written")
+        down.unlink()
+        wait_for(lambda: l3_count(c, "pages_written") == written + 2)
+        assert l3_count(c, "backfill_queued") == 2
+        assert exists_calls(c) == asked
+
+
+def test_after_a_reload_to_write_back_the_stop_flushes_what_l3_let_go_of(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """Under write_through a store smaller than L2 lets go of pages L2 holds,
+    which are then not written again in this stay. After a reload to
+    write_back, a page leaves L2 written all the same, and so the stop's
+    flush writes such pages too: the first version of the backfill's filter
+    left them out of it (the flush found 0 pages L3 lacked, not 48)."""
+    d = daemon_factory(
+        **faulty(tmp_path)
+        | {
+            "tail": '[storage.extra]\ninner = "memory"\n'
+            "[storage.extra.inner_options]\nmax_pages = 16\n"
+        }
+    )
+    with d.client() as c:
+        ns = c.register(**NS)
+        for k in range(8):
+            toks = seq(k * 10**5, 8)
+            c.store(ns, toks, page_bytes_for(toks))
+            wait_for(lambda: c.stats().l3.get("queued", 0) == 0)
+        stats = c.stats()
+        assert stats.l3_undersized and stats.l3.get("rewrite_skipped", 0) > 0
+        lines = _sighup(d, d.config.read_text().replace('"write_through"', '"write_back"'))
+        assert "write_policy" in lines, lines
+    assert d.stop() == 0
+    [flushed] = re.findall(r"write-back flush: (\d+) pages L3 lacked", d.log.read_text())
+    assert int(flushed) == stats.l3["rewrite_skipped"], d.log.read_text()

@@ -448,9 +448,9 @@ class Tiering:
         self._scan_forgotten = None
 
     def unwritten_pages(self) -> list[tuple[NamespaceState, bytes, int, int]]:
-        """Every L2 page that L3 lacks, no write is carrying and L3 did not let
-        go of in this stay in L2 (``forget_l3``): (namespace, key, slot, the
-        slot's generation now), in one go."""
+        """Every L2 page that L3 lacks, no write is carrying and is to be written
+        again (``_not_again``): (namespace, key, slot, the slot's generation
+        now), in one go."""
         return [page for batch in self.unwritten_batches(1 << 62) for page in batch]
 
     def unwritten_batches(
@@ -470,7 +470,7 @@ class Tiering:
                 if not any(live is index for live in desk.l2.indexes()):
                     break
                 l3, writing, namespaces = desk.l3, self.writing, desk.names.by_id
-                let_go = self.let_go  # not written again in this stay, by any path
+                let_go = self._not_again()
                 gens = desk.pool.gens
                 yield [
                     (namespaces[owner], key, slot, int(gens[slot // GEN_GRANULE]))
@@ -478,13 +478,20 @@ class Tiering:
                     if key not in l3 and key not in writing and key not in let_go
                 ]
 
+    def _not_again(self) -> set[bytes] | frozenset[bytes]:
+        """Pages L3 let go of that are not written again in this stay in L2, by
+        any path, where the policy rewrites (``forget_l3``); where it does not
+        (write_back, after a reload), a page leaving L2 is written all the
+        same, and so is one the stop's flush finds."""
+        return self.let_go if self.desk.policy.rewrites else frozenset()
+
     def write_back(self, pages: list[tuple[NamespaceState, bytes, int, int]]) -> int:
         """Queue writes of ``pages`` (from ``unwritten_pages``) that are still in L2
         and still unwritten; returns how many were queued."""
         queued = 0
-        l3, gens = self.desk.l3, self.desk.pool.gens
+        l3, gens, let_go = self.desk.l3, self.desk.pool.gens, self._not_again()
         for ns, key, slot, gen in pages:
-            if key in l3 or key in self.writing or key in self.let_go:
+            if key in l3 or key in self.writing or key in let_go:
                 continue
             if int(gens[slot // GEN_GRANULE]) != gen and not ns.index.has(key, slot):
                 continue  # freed since (or a neighbour in its granule was), perhaps reused

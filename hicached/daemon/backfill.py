@@ -7,15 +7,18 @@ to the store beside the writes the cache asks for as pages are committed.
   first where no listing ends.
 - **Missed pages**: where the write policy writes every page
   (``write_through``), a page whose write could not be queued (the store
-  down, the write queue full) or failed is in L2 only. Once the store is up,
-  the pages L2 holds and L3 lacks are listed and written (``backfill``
-  counters): an outage, or a burst past the queue's bound, leaves L3 whole
-  again rather than short of every page committed meanwhile. Writes that go
-  on failing are tried again after ``_FIRST_WAIT_S``, the wait doubled each
-  time up to ten minutes.
+  down, the write queue full) or failed is in L2 only. Its key and slot are
+  noted (at most ``_MAX_MISSED``; past that, every page L2 holds and L3
+  lacks is listed instead), and once the store is up those still in L2 are
+  written (``backfill`` counters): an outage, or a burst past the queue's
+  bound, leaves L3 whole again rather than short of every page committed
+  meanwhile. A run starts ``_FIRST_WAIT_S`` after the first miss (the misses
+  meanwhile go with it); while writes fail, each wait is twice the last, up
+  to ten minutes.
 
-Both queue their writes as the write queue has room, never dropping one for
-lack of it, and let requests in between two batches of the listing.
+Both queue their writes as the write queue has room beyond half its bound
+(the other half is kept for the writes of pages committed meanwhile), never
+dropping one for lack of it, and let requests in between two batches.
 """
 
 from __future__ import annotations
@@ -39,10 +42,12 @@ _LIST_BATCH_PAGES = 4096
 # calls in flight asking the store about pages when no listing ended
 _ASK_AT_ONCE = 32
 # a missed write is written again this long after it was missed (more missed
-# meanwhile go with it), and after each run that missed more, twice as long
-# as before, up to _MAX_WAIT_S
+# meanwhile go with it); while writes fail, twice as long as the last time,
+# up to _MAX_WAIT_S
 _FIRST_WAIT_S = 1.0
 _MAX_WAIT_S = 600.0
+# missed pages noted by key (about 200 bytes each); past it, L2 is listed
+_MAX_MISSED = 65536
 
 Page = tuple[NamespaceState, bytes, int, int]  # Cache.unwritten_pages's
 
@@ -72,9 +77,13 @@ class Backfill:
         self.config = config
         self._adopted: asyncio.Task[None] | None = None
         self._missed_task: asyncio.Task[None] | None = None
-        self._missed = False  # a page that belongs in L3 was not written since the last run
-        self._wait = _FIRST_WAIT_S  # before the next run of missed pages
-        self._quiet_after = 0.0  # a miss after this is not of the last run's writes
+        # pages that belong in L3 whose writes were missed since the last run:
+        # key -> (namespace digest, slot); past _MAX_MISSED, ``_overflow``
+        self._missed: dict[bytes, tuple[bytes, int]] = {}
+        self._overflow = False
+        self._failed = False  # a write failed since the last wait began
+        self._wait = _FIRST_WAIT_S  # the last wait before a run of missed pages
+        self._last_run = -math.inf  # when the last run ended (monotonic)
         self._stopping = False
         self.counters = {"backfill_runs": 0, "backfill_queued": 0}
 
@@ -109,47 +118,80 @@ class Backfill:
 
     # -- missed pages --------------------------------------------------------------
 
-    def watch(self, done: Callable[[bool], None]) -> Callable[[bool], None]:
-        """``done`` of a write the policy makes of every page, noting a failure."""
+    def watch(
+        self, ns: NamespaceState, key: bytes, slot: int, done: Callable[[bool], None]
+    ) -> Callable[[bool], None]:
+        """``done`` of the write of page ``key`` in ``slot``, noting a failure
+        where the policy writes every page."""
         if not self.cache.policy.writes_all:
             return done
 
         def watched(ok: bool) -> None:
             if not ok:
-                self.missed()
+                self._failed = True
+                self.missed(ns, key, slot)
             done(ok)
 
         return watched
 
-    def missed(self) -> None:
-        """A page that belongs in L3 was not written (not queued, or failed)."""
+    def missed(self, ns: NamespaceState, key: bytes, slot: int) -> None:
+        """Page ``key`` in ``slot`` belongs in L3 and was not written (not
+        queued, or failed)."""
         if self._stopping or not self.cache.policy.writes_all:
             return
-        self._missed = True
+        if len(self._missed) < _MAX_MISSED or key in self._missed:
+            self._missed[key] = (ns.digest, slot)
+        else:
+            self._overflow = True
         if self._missed_task is None or self._missed_task.done():
-            if time.monotonic() > self._quiet_after:  # a new outage: not the last run's
-                self._wait = _FIRST_WAIT_S
             self._missed_task = asyncio.get_running_loop().create_task(self._write_missed())
 
+    def _next_wait(self) -> float:
+        """``_FIRST_WAIT_S``, or twice the last wait while writes fail (a write
+        failed since the last wait began, and that run ended moments ago)."""
+        recent = time.monotonic() - self._last_run <= self._wait + 2 * self.config.op_timeout_s
+        failing, self._failed = self._failed and recent, False
+        self._wait = min(2 * self._wait, _MAX_WAIT_S) if failing else _FIRST_WAIT_S
+        return self._wait
+
     async def _write_missed(self) -> None:
-        """Once the store is up, write what L2 holds and L3 lacks, until a run
-        misses nothing more (or the policy no longer writes every page). A run
-        whose own writes fail waits twice as long before the next."""
-        while self._missed:
-            await asyncio.sleep(self._wait)
+        """Once the store is up, write the missed pages still in L2 that L3
+        lacks, until a run leaves none missed (or the policy no longer writes
+        every page)."""
+        cache = self.cache
+        while self._missed or self._overflow:
+            await asyncio.sleep(self._next_wait())
             await self.dispatcher.breaker.up.wait()  # its prober brings it up
-            if not self.cache.policy.writes_all:  # reloaded
-                self._missed = False
+            missed, self._missed = self._missed, {}
+            overflow, self._overflow = self._overflow, False
+            if not cache.policy.writes_all:  # reloaded
                 return
-            self._missed = False
             self.counters["backfill_runs"] += 1
-            batches = self.cache.tiering.unwritten_batches(_LIST_BATCH_PAGES)
-            # without a listing, "not known in L3" proves nothing: each is asked
-            ask = not self.cache.l3.complete
-            await self._write(batches, "pages whose writes were missed", ask=ask)
-            self._wait = min(2 * self._wait, _MAX_WAIT_S)
-            # its writes end within op_timeout_s of being taken from the queue
-            self._quiet_after = time.monotonic() + self._wait + self.config.op_timeout_s
+            what = "pages whose writes were missed"
+            if overflow:  # too many to note: every page L2 holds and L3 lacks
+                batches = cache.tiering.unwritten_batches(_LIST_BATCH_PAGES)
+                # without a listing, "not known in L3" proves nothing: each is asked
+                await self._write(batches, what, ask=not cache.l3.complete, level=logging.DEBUG)
+            else:
+                await self._write(self._still_held(missed), what, level=logging.DEBUG)
+            self._last_run = time.monotonic()
+
+    def _still_held(self, missed: dict[bytes, tuple[bytes, int]]) -> Iterator[list[Page]]:
+        """The missed pages, in batches of the listing's size; a page gone from
+        its slot since (evicted, the slot reused) is left out when its write
+        would be queued (``Cache.write_back``: a generation of -1 matches none,
+        so the slot's index says whether it still holds the key)."""
+        names = self.cache.names.by_digest
+        batch: list[Page] = []
+        for key, (digest, slot) in missed.items():
+            ns = names.get(digest)
+            if ns is not None:
+                batch.append((ns, key, slot, -1))
+            if len(batch) == _LIST_BATCH_PAGES:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
 
     # -- both ----------------------------------------------------------------------
 
@@ -171,7 +213,14 @@ class Backfill:
                     lacking.append(page)
         return lacking
 
-    async def _write(self, batches: Iterator[list[Page]], what: str, *, ask: bool = False) -> None:
+    async def _write(
+        self,
+        batches: Iterator[list[Page]],
+        what: str,
+        *,
+        ask: bool = False,
+        level: int = logging.INFO,
+    ) -> None:
         """Queue writes of ``batches`` as the write queue has room (none is
         dropped for lack of it), until all are queued or the daemon stops;
         requests are served between two batches. ``ask``: no listing ended,
@@ -182,24 +231,28 @@ class Backfill:
                 if ask:
                     pages = await self._lacking(pages)
                 counts.pages += len(pages)
-                await self.queue_writes(pages, math.inf, counts)
+                # half the queue stays for the writes of pages committed meanwhile
+                await self.queue_writes(pages, math.inf, counts, self.config.queue_pages // 2)
                 await asyncio.sleep(0)  # a batch L3 has whole queues nothing: yield all the same
         except Exception:  # a bug here must not stop the daemon's stop
             log.exception("writing %s failed after %d", what, counts.queued)
             return
         self.counters["backfill_queued"] += counts.queued
-        if counts.pages:
-            log.info("%s: %d, %d writes queued", what, counts.pages, counts.queued)
+        if counts.pages:  # a run of missed pages a second under load: counted, not logged
+            log.log(level, "%s: %d, %d writes queued", what, counts.pages, counts.queued)
 
-    async def queue_writes(self, pages: list[Page], end: float, counts: FlushCounts) -> None:
+    async def queue_writes(
+        self, pages: list[Page], end: float, counts: FlushCounts, keep: int = 0
+    ) -> None:
         """Queue writes of ``pages`` (``Cache.unwritten_pages``'s) as many at a time
-        as the write queue has room for, and more as it drains, until all are
-        queued or ``end``; ``counts`` counts them. No page is dropped for lack
-        of room; one written meanwhile, or gone from L2, is skipped."""
+        as the write queue has room for beyond ``keep`` pages, and more as it
+        drains, until all are queued or ``end``; ``counts`` counts them. No
+        page is dropped for lack of room; one written meanwhile, or gone from
+        L2, is skipped."""
         dispatcher = self.dispatcher
         i = 0
         while i < len(pages) and (now := time.monotonic()) < end:
-            room = dispatcher.room
+            room = dispatcher.room - keep
             if room <= 0 or dispatcher.state == "down":  # its probe brings it up
                 await dispatcher.wait_room(min(0.05, end - now))
                 continue

@@ -330,10 +330,12 @@ class Tier:
                         counts.failed += 1
                 inner(ok)
 
-        job = WriteJob(ns.digest, key, self._view(ns, slot), self.backfill.watch(done))
-        if self.dispatcher.submit_write(job):
+        view = self._view(ns, slot)
+        if self.dispatcher.submit_write(
+            WriteJob(ns.digest, key, view, self.backfill.watch(ns, key, slot, done))
+        ):
             return True
-        self.backfill.missed()
+        self.backfill.missed(ns, key, slot)
         return False
 
     def lookup(self, ns: bytes, keys: list[bytes], answer: Callable[[int], None]) -> None:
