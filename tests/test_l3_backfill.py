@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 
 from hicached import Client, Namespace
+from hicached.config import StorageConfig
+from hicached.daemon.backfill import Backfill
 from hicached.state.pool import GEN_GRANULE
 from hicached.testing import scrape
 from tests.l3rig import Harness
@@ -337,3 +339,27 @@ def test_after_a_reload_to_write_back_the_stop_flushes_what_l3_let_go_of(
     assert d.stop() == 0
     [flushed] = re.findall(r"write-back flush: (\d+) pages L3 lacked", d.log.read_text())
     assert int(flushed) == stats.l3["rewrite_skipped"], d.log.read_text()
+
+
+def test_the_wait_doubles_only_while_writes_fail_and_none_succeeds() -> None:
+    """The policy of the wait before a run of missed pages (a model: no loop
+    runs). Writes that fail while others succeed are a store that flaps, or
+    a write caught by an outage the breaker waits out: the wait stays a
+    second. The first version doubled it after every run with a failed
+    write, so after a long flapping every later miss, on a healthy store
+    too, waited up to ten minutes, and L2 could let go of the page first."""
+    backfill = Backfill(None, None, StorageConfig(backend="memory"))  # type: ignore[arg-type]
+
+    def run(failed: bool, written: bool) -> float:
+        backfill._failed, backfill._written = failed, written
+        wait = backfill._next_wait()
+        backfill._last_run = time.monotonic()
+        return wait
+
+    assert [run(True, False) for _ in range(4)] == [1.0, 2.0, 4.0, 8.0]
+    assert run(True, True) == 1.0  # flapping: some writes got through
+    assert [run(True, False) for _ in range(2)] == [2.0, 4.0]
+    assert run(False, False) == 1.0  # misses of a full queue alone
+    backfill._wait = 600.0
+    backfill._last_run = time.monotonic() - 3600.0  # a new outage, long after
+    assert run(True, False) == 1.0

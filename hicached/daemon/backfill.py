@@ -13,8 +13,8 @@ to the store beside the writes the cache asks for as pages are committed.
   written (``backfill`` counters): an outage, or a burst past the queue's
   bound, leaves L3 whole again rather than short of every page committed
   meanwhile. A run starts ``_FIRST_WAIT_S`` after the first miss (the misses
-  meanwhile go with it); while writes fail, each wait is twice the last, up
-  to ten minutes.
+  meanwhile go with it); while writes fail and none succeeds, each wait is
+  twice the last, up to ten minutes.
 
 Both queue their writes as the write queue has room beyond half its bound
 (the other half is kept for the writes of pages committed meanwhile), never
@@ -82,6 +82,7 @@ class Backfill:
         self._missed: dict[bytes, tuple[bytes, int]] = {}
         self._overflow = False
         self._failed = False  # a write failed since the last wait began
+        self._written = False  # a write succeeded since the last wait began
         self._wait = _FIRST_WAIT_S  # the last wait before a run of missed pages
         self._last_run = -math.inf  # when the last run ended (monotonic)
         self._stopping = False
@@ -127,7 +128,9 @@ class Backfill:
             return done
 
         def watched(ok: bool) -> None:
-            if not ok:
+            if ok:
+                self._written = True
+            else:
                 self._failed = True
                 self.missed(ns, key, slot)
             done(ok)
@@ -147,10 +150,13 @@ class Backfill:
             self._missed_task = asyncio.get_running_loop().create_task(self._write_missed())
 
     def _next_wait(self) -> float:
-        """``_FIRST_WAIT_S``, or twice the last wait while writes fail (a write
-        failed since the last wait began, and that run ended moments ago)."""
+        """``_FIRST_WAIT_S``, or twice the last wait while writes fail: since the
+        last wait began writes failed and none succeeded, and the last run
+        ended moments ago. A store that flaps (its outages are waited out on
+        the breaker) writes between them, and keeps the first wait."""
         recent = time.monotonic() - self._last_run <= self._wait + 2 * self.config.op_timeout_s
-        failing, self._failed = self._failed and recent, False
+        failing = self._failed and not self._written and recent
+        self._failed = self._written = False
         self._wait = min(2 * self._wait, _MAX_WAIT_S) if failing else _FIRST_WAIT_S
         return self._wait
 
