@@ -35,8 +35,15 @@ def l3_count(c: Client, name: str) -> int:
 
 
 def settle_writes(c: Client) -> None:
-    """Wait until no L3 write is queued or in flight."""
-    wait_for(lambda: (s := c.stats()).l3.get("queued", 0) == 0 and s.pinned_pages == 0)
+    """Wait until no L3 write is queued or in flight (the write-backs of
+    evicted pages hold their slots unpinned: ``writeback_pages``)."""
+
+    def settled() -> bool:
+        s = c.stats()
+        busy = s.l3.get("queued", 0) + s.l3.get("in_flight_pages", 0)
+        return busy + s.pinned_pages + s.writeback_pages == 0
+
+    wait_for(settled)
 
 
 def evict_everything(c: Client, ns: Namespace, salt: int = 7) -> None:

@@ -87,8 +87,12 @@ def test_pages_committed_while_the_store_was_down_are_written_once_it_is_back(
         c.store(ns, skipped, page_bytes_for(skipped))
         stats = c.stats().l3
         assert stats.get("write_failed", 0) + stats.get("write_skipped_down", 0) >= 8
+        assert stats["backfill_pending"] == 8  # what L3 will be given once it is back
+        metrics = scrape(c.stats().metrics_endpoint)
+        assert metrics[("hicached_l3_state", (("what", "backfill_pending"),))] == 8
         down.unlink()
         wait_for(lambda: c.stats().l3_pages_known == 12)
+        assert c.stats().l3["backfill_pending"] == 0
         assert l3_count(c, "backfill_runs") >= 1
         assert l3_count(c, "backfill_queued") >= 8
         all_read_back_from_l3(c, ns, [before, failed, skipped])

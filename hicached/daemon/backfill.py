@@ -86,7 +86,13 @@ class Backfill:
         self._wait = _FIRST_WAIT_S  # the last wait before a run of missed pages
         self._last_run = -math.inf  # when the last run ended (monotonic)
         self._stopping = False
-        self.counters = {"backfill_runs": 0, "backfill_queued": 0}
+        self._counts = {"backfill_runs": 0, "backfill_queued": 0}
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Runs and writes queued (counters), and the missed pages waiting for
+        the next run (a gauge: ``backfill_pending``)."""
+        return {**self._counts, "backfill_pending": len(self._missed)}
 
     # -- adopted pages -------------------------------------------------------------
 
@@ -172,7 +178,7 @@ class Backfill:
             overflow, self._overflow = self._overflow, False
             if not cache.policy.writes_all:  # reloaded
                 return
-            self.counters["backfill_runs"] += 1
+            self._counts["backfill_runs"] += 1
             what = "pages whose writes were missed"
             if overflow:  # too many to note: every page L2 holds and L3 lacks
                 batches = cache.tiering.unwritten_batches(_LIST_BATCH_PAGES)
@@ -243,7 +249,7 @@ class Backfill:
         except Exception:  # a bug here must not stop the daemon's stop
             log.exception("writing %s failed after %d", what, counts.queued)
             return
-        self.counters["backfill_queued"] += counts.queued
+        self._counts["backfill_queued"] += counts.queued
         if counts.pages:  # a run of missed pages a second under load: counted, not logged
             log.log(level, "%s: %d, %d writes queued", what, counts.pages, counts.queued)
 

@@ -302,6 +302,7 @@ _GENERATION = ("0", "1", "2")  # label values, made once: observed on every coll
 
 # L3 figures that go up and down; every other L3 figure only grows.
 _L3_GAUGES = {
+    "backfill_pending",
     "queued",
     "queued_pages",
     "in_flight_pages",
