@@ -28,7 +28,7 @@ from tests.l3util import evict_everything, l3_count, storage, wait_for, wait_pre
 from tests.services import S3Server
 from tests.support import NS, PAGE_TOKENS, Daemon, page_bytes_for
 from tests.test_reload import _sighup
-from tests.test_s3_daemon import s3_tail
+from tests.test_s3_l3break import quick_breaker_daemon
 
 _buckets = itertools.count()
 
@@ -51,6 +51,15 @@ def faulty(d_dir: Path, policy: str = "write_through", more: str = "") -> dict[s
         ),
         "tail": f'[storage.extra]\ninner = "memory"\ndown_file = "{d_dir / "down"}"\n',
     }
+
+
+def store_one_by_one(c: Client, ns: Namespace, sequences: int, pages: int) -> None:
+    """Store ``sequences`` sequences of ``pages`` pages, each once the writes
+    of the one before left the queue."""
+    for k in range(sequences):
+        toks = seq(k * 10**5, pages)
+        c.store(ns, toks, page_bytes_for(toks))
+        wait_for(lambda: c.stats().l3.get("queued", 0) == 0)
 
 
 def all_read_back_from_l3(c: Client, ns: Namespace, seqs: list[np.ndarray]) -> None:
@@ -191,13 +200,7 @@ def test_pages_committed_while_s3_fails_are_written_once_it_answers(
     bucket = s3.make_bucket(f"backfill-{next(_buckets)}")
     proxy = FaultProxy(s3.endpoint, seed=7)
     try:
-        more = "breaker_failures = 1\nbreaker_cooldown_s = 0.3\nretries = 0\n"
-        d = daemon_factory(
-            size_mib=1,
-            slab_mib=1,
-            storage=storage("s3", more=more),
-            tail=s3_tail(proxy.endpoint, bucket, max_attempts=1),
-        )
+        d = quick_breaker_daemon(daemon_factory, proxy.endpoint, bucket, 0.3)
         with d.client() as c:
             ns = c.register(**NS)
             before = seq(0, 4)
@@ -298,10 +301,7 @@ def test_a_missed_page_is_written_without_asking_the_store_about_l2(
     d = daemon_factory(**faulty(tmp_path, more="known_keys = 64\n") | {"size_mib": 4})
     with d.client() as c:
         ns = c.register(**NS)
-        for k in range(16):
-            toks = seq(k * 10**5, 60)
-            c.store(ns, toks, page_bytes_for(toks))
-            wait_for(lambda: c.stats().l3.get("queued", 0) == 0)
+        store_one_by_one(c, ns, 16, 60)
         assert c.stats().l3["index_complete"] == 0
         asked = exists_calls(c)
         down.touch()
@@ -332,10 +332,7 @@ def test_after_a_reload_to_write_back_the_stop_flushes_what_l3_let_go_of(
     )
     with d.client() as c:
         ns = c.register(**NS)
-        for k in range(8):
-            toks = seq(k * 10**5, 8)
-            c.store(ns, toks, page_bytes_for(toks))
-            wait_for(lambda: c.stats().l3.get("queued", 0) == 0)
+        store_one_by_one(c, ns, 8, 8)
         stats = c.stats()
         assert stats.l3_undersized and stats.l3.get("rewrite_skipped", 0) > 0
         lines = _sighup(d, d.config.read_text().replace('"write_through"', '"write_back"'))

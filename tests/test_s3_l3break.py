@@ -104,6 +104,20 @@ def test_an_object_that_fails_verification_is_deleted_not_relisted(
             assert c.match(ns, toks, lease=False).l3_hits == 2, "a bad object was listed again"
 
 
+def quick_breaker_daemon(
+    daemon_factory: Callable[..., Daemon], endpoint: str, bucket: str, cooldown_s: float
+) -> Daemon:
+    """A daemon over S3 at ``endpoint`` whose first failed call marks the store
+    down (no retries), probed again after ``cooldown_s``."""
+    more = f"breaker_failures = 1\nbreaker_cooldown_s = {cooldown_s}\nretries = 0\n"
+    return daemon_factory(
+        size_mib=1,
+        slab_mib=1,
+        storage=storage("s3", more=more),
+        tail=s3_tail(endpoint, bucket, max_attempts=1),
+    )
+
+
 def test_no_l3_hit_is_reported_while_the_store_is_down(
     daemon_factory: Callable[..., Daemon], s3: S3Server, bucket: str
 ) -> None:
@@ -118,13 +132,7 @@ def test_no_l3_hit_is_reported_while_the_store_is_down(
 
     proxy = FaultProxy(s3.endpoint, seed=5)
     try:
-        more = "breaker_failures = 1\nbreaker_cooldown_s = 0.5\nretries = 0\n"
-        d = daemon_factory(
-            size_mib=1,
-            slab_mib=1,
-            storage=storage("s3", more=more),
-            tail=s3_tail(proxy.endpoint, bucket, max_attempts=1),
-        )
+        d = quick_breaker_daemon(daemon_factory, proxy.endpoint, bucket, 0.5)
         toks = seq(0, 8)
         with d.client() as c:
             ns = c.register(**NS)
