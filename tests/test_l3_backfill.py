@@ -364,3 +364,23 @@ def test_the_wait_doubles_only_while_writes_fail_and_none_succeeds() -> None:
     backfill._wait = 600.0
     backfill._last_run = time.monotonic() - 3600.0  # a new outage, long after
     assert run(True, False) == 1.0
+
+
+def test_a_reload_to_write_through_writes_what_l2_holds_and_l3_lacks(
+    daemon_factory: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """Pages committed under write_back are in L2 alone. After a reload to
+    write_through nothing would ever write them (write_through writes at a
+    commit, not at an eviction): they left the cache with L2. Now the reload
+    has them written, and they are read back from L3."""
+    d = daemon_factory(**faulty(tmp_path, "write_back"))
+    with d.client() as c:
+        ns = c.register(**NS)
+        seqs = [seq(k * 10**5, 4) for k in range(3)]
+        for toks in seqs:
+            c.store(ns, toks, page_bytes_for(toks))
+        assert c.stats().l3_pages_known == 0
+        lines = _sighup(d, d.config.read_text().replace('"write_back"', '"write_through"'))
+        assert "write_policy" in lines, lines
+        wait_for(lambda: c.stats().l3_pages_known == 12)
+        all_read_back_from_l3(c, ns, seqs)

@@ -152,6 +152,19 @@ class Backfill:
             self._missed[key] = (ns.digest, slot)
         else:
             self._overflow = True
+        self._run_soon()
+
+    def write_all(self) -> None:
+        """Write every page L2 holds and L3 lacks, as a run past the notes'
+        bound does (the write policy now writes every page: a reload)."""
+        if self._stopping:
+            return
+        log.info("the write policy now writes every page: those L2 holds and L3 lacks are written")
+        self._overflow = True
+        self._run_soon()
+
+    def _run_soon(self) -> None:
+        """A run of missed pages, unless one is on its way."""
         if self._missed_task is None or self._missed_task.done():
             self._missed_task = asyncio.get_running_loop().create_task(self._write_missed())
 

@@ -493,10 +493,11 @@ class Server:
         self.config = config
         if self._requests is not None:
             self._requests.config = config.server  # drain_batch
+        wrote_all = self.cache.policy.writes_all
         evicted = self.cache.reconfigure(config)
         self._resweep.set()
         if self.tier is not None:
-            self.tier.config = config.storage
+            self.tier.reconfigure(config.storage, wrote_all=wrote_all)
         logging.getLogger().setLevel(config.log.level.upper())
         for name, pages in evicted.items():
             log.info(

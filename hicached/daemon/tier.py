@@ -22,7 +22,7 @@ import msgspec
 
 from hicached.cache import Cache, Lease, NamespaceState
 from hicached.cache.tiering import SCAN_FORGOTTEN_MAX
-from hicached.config import Config, data_dir
+from hicached.config import Config, StorageConfig, data_dir
 from hicached.daemon.backfill import Backfill, FlushCounts
 from hicached.daemon.dispatcher import Dispatcher, WriteJob
 from hicached.daemon.waits import end_tasks
@@ -232,6 +232,15 @@ class Tier:
                 tiering.scan_ends()  # else a page let go of is not learned from the next try
             announce()  # what was found before a stop or a failure is in L3 all the same
             self.scanning = False
+
+    def reconfigure(self, config: StorageConfig, *, wrote_all: bool) -> None:
+        """A reload's storage config. A write policy that now writes every page
+        where the one before did not (to write_through) has the pages L2
+        holds and L3 lacks written: committed before, nothing else would write
+        them, and they would leave the cache with L2."""
+        self.config = self.backfill.config = config
+        if self.cache.policy.writes_all and not wrote_all:
+            self.backfill.write_all()
 
     async def stop(self) -> None:
         """Stop within storage.flush_deadline_s, all steps together: end the scan
