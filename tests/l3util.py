@@ -82,9 +82,8 @@ def down_and_l2_serves(d: Daemon, c: Client) -> Namespace:
     (4 pages, EARLY). The namespace it registered."""
     assert c.stats().l3_state == "down"
     ns = c.register(**NS)
-    early = EARLY
-    c.store(ns, early, page_bytes_for(early))
-    assert np.array_equal(c.load(ns, early), page_bytes_for(early))
+    c.store(ns, EARLY, page_bytes_for(EARLY))
+    assert np.array_equal(c.load(ns, EARLY), page_bytes_for(EARLY))
     assert "not reachable at start" in d.log.read_text()
     return ns
 

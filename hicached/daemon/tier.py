@@ -6,8 +6,10 @@ back into the cache on the event loop. It also loads the configured backend,
 learns what the store holds (a scan at start, in the background by default,
 so the daemon serves meanwhile), asks the backend about keys the cache does
 not know while what it knows is incomplete (``lookup``: under a deadline and
-a bound on lookups in flight), and flushes at a graceful stop: under one
-deadline, in steps as the write queue drains.
+a bound on lookups in flight), writes in the background what L3 lacks
+(adopted pages, and missed writes under write_through: daemon/backfill.py),
+and flushes at a graceful stop: under one deadline, in steps as the write
+queue drains.
 """
 
 from __future__ import annotations
@@ -339,10 +341,10 @@ class Tier:
                         counts.failed += 1
                 inner(ok)
 
-        view = self._view(ns, slot)
-        if self.dispatcher.submit_write(
-            WriteJob(ns.digest, key, view, self.backfill.watch(ns, key, slot, done))
-        ):
+        job = WriteJob(
+            ns.digest, key, self._view(ns, slot), self.backfill.watch(ns, key, slot, done)
+        )
+        if self.dispatcher.submit_write(job):
             return True
         self.backfill.missed(ns, key, slot)
         return False
